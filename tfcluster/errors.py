@@ -1,0 +1,69 @@
+"""Exit codes and the exception family every core module raises.
+
+The CLI is the only place that catches these (one error boundary); everything
+else raises with a one-line message that names the file/line, host or task.
+"""
+from __future__ import annotations
+
+import enum
+
+
+class ExitCode(enum.IntEnum):
+    OK = 0
+    ERROR = 1            # generic failure (a task failed, something did not stop)
+    USAGE = 2            # bad command line or bad spec
+    CONNECT = 3          # a host could not be reached / authenticated
+    PREFLIGHT = 4        # hosts reachable but not fit (python/TF missing, port busy, GPUs)
+    TASK_FAILED = 5      # a training task (chief/worker) failed
+    TIMEOUT = 6          # a deadline passed (readiness, train.timeout)
+    LOCKED = 7           # another tfcluster holds this cluster's lock
+    INTERRUPTED = 130    # Ctrl-C
+
+
+class TfclusterError(Exception):
+    """Base class: a one-line message, an optional hint, and an exit code."""
+
+    exit_code: ExitCode = ExitCode.ERROR
+
+    def __init__(self, message: str, *, hint: str | None = None,
+                 exit_code: ExitCode | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+        if exit_code is not None:
+            self.exit_code = exit_code
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class SpecError(TfclusterError):
+    """The spec file is malformed: message is `FILE:LINE: field.path: problem`."""
+
+    exit_code = ExitCode.USAGE
+
+
+class UsageError(TfclusterError):
+    exit_code = ExitCode.USAGE
+
+
+class ConnectError(TfclusterError):
+    """A host could not be reached, authenticated or trusted."""
+
+    exit_code = ExitCode.CONNECT
+
+
+class PreflightError(TfclusterError):
+    exit_code = ExitCode.PREFLIGHT
+
+
+class TaskError(TfclusterError):
+    exit_code = ExitCode.TASK_FAILED
+
+
+class DeadlineError(TfclusterError):
+    exit_code = ExitCode.TIMEOUT
+
+
+class LockedError(TfclusterError):
+    exit_code = ExitCode.LOCKED
