@@ -1,0 +1,74 @@
+"""The one interface both transports implement (DESIGN.md §4).
+
+The launcher and supervisor never know whether a host is local or remote: they
+talk to a `HostAgent` (tfcluster/agent.py), which drives the remote shim through
+a `Transport`. A transport only knows how to run an argv, spawn a long-lived
+process with pipes, and put a file.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Sequence
+
+
+@dataclass(frozen=True)
+class Result:
+    rc: int
+    stdout: bytes
+    stderr: bytes
+
+
+class Proc(abc.ABC):
+    """A spawned process (local subprocess or SSH channel) with three pipes."""
+
+    @abc.abstractmethod
+    def write(self, data: bytes) -> None:
+        """Write to stdin; raises BrokenPipeError/OSError once the other side is gone."""
+
+    @abc.abstractmethod
+    def close_stdin(self) -> None: ...
+
+    @abc.abstractmethod
+    def read(self, n: int = 65536) -> bytes:
+        """Block until stdout has data; b"" at EOF."""
+
+    @abc.abstractmethod
+    def read_stderr(self) -> bytes:
+        """Everything on stderr so far (non-blocking after EOF of stdout)."""
+
+    @abc.abstractmethod
+    def wait(self, timeout: float | None = None) -> int | None:
+        """Exit status, or None if still running after `timeout` seconds."""
+
+    @abc.abstractmethod
+    def kill(self) -> None:
+        """Drop it: close the channel / kill the local process. Idempotent."""
+
+
+class Transport(abc.ABC):
+    """One per host. `connect()` is idempotent; every method is thread-safe."""
+
+    #: True for the local transport (no SSH involved)
+    is_local: bool = False
+
+    @abc.abstractmethod
+    def connect(self) -> None:
+        """Open (and authenticate) the connection; raises ConnectError naming the host."""
+
+    @abc.abstractmethod
+    def run(self, argv: Sequence[str], input: bytes = b"", timeout: float = 60.0) -> Result:
+        """Run argv to completion (each word quoted with shlex.quote for SSH)."""
+
+    @abc.abstractmethod
+    def spawn(self, argv: Sequence[str]) -> Proc:
+        """Start argv with pipes and return at once."""
+
+    @abc.abstractmethod
+    def put(self, data: bytes, path: str, mode: int = 0o600) -> None:
+        """Write `data` to `path` on the host (parents created, 0700 dirs), atomically.
+
+        `path` may start with "~/" (the login user's home)."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
