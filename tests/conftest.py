@@ -1,0 +1,74 @@
+"""Suite-wide fixtures: isolated HOME, and a leak check after every test.
+
+Every process tfcluster starts carries TFCLUSTER_JOB_ID in its environment
+(DESIGN.md §5). After each test, no such process that was not there before the
+test may remain (a leaked TF server fails the suite).
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import psutil
+import pytest
+
+pytest_plugins = ["tests.sshd"]
+
+TAG = "TFCLUSTER_JOB_ID="
+
+
+def tagged_processes() -> dict[int, str]:
+    """pid -> tag value of every live process carrying the tfcluster tag."""
+    found = {}
+    for proc in psutil.process_iter(["pid", "status"]):
+        if proc.info["status"] == psutil.STATUS_ZOMBIE:
+            continue
+        try:
+            with open(f"/proc/{proc.pid}/environ", "rb") as f:
+                environ = f.read()
+        except OSError:
+            continue
+        for item in environ.split(b"\0"):
+            if item.startswith(TAG.encode()):
+                found[proc.pid] = item[len(TAG):].decode(errors="replace")
+    return found
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.05, what: str = "condition"):
+    """Poll `predicate` until it returns a truthy value or `timeout` passes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_processes():
+    before = set(tagged_processes())
+    yield
+    deadline = time.monotonic() + 15
+    leaked = {}
+    while time.monotonic() < deadline:
+        leaked = {p: t for p, t in tagged_processes().items() if p not in before}
+        if not leaked:
+            return
+        time.sleep(0.1)
+    for pid in leaked:  # clean up so one leak does not cascade into every later test
+        try:
+            os.killpg(os.getpgid(pid), 9)
+        except OSError:
+            pass
+    pytest.fail(f"processes left running after the test: {leaked}")
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    """An isolated HOME: no real ~/.ssh or ~/.tfcluster is ever read or written."""
+    h = tmp_path / "home"
+    h.mkdir()
+    monkeypatch.setenv("HOME", str(h))
+    return h

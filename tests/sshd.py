@@ -1,0 +1,1 @@
+"""Real OpenSSH sshd fixtures (filled in by the SSH transport work)."""
