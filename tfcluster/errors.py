@@ -26,10 +26,11 @@ class TfclusterError(Exception):
     exit_code: ExitCode = ExitCode.ERROR
 
     def __init__(self, message: str, *, hint: str | None = None,
-                 exit_code: ExitCode | None = None) -> None:
+                 exit_code: ExitCode | None = None, details: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.hint = hint
+        self.details = details  # multi-line context (a log tail) shown before the error line
         if exit_code is not None:
             self.exit_code = exit_code
 

@@ -1,0 +1,101 @@
+"""The one place that talks to the terminal (and the only Rich user).
+
+`UI` holds a stdout console (data: tables, JSON, task logs) and a stderr
+console (progress, notes, errors), so `--json` output stays clean and tests can
+swap both streams. Rich is imported lazily: `plan --json` never needs it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import IO, Any, Iterable, Sequence
+
+
+class UI:
+    def __init__(self, stdout: IO[str] | None = None, stderr: IO[str] | None = None,
+                 *, color: bool | None = None, debug: bool = False) -> None:
+        self.stdout = stdout or sys.stdout
+        self.stderr = stderr or sys.stderr
+        if color is None:
+            color = self.stdout.isatty() and "NO_COLOR" not in os.environ
+        self.color = color
+        self.debug = debug
+        self._out = None
+        self._err = None
+
+    # -- consoles, created on first use -------------------------------------------------
+    @property
+    def out(self):
+        if self._out is None:
+            self._out = _console(self.stdout, self.color)
+        return self._out
+
+    @property
+    def err(self):
+        if self._err is None:
+            self._err = _console(self.stderr, self.color and self.stderr.isatty())
+        return self._err
+
+    # -- messages ------------------------------------------------------------------------
+    def error(self, message: str, hint: str | None = None) -> None:
+        self.stderr.write(f"tfcluster: error: {message}\n")
+        if hint:
+            self.stderr.write(f"hint: {hint}\n")
+        self.stderr.flush()
+
+    def warn(self, message: str) -> None:
+        self.stderr.write(f"tfcluster: warning: {message}\n")
+        self.stderr.flush()
+
+    def info(self, message: str) -> None:
+        """A progress/status line on stderr (never parsed, never markup)."""
+        self.err.print(message, markup=False, highlight=False)
+
+    def ok(self, message: str) -> None:
+        self.err.print(f"✓ {message}", style="green", markup=False, highlight=False)
+
+    def json(self, document: Any) -> None:
+        self.stdout.write(json.dumps(document, indent=2, sort_keys=False) + "\n")
+        self.stdout.flush()
+
+    def table(self, title: str | None, columns: Sequence[str], rows: Iterable[Sequence[Any]],
+              *, stderr: bool = False) -> None:
+        from rich.table import Table
+        from rich.text import Text
+
+        table = Table(title=title, title_justify="left", header_style="bold")
+        for column in columns:
+            table.add_column(column)
+        for row in rows:
+            table.add_row(*(c if not isinstance(c, str) else Text(c) for c in row))
+        (self.err if stderr else self.out).print(table)
+
+    def text(self, text: str, *, style: str | None = None) -> None:
+        self.out.print(text, style=style, markup=False, highlight=False)
+
+    def status(self, message: str):
+        """A spinner on stderr while a block runs (plain line when not a terminal)."""
+        if self.stderr.isatty():
+            return self.err.status(message)
+        self.info(message)
+        return _Null()
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def update(self, *args, **kwargs) -> None:
+        return None
+
+
+def _console(stream: IO[str], color: bool):
+    from rich.console import Console
+
+    return Console(file=stream, no_color=not color, highlight=False,
+                   force_terminal=color if color else None, soft_wrap=False,
+                   width=None if stream.isatty() else 200)
