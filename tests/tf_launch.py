@@ -1,0 +1,176 @@
+"""Launch a TensorFlow cluster by hand on loopback: the baseline tfcluster replaces.
+
+Free ports, one TF_CONFIG per process, the same environment contract tfcluster
+gives scripts (DESIGN.md §2), each process in its own session with its output in
+a file, and a ``kill_all`` that leaves nothing behind. Used by the template tests
+and by the benchmarks ("launched by hand").
+
+    with HandLaunch(tmp_path, tag="test:handlaunch") as launch:
+        cluster = make_cluster(ps=1, worker=2)
+        for i in range(1):
+            launch.start_server(cluster, "ps", i)
+        ...
+        procs = [launch.start_script(script, cluster, "worker", i, run_id="r1") for i in range(2)]
+        launch.wait_all(procs, timeout=120)
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HOST = "127.0.0.1"
+
+# What tfcluster's own server program does: serve forever, never exit by itself.
+SERVER_PROGRAM = (
+    "import json, os, tensorflow as tf\n"
+    "c = json.loads(os.environ['TF_CONFIG'])\n"
+    "tf.distribute.Server(tf.train.ClusterSpec(c['cluster']), job_name=c['task']['type'],"
+    " task_index=c['task']['index'], protocol='grpc', start=True).join()\n"
+)
+
+
+def free_ports(n: int, host: str = HOST) -> list[int]:
+    """`n` distinct ports free right now (held open together so none repeats)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind((host, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def make_cluster(ps: int = 1, worker: int = 2, chief: int = 0, host: str = HOST) -> dict[str, list[str]]:
+    """A cluster dict (TF_CONFIG's "cluster") on free ports; jobs with no tasks are left out."""
+    sizes = {"chief": chief, "ps": ps, "worker": worker}
+    ports = iter(free_ports(sum(sizes.values()), host))
+    return {job: [f"{host}:{next(ports)}" for _ in range(n)] for job, n in sizes.items() if n}
+
+
+def tf_config(cluster: dict, job: str, index: int) -> str:
+    return json.dumps({"cluster": cluster, "task": {"type": job, "index": index}})
+
+
+def is_chief(cluster: dict, job: str, index: int) -> bool:
+    return job == "chief" if "chief" in cluster else (job == "worker" and index == 0)
+
+
+def script_env(cluster: dict, job: str, index: int, run_id: str, tag: str) -> dict[str, str]:
+    """The environment tfcluster gives a script process (DESIGN.md §2)."""
+    env = dict(os.environ)
+    env.update({
+        "TF_CONFIG": tf_config(cluster, job, index),
+        "TFCLUSTER_MASTER": f"grpc://{cluster[job][index]}",
+        "TFCLUSTER_JOB": job,
+        "TFCLUSTER_TASK_INDEX": str(index),
+        "TFCLUSTER_IS_CHIEF": "1" if is_chief(cluster, job, index) else "0",
+        "TFCLUSTER_RUN_ID": run_id,
+        "TFCLUSTER_NUM_WORKERS": str(len(cluster.get("worker", []))),
+        "TFCLUSTER_JOB_ID": f"{tag}:{job}:{index}",
+        "PYTHONUNBUFFERED": "1",
+        "TF_CPP_MIN_LOG_LEVEL": "2",
+    })
+    return env
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log: Path
+    started: float = field(default_factory=time.monotonic)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    @property
+    def returncode(self) -> int | None:
+        return self.popen.poll()
+
+
+class HandLaunch:
+    """Owns every process it starts; `kill_all` (also on exit of the `with`) ends them all."""
+
+    def __init__(self, log_dir: Path, tag: str = "test:handlaunch") -> None:
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.tag = tag
+        self.procs: list[Proc] = []
+
+    def __enter__(self) -> HandLaunch:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.kill_all()
+
+    def start(self, name: str, argv: list[str], env: dict[str, str]) -> Proc:
+        log = self.log_dir / f"{name}.log"
+        with open(log, "wb") as out:
+            popen = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = Proc(name, popen, log)
+        self.procs.append(proc)
+        return proc
+
+    def start_server(self, cluster: dict, job: str, index: int, run_id: str = "servers") -> Proc:
+        env = script_env(cluster, job, index, run_id, self.tag)
+        return self.start(f"server-{job}{index}", [sys.executable, "-c", SERVER_PROGRAM], env)
+
+    def start_script(self, script: str | Path, cluster: dict, job: str, index: int,
+                     run_id: str, args: list[str] = (), name: str | None = None) -> Proc:
+        env = script_env(cluster, job, index, run_id, self.tag)
+        name = name or f"{run_id}-{job}{index}"
+        return self.start(name, [sys.executable, str(script), *args], env)
+
+    def wait(self, proc: Proc, timeout: float) -> int:
+        try:
+            return proc.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{proc.name} still running after {timeout}s; output:\n"
+                                 f"{proc.output()[-3000:]}") from None
+
+    def wait_all(self, procs: list[Proc], timeout: float) -> list[int]:
+        deadline = time.monotonic() + timeout
+        return [self.wait(p, max(0.1, deadline - time.monotonic())) for p in procs]
+
+    def kill(self, proc: Proc) -> None:
+        if proc.popen.poll() is None:
+            try:
+                os.killpg(proc.popen.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.popen.wait()
+
+    def kill_all(self) -> None:
+        for proc in reversed(self.procs):
+            self.kill(proc)
+
+
+def wait_port(port: int, timeout: float, host: str = HOST, proc: Proc | None = None) -> None:
+    """Wait until something accepts TCP connections on host:port (a started TF server)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=0.5):
+                return
+        except OSError:
+            pass
+        if proc is not None and proc.returncode is not None:
+            raise AssertionError(f"{proc.name} exited {proc.returncode}:\n{proc.output()[-3000:]}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"nothing listening on {host}:{port} after {timeout}s")
+        time.sleep(0.1)
+
+
+def port_of(address: str) -> int:
+    return int(address.rsplit(":", 1)[1])
