@@ -1,0 +1,226 @@
+"""Classic distributed TensorFlow, in the style of TF's old mnist_replica.py.
+
+The script runs on every task, ps included, and builds its own
+tf.compat.v1.train.Server from its flags (tfcluster starts no server in this
+mode). ps tasks serve forever (server.join()); tfcluster stops them when the
+workers are done. Worker 0 is the chief. Without the flags, the place comes from
+TF_CONFIG. Model: linear regression on synthetic data, asynchronous SGD.
+
+    python classic.py --job_name=worker --task_index=0 --ps_hosts=h:p --worker_hosts=h:p,h:p \
+        [--steps 300 --batch_size 32 --learning_rate 0.05 --model_dir DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import numpy as np
+import tensorflow as tf
+
+FEATURES = 8
+EXAMPLES = 2048
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=300, help="final global step (exact)")
+    p.add_argument("--batch_size", type=int, default=32)
+    p.add_argument("--learning_rate", type=float, default=0.05)
+    p.add_argument("--model_dir", default=None, help="checkpoint directory (chief saves, restores on restart)")
+    p.add_argument("--job_name", choices=["ps", "worker"], help="default: TF_CONFIG's task type")
+    p.add_argument("--task_index", type=int, help="default: TF_CONFIG's task index")
+    p.add_argument("--ps_hosts", help="comma-separated host:port list (default: TF_CONFIG)")
+    p.add_argument("--worker_hosts", help="comma-separated host:port list (default: TF_CONFIG)")
+    p.add_argument("--log_every", type=int, default=25, help="print step/loss every N local steps")
+    p.add_argument("--cleanup_timeout", type=float, default=60.0,
+                   help="seconds the chief waits for the other workers before freeing this run's "
+                        "state on the ps; 0 keeps the state (e.g. to inspect it)")
+    return p.parse_args(argv)
+
+
+def synthetic_data(seed: int = 0):
+    """y = Xw + b + noise, identical on every worker (fixed seed)."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(EXAMPLES, FEATURES)).astype(np.float32)
+    w = rng.normal(size=(FEATURES, 1)).astype(np.float32)
+    y = x @ w + 0.5 + 0.01 * rng.normal(size=(EXAMPLES, 1)).astype(np.float32)
+    return x, y
+
+
+def place(args) -> dict:
+    """This task's place: the classic flags, else TF_CONFIG."""
+    config = json.loads(os.environ.get("TF_CONFIG") or "{}")
+    cluster = dict(config.get("cluster", {}))
+    task = config.get("task", {})
+    if args.ps_hosts is not None:
+        cluster["ps"] = args.ps_hosts.split(",")
+    if args.worker_hosts is not None:
+        cluster["worker"] = args.worker_hosts.split(",")
+    # The classic layout has no chief job: worker 0 is the chief.
+    cluster = {job: cluster[job] for job in ("ps", "worker") if cluster.get(job)}
+    job = args.job_name or task.get("type")
+    index = args.task_index if args.task_index is not None else task.get("index")
+    if job not in ("ps", "worker") or index is None or "ps" not in cluster or "worker" not in cluster:
+        raise SystemExit("classic.py: need --job_name/--task_index/--ps_hosts/--worker_hosts "
+                         "or a TF_CONFIG with ps and worker jobs")
+    return {
+        "cluster": cluster,
+        "job": job,
+        "index": int(index),
+        "is_chief": job == "worker" and int(index) == 0,
+        "run_id": os.environ.get("TFCLUSTER_RUN_ID", "default"),
+        "replicas": len(cluster["worker"]),
+    }
+
+
+def build_model(args, replicas_device: str, cluster_spec) -> dict:
+    """The graph. Variables are created in a fixed, explicit order, never by iterating
+    a dict or set: replica_device_setter assigns ps tasks round-robin in creation
+    order, and ps tasks share variables by name, so a different order on another
+    worker would silently put "the same" variable on a different ps (seed 000)."""
+    g = {}
+    with tf.compat.v1.device(tf.compat.v1.train.replica_device_setter(
+            cluster=cluster_spec, worker_device=replicas_device,
+            # The mutex of the CriticalSection below is ps state too.
+            ps_ops=["Variable", "VariableV2", "VarHandleOp", "MutexV2"])):
+        g["global_step"] = tf.compat.v1.train.get_or_create_global_step()          # 1st
+        g["w"] = tf.compat.v1.get_variable("w", [FEATURES, 1], tf.float32,         # 2nd
+                                           tf.compat.v1.zeros_initializer(), use_resource=True)
+        g["b"] = tf.compat.v1.get_variable("b", [1], tf.float32,                   # 3rd
+                                           tf.compat.v1.zeros_initializer(), use_resource=True)
+        g["done"] = tf.compat.v1.get_variable("workers_done", [], tf.int32,       # 4th
+                                              tf.compat.v1.zeros_initializer(), use_resource=True,
+                                              trainable=False)
+        # Exact final step: StopAtStepHook alone overshoots (two workers can both
+        # apply at step N-1 and end at N+1). Instead, "if global_step < steps: apply
+        # the gradients and increment" runs as one atomic unit under a mutex that
+        # lives on the ps (shared by name between the workers), so the step can
+        # never pass --steps; a worker that arrives late gets a no-op.
+        lock = tf.CriticalSection(name="apply_lock", shared_name="apply_lock")
+
+        g["x"] = tf.compat.v1.placeholder(tf.float32, [None, FEATURES], name="x")
+        g["y"] = tf.compat.v1.placeholder(tf.float32, [None, 1], name="y")
+        pred = tf.matmul(g["x"], g["w"]) + g["b"]
+        g["loss"] = tf.reduce_mean(tf.square(pred - g["y"]))
+        opt = tf.compat.v1.train.GradientDescentOptimizer(args.learning_rate)
+        grads_and_vars = opt.compute_gradients(g["loss"], var_list=[g["w"], g["b"]])
+
+        def capped_apply():
+            step = g["global_step"].read_value()
+
+            def apply():
+                op = opt.apply_gradients(grads_and_vars, global_step=g["global_step"])
+                with tf.control_dependencies([op]):
+                    return tf.identity(g["global_step"].read_value())
+
+            return tf.cond(step < args.steps, apply, lambda: tf.identity(step))
+
+        g["train_op"] = lock.execute(capped_apply)
+        g["done_inc"] = g["done"].assign_add(1)
+        g["ready_op"] = tf.compat.v1.report_uninitialized_variables()
+    return g
+
+
+def init_uninitialized(ready_op):
+    """Scaffold init_fn for the chief: initialise only what is not initialised yet, so
+    a chief restarted mid-run (no checkpoint) joins the running training instead of
+    resetting it to step 0. (A tf.cond per variable cannot be used: the cond would
+    have to be colocated with variables on the ps and ops on the worker at once.)"""
+    by_name = {v.op.name: v for v in tf.compat.v1.global_variables()}
+
+    def init_fn(scaffold, sess):
+        missing = [n.decode() for n in sess.run(ready_op)]
+        if missing:
+            sess.run([by_name[n].initializer for n in missing])
+
+    return init_fn
+
+
+def wait_until_ready(master: str, config, ready_op, timeout: float = 600.0) -> None:
+    """Non-chief: poll (every 0.5 s, not SessionManager's 30 s) until the chief has
+    initialised or restored the variables, so MonitoredTrainingSession finds them ready."""
+    deadline = time.monotonic() + timeout
+    with tf.compat.v1.Session(master, config=config) as sess:
+        while len(sess.run(ready_op)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+
+
+def wait_for_replicas(master: str, config, done, replicas: int, timeout: float) -> bool:
+    """Chief: wait until every replica has finished before freeing the run's state."""
+    deadline = time.monotonic() + timeout
+    with tf.compat.v1.Session(master, config=config) as sess:
+        while sess.run(done) < replicas:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.2)
+    return True
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    tf.compat.v1.disable_eager_execution()
+    me = place(args)
+    cluster_spec = tf.train.ClusterSpec(me["cluster"])
+    server = tf.compat.v1.train.Server(cluster_spec, job_name=me["job"], task_index=me["index"])
+    if me["job"] == "ps":
+        print(f"ps:{me['index']} serving on {me['cluster']['ps'][me['index']]}", flush=True)
+        server.join()  # forever: whoever started the ps stops it
+        return 0
+    me["master"] = server.target
+    device = f"/job:{me['job']}/task:{me['index']}"
+    # Only the ps and this task: the other workers' health does not stall this one.
+    config = tf.compat.v1.ConfigProto(device_filters=["/job:ps", device])
+
+    # Isolation: in classic mode the ps normally lives for one run only, but a ps
+    # keeps every variable it ever held, shared by name between all sessions, so if
+    # one is reused, run 2 would otherwise see run 1's global_step and stop at once. Each run gets its own resource container on the ps (same run id
+    # => same container, so a worker restarted mid-run rejoins the same state), and
+    # the chief frees the container with Session.reset at the end so a long-lived ps
+    # does not accumulate one model per run. Resuming from --model_dir still works:
+    # checkpoints store variables by name, not container.
+    container = f"run-{me['run_id']}"
+    with tf.compat.v1.container(container):
+        g = build_model(args, device, cluster_spec)
+
+    x_all, y_all = synthetic_data()
+    rng = np.random.default_rng(1000 + me["index"] + (100 if me["job"] == "chief" else 0))
+    scaffold = tf.compat.v1.train.Scaffold(init_op=tf.no_op(), ready_op=g["ready_op"],
+                                          init_fn=init_uninitialized(g["ready_op"]))
+    if not me["is_chief"]:
+        wait_until_ready(me["master"], config, g["ready_op"])
+
+    every = max(1, args.steps // 10)
+    local_steps = 0
+    with tf.compat.v1.train.MonitoredTrainingSession(
+            master=me["master"], is_chief=me["is_chief"], checkpoint_dir=args.model_dir,
+            scaffold=scaffold, hooks=[tf.compat.v1.train.StopAtStepHook(last_step=args.steps)],
+            save_checkpoint_steps=every if args.model_dir else None, save_checkpoint_secs=None,
+            save_summaries_steps=None, save_summaries_secs=None, log_step_count_steps=None,
+            config=config) as sess:
+        while not sess.should_stop():
+            idx = rng.integers(0, EXAMPLES, args.batch_size)
+            step, loss = sess.run([g["train_op"], g["loss"]],
+                                  feed_dict={g["x"]: x_all[idx], g["y"]: y_all[idx]})
+            local_steps += 1
+            if local_steps == 1 or local_steps % args.log_every == 0:
+                print(f"step={step} loss={loss:.6f}", flush=True)
+
+    with tf.compat.v1.Session(me["master"], config=config) as sess:
+        sess.run(g["done_inc"])
+        step = sess.run(g["global_step"])
+        loss = sess.run(g["loss"], feed_dict={g["x"]: x_all, g["y"]: y_all})
+    print(f"{me['job']}:{me['index']} local_steps={local_steps}", flush=True)
+    print(f"tfcluster-result: global_step={step} loss={loss:.6f}", flush=True)
+
+    if me["is_chief"] and args.cleanup_timeout > 0:
+        if not wait_for_replicas(me["master"], config, g["done"], me["replicas"], args.cleanup_timeout):
+            print(f"warning: not every replica finished within {args.cleanup_timeout}s; "
+                  f"freeing container {container} anyway", flush=True)
+        tf.compat.v1.Session.reset(me["master"], containers=[container])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,101 @@
+"""TF2 ParameterServerStrategy + ClusterCoordinator, custom training loop.
+
+tfcluster has started a server for every ps and worker task; this script runs
+once, as the chief (TF_CONFIG has a chief entry), and drives them: variables
+live on the ps tasks, `coordinator.schedule` sends training steps to whichever
+worker is free, and a step that was running on a worker that dies is retried on
+another one. Model: linear regression on synthetic data, plain SGD written out
+(no Keras: Keras 3 `model.fit` fails under this strategy, see README.md).
+
+    python coordinator.py --steps 300 --batch_size 32 --learning_rate 0.05 [--model_dir DIR]
+"""
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import tensorflow as tf
+
+FEATURES = 8
+EXAMPLES = 2048
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=300, help="training steps to schedule")
+    p.add_argument("--batch_size", type=int, default=32)
+    p.add_argument("--learning_rate", type=float, default=0.05)
+    p.add_argument("--model_dir", default=None, help="checkpoint directory (saved every ~steps/10, restored)")
+    p.add_argument("--log_every", type=int, default=50, help="print step/loss every N steps")
+    return p.parse_args(argv)
+
+
+def synthetic_data(seed: int = 0):
+    """y = Xw + b + noise (fixed seed)."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(EXAMPLES, FEATURES)).astype(np.float32)
+    w = rng.normal(size=(FEATURES, 1)).astype(np.float32)
+    y = x @ w + 0.5 + 0.01 * rng.normal(size=(EXAMPLES, 1)).astype(np.float32)
+    return x, y
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    strategy = tf.distribute.experimental.ParameterServerStrategy(resolver)
+    coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
+    x_all, y_all = synthetic_data()
+
+    with strategy.scope():  # variables go to the ps tasks, in this fixed order
+        step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
+        w = tf.Variable(tf.zeros([FEATURES, 1]), name="w")
+        b = tf.Variable(tf.zeros([1]), name="b")
+
+    manager = None
+    if args.model_dir:
+        ckpt = tf.train.Checkpoint(global_step=step, w=w, b=b)
+        manager = tf.train.CheckpointManager(ckpt, args.model_dir, max_to_keep=3)
+        if manager.latest_checkpoint:
+            ckpt.restore(manager.latest_checkpoint)
+            print(f"restored {manager.latest_checkpoint} at step={int(step.numpy())}", flush=True)
+
+    def dataset_fn():
+        ds = tf.data.Dataset.from_tensor_slices((x_all, y_all))
+        return ds.shuffle(EXAMPLES).repeat().batch(args.batch_size)
+
+    iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
+
+    @tf.function
+    def train_step(iterator):
+        def replica_fn(x, y):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(tf.matmul(x, w) + b - y))
+            gw, gb = tape.gradient(loss, [w, b])
+            w.assign_sub(args.learning_rate * gw)
+            b.assign_sub(args.learning_rate * gb)
+            step.assign_add(1)
+            return loss
+
+        x, y = next(iterator)
+        return strategy.run(replica_fn, args=(x, y))
+
+    save_every = max(1, args.steps // 10)
+    start = int(step.numpy())
+    for i in range(start, args.steps):
+        loss = coordinator.schedule(train_step, args=(iterator,))
+        done = i + 1
+        if done % args.log_every == 0 or done == start + 1 or done == args.steps:
+            coordinator.join()  # wait for everything scheduled so far
+            print(f"step={int(step.numpy())} loss={float(loss.fetch()):.6f}", flush=True)
+        if manager and done % save_every == 0:
+            coordinator.join()
+            manager.save(checkpoint_number=int(step.numpy()))
+    coordinator.join()
+
+    final = float(np.mean(np.square(x_all @ w.numpy() + b.numpy() - y_all)))
+    print(f"tfcluster-result: global_step={int(step.numpy())} loss={final:.6f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
