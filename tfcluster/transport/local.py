@@ -1,0 +1,125 @@
+"""Transport for a host that is this machine: plain subprocesses, no SSH.
+
+Tasks still go through the shim, so local and remote hosts behave the same; in
+particular `LocalProc.kill()` drops the pipes as a closed SSH channel would, and
+the shim's stdin-EOF watchdog does the rest.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+from typing import Sequence
+
+from tfcluster.errors import DeadlineError
+from tfcluster.transport.base import Proc, Result, Transport
+
+
+def _expand(path: str) -> str:
+    return os.path.expanduser(path) if path == "~" or path.startswith("~/") else path
+
+
+class LocalProc(Proc):
+    def __init__(self, popen: subprocess.Popen) -> None:
+        self._popen = popen
+        self._stderr = bytearray()
+        self._stderr_lock = threading.Lock()
+        self._stderr_thread = threading.Thread(target=self._collect_stderr, daemon=True)
+        self._stderr_thread.start()
+
+    def _collect_stderr(self) -> None:
+        try:
+            while chunk := self._popen.stderr.read(65536):
+                with self._stderr_lock:
+                    self._stderr += chunk
+        except (OSError, ValueError):  # pipe closed by kill()
+            pass
+
+    def write(self, data: bytes) -> None:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[self._popen.stdin.write(view):]
+        except ValueError as e:  # closed file
+            raise BrokenPipeError(str(e)) from None
+
+    def close_stdin(self) -> None:
+        try:
+            self._popen.stdin.close()
+        except OSError:
+            pass
+
+    def read(self, n: int = 65536) -> bytes:
+        try:
+            return self._popen.stdout.read(n) or b""
+        except (OSError, ValueError):
+            return b""
+
+    def read_stderr(self) -> bytes:
+        """Stderr received since the last call (never blocks), as the SSH transport does."""
+        with self._stderr_lock:
+            data, self._stderr = bytes(self._stderr), bytearray()
+        return data
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        try:
+            rc = self._popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+        self._stderr_thread.join(timeout=1.0)
+        return rc
+
+    def kill(self) -> None:
+        # Closing our ends is what an SSH channel close does to the remote side.
+        for pipe in (self._popen.stdin, self._popen.stdout):
+            try:
+                pipe.close()
+            except OSError:
+                pass
+
+
+class LocalTransport(Transport):
+    is_local = True
+
+    def __init__(self, name: str = "localhost") -> None:
+        self.name = name
+
+    def connect(self) -> None:
+        pass
+
+    def run(self, argv: Sequence[str], input: bytes = b"", timeout: float = 60.0) -> Result:
+        try:
+            done = subprocess.run(list(argv), input=input, capture_output=True, timeout=timeout,
+                                  start_new_session=True)
+        except FileNotFoundError as e:
+            return Result(127, b"", f"{argv[0]}: not found ({e.strerror})\n".encode())
+        except subprocess.TimeoutExpired:
+            raise DeadlineError(f"host {self.name}: {argv[0]} did not answer within {timeout:g}s")
+        return Result(done.returncode, done.stdout, done.stderr)
+
+    def spawn(self, argv: Sequence[str]) -> Proc:
+        # Own session: a Ctrl-C in the launcher's terminal must reach the launcher only,
+        # as it would with SSH, so the shim can still clean up in order.
+        popen = subprocess.Popen(list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, bufsize=0, start_new_session=True)
+        return LocalProc(popen)
+
+    def put(self, data: bytes, path: str, mode: int = 0o600) -> None:
+        path = _expand(path)
+        os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
+        tmp = f"{path}.tmp.{os.getpid()}.{threading.get_ident()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.chmod(tmp, mode)
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+
+    def close(self) -> None:
+        pass
