@@ -1,0 +1,347 @@
+"""The command line: argument parsing and the one error boundary (STYLE.md §4).
+
+`main()` owns every `except`; the command functions are the program without
+error handling. Heavy modules (paramiko, the launcher) are imported inside the
+commands that need them, so `--help` and `plan` stay instant.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import List, Optional
+
+import typer
+
+from tfcluster import __version__
+from tfcluster.errors import ExitCode, TfclusterError, UsageError
+from tfcluster.ui import UI
+
+HELP = """Run distributed TensorFlow (ps / worker / chief tasks) on your own machines.
+
+One YAML spec names the hosts and jobs; tfcluster starts the TF servers over SSH
+(or locally), runs your training script on the workers with the right TF_CONFIG,
+streams every task's log with a prefix, and tears it all down.
+
+Examples:
+
+  tfcluster plan sample_clusters/local.yaml            # what would run where (no network)
+
+  tfcluster train sample_clusters/local.yaml           # 1 ps + 2 workers on this machine
+
+  tfcluster up lab.yaml && tfcluster status lab.yaml   # long-lived servers
+
+  tfcluster exec lab.yaml -- nvidia-smi -L             # a command on every host
+
+  tfcluster down lab.yaml                              # stop everything, verify it stopped
+"""
+
+app = typer.Typer(help=HELP, no_args_is_help=True, add_completion=True,
+                  pretty_exceptions_enable=False, rich_markup_mode=None,
+                  context_settings={"help_option_names": ["-h", "--help"]})
+
+_ui = UI()
+
+SpecArg = typer.Argument(..., help="Cluster spec (YAML), e.g. sample_clusters/local.yaml",
+                         metavar="SPEC")
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"tfcluster {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                 help="Print the version and exit."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks for errors."),
+    no_color: bool = typer.Option(False, "--no-color", help="No colours in output."),
+) -> None:
+    _ui.debug = debug
+    if no_color:
+        _ui.color = False
+
+
+def _load(path: str):
+    from tfcluster.plan import build_plan
+    from tfcluster.spec import load_spec
+
+    spec = load_spec(path)
+    return spec, build_plan(spec)
+
+
+# -- plan --------------------------------------------------------------------------------
+
+@app.command()
+def plan(
+    spec_path: str = SpecArg,
+    json_: bool = typer.Option(False, "--json", help="One JSON document on stdout, nothing else."),
+    commands: bool = typer.Option(False, "--commands", "-c",
+                                  help="Show each task's exact command and environment."),
+    check: bool = typer.Option(False, "--check",
+                               help="Also connect to every host and run the preflight checks "
+                                    "(python, tensorflow, GPUs, ports free). Starts nothing."),
+) -> int:
+    """Show what would run where: tasks, ports, GPUs, TF_CONFIG. No network unless --check.
+
+    Example:  tfcluster plan lab.yaml --commands
+    """
+    from tfcluster.render import print_plan, plan_json
+
+    spec, p = _load(spec_path)
+    if json_:
+        _ui.json(plan_json(p))
+    else:
+        print_plan(_ui, p, commands=commands)
+    if check:
+        from tfcluster import launcher
+
+        launcher.check(spec, p, _ui)
+    return ExitCode.OK
+
+
+# -- up / down / status ------------------------------------------------------------------
+
+@app.command()
+def up(
+    spec_path: str = SpecArg,
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan; touch nothing."),
+    timeout: float = typer.Option(120.0, "--timeout", help="Seconds to wait for every server."),
+) -> int:
+    """Start the cluster's TF servers and wait until each accepts connections.
+
+    Runs preflight first (reachable, python + tensorflow, GPUs, ports free); if any
+    server fails, everything this `up` started is stopped again. Running `up` on a
+    cluster that is already up starts nothing.
+
+    Example:  tfcluster up lab.yaml
+    """
+    spec, p = _load(spec_path)
+    if dry_run:
+        from tfcluster.render import print_plan
+
+        print_plan(_ui, p, commands=True)
+        return ExitCode.OK
+    from tfcluster import launcher
+
+    return launcher.up(spec, p, _ui, timeout=timeout)
+
+
+@app.command()
+def down(
+    spec_path: str = SpecArg,
+    grace: float = typer.Option(5.0, "--grace", help="Seconds between TERM and KILL."),
+) -> int:
+    """Stop every task of the cluster on every host and verify nothing survived.
+
+    Works without local state (reads the hosts' pid files) and is safe to repeat.
+
+    Example:  tfcluster down lab.yaml
+    """
+    from tfcluster import launcher
+
+    spec, p = _load(spec_path)
+    return launcher.down(spec, p, _ui, grace=grace)
+
+
+@app.command()
+def status(
+    spec_path: str = SpecArg,
+    json_: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> int:
+    """Each task: running or stopped, pid, uptime, port open.
+
+    Example:  tfcluster status lab.yaml --json
+    """
+    from tfcluster import launcher
+    from tfcluster.render import print_status
+
+    spec, p = _load(spec_path)
+    rows = launcher.status(spec, p, _ui)
+    if json_:
+        _ui.json({"name": p.name, "tasks": rows})
+    else:
+        print_status(_ui, p, rows)
+    return ExitCode.OK
+
+
+@app.command("exec")
+def exec_(
+    spec_path: str = SpecArg,
+    command: List[str] = typer.Argument(..., help="The command, after `--`.", metavar="-- CMD..."),
+    hosts: Optional[str] = typer.Option(None, "--hosts", help="Comma-separated host names (default all)."),
+) -> int:
+    """Run a command on every host in parallel, output prefixed by host.
+
+    Exit code is the worst of the hosts'. The command is passed as words (no shell);
+    use `sh -c '...'` for pipes.
+
+    Example:  tfcluster exec lab.yaml --hosts gpu0,gpu1 -- nvidia-smi -L
+    """
+    from tfcluster import launcher
+
+    spec, _p = _load(spec_path)
+    names = _select_hosts(spec, hosts)
+    return launcher.exec_on_hosts(spec, _ui, command, names, sys.stdout.buffer)
+
+
+def _select_hosts(spec, hosts: str | None) -> list[str]:
+    import difflib
+
+    known = [h.name for h in spec.hosts]
+    if not hosts:
+        return known
+    names = [h.strip() for h in hosts.split(",") if h.strip()]
+    for name in names:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, 1)
+            raise UsageError(f"--hosts: no host named {name!r} in {spec.path}"
+                             + (f"; did you mean {close[0]!r}?" if close else ""))
+    return names
+
+
+# -- train / logs ------------------------------------------------------------------------
+
+@app.command(context_settings={"allow_interspersed_args": True})
+def train(
+    spec_path: str = SpecArg,
+    args: Optional[List[str]] = typer.Argument(None, help="Script arguments after `--` (replace train.args).",
+                                               metavar="[-- ARGS...]"),
+    script: Optional[str] = typer.Option(None, "--script", help="Training script (overrides train.script)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan; touch nothing."),
+    timeout: Optional[float] = typer.Option(None, "--timeout", help="End the run after this many seconds."),
+    task: Optional[List[str]] = typer.Option(None, "--task", help="Show only this task live, e.g. worker:0 (repeatable)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No live task output; summary only."),
+    runs_dir: str = typer.Option("runs", "--runs-dir", help="Where per-run logs and manifest are saved."),
+) -> int:
+    """Run the training script on the cluster with live, prefixed logs.
+
+    Brings up the servers the mode needs (or reuses a cluster that is `up`), ships the
+    script, runs it on each task, saves logs under runs/<run id>/ and prints a summary.
+    Exit code follows the chief (all workers in mirrored/classic mode). Ctrl-C stops
+    everything in order (exit 130).
+
+    Example:  tfcluster train sample_clusters/local.yaml -- --steps 500
+    """
+    from tfcluster import supervisor
+    from tfcluster.plan import build_plan
+
+    spec = _train_spec(spec_path, script, args, timeout)
+    p = build_plan(spec)
+    if dry_run:
+        from tfcluster.render import print_plan
+
+        print_plan(_ui, p, commands=True)
+        return ExitCode.OK
+    options = supervisor.Options(show=tuple(task or ()), quiet=quiet, runs_dir=runs_dir)
+    return supervisor.train(spec, p, _ui, options)
+
+
+def _train_spec(path: str, script: str | None, args: list[str] | None, timeout: float | None):
+    """The spec with command-line overrides of train.script / train.args / train.timeout."""
+    import dataclasses
+
+    from tfcluster.spec import load_spec
+
+    spec = load_spec(path)
+    changes: dict = {}
+    if script is not None:
+        if not os.path.isfile(script):
+            raise UsageError(f"--script: no such file: {script}")
+        changes["script"] = os.path.abspath(script)
+    if args:
+        _check_placeholders(args)
+        changes["args"] = tuple(args)
+    if timeout is not None:
+        if timeout <= 0:
+            raise UsageError("--timeout must be a positive number of seconds")
+        changes["timeout"] = timeout
+    if not changes:
+        return spec
+    return dataclasses.replace(spec, train=dataclasses.replace(spec.train, **changes))
+
+
+def _check_placeholders(args: list[str]) -> None:
+    names = dict.fromkeys(["job", "index", "ps_hosts", "worker_hosts", "chief_hosts",
+                           "workdir", "num_workers"], "")
+    for i, arg in enumerate(args):
+        try:
+            arg.format(**names)
+        except (KeyError, IndexError, ValueError) as exc:
+            raise UsageError(f"script argument {i + 1} ({arg!r}): bad placeholder {exc}; "
+                             f"known: {{{'}, {'.join(names)}}}; write {{{{ }}}} for a literal brace") from None
+
+
+@app.command()
+def logs(
+    spec_path: str = SpecArg,
+    task: Optional[str] = typer.Argument(None, help="Only this task, e.g. worker:1."),
+    run: Optional[str] = typer.Option(None, "--run", help="Run id (default: the latest run)."),
+    runs_dir: str = typer.Option("runs", "--runs-dir", help="Where runs were saved."),
+) -> int:
+    """Show a past run's saved logs (prefixed), latest run by default.
+
+    Example:  tfcluster logs lab.yaml worker:1 --run lab-20261122-101500-ab12
+    """
+    from tfcluster.runlog import show_logs
+    from tfcluster.spec import load_spec
+
+    spec = load_spec(spec_path)
+    return show_logs(_ui, spec.name, runs_dir, run, task, sys.stdout.buffer)
+
+
+@app.command()
+def init(
+    mode: str = typer.Argument("between-graph", help="between-graph | classic | coordinator | mirrored"),
+    dest: Optional[str] = typer.Argument(None, help="Where to write it (default: train_<mode>.py)."),
+) -> int:
+    """Copy the training-script template for a mode into the current directory.
+
+    Example:  tfcluster init coordinator my_train.py
+    """
+    from tfcluster.runlog import copy_template
+
+    path = copy_template(mode, dest)
+    _ui.ok(f"wrote {path}")
+    return ExitCode.OK
+
+
+# -- the error boundary ------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> int:
+    import click
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    _ui.debug = "--debug" in argv
+    try:
+        rc = app(args=argv, prog_name="tfcluster", standalone_mode=False)
+        return int(rc or 0)
+    except TfclusterError as exc:
+        if _ui.debug:
+            raise
+        if exc.details:
+            _ui.stderr.write(exc.details.rstrip("\n") + "\n")
+        _ui.error(exc.message, exc.hint)
+        return int(exc.exit_code)
+    except click.exceptions.Exit as exc:
+        return exc.exit_code
+    except click.exceptions.ClickException as exc:
+        _ui.error(exc.format_message(), "see `tfcluster --help`" if exc.exit_code == 2 else None)
+        return exc.exit_code
+    except (KeyboardInterrupt, click.exceptions.Abort):
+        _ui.error("interrupted")
+        return int(ExitCode.INTERRUPTED)
+    except BrokenPipeError:
+        # `tfcluster plan ... | head`: the reader left; not an error worth a traceback.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def run() -> None:
+    """Console-script entry point."""
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,58 @@
+"""How plans and status look: tables for people, JSON for programs."""
+from __future__ import annotations
+
+import json
+import shlex
+
+from tfcluster.plan import Plan, TaskPlan, plan_to_dict, redact_env
+
+
+def plan_json(plan: Plan) -> dict:
+    return plan_to_dict(plan, redact=True)
+
+
+def _roles(task: TaskPlan) -> str:
+    roles = ["chief"] if task.is_chief else []
+    roles += ["server"] if task.runs_server else []
+    roles += ["script"] if task.runs_script else []
+    return ", ".join(roles) or "-"
+
+
+def print_plan(ui, plan: Plan, *, commands: bool = False) -> None:
+    rows = [
+        (t.key, t.host, t.target, ",".join(map(str, t.gpus)) or "-", _roles(t))
+        for t in plan.tasks
+    ]
+    ui.table(f"cluster {plan.name!r} — mode {plan.mode}, {len(plan.tasks)} tasks on "
+             f"{len(plan.hosts)} host(s)", ["task", "host", "address", "GPUs", "role"], rows)
+    cluster = {job: list(addrs) for job, addrs in plan.cluster}
+    ui.text("cluster spec: " + json.dumps(cluster))
+    if not commands:
+        ui.text("(--commands shows each task's command and environment)", style="dim")
+        return
+    for t in plan.tasks:
+        ui.text(f"\n{t.key} on {t.host}", style="bold")
+        if t.runs_server:
+            ui.text(f"  server:  {plan.python} {plan.cluster_dir}/bin/tfserver.py")
+        if t.runs_script:
+            ui.text(f"  script:  {shlex.join(t.argv)}")
+        for name, value in redact_env(t.env).items():
+            ui.text(f"  {name}={shlex.quote(value)}")
+
+
+def print_status(ui, plan: Plan, rows: list[dict]) -> None:
+    def fmt_uptime(s) -> str:
+        if s is None:
+            return "-"
+        s = int(s)
+        return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+    table_rows = [
+        (r["task"], r["host"], r["address"], r["status"], str(r["pid"] or "-"),
+         fmt_uptime(r["uptime_s"]), {True: "open", False: "closed", None: "?"}[r["port_open"]])
+        for r in rows
+    ]
+    ui.table(f"cluster {plan.name!r}", ["task", "host", "address", "status", "pid", "uptime", "port"],
+             table_rows)
+    running = sum(1 for r in rows if r["status"] == "running")
+    ui.info(f"{running}/{len(rows)} tasks running")
