@@ -588,10 +588,11 @@ def _parse_counted_job(name: str, field: str, node: yaml.Node, f: dict,
                        hint="a job is {count: N, hosts: [...], port: P}, {per_gpu: true, "
                             "hosts: [...], port: P} or {tasks: ['host:port', ...]}")
     count = None if per_gpu else _int(f["count"][1], _sub(field, "count"), 0, MAX_TASKS)
+    gpus = _job_gpus(field, f)     # checked even with per_gpu, which refuses the key
     job = Job(name=name, count=count, per_gpu=per_gpu,
               hosts=_job_hosts(f["hosts"][1], _sub(field, "hosts"), hosts, per_gpu),
               port=_int(f["port"][1], _sub(field, "port"), 1, 65535),
-              gpus=1 if per_gpu else _job_gpus(field, f))
+              gpus=1 if per_gpu else gpus)
     _check_port_room(job, f["port"][1], _sub(field, "port"), hosts)
     return job
 
