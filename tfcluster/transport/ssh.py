@@ -47,7 +47,7 @@ def _command(argv: Sequence[str]) -> str:
 class Endpoint:
     """One SSH destination after merging the spec, ~/.ssh/config and defaults."""
 
-    name: str                       # as named in messages ("gpu0", "jump host bastion")
+    name: str                       # the spec's host name, or the jump host as written
     address: str                    # what we open TCP to (config HostName applied)
     port: int
     user: str
@@ -57,6 +57,7 @@ class Endpoint:
     policy: str
     timeout: float
     jump: str | None                # "user@host:port[,...]" or a config alias
+    role: str = "host"              # "host" or "jump host", for messages
 
     @property
     def label(self) -> str:
@@ -69,7 +70,7 @@ class Endpoint:
 
 
 def _fail(ep: Endpoint, problem: str, hint: str | None = None) -> ConnectError:
-    return ConnectError(f"host {ep.label}: {problem}", hint=hint)
+    return ConnectError(f"{ep.role} {ep.label}: {problem}", hint=hint)
 
 
 def load_ssh_config(path: str):
@@ -94,7 +95,7 @@ def _config_options(config, name: str, address: str) -> dict:
 
 
 def resolve(name: str, address: str, ssh: SshSettings, config,
-            extra_keys: tuple[str, ...] = ()) -> Endpoint:
+            extra_keys: tuple[str, ...] = (), role: str = "host") -> Endpoint:
     opts = _config_options(config, name, address)
     exp = os.path.expanduser
     if ssh.identity_file:
@@ -112,7 +113,7 @@ def resolve(name: str, address: str, ssh: SshSettings, config,
                   user=ssh.user or opts.get("user") or getpass.getuser(),
                   key_files=keys, look_for_keys=look, known_hosts=known,
                   policy=ssh.host_key_policy, timeout=float(ssh.connect_timeout),
-                  jump=None if (jump or "none").lower() == "none" else jump)
+                  jump=None if (jump or "none").lower() == "none" else jump, role=role)
     if ssh.identity_file and not os.path.isfile(keys[0]):
         raise _fail(ep, f"identity file {ssh.identity_file} not found",
                     "fix ssh.identity_file in the spec")
@@ -136,7 +137,7 @@ def _jump_endpoint(target: Endpoint, ssh: SshSettings, config) -> Endpoint:
                            connect_timeout=ssh.connect_timeout)
     # the target's explicit key is a fallback for the jump (usually one key for the whole lab)
     extra = (os.path.expanduser(ssh.identity_file),) if ssh.identity_file else ()
-    return resolve(f"jump host {host}", host, settings, config, extra)
+    return resolve(host, host, settings, config, extra, role="jump host")
 
 
 class _HostKeyPolicy:

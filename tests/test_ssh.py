@@ -1,0 +1,341 @@
+"""SshTransport against real OpenSSH sshds on loopback (tests/sshd.py)."""
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import pytest
+
+from tests.conftest import wait_for
+from tests.sshd import make_host
+from tfcluster.errors import ConnectError, DeadlineError
+from tfcluster.spec import Host, SshSettings
+from tfcluster.transport import make_transport
+from tfcluster.transport.ssh import SshTransport
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def transports():
+    """Build SshTransports that are all closed after the test."""
+    made: list[SshTransport] = []
+
+    def build(host: Host, **kwargs) -> SshTransport:
+        made.append(SshTransport(host, **kwargs))
+        return made[-1]
+
+    yield build
+    for t in made:
+        t.close()
+
+
+@pytest.fixture
+def gpu0(ssh_home, sshd, transports) -> SshTransport:
+    return transports(make_host("gpu0", "127.0.0.2", sshd))
+
+
+def free_port(addr: str = "127.0.0.2") -> int:
+    with socket.socket() as s:
+        s.bind((addr, 0))
+        return s.getsockname()[1]
+
+
+def keygen(path) -> str:
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path)],
+                   check=True, capture_output=True)
+    return str(path)
+
+
+def fingerprint(pubkey_path: str) -> str:
+    out = subprocess.run(["ssh-keygen", "-lf", pubkey_path], check=True,
+                         capture_output=True, text=True).stdout
+    return out.split()[1]
+
+
+def connect_error(transport: SshTransport) -> ConnectError:
+    with pytest.raises(ConnectError) as info:
+        transport.connect()
+    assert "\n" not in info.value.message
+    return info.value
+
+
+# --- run / spawn / put --------------------------------------------------------------
+
+def test_run_returns_stdout_stderr_and_exit_code_exactly(gpu0):
+    r = gpu0.run(["sh", "-c", "printf 'out\\r\\n'; printf 'err' >&2; exit 3"])
+    assert (r.rc, r.stdout, r.stderr) == (3, b"out\r\n", b"err")
+
+
+def test_run_reads_5mb_on_both_pipes_without_deadlock(gpu0):
+    five = 5 * 1024 * 1024
+    r = gpu0.run(["sh", "-c", f"head -c {five} /dev/zero >&2; head -c {five} /dev/zero"])
+    assert (r.rc, len(r.stdout), len(r.stderr)) == (0, five, five)
+    data = os.urandom(five)
+    assert gpu0.run(["cat"], input=data).stdout == data
+
+
+def test_run_passes_hostile_arguments_byte_for_byte(gpu0, tmp_path):
+    canary = tmp_path / "canary"
+    args = ["a b", "it's", '"dq"', f"$(touch {canary})", f"`touch {canary}`",
+            f"; touch {canary}", "*", "\n", "ünï\t", "", "-n"]
+    r = gpu0.run(["printf", "%s\\0", *args])
+    assert r.rc == 0
+    assert r.stdout.split(b"\0")[:-1] == [a.encode() for a in args]
+    assert not canary.exists()
+
+
+def test_run_past_its_timeout_raises_naming_the_host(gpu0):
+    with pytest.raises(DeadlineError, match=r"^host gpu0 \(127\.0\.0\.2:\d+\): .* within 0.5s"):
+        gpu0.run(["sh", "-c", "while sleep 0.1; do echo tick; done"], timeout=0.5)
+
+
+def test_spawn_streams_stdin_stdout_and_returns_exit_code(gpu0):
+    proc = gpu0.spawn(["sh", "-c", "echo one; read x; echo got $x; echo oops >&2; exit 7"])
+    assert proc.read() == b"one\n"
+    assert proc.wait(0.1) is None
+    proc.write(b"hello\n")
+    proc.close_stdin()
+    out = b""
+    while chunk := proc.read():
+        out += chunk
+    assert out == b"got hello\n"
+    assert proc.wait(10) == 7
+    assert proc.read_stderr() == b"oops\n"
+    proc.kill()
+    proc.kill()                                   # idempotent
+
+
+def test_spawn_kill_closes_the_channel(gpu0):
+    proc = gpu0.spawn(["cat"])
+    proc.kill()
+    assert proc.wait(5) == -1                     # closed, no exit status
+    assert proc.read() == b""
+    with pytest.raises(BrokenPipeError):
+        proc.write(b"x")
+
+
+def test_put_writes_0600_file_atomically_under_an_absolute_path(gpu0, tmp_path):
+    target = tmp_path / "a" / "b" / "run.json"
+    gpu0.put(b"first", str(target))
+    gpu0.put(b"second", str(target))             # replaces (posix_rename)
+    assert target.read_bytes() == b"second"
+    assert stat.S_IMODE(target.stat().st_mode) == 0o600
+    assert stat.S_IMODE(target.parent.stat().st_mode) == 0o700
+    assert os.listdir(target.parent) == ["run.json"]   # no temp file left
+    gpu0.put(b"#!/bin/sh\n", str(tmp_path / "x.sh"), mode=0o755)
+    assert stat.S_IMODE((tmp_path / "x.sh").stat().st_mode) == 0o755
+
+
+def test_put_resolves_tilde_against_the_login_home(gpu0):
+    remote_home = gpu0.run(["sh", "-c", 'printf %s "$HOME"']).stdout.decode()
+    scratch = f".tfcluster-test-{uuid.uuid4().hex}"
+    try:
+        gpu0.put(b"data", f"~/{scratch}/sub/f.txt")
+        path = os.path.join(remote_home, scratch, "sub", "f.txt")
+        with open(path, "rb") as f:
+            assert f.read() == b"data"
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        assert os.listdir(os.path.dirname(path)) == ["f.txt"]
+    finally:
+        gpu0.run(["rm", "-rf", os.path.join(remote_home, scratch)])
+
+
+# --- host keys --------------------------------------------------------------------
+
+def test_unknown_host_key_is_rejected_with_one_line_and_a_hint(ssh_home, sshd, transports,
+                                                                 tmp_path):
+    kh = str(tmp_path / "empty_known_hosts")
+    err = connect_error(transports(make_host("gpu0", "127.0.0.3", sshd, known_hosts=kh)))
+    fp = fingerprint(sshd.host_key + ".pub")
+    assert err.message == f"host gpu0 (127.0.0.3:{sshd.port}): unknown host key (ssh-ed25519 {fp})"
+    assert err.hint == (f"run `ssh-keyscan -p {sshd.port} 127.0.0.3 >> {kh}` after checking "
+                        "the fingerprint, or set ssh.host_key_policy: accept-new")
+    assert not os.path.exists(kh)
+
+
+def test_accept_new_records_the_key_in_a_new_0600_file(ssh_home, sshd, transports, tmp_path):
+    kh = tmp_path / "fresh" / ".ssh" / "known_hosts"
+    transports(make_host("gpu0", "127.0.0.3", sshd, known_hosts=str(kh),
+                         host_key_policy="accept-new")).connect()
+    assert kh.read_text() == sshd.known_hosts_line("127.0.0.3") + "\n"
+    assert stat.S_IMODE(kh.stat().st_mode) == 0o600
+    assert stat.S_IMODE(kh.parent.stat().st_mode) == 0o700
+    # now known: `reject` connects, and nothing more is written
+    transports(make_host("gpu0", "127.0.0.3", sshd, known_hosts=str(kh))).connect()
+    assert kh.read_text() == sshd.known_hosts_line("127.0.0.3") + "\n"
+
+
+def test_changed_host_key_is_refused_even_under_accept_new(ssh_home, sshd, transports, tmp_path):
+    other = keygen(tmp_path / "other_host_key")
+    with open(other + ".pub") as f:
+        fake = " ".join(f.read().split()[:2])
+    kh = tmp_path / "known_hosts"
+    kh.write_text(f"[127.0.0.3]:{sshd.port} {fake}\n")
+    err = connect_error(transports(make_host("gpu0", "127.0.0.3", sshd, known_hosts=str(kh),
+                                             host_key_policy="accept-new")))
+    assert err.message.startswith(f"host gpu0 (127.0.0.3:{sshd.port}): host key CHANGED "
+                                  f"(ssh-ed25519 {fingerprint(sshd.host_key + '.pub')}, "
+                                  f"known_hosts has {fingerprint(other + '.pub')})")
+    assert "possible man-in-the-middle" in err.message
+    assert kh.read_text() == f"[127.0.0.3]:{sshd.port} {fake}\n"
+
+
+# --- failures name the host ----------------------------------------------------------
+
+def test_wrong_key_fails_authentication_naming_host_and_user(ssh_home, sshd, transports,
+                                                             tmp_path):
+    wrong = keygen(tmp_path / "wrong_key")
+    err = connect_error(transports(make_host("gpu0", "127.0.0.2", sshd, identity_file=wrong)))
+    assert err.message.startswith(
+        f"host gpu0 (127.0.0.2:{sshd.port}): authentication failed as user {sshd.user}")
+    assert "identity_file" in err.hint
+
+
+def test_closed_port_is_refused_naming_the_host(ssh_home, transports):
+    port = free_port()
+    err = connect_error(transports(Host("gpu0", "127.0.0.2", ssh=SshSettings(port=port))))
+    assert err.message == (f"host gpu0 (127.0.0.2:{port}): connection refused "
+                           "(is sshd running on that port?)")
+
+
+def test_missing_identity_file_is_named(ssh_home, sshd, transports):
+    err = connect_error(transports(make_host("gpu0", "127.0.0.2", sshd,
+                                             identity_file="~/.ssh/nope")))
+    assert err.message == f"host gpu0 (127.0.0.2:{sshd.port}): identity file ~/.ssh/nope not found"
+
+
+# --- ~/.ssh/config and ProxyJump -----------------------------------------------------
+
+def where(t: SshTransport) -> str:
+    """The server address and port the session landed on, from sshd's SSH_CONNECTION."""
+    out = t.run(["sh", "-c", 'printf %s "$SSH_CONNECTION"']).stdout.decode().split()
+    return f"{out[2]}:{out[3]}"
+
+
+def test_ssh_config_alias_gives_hostname_port_and_identity(ssh_home, sshd, transports):
+    os.rename(ssh_home / "id_ed25519", ssh_home / "lab_key")   # only IdentityFile can work now
+    (ssh_home / "config").write_text(
+        f"Host lab3\n  HostName 127.0.0.3\n  Port {sshd.port}\n  IdentityFile ~/.ssh/lab_key\n"
+        f"Host gpu4\n  Port {sshd.port}\n  IdentityFile ~/.ssh/lab_key\n")
+    alias = transports(Host("gpu0", "lab3"))
+    assert where(alias) == f"127.0.0.3:{sshd.port}"
+    assert alias.label == f"gpu0 (127.0.0.3:{sshd.port})"
+    by_name = transports(Host("gpu4", "127.0.0.4"))             # config found by host name
+    assert where(by_name) == f"127.0.0.4:{sshd.port}"
+
+
+def test_spec_values_win_over_ssh_config(ssh_home, sshd, transports):
+    (ssh_home / "config").write_text(f"Host 127.0.0.4\n  Port {free_port()}\n  User nobody\n")
+    t = transports(Host("gpu0", "127.0.0.4", ssh=SshSettings(port=sshd.port, user="root")))
+    assert where(t) == f"127.0.0.4:{sshd.port}"
+
+
+@pytest.fixture
+def trust_jump(ssh_home, jump_sshd):
+    jump_sshd.write_known_hosts(ssh_home / "known_hosts", mode="a")
+    return jump_sshd
+
+
+def assert_went_through_jump(t: SshTransport, jump_sshd) -> None:
+    import paramiko
+    conn = t._conns[0]
+    assert isinstance(conn.transport.sock, paramiko.Channel)
+    assert conn.jumps[0].transport.getpeername() == ("127.0.0.5", jump_sshd.port)
+
+
+def test_spec_jump_host_tunnels_through_the_second_sshd(sshd, trust_jump, transports):
+    t = transports(make_host("gpu0", "127.0.0.2", sshd,
+                             jump_host=f"root@127.0.0.5:{trust_jump.port}"))
+    assert where(t) == f"127.0.0.2:{sshd.port}"
+    assert_went_through_jump(t, trust_jump)
+
+
+def test_ssh_config_proxyjump_tunnels_through_the_second_sshd(ssh_home, sshd, trust_jump,
+                                                              transports):
+    (ssh_home / "config").write_text(
+        "Host 127.0.0.4\n  ProxyJump bastion\n"
+        f"Host bastion\n  HostName 127.0.0.5\n  Port {trust_jump.port}\n")
+    t = transports(make_host("gpu0", "127.0.0.4", sshd))
+    assert where(t) == f"127.0.0.4:{sshd.port}"
+    assert_went_through_jump(t, trust_jump)
+
+
+def test_unreachable_jump_host_is_named(ssh_home, sshd, transports):
+    port = free_port("127.0.0.5")
+    err = connect_error(transports(make_host("gpu0", "127.0.0.2", sshd,
+                                             jump_host=f"127.0.0.5:{port}")))
+    assert err.message == (f"host gpu0 (127.0.0.2:{sshd.port}): via jump host 127.0.0.5 "
+                           f"(127.0.0.5:{port}): connection refused (is sshd running on that port?)")
+
+
+# --- concurrency --------------------------------------------------------------------
+
+def test_twenty_concurrent_connects_to_one_sshd_all_succeed(ssh_home, sshd, transports):
+    hosts = [make_host(f"h{i}", sshd.addresses[i % 3], sshd) for i in range(20)]
+    ts = [transports(h) for h in hosts]
+    errors: list[BaseException] = []
+
+    def connect(t):
+        try:
+            t.connect()
+        except BaseException as e:   # noqa: BLE001 - reported below
+            errors.append(e)
+
+    started = time.monotonic()
+    threads = [threading.Thread(target=connect, args=(t,)) for t in ts]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    elapsed = time.monotonic() - started
+    assert errors == []
+    assert all(t.run(["true"]).rc == 0 for t in ts)
+    print(f"20 concurrent connects: {elapsed:.2f}s")
+
+
+def test_more_channels_than_maxsessions_open_extra_connections(ssh_home, jump_sshd, transports):
+    jump_sshd.write_known_hosts(ssh_home / "known_hosts", mode="a")
+    t = transports(make_host("j", "127.0.0.5", jump_sshd))      # MaxSessions 4 there
+    procs = [t.spawn(["cat"]) for _ in range(12)]
+    for i, p in enumerate(procs):
+        p.write(b"%d\n" % i)
+    for i, p in enumerate(procs):
+        assert p.read() == b"%d\n" % i
+        p.close_stdin()
+    assert [p.wait(10) for p in procs] == [0] * 12
+    assert len(t._conns) >= 3
+
+
+# --- packaging ----------------------------------------------------------------------
+
+def test_importing_the_transport_package_does_not_import_paramiko():
+    code = ("import sys, tfcluster.transport, tfcluster.transport.ssh; "
+            "sys.exit('paramiko' in sys.modules)")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=30)
+
+
+def test_make_transport_picks_ssh_or_local(sshd):
+    assert isinstance(make_transport(make_host("gpu0", "127.0.0.2", sshd)), SshTransport)
+    try:
+        from tfcluster.transport.local import LocalTransport
+    except ImportError:
+        pytest.skip("tfcluster/transport/local.py not written yet")
+    local = make_transport(Host("me", "localhost", local=True))
+    assert isinstance(local, LocalTransport)
+    local.close()
+
+
+def test_connect_is_idempotent_and_reuses_one_connection(gpu0):
+    gpu0.connect()
+    gpu0.connect()
+    for _ in range(5):
+        gpu0.run(["true"])
+    assert len(gpu0._conns) == 1
+    wait_for(lambda: all(c.active() for c in gpu0._conns), 5, what="connection alive")
