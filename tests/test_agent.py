@@ -1,0 +1,292 @@
+"""HostAgent + shim through the local transport: real processes, real signals."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.conftest import tagged_processes, wait_for
+from tfcluster.agent import HostAgent, TaskLaunch
+from tfcluster.transport.local import LocalTransport
+
+REPO = Path(__file__).resolve().parent.parent
+CLUSTER_DIR = "~/.tfcluster/lab"
+
+# Ignores SIGTERM and leaves a grandchild in a session of its own, which ignores it too.
+STUBBORN = textwrap.dedent("""
+    import signal, subprocess, sys, time
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    subprocess.Popen(["setsid", sys.executable, "-c",
+                      "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
+    time.sleep(600)
+""")
+
+LAUNCHER = textwrap.dedent("""
+    import sys, time
+    from tfcluster.agent import HostAgent, TaskLaunch
+    from tfcluster.transport.local import LocalTransport
+    agent = HostAgent("local", LocalTransport(), sys.executable, "~/.tfcluster/lab")
+    tag = sys.argv[1]
+    task = agent.start_attached(
+        TaskLaunch(tag, (sys.executable, "-c", "import time; time.sleep(600)"), {}, "~",
+                   "~/.tfcluster/lab/launcher.log", agent.pidfile(tag)),
+        heartbeat_timeout=3, grace=1)
+    print(task.pid, flush=True)
+    time.sleep(600)
+""")
+
+
+@pytest.fixture
+def agent(home):
+    a = HostAgent("local", LocalTransport(), sys.executable, CLUSTER_DIR)
+    a.prepare()
+    yield a
+    a.close()
+
+
+def launch(agent: HostAgent, tag: str, argv, env=None, cwd: str = "~") -> TaskLaunch:
+    stem = tag.replace(":", "_")
+    return TaskLaunch(tag=tag, argv=tuple(argv), env=dict(env or {}), cwd=cwd,
+                      log=f"{CLUSTER_DIR}/logs/{stem}.log", pidfile=agent.pidfile(tag))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def with_tag(prefix: str) -> dict[int, str]:
+    return {p: t for p, t in tagged_processes().items() if t.startswith(prefix)}
+
+
+def read_all(task) -> bytes:
+    out = b""
+    while chunk := task.read():
+        out += chunk
+    return out
+
+
+@pytest.mark.tf
+@pytest.mark.timeout(120)
+def test_tfservers_start_become_ready_and_stop_leaving_ports_free(home, capsys):
+    ports = {"ps": free_port(), "worker": free_port()}
+    cluster = {job: [f"localhost:{port}"] for job, port in ports.items()}
+    t0 = time.monotonic()
+    agent = HostAgent("local", LocalTransport(), sys.executable, CLUSTER_DIR)
+    try:
+        agent.prepare()
+        pids = {}
+        for job in ports:
+            tf_config = json.dumps({"cluster": cluster, "task": {"type": job, "index": 0}})
+            t = launch(agent, f"lab:r1:{job}:0", agent.server_argv(),
+                       {"TF_CONFIG": tf_config, "TF_CPP_MIN_LOG_LEVEL": "2"})
+            pids[job] = agent.start_detached(t)
+        outcomes = dict(agent.wait_ready([(job, ports[job], pids[job]) for job in ports], 60))
+        with capsys.disabled():
+            print(f"\n[prepare + start + ready of 2 tfservers: {time.monotonic() - t0:.1f}s]")
+        assert outcomes == {"ps": "ready", "worker": "ready"}
+        assert {(s.tag, s.pid, s.alive) for s in agent.status("lab:")} == {
+            ("lab:r1:ps:0", pids["ps"], True), ("lab:r1:worker:0", pids["worker"], True)}
+        assert "tfcluster: server ps:0 listening on localhost:" in agent.tail(
+            f"{CLUSTER_DIR}/logs/lab_r1_ps_0.log", 50)
+
+        report = agent.stop("lab:", grace=5)
+
+        assert sorted(report.stopped) == sorted(("lab:r1:" + j + ":0", p) for j, p in pids.items())
+        assert report.survivors == ()
+        assert with_tag("lab:") == {}
+        assert agent.status("lab:") == []
+        assert agent.check_ports(list(ports.values())) == {p: None for p in ports.values()}
+    finally:
+        agent.stop("lab:", grace=1)
+        agent.close()
+
+
+@pytest.mark.timeout(30)
+def test_stop_kills_a_term_ignoring_task_and_its_setsid_grandchild(agent):
+    pid = agent.start_detached(launch(agent, "lab:r2:worker:0", [sys.executable, "-c", STUBBORN]))
+    procs = wait_for(lambda: len(with_tag("lab:r2:")) == 2 and with_tag("lab:r2:"), 10,
+                     what="task and grandchild")
+    grandchild = next(p for p in procs if p != pid)
+    assert os.getsid(grandchild) != os.getsid(pid)
+
+    report = agent.stop("lab:", grace=0.5)
+
+    assert sorted(report.stopped) == sorted(("lab:r2:worker:0", p) for p in procs)
+    assert report.survivors == ()
+    assert with_tag("lab:") == {}
+    assert gone(pid) and gone(grandchild)
+
+
+@pytest.mark.timeout(30)
+def test_attached_stop_kills_a_term_ignoring_task_and_its_setsid_grandchild(agent):
+    task = agent.start_attached(launch(agent, "lab:r3:worker:0", [sys.executable, "-c", STUBBORN]),
+                                grace=0.5)
+    wait_for(lambda: len(with_tag("lab:r3:")) == 2, 10, what="task and grandchild")
+
+    task.stop()
+
+    assert task.wait(15) == 128 + signal.SIGKILL  # TERM ignored, so KILL after the grace
+    assert with_tag("lab:") == {}
+    assert agent.status("lab:") == []
+
+
+@pytest.mark.timeout(30)
+def test_attached_task_output_arrives_in_order_with_its_exit_code(agent):
+    script = "import sys\nfor i in range(5000): print('line', i)\nsys.exit(3)"
+    task = agent.start_attached(launch(agent, "lab:r4:worker:0", [sys.executable, "-c", script]))
+
+    out = read_all(task)
+
+    assert out == b"".join(b"line %d\n" % i for i in range(5000))
+    assert task.wait(10) == 3
+
+
+@pytest.mark.timeout(30)
+def test_attached_task_killed_by_sigkill_exits_137(agent):
+    script = "import os, signal\nprint('bye', flush=True)\nos.kill(os.getpid(), signal.SIGKILL)"
+    task = agent.start_attached(launch(agent, "lab:r5:worker:0", [sys.executable, "-c", script]))
+
+    assert read_all(task) == b"bye\n"
+    assert task.wait(10) == 137
+
+
+def start_launcher(tag: str) -> tuple[subprocess.Popen, int]:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, tag], stdout=subprocess.PIPE, env=env)
+    return launcher, int(launcher.stdout.readline())
+
+
+@pytest.mark.timeout(30)
+def test_attached_task_dies_when_the_launcher_is_sigkilled(home):
+    launcher, pid = start_launcher("lab:r6:worker:0")
+    try:
+        assert not gone(pid)
+        launcher.kill()
+        wait_for(lambda: gone(pid), 10, what="task gone after launcher SIGKILL")
+        assert with_tag("lab:") == {}
+    finally:
+        launcher.kill()
+        launcher.wait()
+        launcher.stdout.close()
+
+
+@pytest.mark.timeout(30)
+def test_attached_task_dies_when_heartbeats_stop(home):
+    launcher, pid = start_launcher("lab:r7:worker:0")
+    try:
+        launcher.send_signal(signal.SIGSTOP)  # channel stays open, heartbeats stop
+        t0 = time.monotonic()
+        wait_for(lambda: gone(pid), 10, what="task gone after heartbeats stopped")
+        assert time.monotonic() - t0 > 2.0  # the watchdog, not an early EOF, killed it
+        assert with_tag("lab:") == {}
+    finally:
+        launcher.kill()
+        launcher.wait()
+        launcher.stdout.close()
+
+
+@pytest.mark.timeout(30)
+def test_stalled_reader_does_not_block_the_task(agent, tmp_path):
+    done = tmp_path / "done"
+    script = f"import sys\nfor i in range(300000): print('x' * 60, i)\nopen({str(done)!r}, 'w').close()"
+    task = agent.start_attached(launch(agent, "lab:r8:worker:0", [sys.executable, "-c", script]))
+
+    wait_for(done.exists, 20, what="the task to finish while nobody reads")  # ~18 MB, pipe holds 64 KB
+    wait_for(lambda: gone(task.pid), 10, what="task exit")
+    task.detach_kill()
+    assert task.wait(10) is not None
+
+
+@pytest.mark.timeout(30)
+def test_env_values_arrive_byte_for_byte_and_run_nothing(agent, tmp_path):
+    values = {
+        "V_SUBST": f"$(touch {tmp_path}/canary1)",
+        "V_BACKTICK": f"`touch {tmp_path}/canary2`",
+        "V_QUOTES": "it's \"quoted\"; touch canary3 && echo $HOME \\",
+        "V_NEWLINES": "line one\nline two\n\n; rm -rf /nonexistent\n",
+        "V_UNICODE": "héllo ✓ \t tab",
+    }
+    out = tmp_path / "env.json"
+    script = f"import json, os\njson.dump({{k: os.environ[k] for k in {sorted(values)!r}}}, open({str(out)!r}, 'w'))"
+    task = agent.start_attached(launch(agent, "lab:r9:worker:0", [sys.executable, "-c", script],
+                                       env=values, cwd=str(tmp_path)))
+
+    assert task.wait(15) == 0
+    assert json.loads(out.read_text()) == values
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["env.json", "home"]
+
+
+@pytest.mark.timeout(30)
+def test_stop_spares_an_unrelated_process_named_by_a_stale_pidfile(agent, home):
+    bystander = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    try:
+        with open(f"/proc/{bystander.pid}/stat") as f:
+            start_time = int(f.read().rsplit(")", 1)[1].split()[19])
+        tag = "lab:r10:ps:0"  # a task that died long ago; its pid now belongs to `sleep`
+        record = {"pid": bystander.pid, "pgid": bystander.pid, "start_time": start_time, "tag": tag,
+                  "argv": ["old"], "log": "x.log", "started_at": time.time()}
+        agent.put_file(json.dumps(record).encode(), agent.pidfile(tag))
+        assert [(s.tag, s.alive) for s in agent.status("lab:")] == [(tag, False)]
+
+        report = agent.stop("lab:", grace=0.5)
+
+        assert report.stopped == () and report.survivors == ()
+        assert bystander.poll() is None
+        assert agent.status("lab:") == []  # the stale pid file is gone
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
+@pytest.mark.timeout(30)
+def test_check_ports_names_the_holder_of_a_busy_port_and_passes_a_free_one(agent):
+    with socket.socket() as held:
+        held.bind(("0.0.0.0", 0))
+        held.listen()
+        busy, free = held.getsockname()[1], free_port()
+
+        result = agent.check_ports([busy, free])
+
+    assert result[free] is None
+    assert result[busy].startswith(f"pid {os.getpid()} (")
+
+
+@pytest.mark.timeout(30)
+def test_prepare_ships_files_only_when_they_changed(home):
+    shim = home / ".tfcluster/lab/bin/shim.py"
+    HostAgent("a", LocalTransport(), sys.executable, CLUSTER_DIR).prepare()
+    shipped_at = shim.stat().st_mtime_ns
+    HostAgent("b", LocalTransport(), sys.executable, CLUSTER_DIR).prepare()
+    assert shim.stat().st_mtime_ns == shipped_at
+    shim.write_text("# tampered\n")
+
+    info = HostAgent("c", LocalTransport(), sys.executable, CLUSTER_DIR).prepare()
+
+    assert shim.read_bytes() == (REPO / "tfcluster/shim.py").read_bytes()
+    assert info.home == str(home) and info.tf_version
+    assert oct(shim.stat().st_mode & 0o777) == "0o700"
+
+
+def test_prepare_names_the_host_when_python_is_missing(home):
+    from tfcluster.errors import PreflightError
+
+    with pytest.raises(PreflightError, match="host gpu0: /no/python3 not found"):
+        HostAgent("gpu0", LocalTransport(), "/no/python3", CLUSTER_DIR).prepare()
