@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 
 import psutil
 import pytest
@@ -15,10 +16,15 @@ import pytest
 pytest_plugins = ["tests.sshd"]
 
 TAG = "TFCLUSTER_JOB_ID="
+# Every process this test session starts inherits this marker (the test sshd passes it on
+# with SetEnv), so the leak check judges only our own processes, never another session's.
+SESSION_VAR = "TFCLUSTER_TEST_SESSION"
+os.environ.setdefault(SESSION_VAR, uuid.uuid4().hex)
+SESSION_MARK = f"{SESSION_VAR}={os.environ[SESSION_VAR]}".encode()
 
 
 def tagged_processes() -> dict[int, str]:
-    """pid -> tag value of every live process carrying the tfcluster tag."""
+    """pid -> tag value of every live process of this test session carrying the tfcluster tag."""
     found = {}
     for proc in psutil.process_iter(["pid", "status"]):
         if proc.info["status"] == psutil.STATUS_ZOMBIE:
@@ -28,7 +34,10 @@ def tagged_processes() -> dict[int, str]:
                 environ = f.read()
         except OSError:
             continue
-        for item in environ.split(b"\0"):
+        items = environ.split(b"\0")
+        if SESSION_MARK not in items:
+            continue
+        for item in items:
             if item.startswith(TAG.encode()):
                 found[proc.pid] = item[len(TAG):].decode(errors="replace")
     return found

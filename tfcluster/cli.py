@@ -24,15 +24,13 @@ streams every task's log with a prefix, and tears it all down.
 
 Examples:
 
-  tfcluster plan sample_clusters/local.yaml            # what would run where (no network)
-
-  tfcluster train sample_clusters/local.yaml           # 1 ps + 2 workers on this machine
-
-  tfcluster up lab.yaml && tfcluster status lab.yaml   # long-lived servers
-
-  tfcluster exec lab.yaml -- nvidia-smi -L             # a command on every host
-
-  tfcluster down lab.yaml                              # stop everything, verify it stopped
+\b
+  tfcluster plan sample_clusters/local.yaml    # what runs where (no network)
+  tfcluster train sample_clusters/local.yaml   # 1 ps + 2 workers, this machine
+  tfcluster up lab.yaml                        # long-lived servers over SSH
+  tfcluster status lab.yaml
+  tfcluster exec lab.yaml -- nvidia-smi -L     # a command on every host
+  tfcluster down lab.yaml                      # stop all, verify it stopped
 """
 
 app = typer.Typer(help=HELP, no_args_is_help=True, add_completion=True,
@@ -309,9 +307,19 @@ def init(
 
 # -- the error boundary ------------------------------------------------------------------
 
-def main(argv: list[str] | None = None) -> int:
-    import click
+def _click_exceptions() -> tuple[type, ...]:
+    """ClickException from whichever click typer uses (typer >= 0.2x vendors its own)."""
+    found = []
+    for name in ("typer._click.exceptions", "click.exceptions"):
+        try:
+            module = __import__(name, fromlist=["ClickException"])
+            found.append(module.ClickException)
+        except ImportError:
+            pass
+    return tuple(found)
 
+
+def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     _ui.debug = "--debug" in argv
     try:
@@ -324,12 +332,15 @@ def main(argv: list[str] | None = None) -> int:
             _ui.stderr.write(exc.details.rstrip("\n") + "\n")
         _ui.error(exc.message, exc.hint)
         return int(exc.exit_code)
-    except click.exceptions.Exit as exc:
+    except typer.Exit as exc:
         return exc.exit_code
-    except click.exceptions.ClickException as exc:
+    except _click_exceptions() as exc:
+        if type(exc).__name__ == "NoArgsIsHelpError":
+            _ui.stdout.write(exc.format_message() + "\n")  # the help text itself
+            return 0
         _ui.error(exc.format_message(), "see `tfcluster --help`" if exc.exit_code == 2 else None)
         return exc.exit_code
-    except (KeyboardInterrupt, click.exceptions.Abort):
+    except (KeyboardInterrupt, typer.Abort):
         _ui.error("interrupted")
         return int(ExitCode.INTERRUPTED)
     except BrokenPipeError:

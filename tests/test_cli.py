@@ -1,0 +1,116 @@
+"""The command line as a user meets it: exit codes, clean errors, fast imports."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LOCAL = os.path.join(ROOT, "sample_clusters", "local.yaml")
+GPU_LAB = os.path.join(ROOT, "sample_clusters", "gpu_lab.yaml")
+
+
+def tfc(*args: str, cwd: str | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tfcluster", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd, env={**os.environ, "NO_COLOR": "1"})
+
+
+def test_version_and_help_exit_0_and_help_has_an_example_per_command():
+    assert tfc("--version").stdout.strip().startswith("tfcluster ")
+    top = tfc("--help")
+    assert top.returncode == 0
+    for command in ("plan", "up", "down", "status", "train", "logs", "exec", "init"):
+        assert command in top.stdout
+        sub = tfc(command, "--help")
+        assert sub.returncode == 0, sub.stderr
+        assert "Example:" in sub.stdout, command
+
+
+def test_plan_json_is_one_parseable_document_with_redacted_secrets():
+    result = tfc("plan", GPU_LAB, "--json")
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["name"] == "lab" and len(doc["tasks"]) == 10
+    assert len(doc["spec_sha256"]) == 64
+    assert doc["tasks"][2]["env"]["WANDB_API_KEY"] == "***"
+    assert "set-me" not in result.stdout + result.stderr
+
+
+def test_plan_commands_shows_exact_command_and_redacts_secrets():
+    result = tfc("plan", GPU_LAB, "--commands")
+    assert result.returncode == 0, result.stderr
+    assert "script:  /opt/venv/bin/python between_graph.py --steps 2000 --model_dir '~/.tfcluster/lab/ckpt'" in result.stdout
+    assert "WANDB_API_KEY='***'" in result.stdout
+    assert "set-me" not in result.stdout
+
+
+def test_bad_spec_exits_2_with_one_line_naming_file_line_and_field(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nhosts:\n  - {name: a, address: 10.0.0.1}\njobs:\n"
+                   "  ps: {count: 1, hosts: [a], port: 2222}\n  wroker: {count: 1, hosts: [a], port: 2223}\n")
+    result = tfc("plan", str(bad))
+    assert result.returncode == 2
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert lines[0].startswith(f"tfcluster: error: {bad}:6: jobs")
+    assert "did you mean 'worker'" in lines[0]
+    assert "Traceback" not in result.stderr
+
+
+def test_missing_spec_file_is_a_clean_error_and_debug_shows_the_traceback(tmp_path):
+    result = tfc("plan", str(tmp_path / "nope.yaml"))
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr and "nope.yaml" in result.stderr
+    debug = tfc("--debug", "plan", str(tmp_path / "nope.yaml"))
+    assert debug.returncode != 0 and "Traceback" in debug.stderr
+
+
+def test_unknown_command_and_unknown_option_exit_2_without_traceback():
+    for args in (["frobnicate"], ["plan", LOCAL, "--jsno"]):
+        result = tfc(*args)
+        assert result.returncode == 2, args
+        assert result.stderr.startswith("tfcluster: error:") and "Traceback" not in result.stderr
+
+
+def test_plan_and_help_never_import_tensorflow_or_paramiko():
+    code = (
+        "import sys\n"
+        "from tfcluster.cli import main\n"
+        f"rc = main(['plan', {LOCAL!r}, '--json'])\n"
+        "main(['--help'])\n"
+        "heavy = [m for m in ('tensorflow', 'paramiko', 'tfcluster.launcher') if m in sys.modules]\n"
+        "print('HEAVY', heavy, rc)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "HEAVY [] 0" in result.stdout, result.stdout[-500:] + result.stderr[-500:]
+
+
+def test_up_and_train_dry_run_touch_nothing(tmp_path):
+    env_home = tmp_path / "home"
+    env_home.mkdir()
+    for command in ("up", "train"):
+        result = subprocess.run([sys.executable, "-m", "tfcluster", command, LOCAL, "--dry-run"],
+                                capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                                env={**os.environ, "HOME": str(env_home)})
+        assert result.returncode == 0, result.stderr
+        assert "worker:1" in result.stdout
+    assert list(env_home.iterdir()) == [] and not (tmp_path / "runs").exists()
+
+
+def test_exec_rejects_unknown_host_with_a_suggestion():
+    result = tfc("exec", LOCAL, "--hosts", "locl", "--", "true")
+    assert result.returncode == 2
+    assert "did you mean 'local'" in result.stderr
+
+
+def test_init_copies_a_template_and_refuses_to_overwrite(tmp_path):
+    result = tfc("init", "mirrored", cwd=str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    written = tmp_path / "train_mirrored.py"
+    assert "MultiWorkerMirroredStrategy" in written.read_text()
+    again = tfc("init", "mirrored", cwd=str(tmp_path))
+    assert again.returncode == 2 and "already exists" in again.stderr
+    assert tfc("init", "mirrorred", cwd=str(tmp_path)).returncode == 2
