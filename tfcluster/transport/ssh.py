@@ -162,8 +162,11 @@ def _append_known_host(path: str, line: str) -> None:
     with _known_hosts_lock:
         if parent and not os.path.isdir(parent):
             os.makedirs(parent, mode=0o700, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
         try:
+            with open(fd, "rb", closefd=False) as f:
+                if line.encode() in f.read().splitlines(keepends=True):
+                    return                       # a concurrent connect recorded it already
             os.write(fd, line.encode())
         finally:
             os.close(fd)
@@ -230,8 +233,7 @@ def dial(ep: Endpoint, ssh: SshSettings, config, depth: int = 0) -> _Conn:
             raise _fail(ep, f"more than {MAX_JUMPS} ProxyJump hops (a loop in ~/.ssh/config?)")
         jep = _jump_endpoint(ep, ssh, config)
         try:
-            jump = dial(jep, replace(ssh, jump_host=jep.jump, identity_file=None), config,
-                        depth + 1)
+            jump = dial(jep, replace(ssh, jump_host=jep.jump), config, depth + 1)
         except ConnectError as e:
             raise _fail(ep, f"via {e.message}", e.hint) from None
     try:
@@ -243,7 +245,7 @@ def dial(ep: Endpoint, ssh: SshSettings, config, depth: int = 0) -> _Conn:
                     raise _fail(ep, f"connection dropped during the SSH handshake ({e})",
                                 "the host's sshd may limit concurrent connections (MaxStartups)"
                                 ) from None
-                time.sleep(0.1 * 2 ** attempt + random.uniform(0, 0.1))
+                time.sleep(0.2 * 2 ** attempt + random.uniform(0, 0.2))
     except BaseException:
         if jump:
             jump.close()
