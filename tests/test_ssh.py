@@ -348,7 +348,8 @@ def test_make_transport_picks_ssh_or_local(sshd):
     except ImportError:
         pytest.skip("tfcluster/transport/local.py not written yet")
     local = make_transport(Host("me", "localhost", local=True))
-    assert isinstance(local, LocalTransport)
+    assert isinstance(local, LocalTransport) and local.is_local
+    assert local.run(["echo", "hi"]).stdout == b"hi\n"
     local.close()
 
 

@@ -16,6 +16,6 @@ def make_transport(host: Host) -> Transport:
     """The transport for `host`: local processes when `host.local`, else SSH."""
     if host.local:
         from tfcluster.transport.local import LocalTransport
-        return LocalTransport(host)
+        return LocalTransport(host.name)
     from tfcluster.transport.ssh import SshTransport
     return SshTransport(host)
