@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import uuid
 from pathlib import Path
 
 import psutil
@@ -20,6 +21,9 @@ from tfcluster.transport.local import LocalTransport
 
 REPO = Path(__file__).resolve().parent.parent
 CLUSTER_DIR = "~/.tfcluster/lab"
+# Stop sweeps the whole machine by tag prefix: a cluster name of our own keeps concurrent
+# test sessions on this machine out of each other's way.
+C = f"agent{uuid.uuid4().hex[:8]}"
 
 # Ignores SIGTERM and leaves a grandchild in a session of its own, which ignores it too.
 STUBBORN = textwrap.dedent("""
@@ -95,63 +99,63 @@ def test_tfservers_start_become_ready_and_stop_leaving_ports_free(home, capsys):
         pids = {}
         for job in ports:
             tf_config = json.dumps({"cluster": cluster, "task": {"type": job, "index": 0}})
-            t = launch(agent, f"lab:r1:{job}:0", agent.server_argv(),
+            t = launch(agent, f"{C}:r1:{job}:0", agent.server_argv(),
                        {"TF_CONFIG": tf_config, "TF_CPP_MIN_LOG_LEVEL": "2"})
             pids[job] = agent.start_detached(t)
         outcomes = dict(agent.wait_ready([(job, ports[job], pids[job]) for job in ports], 60))
         with capsys.disabled():
             print(f"\n[prepare + start + ready of 2 tfservers: {time.monotonic() - t0:.1f}s]")
         assert outcomes == {"ps": "ready", "worker": "ready"}
-        assert {(s.tag, s.pid, s.alive) for s in agent.status("lab:")} == {
-            ("lab:r1:ps:0", pids["ps"], True), ("lab:r1:worker:0", pids["worker"], True)}
+        assert {(s.tag, s.pid, s.alive) for s in agent.status(f"{C}:")} == {
+            (f"{C}:r1:ps:0", pids["ps"], True), (f"{C}:r1:worker:0", pids["worker"], True)}
         assert "tfcluster: server ps:0 listening on localhost:" in agent.tail(
-            f"{CLUSTER_DIR}/logs/lab_r1_ps_0.log", 50)
+            f"{CLUSTER_DIR}/logs/{C}_r1_ps_0.log", 50)
 
-        report = agent.stop("lab:", grace=5)
+        report = agent.stop(f"{C}:", grace=5)
 
-        assert sorted(report.stopped) == sorted(("lab:r1:" + j + ":0", p) for j, p in pids.items())
+        assert sorted(report.stopped) == sorted((f"{C}:r1:" + j + ":0", p) for j, p in pids.items())
         assert report.survivors == ()
-        assert with_tag("lab:") == {}
-        assert agent.status("lab:") == []
+        assert with_tag(f"{C}:") == {}
+        assert agent.status(f"{C}:") == []
         assert agent.check_ports(list(ports.values())) == {p: None for p in ports.values()}
     finally:
-        agent.stop("lab:", grace=1)
+        agent.stop(f"{C}:", grace=1)
         agent.close()
 
 
 @pytest.mark.timeout(30)
 def test_stop_kills_a_term_ignoring_task_and_its_setsid_grandchild(agent):
-    pid = agent.start_detached(launch(agent, "lab:r2:worker:0", [sys.executable, "-c", STUBBORN]))
-    procs = wait_for(lambda: len(with_tag("lab:r2:")) == 2 and with_tag("lab:r2:"), 10,
+    pid = agent.start_detached(launch(agent, f"{C}:r2:worker:0", [sys.executable, "-c", STUBBORN]))
+    procs = wait_for(lambda: len(with_tag(f"{C}:r2:")) == 2 and with_tag(f"{C}:r2:"), 10,
                      what="task and grandchild")
     grandchild = next(p for p in procs if p != pid)
     assert os.getsid(grandchild) != os.getsid(pid)
 
-    report = agent.stop("lab:", grace=0.5)
+    report = agent.stop(f"{C}:", grace=0.5)
 
-    assert sorted(report.stopped) == sorted(("lab:r2:worker:0", p) for p in procs)
+    assert sorted(report.stopped) == sorted((f"{C}:r2:worker:0", p) for p in procs)
     assert report.survivors == ()
-    assert with_tag("lab:") == {}
+    assert with_tag(f"{C}:") == {}
     assert gone(pid) and gone(grandchild)
 
 
 @pytest.mark.timeout(30)
 def test_attached_stop_kills_a_term_ignoring_task_and_its_setsid_grandchild(agent):
-    task = agent.start_attached(launch(agent, "lab:r3:worker:0", [sys.executable, "-c", STUBBORN]),
+    task = agent.start_attached(launch(agent, f"{C}:r3:worker:0", [sys.executable, "-c", STUBBORN]),
                                 grace=0.5)
-    wait_for(lambda: len(with_tag("lab:r3:")) == 2, 10, what="task and grandchild")
+    wait_for(lambda: len(with_tag(f"{C}:r3:")) == 2, 10, what="task and grandchild")
 
     task.stop()
 
     assert task.wait(15) == 128 + signal.SIGKILL  # TERM ignored, so KILL after the grace
-    assert with_tag("lab:") == {}
-    assert agent.status("lab:") == []
+    assert with_tag(f"{C}:") == {}
+    assert agent.status(f"{C}:") == []
 
 
 @pytest.mark.timeout(30)
 def test_attached_task_output_arrives_in_order_with_its_exit_code(agent):
     script = "import sys\nfor i in range(5000): print('line', i)\nsys.exit(3)"
-    task = agent.start_attached(launch(agent, "lab:r4:worker:0", [sys.executable, "-c", script]))
+    task = agent.start_attached(launch(agent, f"{C}:r4:worker:0", [sys.executable, "-c", script]))
 
     out = read_all(task)
 
@@ -162,7 +166,7 @@ def test_attached_task_output_arrives_in_order_with_its_exit_code(agent):
 @pytest.mark.timeout(30)
 def test_attached_task_killed_by_sigkill_exits_137(agent):
     script = "import os, signal\nprint('bye', flush=True)\nos.kill(os.getpid(), signal.SIGKILL)"
-    task = agent.start_attached(launch(agent, "lab:r5:worker:0", [sys.executable, "-c", script]))
+    task = agent.start_attached(launch(agent, f"{C}:r5:worker:0", [sys.executable, "-c", script]))
 
     assert read_all(task) == b"bye\n"
     assert task.wait(10) == 137
@@ -176,12 +180,12 @@ def start_launcher(tag: str) -> tuple[subprocess.Popen, int]:
 
 @pytest.mark.timeout(30)
 def test_attached_task_dies_when_the_launcher_is_sigkilled(home):
-    launcher, pid = start_launcher("lab:r6:worker:0")
+    launcher, pid = start_launcher(f"{C}:r6:worker:0")
     try:
         assert not gone(pid)
         launcher.kill()
         wait_for(lambda: gone(pid), 10, what="task gone after launcher SIGKILL")
-        assert with_tag("lab:") == {}
+        assert with_tag(f"{C}:") == {}
     finally:
         launcher.kill()
         launcher.wait()
@@ -190,13 +194,13 @@ def test_attached_task_dies_when_the_launcher_is_sigkilled(home):
 
 @pytest.mark.timeout(30)
 def test_attached_task_dies_when_heartbeats_stop(home):
-    launcher, pid = start_launcher("lab:r7:worker:0")
+    launcher, pid = start_launcher(f"{C}:r7:worker:0")
     try:
         launcher.send_signal(signal.SIGSTOP)  # channel stays open, heartbeats stop
         t0 = time.monotonic()
         wait_for(lambda: gone(pid), 10, what="task gone after heartbeats stopped")
         assert time.monotonic() - t0 > 2.0  # the watchdog, not an early EOF, killed it
-        assert with_tag("lab:") == {}
+        assert with_tag(f"{C}:") == {}
     finally:
         launcher.kill()
         launcher.wait()
@@ -207,7 +211,7 @@ def test_attached_task_dies_when_heartbeats_stop(home):
 def test_stalled_reader_does_not_block_the_task(agent, tmp_path):
     done = tmp_path / "done"
     script = f"import sys\nfor i in range(300000): print('x' * 60, i)\nopen({str(done)!r}, 'w').close()"
-    task = agent.start_attached(launch(agent, "lab:r8:worker:0", [sys.executable, "-c", script]))
+    task = agent.start_attached(launch(agent, f"{C}:r8:worker:0", [sys.executable, "-c", script]))
 
     wait_for(done.exists, 20, what="the task to finish while nobody reads")  # ~18 MB, pipe holds 64 KB
     wait_for(lambda: gone(task.pid), 10, what="task exit")
@@ -226,7 +230,7 @@ def test_env_values_arrive_byte_for_byte_and_run_nothing(agent, tmp_path):
     }
     out = tmp_path / "env.json"
     script = f"import json, os\njson.dump({{k: os.environ[k] for k in {sorted(values)!r}}}, open({str(out)!r}, 'w'))"
-    task = agent.start_attached(launch(agent, "lab:r9:worker:0", [sys.executable, "-c", script],
+    task = agent.start_attached(launch(agent, f"{C}:r9:worker:0", [sys.executable, "-c", script],
                                        env=values, cwd=str(tmp_path)))
 
     assert task.wait(15) == 0
@@ -240,17 +244,17 @@ def test_stop_spares_an_unrelated_process_named_by_a_stale_pidfile(agent, home):
     try:
         with open(f"/proc/{bystander.pid}/stat") as f:
             start_time = int(f.read().rsplit(")", 1)[1].split()[19])
-        tag = "lab:r10:ps:0"  # a task that died long ago; its pid now belongs to `sleep`
+        tag = f"{C}:r10:ps:0"  # a task that died long ago; its pid now belongs to `sleep`
         record = {"pid": bystander.pid, "pgid": bystander.pid, "start_time": start_time, "tag": tag,
                   "argv": ["old"], "log": "x.log", "started_at": time.time()}
         agent.put_file(json.dumps(record).encode(), agent.pidfile(tag))
-        assert [(s.tag, s.alive) for s in agent.status("lab:")] == [(tag, False)]
+        assert [(s.tag, s.alive) for s in agent.status(f"{C}:")] == [(tag, False)]
 
-        report = agent.stop("lab:", grace=0.5)
+        report = agent.stop(f"{C}:", grace=0.5)
 
         assert report.stopped == () and report.survivors == ()
         assert bystander.poll() is None
-        assert agent.status("lab:") == []  # the stale pid file is gone
+        assert agent.status(f"{C}:") == []  # the stale pid file is gone
     finally:
         bystander.kill()
         bystander.wait()
