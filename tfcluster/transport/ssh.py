@@ -165,9 +165,11 @@ def _append_known_host(path: str, line: str) -> None:
         fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
         try:
             with open(fd, "rb", closefd=False) as f:
-                if line.encode() in f.read().splitlines(keepends=True):
-                    return                       # a concurrent connect recorded it already
-            os.write(fd, line.encode())
+                existing = f.read()
+            if line.encode() in existing.splitlines(keepends=True):
+                return                           # a concurrent connect recorded it already
+            os.write(fd, (b"\n" if existing and not existing.endswith(b"\n") else b"")
+                     + line.encode())
         finally:
             os.close(fd)
 
