@@ -126,7 +126,7 @@ class Slot:
 
 
 MAX_SPEC_BYTES = 1 << 20          # a spec is a page of YAML; anything bigger is a mistake or an attack
-MAX_DEPTH = 32                    # the schema nests 5 deep; libyaml's composer recurses in C
+MAX_DEPTH = 32                    # the schema nests 5 deep; deeper is junk (and costs stack)
 MAX_TASKS = 10_000                # bounds the layout work whatever counts the file asks for
 PLACEHOLDERS = ("job", "index", "ps_hosts", "worker_hosts", "chief_hosts", "workdir",
                 "num_workers")
@@ -233,37 +233,77 @@ def _yaml_problem(exc: yaml.YAMLError, text: str) -> _Bad:
     return _Bad(mark.line + 1 if mark else 1, "yaml", problem)
 
 
-def _check_events(text: str) -> None:
-    """Stream the events once before composing: refuse what the composer cannot take safely.
-
-    Aliases are how a billion-laughs file explodes, and libyaml's composer recurses in C
-    (a deep `[[[[` crashes the interpreter), so both are stopped here, streaming.
-    """
-    depth = 0
-    for event in yaml.parse(text, Loader=_Loader):
-        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
-            raise _Bad(_line(event), "yaml", "YAML anchors/aliases are not supported")
-        if getattr(event, "tag", None) not in (None, "!"):
-            raise _Bad(_line(event), "yaml", f"YAML tags are not supported ({event.tag})")
-        if isinstance(event, yaml.CollectionStartEvent):
-            depth += 1
-            if depth > MAX_DEPTH:
-                raise _Bad(_line(event), "yaml", f"nested more than {MAX_DEPTH} levels deep")
-        elif isinstance(event, yaml.CollectionEndEvent):
-            depth -= 1
-
-
 def _compose(text: str) -> yaml.Node:
     try:
-        _check_events(text)
-        root = yaml.compose(text, Loader=_Loader)
+        root = _tree(yaml.parse(text, Loader=_Loader))
     except yaml.YAMLError as exc:
         raise _yaml_problem(exc, text) from None
-    except RecursionError:  # pragma: no cover - depth is capped above
-        raise _Bad(1, "yaml", "nested too deep") from None
     if root is None:
         raise _Bad(1, "spec", "file is empty; expected a mapping with name, hosts and jobs")
     return root
+
+
+def _tree(events: Iterable[yaml.Event]) -> yaml.Node | None:
+    """yaml.compose's node tree, built in one streaming pass over the parser's events.
+
+    Not yaml.compose itself: libyaml's composer recurses in C (a deep `[[[[` kills the
+    interpreter), the pure-Python one takes seconds on a 1 MiB file, and both expand
+    aliases. Here aliases, anchors and tags are refused as they stream by (a billion-laughs
+    file stops at its first anchor) and nesting is capped. No implicit typing is done:
+    nodes keep the text as written and its style.
+    """
+    root: yaml.Node | None = None
+    stack: list[yaml.Node] = []            # open collections, innermost last
+    keys: list[yaml.Node | None] = []      # per open collection: a mapping key awaiting its value
+    for event in events:
+        _refuse(event, len(stack), root)
+        if isinstance(event, yaml.CollectionEndEvent):
+            stack.pop()
+            keys.pop()
+            continue
+        node = _node(event)
+        if node is None:
+            continue
+        if stack:
+            _attach(stack[-1], keys, node)
+        else:
+            root = node
+        if not isinstance(node, yaml.ScalarNode):
+            stack.append(node)
+            keys.append(None)
+    return root
+
+
+def _refuse(event: yaml.Event, depth: int, root: yaml.Node | None) -> None:
+    if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
+        raise _Bad(_line(event), "yaml", "YAML anchors/aliases are not supported")
+    if getattr(event, "tag", None) not in (None, "!"):
+        raise _Bad(_line(event), "yaml", f"YAML tags are not supported ({event.tag})")
+    if isinstance(event, yaml.CollectionStartEvent) and depth >= MAX_DEPTH:
+        raise _Bad(_line(event), "yaml", f"nested more than {MAX_DEPTH} levels deep")
+    if isinstance(event, yaml.DocumentStartEvent) and root is not None:
+        raise _Bad(_line(event), "yaml", "a second YAML document; a spec is a single document")
+
+
+def _node(event: yaml.Event) -> yaml.Node | None:
+    marks = (event.start_mark, event.end_mark)
+    if isinstance(event, yaml.ScalarEvent):
+        return yaml.ScalarNode("", event.value, *marks, style=event.style)
+    if isinstance(event, yaml.SequenceStartEvent):
+        return yaml.SequenceNode("", [], *marks, flow_style=event.flow_style)
+    if isinstance(event, yaml.MappingStartEvent):
+        return yaml.MappingNode("", [], *marks, flow_style=event.flow_style)
+    return None
+
+
+def _attach(parent: yaml.Node, keys: list[yaml.Node | None], node: yaml.Node) -> None:
+    if isinstance(parent, yaml.SequenceNode):
+        parent.value.append(node)
+    elif keys[-1] is None:
+        keys[-1] = node
+    else:
+        parent.value.append((keys[-1], node))
+        keys[-1] = None
 
 
 # --------------------------------------------------------------------------- typed scalars
