@@ -15,7 +15,7 @@ import os
 import re
 import stat
 import string
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -700,7 +700,7 @@ def _task_count(job: Job, hosts: dict[str, Host]) -> int:
 def _parse_train(node: yaml.Node, base_dir: str) -> Train:
     f = _fields(node, "train", _TRAIN_KEYS)
     value = {k: v for k, (_, v) in f.items()}
-    train = Train(
+    return Train(
         mode=_choice(value["mode"], "train.mode", MODES, "mode") if "mode" in f else MODES[0],
         script=_script(value["script"], base_dir) if "script" in f else None,
         files=_files(value["files"], base_dir) if "files" in f else (),
@@ -709,7 +709,6 @@ def _parse_train(node: yaml.Node, base_dir: str) -> Train:
         timeout=_duration(value["timeout"], "train.timeout") if "timeout" in f else None,
         args_line=_line(value["args"]) if "args" in f else 0,
     )
-    return train
 
 
 def _templates_root() -> Any:
@@ -815,19 +814,22 @@ def layout_tasks(spec: Spec) -> tuple[Slot, ...]:
     order = {name: i for i, name in enumerate(JOB_NAMES)}
     placed = [p for job in sorted(spec.jobs, key=lambda j: order[j.name])
               for p in _place(job, hosts)]
-    need: dict[str, int] = {}
-    for job, _, host, _, k in placed:
+    return tuple(_assign_gpus(spec.path, placed, hosts))
+
+
+def _assign_gpus(path: str, placed: list[tuple[Job, int, str, int, int]],
+                 hosts: dict[str, Host]) -> Iterator[Slot]:
+    need: dict[str, int] = {}          # totals, so the error says what the host would need
+    for _, _, host, _, k in placed:
         need[host] = need.get(host, 0) + k
     used: dict[str, int] = {}
-    slots = []
     for job, index, host, port, k in placed:
         start = used.get(host, 0)
         if start + k > hosts[host].gpus:
-            raise _spec_error(spec.path, job.line, _sub("jobs", job.name),
+            raise _spec_error(path, job.line, _sub("jobs", job.name),
                               f"host {host} has {hosts[host].gpus} GPUs but its tasks need {need[host]}")
         used[host] = start + k
-        slots.append(Slot(job.name, index, host, port, tuple(range(start, start + k))))
-    return tuple(slots)
+        yield Slot(job.name, index, host, port, tuple(range(start, start + k)))
 
 
 def _place(job: Job, hosts: dict[str, Host]) -> list[tuple[Job, int, str, int, int]]:
