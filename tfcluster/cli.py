@@ -212,6 +212,7 @@ def train(
     task: Optional[List[str]] = typer.Option(None, "--task", help="Show only this task live, e.g. worker:0 (repeatable)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No live task output; summary only."),
     runs_dir: str = typer.Option("runs", "--runs-dir", help="Where per-run logs and manifest are saved."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Also show TF's start-up log noise."),
 ) -> int:
     """Run the training script on the cluster with live, prefixed logs.
 
@@ -232,7 +233,8 @@ def train(
 
         print_plan(_ui, p, commands=True)
         return ExitCode.OK
-    options = supervisor.Options(show=tuple(task or ()), quiet=quiet, runs_dir=runs_dir)
+    options = supervisor.Options(show=tuple(task or ()), quiet=quiet, runs_dir=runs_dir,
+                                 verbose=verbose)
     return supervisor.train(spec, p, _ui, options)
 
 

@@ -44,6 +44,22 @@ def _utf8_split(data: bytes, final: bool = False) -> tuple[bytes, bytes]:
     return (data, b"") if n == len(data) else (data[:n], data[n:])
 
 
+# TensorFlow's start-up chatter that TF_CPP_MIN_LOG_LEVEL cannot silence (absl prints it
+# before logging is initialised). Hidden from the live view with hide_noise=True; always saved.
+TF_NOISE = (
+    b"All log messages before absl::InitializeLog() is called are written to STDERR",
+    b"oneDNN custom operations are on",
+    b"cpu_feature_guard.cc",
+    b"To enable the following instructions:",
+    b"rebuild TensorFlow with the appropriate compiler flags",
+    b"Unable to register cuDNN factory",
+    b"Unable to register cuBLAS factory",
+    b"Unable to register cuFFT factory",
+    b"computation placer already registered",
+    b"Could not find cuda drivers on your machine",
+)
+
+
 class _Task:
     __slots__ = ("key", "prefix", "sep", "show", "lock", "carry", "partial",
                  "shown", "ring", "fd", "saved_midline")
@@ -69,21 +85,24 @@ class LogMux:
 
     def __init__(self, out: BinaryIO, keys: Sequence[str], *, color: bool,
                  show: Callable[[str], bool] | None = None,
-                 save_dir: str | None = None, collapse: bool = True) -> None:
+                 save_dir: str | None = None, collapse: bool = True,
+                 hide_noise: bool = False) -> None:
         if len(set(keys)) != len(keys):
             raise ValueError(f"duplicate task keys: {list(keys)}")
         self._out = out
         self._color = color
         self._collapse = collapse
+        self._hide_noise = hide_noise
         self._out_lock = threading.Lock()
         self._broken = False      # the reader of `out` went away (e.g. `| head`)
         self._closed = False
-        width = max((len(k) for k in keys), default=0)
+        shown = {key: show(key) if show is not None else True for key in keys}
+        # Align on the tasks actually shown: a hidden long key must not widen every prefix.
+        width = max((len(k) for k in keys if shown[k]), default=0)
         if save_dir is not None:
             os.makedirs(save_dir, mode=0o700, exist_ok=True)
         self._tasks = {
-            key: _Task(key, self._prefix(key, width, i),
-                       show(key) if show is not None else True,
+            key: _Task(key, self._prefix(key, width, i), shown[key],
                        _open_log(save_dir, key) if save_dir is not None else None)
             for i, key in enumerate(keys)}
 
@@ -230,6 +249,11 @@ class LogMux:
     def _emit(self, t: _Task, block: bytes | None) -> None:
         if block is None:
             return
+        if self._hide_noise and any(marker in block for marker in TF_NOISE):
+            block = b"\n".join(line for line in block.split(b"\n")
+                               if not any(marker in line for marker in TF_NOISE))
+            if not block:
+                return
         t.ring.extend(block.rsplit(b"\n", HISTORY)[-HISTORY:])
         if t.show:
             self._write(t.prefix + block.replace(b"\n", t.sep) + b"\n")

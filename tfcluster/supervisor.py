@@ -34,6 +34,7 @@ class Options:
     runs_dir: str = "runs"
     grace: float = 10.0
     heartbeat: float = 30.0
+    verbose: bool = False           # show TF's start-up chatter too
 
 
 @dataclass
@@ -118,7 +119,8 @@ def _make_mux(plan: Plan, ui, options: Options, run_id: str):
 
     save_dir = os.path.join(options.runs_dir, run_id)
     os.makedirs(save_dir, mode=0o700, exist_ok=True)
-    return LogMux(sys.stdout.buffer, keys, color=ui.color, show=show, save_dir=save_dir)
+    return LogMux(sys.stdout.buffer, keys, color=ui.color, show=show, save_dir=save_dir,
+                  hide_noise=not options.verbose)
 
 
 # -- the run ---------------------------------------------------------------------------------

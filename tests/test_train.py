@@ -1,0 +1,142 @@
+"""`tfcluster train` end to end with real TensorFlow on this machine (local transport)."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+from tests.conftest import tagged_processes, wait_for
+from tests.train_helpers import (kill_group, local_spec, losses, manifest, only_run, read_until,
+                                 result_of, start_tfcluster, tfcluster)
+
+pytestmark = [pytest.mark.tf, pytest.mark.timeout(300)]
+
+
+@pytest.fixture
+def work(tmp_path, home):
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    return tmp_path, home, cwd
+
+
+def test_between_graph_trains_to_the_exact_final_step_with_falling_loss(work):
+    tmp, home, cwd = work
+    spec = local_spec(tmp, args=["--steps", "200"])
+    result = tfcluster("train", str(spec), home=home, cwd=cwd)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "\nworker:0 │ step=" in result.stdout and "\nworker:1 │ step=" in result.stdout
+    run = only_run(cwd / "runs")
+    chief_log = (run / "worker-0.log").read_text()
+    step, final_loss = result_of(chief_log)
+    assert step == 200
+    trace = losses(chief_log)
+    assert final_loss < trace[0] / 2
+    doc = manifest(run)
+    assert doc["exit_code"] == 0 and doc["tasks"]["worker:0"]["script"]["exit_code"] == 0
+    assert "worker:1" in doc["tasks"] and "tfcluster-result" in result.stderr + result.stdout
+    assert oct(os.stat(run / "manifest.json").st_mode & 0o777) == "0o600"
+
+
+@pytest.mark.parametrize("mode,script,jobs", [
+    ("classic", "template:classic", dict(ps=1, workers=2)),
+    ("coordinator", "template:coordinator", dict(ps=1, workers=2, chief=1)),
+    ("mirrored", "template:mirrored", dict(ps=0, workers=2)),
+])
+def test_each_tf2_and_classic_mode_runs_to_success(work, mode, script, jobs):
+    tmp, home, cwd = work
+    args = ["--job_name={job}", "--task_index={index}", "--ps_hosts={ps_hosts}",
+            "--worker_hosts={worker_hosts}", "--steps", "100"] if mode == "classic" else ["--steps", "60"]
+    spec = local_spec(tmp, mode=mode, script=script, args=args, **jobs)
+    result = tfcluster("train", str(spec), home=home, cwd=cwd)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run = only_run(cwd / "runs")
+    chief = "chief-0.log" if jobs.get("chief") else "worker-0.log"
+    step, loss = result_of((run / chief).read_text())
+    assert step >= 60 and loss == loss  # not NaN
+    if mode == "classic":
+        assert step == 100
+
+
+def test_script_that_raises_at_import_names_task_exit_code_and_log_tail(work):
+    tmp, home, cwd = work
+    bad = tmp / "bad.py"
+    bad.write_text("import os\nraise RuntimeError('boom at import on ' + os.environ['TFCLUSTER_JOB'])\n")
+    spec = local_spec(tmp, script="bad.py")
+    result = tfcluster("train", str(spec), home=home, cwd=cwd)
+    assert result.returncode == 5, result.stderr[-2000:]
+    error = [line for line in result.stderr.splitlines() if line.startswith("tfcluster: error:")]
+    assert len(error) == 1
+    assert "failed with exit code 1" in error[0] and "worker:" in error[0]
+    assert "RuntimeError: boom at import on worker" in result.stderr
+    assert "Traceback" not in error[0]
+
+
+def test_worker_killed_mid_run_is_restarted_and_run_ends_at_exact_step(work):
+    tmp, home, cwd = work
+    spec = local_spec(tmp, args=["--steps", "400", "--log_every", "10"], restart="on-failure")
+    proc = start_tfcluster("train", str(spec), home=home, cwd=cwd)
+    try:
+        read_until(proc, r"worker:1 .*step=", timeout=120)
+        victims = [p for p, tag in tagged_processes().items() if tag.endswith(":worker:1:script")]
+        assert len(victims) == 1
+        os.kill(victims[0], signal.SIGKILL)
+        out, _ = proc.communicate(timeout=200)
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 0, out[-3000:]
+    assert "restarting (1/3)" in out
+    run = only_run(cwd / "runs")
+    assert manifest(run)["tasks"]["worker:1"]["script"]["restarts"] == 1
+    assert result_of((run / "worker-0.log").read_text())[0] == 400
+
+
+def test_ctrl_c_stops_everything_and_exits_130(work):
+    tmp, home, cwd = work
+    spec = local_spec(tmp, args=["--steps", "100000", "--log_every", "50"])
+    proc = start_tfcluster("train", str(spec), home=home, cwd=cwd)
+    try:
+        read_until(proc, r"worker:0 .*step=", timeout=120)
+        assert len(tagged_processes()) >= 5  # 3 servers + 2 scripts
+        os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole group
+        t0 = time.monotonic()
+        out, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 130, out[-2000:]
+        wait_for(lambda: not tagged_processes(), timeout=10 - (time.monotonic() - t0) + 15,
+                 what="every task gone after Ctrl-C")
+    finally:
+        kill_group(proc)
+
+
+def test_timeout_ends_the_run_cleanly_with_exit_6(work):
+    tmp, home, cwd = work
+    spec = local_spec(tmp, args=["--steps", "100000"])
+    result = tfcluster("train", str(spec), "--timeout", "25", home=home, cwd=cwd)
+    assert result.returncode == 6, result.stderr[-2000:]
+    assert "timeout" in result.stderr
+
+
+def test_two_runs_on_one_up_cluster_are_isolated_and_servers_stay_up(work):
+    tmp, home, cwd = work
+    spec = local_spec(tmp, args=["--steps", "120", "--log_every", "10"])
+    up = tfcluster("up", str(spec), home=home, cwd=cwd)
+    assert up.returncode == 0, up.stderr
+    try:
+        for n in (1, 2):
+            result = tfcluster("train", str(spec), home=home, cwd=cwd)
+            assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+            assert "Using the running cluster" in result.stderr
+        runs = sorted(d for d in (cwd / "runs").iterdir())
+        assert len(runs) == 2
+        for run in runs:
+            log = (run / "worker-0.log").read_text()
+            assert result_of(log)[0] == 120
+            first_step = int(log.split("step=")[1].split()[0])
+            assert first_step <= 40, f"run started from step {first_step}: state leaked between runs"
+        status = tfcluster("status", str(spec), "--json", home=home, cwd=cwd)
+        assert status.stdout.count('"running"') == 3
+    finally:
+        down = tfcluster("down", str(spec), home=home, cwd=cwd)
+    assert down.returncode == 0, down.stderr
