@@ -186,9 +186,9 @@ def main(argv=None) -> int:
                 print(f"step={step} loss={loss:.6f}", flush=True)
 
     with tf.compat.v1.Session(me["master"], config=config) as sess:
-        sess.run(g["done_inc"])
         step = sess.run(g["global_step"])
         loss = sess.run(g["loss"], feed_dict={g["x"]: x_all, g["y"]: y_all})
+        sess.run(g["done_inc"])  # last use of the ps state: the chief may free it now
     print(f"{me['job']}:{me['index']} local_steps={local_steps}", flush=True)
     print(f"tfcluster-result: global_step={step} loss={loss:.6f}", flush=True)
 

@@ -114,6 +114,9 @@ class HandLaunch:
         self.kill_all()
 
     def start(self, name: str, argv: list[str], env: dict[str, str]) -> Proc:
+        taken = {p.name for p in self.procs}
+        if name in taken:  # a restarted task keeps the first one's log
+            name = next(f"{name}.{n}" for n in range(2, 10**6) if f"{name}.{n}" not in taken)
         log = self.log_dir / f"{name}.log"
         with open(log, "wb") as out:
             popen = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,

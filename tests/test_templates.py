@@ -1,0 +1,188 @@
+"""The shipped training templates, on real TensorFlow clusters launched by hand on loopback.
+
+Each cluster's processes start together (TF import costs seconds each); every
+process carries TFCLUSTER_JOB_ID and is killed in a finally (HandLaunch.__exit__).
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import wait_for
+from tests.tf_launch import HandLaunch, make_cluster, port_of, wait_port
+
+pytest.importorskip("tensorflow")
+
+TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
+RESULT = re.compile(r"^tfcluster-result: global_step=(\d+) loss=([-+0-9.eE]+|nan|inf)$", re.M)
+PROGRESS = re.compile(r"^step=(\d+) loss=([-+0-9.eE]+)", re.M)
+
+
+def result(output: str) -> tuple[int, float]:
+    found = RESULT.findall(output)
+    assert found, f"no result line in:\n{output[-3000:]}"
+    return int(found[-1][0]), float(found[-1][1])
+
+
+def progress(output: str) -> list[tuple[int, float]]:
+    return [(int(s), float(l)) for s, l in PROGRESS.findall(output)]
+
+
+def assert_trained(outputs: list[str], steps: int | None = None) -> None:
+    """The outputs of one run's processes: each has a result line (at exactly `steps`
+    if given), and the loss fell from the earliest progress line of any of them (a
+    worker that joins late starts from an already trained model)."""
+    lines = sorted(line for out in outputs for line in progress(out))
+    assert lines, "no progress lines in:\n" + "\n".join(out[-2000:] for out in outputs)
+    for out in outputs:
+        step, loss = result(out)
+        assert loss < lines[0][1] / 10, f"loss did not fall: first {lines[0]}, final {loss}"
+        if steps is not None:
+            assert step == steps, f"final global_step {step} != --steps {steps}"
+
+
+def checkpoint_step(model_dir: Path) -> int:
+    """The step of the latest complete tf.compat.v1 checkpoint in model_dir (-1: none)."""
+    try:
+        text = (model_dir / "checkpoint").read_text()
+    except OSError:
+        return -1
+    found = re.search(r'^model_checkpoint_path: ".*-(\d+)"', text, re.M)
+    return int(found.group(1)) if found else -1
+
+
+def assert_exit_0(launch: HandLaunch, procs, timeout: float) -> None:
+    rcs = launch.wait_all(procs, timeout)
+    for proc, rc in zip(procs, rcs):
+        assert rc == 0, f"{proc.name} exited {rc}:\n{proc.output()[-3000:]}"
+
+
+def start_servers(launch: HandLaunch, cluster: dict, jobs=("ps", "worker")) -> None:
+    """tfcluster's own server program for every task of `jobs`, waited for by port."""
+    servers = [(launch.start_server(cluster, job, i), addr)
+               for job in jobs for i, addr in enumerate(cluster.get(job, []))]
+    for proc, addr in servers:
+        wait_port(port_of(addr), 60, proc=proc)
+
+
+def run_between_graph(launch, cluster, run_id, steps, extra=()):
+    procs = [launch.start_script(TEMPLATES / "between_graph.py", cluster, "worker", i, run_id,
+                                 [f"--steps={steps}", *extra]) for i in range(2)]
+    assert_exit_0(launch, procs, 120)
+    return procs
+
+
+@pytest.mark.timeout(150)
+def test_between_graph_runs_are_isolated_on_long_lived_servers_and_end_at_exact_step(tmp_path):
+    steps = 200
+    with HandLaunch(tmp_path, tag="test:handlaunch") as launch:
+        cluster = make_cluster(ps=1, worker=2)
+        start_servers(launch, cluster)
+        for run_id in ("run-a", "run-b", "run-a"):
+            # The third run reuses run-a's id: it starts from 0 only because run-a's
+            # chief freed its container on the ps when it finished.
+            procs = run_between_graph(launch, cluster, run_id, steps)
+            assert_trained([p.output() for p in procs], steps)
+            first_step = progress(procs[0].output())[0][0]
+            assert first_step <= 10, f"{run_id} saw an earlier run's state: first step {first_step}"
+
+
+@pytest.mark.timeout(150)
+def test_between_graph_worker_restarted_mid_run_rejoins_and_ends_at_exact_step(tmp_path):
+    steps = 1000
+    with HandLaunch(tmp_path, tag="test:handlaunch") as launch:
+        cluster = make_cluster(ps=1, worker=2)
+        start_servers(launch, cluster)
+        args = [f"--steps={steps}", "--log_every=10"]
+        script = TEMPLATES / "between_graph.py"
+        chief = launch.start_script(script, cluster, "worker", 0, "r", args)
+        victim = launch.start_script(script, cluster, "worker", 1, "r", args, name="w1-first")
+        wait_for(lambda: len(progress(victim.output())) >= 2 or victim.returncode is not None,
+                 90, what="worker 1 training")
+        launch.kill(victim)
+        again = launch.start_script(script, cluster, "worker", 1, "r", args, name="w1-again")
+        assert_exit_0(launch, [chief, again], 120)
+        assert result(chief.output())[0] == steps
+        assert result(again.output())[0] == steps
+        assert progress(again.output()), "the restarted worker never trained"
+
+
+@pytest.mark.timeout(150)
+def test_between_graph_resumes_from_model_dir_after_everything_restarts(tmp_path):
+    steps = 1500
+    model_dir = tmp_path / "model"
+    with HandLaunch(tmp_path / "first", tag="test:handlaunch") as launch:
+        cluster = make_cluster(ps=1, worker=2)
+        start_servers(launch, cluster)
+        procs = [launch.start_script(TEMPLATES / "between_graph.py", cluster, "worker", i, "r1",
+                                     [f"--steps={steps}", f"--model_dir={model_dir}"])
+                 for i in range(2)]
+        # The saver writes model.ckpt-0 as soon as the session exists: wait for a later one.
+        wait_for(lambda: checkpoint_step(model_dir) > 0, 90, what="a checkpoint after step 0")
+        assert all(p.returncode is None for p in procs), "finished before the kill"
+    # Everything (ps included) is dead now; a fresh cluster on the same ports.
+    with HandLaunch(tmp_path / "second", tag="test:handlaunch") as launch:
+        start_servers(launch, cluster)
+        procs = run_between_graph(launch, cluster, "r2", steps, [f"--model_dir={model_dir}"])
+        for proc in procs:
+            assert result(proc.output())[0] == steps
+        first_step = progress(procs[0].output())[0][0]
+        assert first_step > steps // 10, f"did not resume: first step {first_step}"
+
+
+@pytest.mark.timeout(120)
+def test_classic_builds_its_own_servers_and_ends_at_exact_step(tmp_path):
+    steps = 200
+    with HandLaunch(tmp_path, tag="test:handlaunch") as launch:
+        cluster = make_cluster(ps=1, worker=2)
+
+        def flags(job, i):
+            return [f"--job_name={job}", f"--task_index={i}", "--ps_hosts=" + ",".join(cluster["ps"]),
+                    "--worker_hosts=" + ",".join(cluster["worker"]), f"--steps={steps}"]
+
+        ps = launch.start_script(TEMPLATES / "classic.py", cluster, "ps", 0, "c", flags("ps", 0))
+        workers = [launch.start_script(TEMPLATES / "classic.py", cluster, "worker", 0, "c",
+                                       flags("worker", 0)),
+                   # worker 1 learns its place from TF_CONFIG alone
+                   launch.start_script(TEMPLATES / "classic.py", cluster, "worker", 1, "c",
+                                       [f"--steps={steps}"])]
+        assert_exit_0(launch, workers, 120)
+        assert ps.returncode is None, "the ps must serve until it is stopped"
+        assert_trained([p.output() for p in workers], steps)
+
+
+@pytest.mark.timeout(120)
+def test_coordinator_trains_from_the_chief(tmp_path):
+    steps = 200
+    with HandLaunch(tmp_path, tag="test:handlaunch") as launch:
+        cluster = make_cluster(ps=1, worker=2, chief=1)
+        start_servers(launch, cluster)
+        chief = launch.start_script(TEMPLATES / "coordinator.py", cluster, "chief", 0, "k",
+                                    [f"--steps={steps}"])
+        assert_exit_0(launch, [chief], 100)
+        assert_trained([chief.output()], steps)
+
+
+@pytest.mark.timeout(120)
+def test_mirrored_trains_on_every_worker(tmp_path):
+    steps = 200
+    with HandLaunch(tmp_path, tag="test:handlaunch") as launch:
+        cluster = make_cluster(ps=0, worker=2)
+        procs = [launch.start_script(TEMPLATES / "mirrored.py", cluster, "worker", i, "m",
+                                     [f"--steps={steps}"]) for i in range(2)]
+        assert_exit_0(launch, procs, 100)
+        assert_trained([p.output() for p in procs], steps)
+
+
+@pytest.mark.timeout(90)
+def test_every_template_rejects_an_unknown_flag_with_exit_2(tmp_path):
+    with HandLaunch(tmp_path, tag="test:handlaunch") as launch:
+        cluster = make_cluster(ps=1, worker=1)
+        names = ["between_graph", "classic", "coordinator", "mirrored"]
+        procs = [launch.start_script(TEMPLATES / f"{n}.py", cluster, "worker", 0, n, ["--bogus=1"])
+                 for n in names]
+        for proc, rc in zip(procs, launch.wait_all(procs, 80)):
+            assert rc == 2, f"{proc.name} exited {rc}:\n{proc.output()[-2000:]}"
+            assert "unrecognized arguments: --bogus" in proc.output()
