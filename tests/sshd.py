@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import SESSION_VAR
+
 from tfcluster.spec import Host, SshSettings
 
 SSHD = "/usr/sbin/sshd"
@@ -122,7 +124,10 @@ class _SshdFactory:
                     "PubkeyAuthentication": "yes", "PermitRootLogin": "yes",
                     "StrictModes": "no", "UsePAM": "no", "MaxStartups": "200:30:300",
                     "MaxSessions": 64, "PidFile": d / "sshd.pid", "LogLevel": "ERROR",
-                    "Subsystem": f"sftp {SFTP_SERVER}", "AllowTcpForwarding": "yes"}
+                    "Subsystem": f"sftp {SFTP_SERVER}", "AllowTcpForwarding": "yes",
+                    # Sessions carry this test session's marker, so the leak check in
+                    # conftest.py sees processes started over SSH as ours.
+                    "SetEnv": f"{SESSION_VAR}={os.environ[SESSION_VAR]}"}
         settings.update(options)
         lines = [f"ListenAddress {a}" for a in addresses]
         lines += [f"{k} {v}" for k, v in settings.items()]

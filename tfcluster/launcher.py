@@ -426,15 +426,19 @@ def exec_on_hosts(spec: Spec, ui, argv: list[str], hosts: list[str], out) -> int
             transport.close()
 
     results = parallel(run_one, hosts, limit=64)
-    worst = 0
+    mux.close()
+    worst, hints = 0, []
     for name, rc in results.items():
         if isinstance(rc, BaseException):
             ui.error(str(rc) if isinstance(rc, TfclusterError) else f"host {name}: {rc}")
+            if getattr(rc, "hint", None) and rc.hint not in hints:
+                hints.append(rc.hint)
             worst = max(worst, int(ExitCode.CONNECT))
         elif rc:
             ui.warn(f"host {name}: exit code {rc}")
             worst = max(worst, rc)
-    mux.close()
+    for hint in hints:
+        ui.stderr.write(f"hint: {hint}\n")
     return worst
 
 

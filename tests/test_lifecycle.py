@@ -1,0 +1,214 @@
+"""`up` / `status` / `down` / `exec` against real hosts: local processes and a real OpenSSH
+sshd on 127.0.0.2-4 (tests/sshd.py), with real TF servers."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import tagged_processes, wait_for
+from tests.tf_launch import free_ports
+from tests.train_helpers import kill_group, local_spec, read_until, start_tfcluster, tfcluster
+
+pytestmark = [pytest.mark.timeout(240)]
+
+
+def ssh_spec(tmp: Path, sshd, *, name: str = "sshc", ssh_extra: str = "", env: str = "",
+             train: str = "", ports: list[int] | None = None) -> Path:
+    """Three SSH hosts on loopback, 1 ps + 2 workers, each task on its own port."""
+    p = ports or free_ports(3)
+    workdir = tmp / "remote"
+    text = (
+        f"name: {name}\npython: {sys.executable}\nworkdir: {workdir}\n{env}"
+        f"ssh:\n  port: {sshd.port}\n  connect_timeout: 5\n{ssh_extra}"
+        "hosts:\n  - {name: h2, address: 127.0.0.2}\n  - {name: h3, address: 127.0.0.3}\n"
+        "  - {name: h4, address: 127.0.0.4}\n"
+        f"jobs:\n  ps: {{tasks: ['h2:{p[0]}']}}\n  worker: {{tasks: ['h3:{p[1]}', 'h4:{p[2]}']}}\n{train}"
+    )
+    path = tmp / f"{name}.yaml"
+    path.write_text(text)
+    return path
+
+
+def ports_of(spec: Path) -> list[int]:
+    from tfcluster.plan import build_plan
+    from tfcluster.spec import load_spec
+
+    return [t.port for t in build_plan(load_spec(str(spec))).tasks]
+
+
+def bindable(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("0.0.0.0", port))
+            return True
+        except OSError:
+            return False
+
+
+@pytest.fixture
+def cwd(tmp_path):
+    d = tmp_path / "cwd"
+    d.mkdir()
+    return d
+
+
+def _up_status_down(spec: Path, home: Path, cwd: Path) -> None:
+    up = tfcluster("up", str(spec), home=home, cwd=cwd)
+    assert up.returncode == 0, up.stderr
+    assert "is up" in up.stderr
+    status = tfcluster("status", str(spec), "--json", home=home, cwd=cwd)
+    rows = json.loads(status.stdout)["tasks"]
+    assert [(r["task"], r["status"], r["port_open"]) for r in rows] == [
+        ("ps:0", "running", True), ("worker:0", "running", True), ("worker:1", "running", True)]
+    again = tfcluster("up", str(spec), home=home, cwd=cwd)
+    assert again.returncode == 0 and "already up" in again.stderr
+    down = tfcluster("down", str(spec), home=home, cwd=cwd)
+    assert down.returncode == 0, down.stderr
+    assert all(bindable(p) for p in ports_of(spec))
+    assert not tagged_processes()
+    twice = tfcluster("down", str(spec), home=home, cwd=cwd)
+    assert twice.returncode == 0 and "nothing running" in twice.stderr
+
+
+@pytest.mark.tf
+def test_up_status_down_over_ssh_on_three_loopback_hosts(tmp_path, home, ssh_home, sshd, cwd):
+    _up_status_down(ssh_spec(tmp_path, sshd), home, cwd)
+
+
+@pytest.mark.tf
+def test_up_status_down_with_local_processes(tmp_path, home, cwd):
+    _up_status_down(local_spec(tmp_path), home, cwd)
+
+
+@pytest.mark.tf
+def test_down_works_after_local_state_is_deleted(tmp_path, home, ssh_home, sshd, cwd):
+    spec = ssh_spec(tmp_path, sshd)
+    assert tfcluster("up", str(spec), home=home, cwd=cwd).returncode == 0
+    state = home / ".local" / "state" / "tfcluster" / "sshc" / "state.json"
+    assert state.exists() and oct(state.stat().st_mode & 0o777) == "0o600"
+    state.unlink()
+    down = tfcluster("down", str(spec), home=home, cwd=cwd)
+    assert down.returncode == 0, down.stderr
+    # 127.0.0.x "hosts" are one machine: whichever host's stop runs first sweeps all three.
+    stopped = [int(w) for w in down.stderr.split() if w.isdigit()]
+    assert sum(stopped) == 3, down.stderr
+    assert not tagged_processes()
+
+
+@pytest.mark.tf
+def test_sigkill_of_tfcluster_during_up_leaves_nothing_once_down_runs(tmp_path, home, ssh_home, sshd, cwd):
+    spec = ssh_spec(tmp_path, sshd)
+    proc = start_tfcluster("up", str(spec), home=home, cwd=cwd)
+    try:
+        read_until(proc, r"Starting 3 server", timeout=60)
+        wait_for(lambda: len(tagged_processes()) >= 3, timeout=30, what="servers spawned")
+    finally:
+        kill_group(proc)
+    down = tfcluster("down", str(spec), home=home, cwd=cwd)
+    assert down.returncode == 0, down.stderr
+    assert not tagged_processes()
+    assert all(bindable(p) for p in ports_of(spec))
+
+
+def test_second_concurrent_up_refuses_with_exit_7(tmp_path, home, ssh_home, sshd, cwd):
+    spec = ssh_spec(tmp_path, sshd)
+    first = start_tfcluster("up", str(spec), home=home, cwd=cwd)
+    try:
+        read_until(first, r"Connecting", timeout=30)
+        second = tfcluster("up", str(spec), home=home, cwd=cwd)
+        assert second.returncode == 7, second.stderr
+        assert "busy" in second.stderr and "tfcluster up" in second.stderr
+    finally:
+        kill_group(first)
+        tfcluster("down", str(spec), home=home, cwd=cwd)
+
+
+def test_busy_port_is_named_and_nothing_is_started(tmp_path, home, ssh_home, sshd, cwd):
+    spec = ssh_spec(tmp_path, sshd)
+    holder = socket.socket()
+    holder.bind(("0.0.0.0", ports_of(spec)[2]))
+    holder.listen()
+    try:
+        up = tfcluster("up", str(spec), home=home, cwd=cwd)
+    finally:
+        holder.close()
+    assert up.returncode == 4, up.stderr
+    line = up.stderr.strip().splitlines()[-2 if "hint:" in up.stderr else -1]
+    assert line.startswith(f"tfcluster: error: host h4: port {ports_of(spec)[2]} for worker:1 is already in use")
+    assert not tagged_processes()
+
+
+def test_auth_failure_and_closed_port_give_one_line_naming_the_host(tmp_path, home, ssh_home, sshd, cwd):
+    wrong = tmp_path / "wrong_key"
+    os.system(f"ssh-keygen -q -t ed25519 -N '' -f {wrong} >/dev/null")
+    spec = ssh_spec(tmp_path, sshd, ssh_extra=f"  identity_file: {wrong}\n", name="auth")
+    result = tfcluster("up", str(spec), home=home, cwd=cwd)
+    assert result.returncode == 3, result.stderr
+    assert "tfcluster: error: host h2 (127.0.0.2:" in result.stderr and "authentication failed" in result.stderr
+    closed = ssh_spec(tmp_path, sshd, name="closed")
+    text = closed.read_text().replace(f"port: {sshd.port}", f"port: {free_ports(1)[0]}")
+    closed.write_text(text)
+    result = tfcluster("status", str(closed), home=home, cwd=cwd)
+    assert "unreachable" in result.stdout
+    result = tfcluster("up", str(closed), home=home, cwd=cwd)
+    assert result.returncode == 3 and "connection refused" in result.stderr.lower()
+    assert "Traceback" not in result.stderr
+    assert not tagged_processes()
+
+
+def test_unknown_host_key_is_rejected_unless_accept_new(tmp_path, home, ssh_home, sshd, cwd):
+    (ssh_home / "known_hosts").unlink()
+    spec = ssh_spec(tmp_path, sshd, name="keys")
+    result = tfcluster("exec", str(spec), "--", "true", home=home, cwd=cwd)
+    assert result.returncode == 3
+    assert "unknown host key" in result.stderr and "ssh-keyscan" in result.stderr
+    spec = ssh_spec(tmp_path, sshd, name="keys2", ssh_extra="  host_key_policy: accept-new\n")
+    result = tfcluster("exec", str(spec), "--", "true", home=home, cwd=cwd)
+    assert result.returncode == 0, result.stderr
+    known = ssh_home / "known_hosts"
+    assert known.read_text().count("ssh-ed25519") == 3
+    assert oct(known.stat().st_mode & 0o777) == "0o600"
+
+
+def test_exec_prefixes_output_per_host_and_returns_the_worst_exit_code(tmp_path, home, ssh_home, sshd, cwd):
+    spec = ssh_spec(tmp_path, sshd, name="execs")
+    result = tfcluster("exec", str(spec), "--", "sh", "-c", "echo out-$((40+2)); echo err >&2",
+                       home=home, cwd=cwd)
+    assert result.returncode == 0, result.stderr
+    for host in ("h2", "h3", "h4"):
+        assert f"{host} │ out-42" in result.stdout and f"{host} │ err" in result.stdout
+    result = tfcluster("exec", str(spec), "--hosts", "h3,h4", "--", "sh", "-c",
+                       'test "$(hostname -I 2>/dev/null; echo)" && exit 3', home=home, cwd=cwd)
+    assert result.returncode == 3
+    assert "h2" not in result.stdout
+
+
+def test_env_values_arrive_byte_for_byte_and_run_nothing(tmp_path, home, ssh_home, sshd, cwd):
+    canary = tmp_path / "canary"
+    out = tmp_path / "seen"
+    out.mkdir()
+    evil = f"$(touch {canary}) `touch {canary}` ' \" ; touch {canary} | & > <"
+    script = tmp_path / "dump.py"
+    script.write_text("import os, sys\n"
+                      f"open(os.path.join({str(out)!r}, os.environ['TFCLUSTER_TASK_INDEX']), 'w')"
+                      ".write(os.environ['EVIL'])\n")
+    spec = ssh_spec(tmp_path, sshd, name="canary", env=f"env:\n  EVIL: {json.dumps(evil)}\n",
+                    train=f"train:\n  mode: mirrored\n  script: {script}\n")
+    text = spec.read_text().replace("  ps: {tasks: ['h2:", "  # ps: {tasks: ['h2:")
+    spec.write_text(text)
+    result = tfcluster("train", str(spec), home=home, cwd=cwd)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert sorted(os.listdir(out)) == ["0", "1"]
+    for name in ("0", "1"):
+        assert (out / name).read_text() == evil
+    assert not canary.exists()
+    plan = tfcluster("plan", str(spec), "--commands", home=home, cwd=cwd)
+    assert not canary.exists() and plan.returncode == 0
