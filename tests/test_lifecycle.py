@@ -14,26 +14,10 @@ import pytest
 
 from tests.conftest import tagged_processes, wait_for
 from tests.tf_launch import free_ports
-from tests.train_helpers import kill_group, local_spec, read_until, start_tfcluster, tfcluster
+from tests.train_helpers import (kill_group, local_spec, read_until, ssh_spec, start_tfcluster,
+                                 tfcluster)
 
 pytestmark = [pytest.mark.timeout(240)]
-
-
-def ssh_spec(tmp: Path, sshd, *, name: str = "sshc", ssh_extra: str = "", env: str = "",
-             train: str = "", ports: list[int] | None = None) -> Path:
-    """Three SSH hosts on loopback, 1 ps + 2 workers, each task on its own port."""
-    p = ports or free_ports(3)
-    workdir = tmp / "remote"
-    text = (
-        f"name: {name}\npython: {sys.executable}\nworkdir: {workdir}\n{env}"
-        f"ssh:\n  port: {sshd.port}\n  connect_timeout: 5\n{ssh_extra}"
-        "hosts:\n  - {name: h2, address: 127.0.0.2}\n  - {name: h3, address: 127.0.0.3}\n"
-        "  - {name: h4, address: 127.0.0.4}\n"
-        f"jobs:\n  ps: {{tasks: ['h2:{p[0]}']}}\n  worker: {{tasks: ['h3:{p[1]}', 'h4:{p[2]}']}}\n{train}"
-    )
-    path = tmp / f"{name}.yaml"
-    path.write_text(text)
-    return path
 
 
 def ports_of(spec: Path) -> list[int]:

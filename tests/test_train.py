@@ -140,3 +140,40 @@ def test_two_runs_on_one_up_cluster_are_isolated_and_servers_stay_up(work):
     finally:
         down = tfcluster("down", str(spec), home=home, cwd=cwd)
     assert down.returncode == 0, down.stderr
+
+
+def test_ps_killed_mid_run_is_restarted_and_training_resumes_from_checkpoint(work):
+    tmp, home, cwd = work
+    spec = local_spec(tmp, args=["--steps", "600", "--log_every", "20", "--model_dir", "{workdir}/ckpt"],
+                      restart="on-failure")
+    proc = start_tfcluster("train", str(spec), home=home, cwd=cwd)
+    try:
+        read_until(proc, r"worker:0 .*step=(1[0-9]{2}|[2-9][0-9]{2})", timeout=150)
+        victims = [p for p, tag in tagged_processes().items() if tag.endswith(":ps:0:server")]
+        assert len(victims) == 1
+        os.kill(victims[0], signal.SIGKILL)
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 0, out[-4000:]
+    assert "ps:0 server on local exited with code 137; restarting (1/3)" in out
+    run = only_run(cwd / "runs")
+    assert manifest(run)["tasks"]["ps:0"]["server"]["restarts"] == 1
+    chief = (run / "worker-0.log").read_text()
+    assert result_of(chief)[0] == 600
+    steps = [int(s.split()[0]) for s in chief.split("step=")[1:]]
+    assert steps[0] < 100 < max(steps)
+
+
+def test_sigkill_of_tfcluster_mid_run_takes_every_task_down(work):
+    tmp, home, cwd = work
+    spec = local_spec(tmp, args=["--steps", "100000", "--log_every", "50"])
+    proc = start_tfcluster("train", str(spec), home=home, cwd=cwd)
+    try:
+        read_until(proc, r"worker:1 .*step=", timeout=120)
+        assert len(tagged_processes()) >= 5
+        proc.kill()  # the launcher only: its shims must notice and clean up on their own
+        proc.wait(10)
+        wait_for(lambda: not tagged_processes(), timeout=20, what="tasks gone after the launcher died")
+    finally:
+        kill_group(proc)

@@ -96,3 +96,20 @@ def result_of(log: str) -> tuple[int, float]:
 
 def losses(log: str) -> list[float]:
     return [float(x) for x in LOSS.findall(log)]
+
+
+def ssh_spec(tmp: Path, sshd, *, name: str = "sshc", ssh_extra: str = "", env: str = "",
+             train: str = "", ports: list[int] | None = None) -> Path:
+    """Three SSH hosts on loopback, 1 ps + 2 workers, each task on its own port."""
+    p = ports or free_ports(3)
+    workdir = tmp / "remote"
+    text = (
+        f"name: {name}\npython: {sys.executable}\nworkdir: {workdir}\n{env}"
+        f"ssh:\n  port: {sshd.port}\n  connect_timeout: 5\n{ssh_extra}"
+        "hosts:\n  - {name: h2, address: 127.0.0.2}\n  - {name: h3, address: 127.0.0.3}\n"
+        "  - {name: h4, address: 127.0.0.4}\n"
+        f"jobs:\n  ps: {{tasks: ['h2:{p[0]}']}}\n  worker: {{tasks: ['h3:{p[1]}', 'h4:{p[2]}']}}\n{train}"
+    )
+    path = tmp / f"{name}.yaml"
+    path.write_text(text)
+    return path
