@@ -17,6 +17,7 @@ import pytest
 
 from tests.conftest import tagged_processes, wait_for
 from tfcluster.agent import HostAgent, TaskLaunch
+from tfcluster.errors import TaskError
 from tfcluster.transport.local import LocalTransport
 
 REPO = Path(__file__).resolve().parent.parent
@@ -294,3 +295,23 @@ def test_prepare_names_the_host_when_python_is_missing(home):
 
     with pytest.raises(PreflightError, match="host gpu0: /no/python3 not found"):
         HostAgent("gpu0", LocalTransport(), "/no/python3", CLUSTER_DIR).prepare()
+
+
+def test_sync_files_uploads_each_content_once_and_places_it_in_every_run_dir(agent, home):
+    files = [("train.py", b"print('hi')\n", 0o600), ("data/x.csv", b"1,2\n" * 1000, 0o600)]
+    first = agent.sync_files(files, "~/.tfcluster/runs/r1")
+    assert first == sum(len(d) for _, d, _ in files)
+    second = agent.sync_files(files, "~/.tfcluster/runs/r2")
+    assert second == 0
+    for run in ("r1", "r2"):
+        placed = home / ".tfcluster" / "runs" / run
+        assert (placed / "train.py").read_bytes() == b"print('hi')\n"
+        assert (placed / "data" / "x.csv").read_bytes() == b"1,2\n" * 1000
+        assert oct((placed / "train.py").stat().st_mode & 0o777) == "0o600"
+    changed = agent.sync_files([("train.py", b"print('v2')\n", 0o600)], "~/.tfcluster/runs/r3")
+    assert changed == len(b"print('v2')\n")
+
+
+def test_sync_files_refuses_paths_that_escape_the_run_dir(agent):
+    with pytest.raises(TaskError, match="bad file entry"):
+        agent.sync_files([("../evil.py", b"x", 0o600)], "~/.tfcluster/runs/r1")

@@ -196,3 +196,34 @@ def test_env_values_arrive_byte_for_byte_and_run_nothing(tmp_path, home, ssh_hom
     assert not canary.exists()
     plan = tfcluster("plan", str(spec), "--commands", home=home, cwd=cwd)
     assert not canary.exists() and plan.returncode == 0
+
+
+@pytest.mark.tf
+def test_down_with_one_host_unreachable_stops_the_rest_names_it_and_exits_nonzero(
+        tmp_path, home, ssh_home, sshd, cwd):
+    spec = ssh_spec(tmp_path, sshd, name="part")
+    assert tfcluster("up", str(spec), home=home, cwd=cwd).returncode == 0
+    closed = free_ports(1)[0]
+    broken = tmp_path / "part-broken.yaml"
+    broken.write_text(spec.read_text().replace(
+        "{name: h4, address: 127.0.0.4}", f"{{name: h4, address: 127.0.0.4, ssh: {{port: {closed}}}}}"))
+    down = tfcluster("down", str(broken), home=home, cwd=cwd)
+    assert down.returncode == 1, down.stderr
+    assert "host h4 (127.0.0.4:" in down.stderr and "unreachable: h4" in down.stderr
+    # 127.0.0.x hosts are one machine, so h2's and h3's sweeps already took h4's server too.
+    assert not tagged_processes()
+    assert tfcluster("down", str(spec), home=home, cwd=cwd).returncode == 0
+
+
+def test_logs_shows_a_saved_run_prefixed_and_filters_by_task(tmp_path, home, cwd):
+    script = tmp_path / "hello.py"
+    script.write_text("import os\nprint('hello from', os.environ['TFCLUSTER_JOB'], os.environ['TFCLUSTER_TASK_INDEX'])\n")
+    spec = local_spec(tmp_path, mode="mirrored", script=str(script), ps=0, name="logsc")
+    assert tfcluster("train", str(spec), home=home, cwd=cwd).returncode == 0
+    shown = tfcluster("logs", str(spec), home=home, cwd=cwd)
+    assert shown.returncode == 0, shown.stderr
+    assert "worker:0 │ hello from worker 0" in shown.stdout and "worker:1 │ hello from worker 1" in shown.stdout
+    one = tfcluster("logs", str(spec), "worker:1", home=home, cwd=cwd)
+    assert "worker:1 │ hello from worker 1" in one.stdout and "worker:0" not in one.stdout
+    bad = tfcluster("logs", str(spec), "worker:7", home=home, cwd=cwd)
+    assert bad.returncode == 2 and "has no log for worker:7" in bad.stderr

@@ -236,6 +236,22 @@ class HostAgent:
     def put_file(self, data: bytes, path: str, mode: int = 0o600) -> None:
         self.transport.put(data, path, mode)
 
+    def sync_files(self, files: list[tuple[str, bytes, int]], dest: str) -> int:
+        """Place (relative path, content, mode) files under `dest`, uploading only content
+        the host's cache lacks (by sha256). Returns the number of bytes uploaded."""
+        entries, by_digest = [], {}
+        for rel, data, mode in files:
+            digest = hashlib.sha256(data).hexdigest()
+            by_digest[digest] = data
+            entries.append({"path": rel, "sha256": digest, "mode": mode})
+        request = {"cache": f"{self.cluster_dir}/cache", "dest": dest, "files": entries}
+        missing = self._shim("files", request)["missing"]
+        for digest in missing:
+            self.put_file(by_digest[digest], f"{self.cluster_dir}/cache/{digest}")
+        if missing and self._shim("files", request)["missing"]:
+            raise TfclusterError(f"host {self.name}: uploaded files did not appear in {dest}")
+        return sum(len(by_digest[d]) for d in missing)
+
     # ------------------------------------------------------------ tasks
 
     def start_detached(self, t: TaskLaunch) -> int:

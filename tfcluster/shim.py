@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -494,10 +495,35 @@ def cmd_tail(req: dict) -> dict:
     return {"text": text.decode(errors="replace")}
 
 
+def cmd_files(req: dict) -> dict:
+    """Place cached files (by sha256) into a run dir; name the ones the cache lacks.
+
+    The launcher uploads only the missing ones into the cache, then asks again, so an
+    unchanged script or data file crosses the network once per host."""
+    cache = expand(req["cache"])
+    dest = expand(req["dest"])
+    missing = []
+    for entry in req["files"]:
+        digest, rel = entry["sha256"], entry["path"]
+        if not digest.isalnum() or rel.startswith("/") or ".." in rel.split("/"):
+            raise ShimError("bad file entry: %r" % (entry,))
+        cached = os.path.join(cache, digest)
+        if not os.path.isfile(cached):
+            missing.append(digest)
+            continue
+        target = os.path.join(dest, rel)
+        os.makedirs(os.path.dirname(target), mode=0o700, exist_ok=True)
+        tmp = "%s.tmp.%d" % (target, os.getpid())
+        shutil.copyfile(cached, tmp)  # a copy, not a link: a script editing its own dir stays local
+        os.chmod(tmp, entry.get("mode", 0o600))
+        os.replace(tmp, target)
+    return {"missing": sorted(set(missing))}
+
+
 # ---------------------------------------------------------------- main
 
 COMMANDS = {"info": cmd_info, "ports": cmd_ports, "start": cmd_start, "stop": cmd_stop,
-            "status": cmd_status, "wait": cmd_wait, "tail": cmd_tail}
+            "status": cmd_status, "wait": cmd_wait, "tail": cmd_tail, "files": cmd_files}
 
 
 def main(argv: list) -> int:

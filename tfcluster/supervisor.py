@@ -176,13 +176,17 @@ def _ship(run: Run, tasks: list[TaskPlan]) -> None:
     files = runlog.collect_files(run.spec, run.plan)
     rundir = f"{run.plan.cluster_dir}/runs/{run.run_id}"
 
-    def ship(host: str) -> None:
-        agent = run.session.agents[host]
-        for rel, data, mode in files:
-            agent.put_file(data, f"{rundir}/{rel}", mode)
-
-    results = launcher.parallel(ship, list(dict.fromkeys(t.host for t in tasks)))
+    hosts = list(dict.fromkeys(t.host for t in tasks))
+    results = launcher.parallel(lambda h: run.session.agents[h].sync_files(files, rundir), hosts)
     launcher.raise_first(results, "host")
+    sent = sum(results.values())
+    total = sum(len(data) for _, data, _ in files) * len(hosts)
+    run.ui.info(f"Shipped {len(files)} file(s) to {len(hosts)} host(s): {_size(sent)} uploaded, "
+                f"{_size(total - sent)} unchanged")
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n / 1e3:.1f} kB"
 
 
 def _start(run: Run, proc: Proc) -> None:
