@@ -111,7 +111,7 @@ def test_between_graph_worker_restarted_mid_run_rejoins_and_ends_at_exact_step(t
 
 @pytest.mark.timeout(150)
 def test_between_graph_resumes_from_model_dir_after_everything_restarts(tmp_path):
-    steps = 1500
+    steps = 800
     model_dir = tmp_path / "model"
     with HandLaunch(tmp_path / "first", tag="test:handlaunch") as launch:
         cluster = make_cluster(ps=1, worker=2)
@@ -163,6 +163,25 @@ def test_coordinator_trains_from_the_chief(tmp_path):
                                     [f"--steps={steps}"])
         assert_exit_0(launch, [chief], 100)
         assert_trained([chief.output()], steps)
+
+
+@pytest.mark.timeout(120)
+def test_coordinator_finishes_when_a_worker_is_killed_mid_run(tmp_path):
+    steps = 600
+    with HandLaunch(tmp_path, tag="test:handlaunch") as launch:
+        cluster = make_cluster(ps=1, worker=2, chief=1)
+        start_servers(launch, cluster)
+        chief = launch.start_script(TEMPLATES / "coordinator.py", cluster, "chief", 0, "k",
+                                    [f"--steps={steps}", "--log_every=20"])
+        wait_for(lambda: len(progress(chief.output())) >= 3 or chief.returncode is not None,
+                 90, what="the coordinator training")
+        assert chief.returncode is None, "finished before the kill"
+        launch.kill(next(p for p in launch.procs if p.name == "server-worker1"))
+        assert_exit_0(launch, [chief], 100)
+        assert_trained([chief.output()])
+        # A step that was running on the dead worker is re-run elsewhere; if the dead
+        # worker had already applied it, it counts twice, so only a lower bound holds.
+        assert result(chief.output())[0] >= steps
 
 
 @pytest.mark.timeout(120)
