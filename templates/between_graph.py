@@ -102,6 +102,10 @@ def build_model(args, replicas_device: str, cluster_spec) -> dict:
             return tf.cond(step < args.steps, apply, lambda: tf.identity(step))
 
         g["train_op"] = lock.execute(capped_apply)
+        # The CriticalSection bookkeeping is only needed while building the graph; left
+        # in the graph's collections it makes every checkpoint's meta graph export warn.
+        for name in ("critical_sections", "critical_section_executions"):
+            tf.compat.v1.get_default_graph().clear_collection(name)
         g["done_inc"] = g["done"].assign_add(1)
         g["ready_op"] = tf.compat.v1.report_uninitialized_variables()
     return g
