@@ -1,0 +1,70 @@
+"""Every benchmark in benchmarks/ runs with --smoke (tiny sizes, 1 rep), exits 0 and prints
+its baseline-vs-tfcluster ratio line. The numbers themselves are not asserted: they belong
+in benchmarks/README.md, measured on a quiet machine with full sizes."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+needs_sshd = pytest.mark.skipif(not (os.path.exists("/usr/sbin/sshd") and shutil.which("ssh")),
+                                reason="OpenSSH server/client not installed")
+
+
+def _smoke(name: str, timeout: float) -> str:
+    r = subprocess.run([sys.executable, str(BENCH / name), "--smoke"], capture_output=True, text=True,
+                       timeout=timeout, cwd=BENCH)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    assert "RATIO " in r.stdout, out[-4000:]
+    assert "cleanup: no process of this benchmark survives" in r.stdout, out[-4000:]
+    return r.stdout
+
+
+def test_plan_scale_smoke():
+    _smoke("plan_scale.py", 60)
+
+
+def test_log_throughput_smoke():
+    r = subprocess.run([sys.executable, str(BENCH / "log_throughput.py"), "--smoke"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "LogMux/raw" in r.stdout
+
+
+@needs_sshd
+@pytest.mark.skipif(not shutil.which("pdsh"), reason="pdsh not installed")
+def test_exec_fanout_smoke():
+    _smoke("exec_fanout.py", 90)
+
+
+@needs_sshd
+def test_log_stream_smoke():
+    out = _smoke("log_stream.py", 120)
+    assert "verified:" in out
+
+
+@needs_sshd
+def test_rss_stream_smoke():
+    assert "TARGET rss_stream" in _smoke("rss_stream.py", 150)
+
+
+@pytest.mark.tf
+def test_up_local_smoke():
+    _smoke("up_local.py", 180)
+
+
+@pytest.mark.tf
+@needs_sshd
+def test_up_ssh_smoke():
+    _smoke("up_ssh.py", 180)
+
+
+@pytest.mark.tf
+def test_train_steps_smoke():
+    _smoke("train_steps.py", 240)
