@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
-import sys
-import time
 from pathlib import Path
 
 import pytest

@@ -5,7 +5,6 @@ import os
 import signal
 import time
 
-import psutil
 import pytest
 
 from tests.conftest import tagged_processes, wait_for
