@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 import numpy as np
@@ -146,6 +147,16 @@ def wait_for_replicas(master: str, config, done, replicas: int, timeout: float) 
     return True
 
 
+def lost_state(before: int, now: int) -> int:
+    """A ps restarted and, with no checkpoint to restore, the model started again from
+    scratch: say so and fail instead of quietly training a new model."""
+    print(f"error: the parameter servers lost this run's variables (global step went from "
+          f"{before} back to {now}): a ps task restarted and there is no --model_dir checkpoint "
+          f"to resume from. Pass --model_dir so training can survive a ps restart.",
+          file=sys.stderr, flush=True)
+    return 3
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     tf.compat.v1.disable_eager_execution()
@@ -175,6 +186,7 @@ def main(argv=None) -> int:
 
     every = max(1, args.steps // 10)
     local_steps = 0
+    last_step = 0
     with tf.compat.v1.train.MonitoredTrainingSession(
             master=me["master"], is_chief=me["is_chief"], checkpoint_dir=args.model_dir,
             scaffold=scaffold, hooks=[tf.compat.v1.train.StopAtStepHook(last_step=args.steps)],
@@ -185,6 +197,9 @@ def main(argv=None) -> int:
             idx = rng.integers(0, EXAMPLES, args.batch_size)
             step, loss = sess.run([g["train_op"], g["loss"]],
                                   feed_dict={g["x"]: x_all[idx], g["y"]: y_all[idx]})
+            if step < last_step and not args.model_dir:
+                return lost_state(last_step, step)
+            last_step = max(last_step, step)
             local_steps += 1
             if local_steps == 1 or local_steps % args.log_every == 0:
                 print(f"step={step} loss={loss:.6f}", flush=True)

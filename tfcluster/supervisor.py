@@ -271,6 +271,9 @@ def _on_failure(run: Run, proc: Proc, rc: int) -> None:
         proc.restarts += 1
         run.mux.note(proc.key, f"exited with code {rc}; restarting ({proc.restarts}/{policy.max_restarts})")
         run.ui.warn(f"{what} exited with code {rc}; restarting ({proc.restarts}/{policy.max_restarts})")
+        if proc.role == "server" and proc.task.job == "ps":
+            run.ui.warn(f"{proc.task.key} lost the variables it held; training resumes from the last "
+                        f"checkpoint only if the script restores one (the templates do with --model_dir)")
         _start(run, proc)
         return
     tail = "\n".join(run.mux.tail(proc.key, 15))
