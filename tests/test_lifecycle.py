@@ -224,3 +224,20 @@ def test_logs_shows_a_saved_run_prefixed_and_filters_by_task(tmp_path, home, cwd
     assert "worker:1 │ hello from worker 1" in one.stdout and "worker:0" not in one.stdout
     bad = tfcluster("logs", str(spec), "worker:7", home=home, cwd=cwd)
     assert bad.returncode == 2 and "has no log for worker:7" in bad.stderr
+
+
+def test_plan_check_runs_live_preflight_and_starts_nothing(tmp_path, home, ssh_home, sshd, cwd):
+    spec = ssh_spec(tmp_path, sshd, name="chk")
+    ok = tfcluster("plan", str(spec), "--check", home=home, cwd=cwd)
+    assert ok.returncode == 0, ok.stderr
+    assert "h3: python 3." in ok.stderr and "tensorflow 2." in ok.stderr
+    assert "preflight passed" in ok.stderr
+    holder = socket.socket()
+    holder.bind(("0.0.0.0", ports_of(spec)[0]))
+    holder.listen()
+    try:
+        busy = tfcluster("plan", str(spec), "--check", home=home, cwd=cwd)
+    finally:
+        holder.close()
+    assert busy.returncode == 4 and f"port {ports_of(spec)[0]} for ps:0 is already in use" in busy.stderr
+    assert not tagged_processes()
