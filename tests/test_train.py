@@ -176,3 +176,18 @@ def test_sigkill_of_tfcluster_mid_run_takes_every_task_down(work):
         wait_for(lambda: not tagged_processes(), timeout=20, what="tasks gone after the launcher died")
     finally:
         kill_group(proc)
+
+
+def test_old_style_script_in_between_graph_mode_gets_a_hint_to_use_classic(work):
+    tmp, home, cwd = work
+    script = tmp / "oldstyle.py"
+    # What TF's old mnist_replica.py does first: build its own server on its task's port.
+    script.write_text(
+        "import json, os, tensorflow as tf\n"
+        "c = json.loads(os.environ['TF_CONFIG'])\n"
+        "tf.compat.v1.train.Server(tf.train.ClusterSpec(c['cluster']), job_name=c['task']['type'],\n"
+        "                          task_index=c['task']['index'])\n")
+    spec = local_spec(tmp, script=str(script))
+    result = tfcluster("train", str(spec), home=home, cwd=cwd)
+    assert result.returncode == 5, result.stderr[-2000:]
+    assert "needs `train.mode: classic`" in result.stderr

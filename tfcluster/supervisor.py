@@ -277,13 +277,36 @@ def _on_failure(run: Run, proc: Proc, rc: int) -> None:
         _start(run, proc)
         return
     tail = "\n".join(run.mux.tail(proc.key, 15))
-    hint = None
-    if retry:
-        hint = f"it failed {proc.restarts + 1} times (train.restart.max_restarts = {policy.max_restarts})"
-    elif policy.policy == "never":
-        hint = "set train.restart: {policy: on-failure} in the spec to restart failed tasks"
+    hint = _diagnose(run.plan, tail) or _restart_hint(policy, proc, retry)
     raise TaskError(f"{what} failed with exit code {rc}", hint=hint,
                     details=f"last lines of {proc.task.key}:\n{tail}" if tail else None)
+
+
+def _restart_hint(policy, proc: Proc, retried: bool) -> str | None:
+    if retried:
+        return f"it failed {proc.restarts + 1} times (train.restart.max_restarts = {policy.max_restarts})"
+    if policy.policy == "never":
+        return "set train.restart: {policy: on-failure} in the spec to restart failed tasks"
+    return None
+
+
+# Known failure signatures in a task's last lines, and what to do about them.
+DIAGNOSES = (
+    (("Could not start gRPC server", "Address already in use"),
+     "between-graph", "in between-graph mode tfcluster already runs this task's TF server; a script that "
+     "builds its own tf.train.Server (old --job_name/--task_index style) needs `train.mode: classic`"),
+    (("No module named 'tensorflow'",), None,
+     "tensorflow is not importable by this interpreter on the host: set `python:` in the spec"),
+    (("error: unrecognized arguments", "error: the following arguments are required"), None,
+     "the script rejected its arguments: check train.args (or the arguments after `--`)"),
+)
+
+
+def _diagnose(plan: Plan, tail: str) -> str | None:
+    for needles, mode, hint in DIAGNOSES:
+        if (mode is None or plan.mode == mode) and any(n in tail for n in needles):
+            return hint
+    return None
 
 
 # -- shutdown --------------------------------------------------------------------------------
@@ -335,7 +358,7 @@ def _summary(run: Run, outcome: tuple[int, str]) -> None:
         if p.role != "script":
             continue
         duration = (p.ended or time.time()) - p.started if p.started else 0
-        last = run.mux.last_line_matching(p.key, LOSS_LINE) or ""
+        last = (run.mux.last_line_matching(p.key, LOSS_LINE) or "").replace("tfcluster-result: ", "")
         rows.append((p.task.key, p.task.host, "-" if p.exit_code is None else str(p.exit_code),
                      str(p.restarts), f"{duration:.1f}s", last[-60:]))
     if rows:
