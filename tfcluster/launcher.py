@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import secrets
+import sys
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, TypeVar
@@ -22,6 +23,7 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 READY_TIMEOUT = 120.0
+DEFAULT_PYTHON = "python3"
 
 
 def new_run_id(kind: str) -> str:
@@ -68,6 +70,15 @@ def raise_first(results: dict, what: str) -> None:
     raise exc
 
 
+def _python_for(host, python: str) -> str:
+    """The spec's interpreter; for a local host left at the default `python3`, the one
+    running tfcluster (it has TensorFlow when tfcluster was installed with [tf], which a
+    `python3` found on PATH outside the user's venv may not)."""
+    if host.local and python == DEFAULT_PYTHON:
+        return sys.executable
+    return python
+
+
 class Session:
     """One HostAgent per host of the plan, prepared (connected, shim shipped) in parallel."""
 
@@ -89,7 +100,8 @@ class Session:
         from tfcluster.agent import HostAgent
         from tfcluster.transport import make_transport
 
-        agent = HostAgent(name, make_transport(self.spec.host(name)), self.plan.python,
+        host = self.spec.host(name)
+        agent = HostAgent(name, make_transport(host), _python_for(host, self.plan.python),
                           self.plan.cluster_dir)
         self.agents[name] = agent
         return agent

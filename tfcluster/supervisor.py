@@ -192,6 +192,8 @@ def _size(n: int) -> str:
 def _start(run: Run, proc: Proc) -> None:
     agent = run.session.agents[proc.task.host]
     argv = agent.server_argv() if proc.role == "server" else proc.task.argv
+    if argv and argv[0] == run.plan.python:
+        argv = (agent.python, *argv[1:])  # a local host may run tfcluster's own interpreter
     extra = {"TFCLUSTER_RESTART": str(proc.restarts)}
     launch = proc.launch = launch_for(run.plan, proc.task, run.run_id, proc.role, argv, extra)
     proc.handle = agent.start_attached(launch, heartbeat_timeout=run.options.heartbeat,
@@ -210,11 +212,16 @@ def _pump(run: Run, proc: Proc, handle, attempt: int) -> None:
     try:
         while chunk := handle.read():
             run.mux.feed(proc.key, chunk)
-        rc = handle.wait()
+        rc = handle.wait(30)
     except Exception as exc:  # noqa: BLE001 - a lost channel is an exit like any other
-        run.mux.note(proc.key, f"lost contact: {exc}")
+        run.mux.note(proc.key, f"lost contact with {proc.task.host}: {exc}")
         rc = None
-    run.events.put((proc, attempt, 255 if rc is None else rc))
+    if rc is None or rc < 0:  # the channel closed with no exit status: connection lost
+        if not proc.stopping:
+            run.mux.note(proc.key, f"lost contact with {proc.task.host} (connection dropped); "
+                                   f"its shim stops the task")
+        rc = 255
+    run.events.put((proc, attempt, rc))
 
 
 def _supervise(run: Run) -> tuple[int, str]:
