@@ -15,7 +15,6 @@ Also printed: tfcluster's streaming window (first byte on its stdout -> exit), p
 """
 from __future__ import annotations
 
-import glob
 import os
 import shlex
 import subprocess
