@@ -109,8 +109,11 @@ def build_plan(spec: Spec) -> Plan:
         "num_workers": str(sum(1 for s in slots if s.job == "worker")),
         **{f"{job}_hosts": ",".join(cluster.get(job, ())) for job in ("chief", "ps", "worker")},
     }
+    # Every TF_CONFIG embeds the whole cluster: serialise it once, not once per task
+    # (1,000 tasks would otherwise cost 1,000 dumps of a 1,000-entry cluster).
+    cluster_json = json.dumps(cluster, sort_keys=True, separators=(",", ":"))
     tasks = tuple(
-        _task_plan(spec, slot, addresses[slot.host], cluster, chief, placeholders)
+        _task_plan(spec, slot, addresses[slot.host], cluster_json, chief, placeholders)
         for slot in slots
     )
     return Plan(
@@ -142,14 +145,16 @@ def _cluster_dict(mode: str, slots, addresses: dict[str, str]) -> dict[str, list
     return cluster
 
 
-def _task_plan(spec: Spec, slot, address: str, cluster, chief: str, placeholders) -> TaskPlan:
+def tf_config_json(cluster_json: str, job: str, index: int) -> str:
+    """Exactly json.dumps({"cluster": ..., "task": {...}}, sort_keys=True, compact)."""
+    return f'{{"cluster":{cluster_json},"task":{{"index":{index},"type":{json.dumps(job)}}}}}'
+
+
+def _task_plan(spec: Spec, slot, address: str, cluster_json: str, chief: str, placeholders) -> TaskPlan:
     mode = spec.train.mode
     key = f"{slot.job}:{slot.index}"
     runs_server = slot.job in SERVER_JOBS[mode]
-    tf_config = json.dumps(
-        {"cluster": cluster, "task": {"type": slot.job, "index": slot.index}},
-        sort_keys=True, separators=(",", ":"),
-    )
+    tf_config = tf_config_json(cluster_json, slot.job, slot.index)
     env = dict(ENV_DEFAULTS)
     env.update(spec.env)
     env.update({
@@ -176,14 +181,18 @@ def _task_plan(spec: Spec, slot, address: str, cluster, chief: str, placeholders
 
 
 def plan_to_dict(plan: Plan, *, redact: bool = True) -> dict:
-    """A JSON-ready view of the plan (secrets redacted unless asked otherwise)."""
+    """A JSON-ready view of the plan (secrets redacted unless asked otherwise).
+
+    The cluster appears once; each task's TF_CONFIG is {"cluster": <cluster>, "task":
+    <tf_config_task>} (repeating the cluster per task would grow with tasks squared)."""
     def task(t: TaskPlan) -> dict:
         env = redact_env(t.env) if redact else dict(t.env)
+        del env["TF_CONFIG"]
         return {
             "task": t.key, "job": t.job, "index": t.index, "host": t.host,
             "address": t.address, "port": t.port, "gpus": list(t.gpus),
             "chief": t.is_chief, "server": t.runs_server, "script": list(t.argv),
-            "tf_config": json.loads(t.tf_config), "env": env,
+            "tf_config_task": {"type": t.job, "index": t.index}, "env": env,
         }
     return {
         "name": plan.name, "mode": plan.mode, "python": plan.python,

@@ -56,7 +56,8 @@ class UI:
         self.err.print(f"✓ {message}", style="green", markup=False, highlight=False)
 
     def json(self, document: Any) -> None:
-        self.stdout.write(json.dumps(document, indent=2, sort_keys=False) + "\n")
+        indent = 2 if self.stdout.isatty() else None  # pipes get compact JSON: 1,000 tasks stay fast
+        self.stdout.write(json.dumps(document, indent=indent) + "\n")
         self.stdout.flush()
 
     def table(self, title: str | None, columns: Sequence[str], rows: Iterable[Sequence[Any]],
