@@ -369,14 +369,21 @@ def _report_down(ui, reports: dict) -> list[str]:
     return survivors
 
 
-def _ports_still_busy(session: Session) -> list[str]:
+def _ports_still_busy(session: Session, settle: float = 5.0) -> list[str]:
+    """Ports of the cluster that cannot be bound again. A just-killed server's socket may
+    take a moment to go, so re-check for up to `settle` seconds before calling it busy."""
     def check(host: str) -> list[str]:
         ports = [t.port for t in session.plan.tasks_on(host)]
         busy = session.agents[host].check_ports(ports)
         return [f"{host}:{p}" for p, holder in busy.items() if holder]
 
-    results = parallel(check, list(session.agents))
-    return [item for r in results.values() if not isinstance(r, BaseException) for item in r]
+    deadline = time.monotonic() + settle
+    while True:
+        results = parallel(check, list(session.agents))
+        busy = [item for r in results.values() if not isinstance(r, BaseException) for item in r]
+        if not busy or time.monotonic() > deadline:
+            return busy
+        time.sleep(0.25)
 
 
 def status(spec: Spec, plan: Plan, ui) -> list[dict]:
