@@ -90,6 +90,15 @@ def _shipped() -> dict[str, bytes]:
     return {name: (here / name).read_bytes() for name in SHIPPED}
 
 
+def _ports(answer: dict) -> dict[int, str | None]:
+    return {int(p): holder for p, holder in answer.items()}
+
+
+def _statuses(answer: list) -> list[TaskStatus]:
+    return [TaskStatus(tag=s["tag"], pid=int(s["pid"]), alive=bool(s["alive"]),
+                       uptime_s=s.get("uptime_s"), log=s.get("log") or "") for s in answer]
+
+
 def _last_json(out: bytes):
     lines = [line for line in out.splitlines() if line.strip()]
     if not lines:
@@ -222,13 +231,34 @@ class HostAgent:
 
     def check_ports(self, ports: list[int]) -> dict[int, str | None]:
         """port -> None when free, else who holds it ("pid 123 (python3 ...)" or "in use")."""
-        answer = self._shim("ports", {"ports": list(ports)})
-        return {int(p): holder for p, holder in answer.items()}
+        return _ports(self._shim("ports", {"ports": list(ports)}))
 
     def status(self, tag_prefix: str) -> list[TaskStatus]:
-        answer = self._shim("status", {"piddir": f"{self.cluster_dir}/pids", "tag_prefix": tag_prefix})
-        return [TaskStatus(tag=s["tag"], pid=int(s["pid"]), alive=bool(s["alive"]),
-                           uptime_s=s.get("uptime_s"), log=s.get("log") or "") for s in answer]
+        return _statuses(self._shim("status", self._status_request(tag_prefix)))
+
+    def survey(self, tag_prefix: str, ports: list[int]) -> tuple[list[TaskStatus], dict[int, str | None]]:
+        """status() and check_ports() in one round trip."""
+        status, held = self._batch([("status", self._status_request(tag_prefix)),
+                                    ("ports", {"ports": list(ports)})])
+        return _statuses(status), _ports(held)
+
+    def start_detached_many(self, launches: list[TaskLaunch]) -> list[int]:
+        """start_detached() for several tasks in one round trip; pids in order."""
+        answers = self._batch([("start", _start_request(t, attached=False)) for t in launches])
+        return [int(a["pid"]) for a in answers]
+
+    def _status_request(self, tag_prefix: str) -> dict:
+        return {"piddir": f"{self.cluster_dir}/pids", "tag_prefix": tag_prefix}
+
+    def _batch(self, commands: list[tuple[str, dict]]) -> list:
+        if not commands:
+            return []
+        request = {"commands": [{"cmd": c, "req": r} for c, r in commands]}
+        answers = self._shim("batch", request)["answers"]
+        for (command, _), answer in zip(commands, answers):
+            if isinstance(answer, dict) and "error" in answer:
+                raise TaskError(f"host {self.name}: {command}: {answer['error']}")
+        return answers
 
     def tail(self, path: str, lines: int = 20) -> str:
         return self._shim("tail", {"path": path, "lines": lines})["text"]

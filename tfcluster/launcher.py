@@ -127,8 +127,10 @@ class Session:
 
 # -- preflight -------------------------------------------------------------------------------
 
-def preflight(session: Session, tasks: list[TaskPlan], *, need_tf: bool = True) -> None:
-    """Hosts are fit for these tasks: TF importable, GPUs present, ports free."""
+def preflight(session: Session, tasks: list[TaskPlan], *, need_tf: bool = True,
+              busy: dict[tuple[str, int], str | None] | None = None) -> None:
+    """Hosts are fit for these tasks: TF importable, GPUs present, ports free (`busy`:
+    (host, port) -> holder from a survey already made, else the ports are asked now)."""
     infos = session.infos
     spec = session.spec
     for name in dict.fromkeys(t.host for t in tasks):
@@ -143,7 +145,7 @@ def preflight(session: Session, tasks: list[TaskPlan], *, need_tf: bool = True) 
             raise PreflightError(f"host {name}: the spec gives it {wanted} GPUs but it has {info.gpus}")
     _warn_version_skew(session.ui, infos)
     _check_same_machine_ports(infos, tasks)
-    _check_ports_free(session, tasks)
+    _check_ports_free(session, tasks, busy)
 
 
 def _warn_version_skew(ui, infos: dict) -> None:
@@ -166,20 +168,26 @@ def _check_same_machine_ports(infos: dict, tasks: list[TaskPlan]) -> None:
                 hint="give the tasks different ports")
 
 
-def _check_ports_free(session: Session, tasks: list[TaskPlan]) -> None:
-    by_host: dict[str, list[TaskPlan]] = {}
+def _check_ports_free(session: Session, tasks: list[TaskPlan], busy=None) -> None:
+    if busy is None:
+        by_host = _by_host(tasks)
+        results = parallel(lambda h: session.agents[h].check_ports([t.port for t in by_host[h]]), by_host)
+        raise_first(results, "host")
+        busy = {(h, port): holder for h, ports in results.items() for port, holder in ports.items()}
     for task in tasks:
-        by_host.setdefault(task.host, []).append(task)
-    results = parallel(lambda h: session.agents[h].check_ports([t.port for t in by_host[h]]), by_host)
-    raise_first(results, "host")
-    for host, busy in results.items():
-        for task in by_host[host]:
-            holder = busy.get(task.port)
-            if holder:
-                raise PreflightError(
-                    f"host {host}: port {task.port} for {task.key} is already in use ({holder})",
-                    hint="stop whatever holds it (`tfcluster down` if it is an old cluster), "
-                         "or change the port in the spec")
+        holder = busy.get((task.host, task.port))
+        if holder:
+            raise PreflightError(
+                f"host {task.host}: port {task.port} for {task.key} is already in use ({holder})",
+                hint="stop whatever holds it (`tfcluster down` if it is an old cluster), "
+                     "or change the port in the spec")
+
+
+def _by_host(items, host=lambda t: t.host) -> dict[str, list]:
+    grouped: dict[str, list] = {}
+    for item in items:
+        grouped.setdefault(host(item), []).append(item)
+    return grouped
 
 
 # -- servers ---------------------------------------------------------------------------------
@@ -217,15 +225,18 @@ def start_servers(session: Session, tasks: list[TaskPlan], run_id: str,
     plan = session.plan
     started: list[Started] = []
 
-    def start(task: TaskPlan) -> Started:
-        agent = session.agents[task.host]
-        launch = launch_for(plan, task, run_id, "server", agent.server_argv())
-        return Started(task, launch.tag, agent.start_detached(launch), launch.log)
+    def start(host: str) -> list[Started]:
+        agent = session.agents[host]
+        launches = [(t, launch_for(plan, t, run_id, "server", agent.server_argv()))
+                    for t in by_host[host]]
+        pids = agent.start_detached_many([launch for _, launch in launches])
+        return [Started(t, launch.tag, pid, launch.log) for (t, launch), pid in zip(launches, pids)]
 
+    by_host = _by_host(tasks)
     try:
-        results = parallel(start, tasks)
-        started = [r for r in results.values() if isinstance(r, Started)]
-        raise_first({t.key: r for t, r in results.items()}, "task")
+        results = parallel(start, by_host)
+        started = [s for r in results.values() if not isinstance(r, BaseException) for s in r]
+        raise_first(results, "host")
         wait_ready(session, started, timeout)
     except BaseException:
         stop_run(session, f"{plan.name}:{run_id}:")
@@ -235,9 +246,7 @@ def start_servers(session: Session, tasks: list[TaskPlan], run_id: str,
 
 def wait_ready(session: Session, started: list[Started], timeout: float) -> None:
     """Block until every started server accepts connections; raise naming the first that did not."""
-    by_host: dict[str, list[Started]] = {}
-    for s in started:
-        by_host.setdefault(s.task.host, []).append(s)
+    by_host = _by_host(started, lambda s: s.task.host)
     t0 = time.monotonic()
     ui = session.ui
     ready: list[str] = []
@@ -285,18 +294,22 @@ def server_tasks(plan: Plan) -> list[TaskPlan]:
     return [t for t in plan.tasks if t.runs_server]
 
 
-def running_servers(session: Session) -> dict[str, object]:
-    """task key -> TaskStatus for live servers of this cluster, on all hosts."""
-    results = parallel(lambda h: session.agents[h].status(cluster_prefix(session.plan)),
+def survey(session: Session, tasks: list[TaskPlan]) -> tuple[dict[str, object], dict]:
+    """One round trip per host: live servers of this cluster (task key -> TaskStatus) and
+    who holds the given tasks' ports ((host, port) -> holder or None)."""
+    by_host = _by_host(tasks)
+    prefix = cluster_prefix(session.plan)
+    results = parallel(lambda h: session.agents[h].survey(prefix, [t.port for t in by_host.get(h, [])]),
                        list(session.agents))
     raise_first(results, "host")
-    live = {}
-    for statuses in results.values():
+    live, busy = {}, {}
+    for host, (statuses, ports) in results.items():
+        busy.update({(host, port): holder for port, holder in ports.items()})
         for st in statuses:
             parts = st.tag.split(":")
             if st.alive and parts[-1] == "server":
                 live[f"{parts[2]}:{parts[3]}"] = st
-    return live
+    return live, busy
 
 
 def up(spec: Spec, plan: Plan, ui, timeout: float = READY_TIMEOUT) -> int:
@@ -309,14 +322,14 @@ def up(spec: Spec, plan: Plan, ui, timeout: float = READY_TIMEOUT) -> int:
         t0 = time.monotonic()
         ui.info(f"Connecting to {len(plan.hosts)} host(s)…")
         session.open()
-        live = running_servers(session)
+        live, busy = survey(session, servers)
         missing = [t for t in servers if t.key not in live]
         if not missing:
             ui.ok(f"cluster {plan.name!r} is already up ({len(servers)} servers); nothing started")
             return ExitCode.OK
         if live:
             ui.info(f"{len(live)} server(s) already running; starting the {len(missing)} missing")
-        preflight(session, missing)
+        preflight(session, missing, busy=busy)
         run_id = new_run_id("up")
         ui.info(f"Starting {len(missing)} server(s)…")
         started = start_servers(session, missing, run_id, timeout)
@@ -401,10 +414,8 @@ def status(spec: Spec, plan: Plan, ui) -> list[dict]:
 
 
 def _host_rows(session: Session, host: str) -> list[dict]:
-    agent = session.agents[host]
-    statuses = agent.status(cluster_prefix(session.plan))
     tasks = session.plan.tasks_on(host)
-    busy = agent.check_ports([t.port for t in tasks])
+    statuses, busy = session.agents[host].survey(cluster_prefix(session.plan), [t.port for t in tasks])
     rows = []
     for task in tasks:
         mine = [s for s in statuses if s.alive and s.tag.split(":")[2:4] == [task.job, str(task.index)]]

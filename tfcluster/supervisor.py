@@ -153,7 +153,7 @@ def _prepare_servers(run: Run) -> None:
     servers = launcher.server_tasks(run.plan)
     if not servers:
         return
-    live = launcher.running_servers(run.session)
+    live, busy = launcher.survey(run.session, servers)
     if live and len(live) == len(servers):
         run.ui.info(f"Using the running cluster ({len(live)} servers from `tfcluster up`)")
         return
@@ -161,7 +161,7 @@ def _prepare_servers(run: Run) -> None:
         raise TfclusterError(
             f"cluster {run.plan.name!r} is partly up ({len(live)} of {len(servers)} servers running)",
             hint="run `tfcluster up SPEC` to start the missing servers, or `tfcluster down SPEC`")
-    launcher.preflight(run.session, servers)
+    launcher.preflight(run.session, servers, busy=busy)
     run.ui.info(f"Starting {len(servers)} server(s)…")
     run.owns_servers = True
     procs = [Proc(t, "server", f"{t.key}.server" if t.runs_script else t.key) for t in servers]
