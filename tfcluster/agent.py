@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -90,6 +91,12 @@ def _shipped() -> dict[str, bytes]:
     return {name: (here / name).read_bytes() for name in SHIPPED}
 
 
+def _host_info(info: dict) -> HostInfo:
+    return HostInfo(home=info["home"], hostname=info["hostname"],
+                    python_version=info["python_version"], tf_version=info["tf_version"],
+                    machine_id=info["machine_id"], gpus=int(info["gpus"]))
+
+
 def _ports(answer: dict) -> dict[int, str | None]:
     return {int(p): holder for p, holder in answer.items()}
 
@@ -158,8 +165,10 @@ class AttachedTask:
 
 
 class HostAgent:
-    def __init__(self, name: str, transport: Transport, python: str, cluster_dir: str) -> None:
+    def __init__(self, name: str, transport: Transport, python: str, cluster_dir: str,
+                 *, in_process: bool | None = None) -> None:
         self.name = name
+        self.in_process = in_process      # None: decide by transport and interpreter
         self.transport = transport
         self.python = python
         self.cluster_dir = cluster_dir.rstrip("/")
@@ -180,7 +189,19 @@ class HostAgent:
                 self._info = self._prepare()
             return self._info
 
+    @property
+    def _in_process(self) -> bool:
+        """A local host running tfcluster's own interpreter: one-shot shim commands run in
+        this process (no interpreter start per action), and the shipped programs are used
+        straight from the package. Attached tasks still get a shim process of their own."""
+        if self.in_process is not None:
+            return self.in_process
+        return self.transport.is_local and self.python == sys.executable
+
     def _prepare(self) -> HostInfo:
+        if self._in_process:
+            self._bindir = str(Path(__file__).parent)
+            return _host_info(self._shim("info", {}))
         self.transport.connect()
         files = _shipped()
         request = {"bindir": f"{self.cluster_dir}/bin",
@@ -201,9 +222,7 @@ class HostAgent:
             for name in boot["stale"]:
                 self.transport.put(files[name], f"{self._bindir}/{name}", 0o700)
             info = self._shim("info", {})
-        return HostInfo(home=info["home"], hostname=info["hostname"],
-                        python_version=info["python_version"], tf_version=info["tf_version"],
-                        machine_id=info["machine_id"], gpus=int(info["gpus"]))
+        return _host_info(info)
 
     def _shim_argv(self, command: str) -> list[str]:
         if self._bindir is None:
@@ -211,6 +230,8 @@ class HostAgent:
         return [self.python, f"{self._bindir}/shim.py", command]
 
     def _shim(self, command: str, request: dict, timeout: float = 60.0):
+        if self._in_process:
+            return self._shim_here(command, request)
         result = self.transport.run(self._shim_argv(command), _line(request), timeout=timeout)
         answer = _last_json(result.stdout)
         if isinstance(answer, dict) and "error" in answer:
@@ -220,10 +241,22 @@ class HostAgent:
             raise TfclusterError(f"host {self.name}: shim {command} failed: {why}")
         return answer
 
+    def _shim_here(self, command: str, request: dict):
+        from tfcluster import shim
+
+        try:
+            return shim.COMMANDS[command](json.loads(json.dumps(request)))
+        except shim.ShimError as e:
+            raise TaskError(f"host {self.name}: {command}: {e}") from None
+        except (OSError, KeyError, ValueError) as e:
+            raise TaskError(f"host {self.name}: {command}: {type(e).__name__}: {e}") from None
+
     # ------------------------------------------------------------ queries
 
     def server_argv(self) -> tuple[str, ...]:
-        return (self.python, f"{self.cluster_dir}/bin/tfserver.py")
+        if self._bindir is None:
+            self.prepare()
+        return (self.python, f"{self._bindir}/tfserver.py")
 
     def pidfile(self, tag: str) -> str:
         """Where stop/status look for a task's pid file."""
