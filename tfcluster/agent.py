@@ -275,11 +275,6 @@ class HostAgent:
                                     ("ports", {"ports": list(ports)})])
         return _statuses(status), _ports(held)
 
-    def start_detached_many(self, launches: list[TaskLaunch]) -> list[int]:
-        """start_detached() for several tasks in one round trip; pids in order."""
-        answers = self._batch([("start", _start_request(t, attached=False)) for t in launches])
-        return [int(a["pid"]) for a in answers]
-
     def _status_request(self, tag_prefix: str) -> dict:
         return {"piddir": f"{self.cluster_dir}/pids", "tag_prefix": tag_prefix}
 
@@ -380,12 +375,29 @@ class HostAgent:
     def wait_ready(self, items: list[tuple[str, int, int]],
                    timeout: float) -> Iterator[tuple[str, str]]:
         """(key, port, pid) -> yields (key, "ready" | "exited" | "timeout") as each is decided."""
-        if not items:
-            return
         request = {"items": [{"key": k, "port": p, "pid": pid} for k, p, pid in items],
                    "timeout": timeout}
-        proc = self.transport.spawn(self._shim_argv("wait"))
-        pending = {key for key, _, _ in items}
+        for answer in self._stream("wait", request, {key for key, _, _ in items}):
+            yield answer["key"], answer["state"]
+
+    def launch(self, servers: list[tuple[str, int, TaskLaunch]],
+               timeout: float) -> Iterator[tuple[str, str, int | None]]:
+        """Start detached servers (key, port, launch) and wait for them, in one round trip:
+        yields (key, "started", pid) for each, then (key, "ready"|"exited"|"timeout", None)."""
+        request = {"starts": [{"key": k, "port": p, "req": _start_request(t, attached=False)}
+                              for k, p, t in servers], "timeout": timeout}
+        for answer in self._stream("launch", request, {key for key, _, _ in servers}):
+            if "pid" in answer:
+                yield answer["key"], "started", int(answer["pid"])
+            else:
+                yield answer["key"], answer["state"], None
+
+    def _stream(self, command: str, request: dict, keys: set[str]) -> Iterator[dict]:
+        """A shim command answering one JSON line per event, until every key has a state."""
+        if not keys:
+            return
+        proc = self.transport.spawn(self._shim_argv(command))
+        pending = set(keys)
         try:
             proc.write(_line(request))
             proc.close_stdin()
@@ -393,16 +405,17 @@ class HostAgent:
             while pending:
                 chunk = proc.read()
                 if not chunk:
-                    raise TfclusterError(f"host {self.name}: readiness check ended early: "
+                    raise TfclusterError(f"host {self.name}: {command} ended early: "
                                          f"{_tail(proc.read_stderr()) or 'no output'}")
                 buf += chunk
                 *lines, buf = buf.split(b"\n")
                 for line in filter(None, lines):
                     answer = json.loads(line)
                     if "error" in answer:
-                        raise TaskError(f"host {self.name}: wait: {answer['error']}")
-                    pending.discard(answer["key"])
-                    yield answer["key"], answer["state"]
+                        raise TaskError(f"host {self.name}: {command}: {answer['error']}")
+                    if "state" in answer:
+                        pending.discard(answer["key"])
+                    yield answer
         finally:
             proc.kill()
             proc.wait(1.0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import secrets
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, TypeVar
@@ -218,38 +219,60 @@ def launch_for(plan: Plan, task: TaskPlan, run_id: str, role: str, argv, extra_e
 
 def start_servers(session: Session, tasks: list[TaskPlan], run_id: str,
                   timeout: float = READY_TIMEOUT) -> list[Started]:
-    """Start a server per task (detached), wait until each accepts connections.
-
-    On any failure everything started here is stopped before the error is raised.
-    """
+    """Start a detached server per task and wait until each accepts connections (one
+    round trip per host). On any failure everything started here is stopped first."""
     plan = session.plan
-    started: list[Started] = []
-
-    def start(host: str) -> list[Started]:
-        agent = session.agents[host]
-        launches = [(t, launch_for(plan, t, run_id, "server", agent.server_argv()))
-                    for t in by_host[host]]
-        pids = agent.start_detached_many([launch for _, launch in launches])
-        return [Started(t, launch.tag, pid, launch.log) for (t, launch), pid in zip(launches, pids)]
-
     by_host = _by_host(tasks)
+    started: dict[str, Started] = {}
+    progress = _Progress(session, len(tasks))
+
+    def run_host(host: str) -> dict[str, str]:
+        agent = session.agents[host]
+        launches = {t.key: (t, launch_for(plan, t, run_id, "server", agent.server_argv()))
+                    for t in by_host[host]}
+        outcomes = {}
+        for key, state, pid in agent.launch([(k, t.port, l) for k, (t, l) in launches.items()], timeout):
+            task, launch = launches[key]
+            if state == "started":
+                started[key] = Started(task, launch.tag, pid, launch.log)
+                continue
+            outcomes[key] = state
+            if state == "ready":
+                progress.ready(key)
+        return outcomes
+
     try:
-        results = parallel(start, by_host)
-        started = [s for r in results.values() if not isinstance(r, BaseException) for s in r]
+        results = parallel(run_host, by_host)
         raise_first(results, "host")
-        wait_ready(session, started, timeout)
+        for outcomes in results.values():
+            for key, state in outcomes.items():
+                if state != "ready":
+                    _raise_not_ready(session, started[key], state, timeout)
     except BaseException:
         stop_run(session, f"{plan.name}:{run_id}:")
         raise
-    return started
+    return list(started.values())
+
+
+class _Progress:
+    """One line per server as it becomes ready, with elapsed time and a count."""
+
+    def __init__(self, session: Session, total: int) -> None:
+        self.session, self.total, self.t0 = session, total, time.monotonic()
+        self.count = 0
+        self.lock = threading.Lock()
+
+    def ready(self, key: str) -> None:
+        with self.lock:
+            self.count += 1
+            self.session.ui.info(f"  ✓ {key:<10} ready on {self.session.plan.task(key).target}"
+                                 f"  ({time.monotonic() - self.t0:.1f}s, {self.count}/{self.total})")
 
 
 def wait_ready(session: Session, started: list[Started], timeout: float) -> None:
     """Block until every started server accepts connections; raise naming the first that did not."""
     by_host = _by_host(started, lambda s: s.task.host)
-    t0 = time.monotonic()
-    ui = session.ui
-    ready: list[str] = []
+    progress = _Progress(session, len(started))
 
     def wait_host(host: str) -> list[tuple[str, str]]:
         items = [(s.task.key, s.task.port, s.pid) for s in by_host[host]]
@@ -257,9 +280,7 @@ def wait_ready(session: Session, started: list[Started], timeout: float) -> None
         for key, outcome in session.agents[host].wait_ready(items, timeout):
             decided.append((key, outcome))
             if outcome == "ready":
-                ready.append(key)
-                ui.info(f"  ✓ {key:<10} ready on {session.plan.task(key).target}"
-                        f"  ({time.monotonic() - t0:.1f}s, {len(ready)}/{len(started)})")
+                progress.ready(key)
         return decided
 
     results = parallel(wait_host, by_host)

@@ -481,6 +481,17 @@ def cmd_wait(req: dict) -> None:
     return None
 
 
+def cmd_launch(req: dict) -> None:
+    """Start detached servers, then wait for them, in one exec: a line {"key", "pid"} per
+    start, then cmd_wait's lines. Saves `up` a round trip (a login shell + an interpreter)."""
+    items = []
+    for start in req["starts"]:
+        proc, _log, _offset = spawn(start["req"])
+        write_all(1, (json.dumps({"key": start["key"], "pid": proc.pid}) + "\n").encode())
+        items.append({"key": start["key"], "port": start["port"], "pid": proc.pid})
+    cmd_wait({"items": items, "timeout": req.get("timeout", 60)})
+
+
 def cmd_tail(req: dict) -> dict:
     lines = int(req.get("lines", 20))
     try:
@@ -544,7 +555,7 @@ def cmd_batch(req: dict) -> dict:
 
 COMMANDS = {"info": cmd_info, "ports": cmd_ports, "start": cmd_start, "stop": cmd_stop,
             "status": cmd_status, "wait": cmd_wait, "tail": cmd_tail, "files": cmd_files,
-            "batch": cmd_batch}
+            "batch": cmd_batch, "launch": cmd_launch}
 
 
 def main(argv: list) -> int:
