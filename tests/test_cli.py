@@ -113,3 +113,9 @@ def test_init_copies_a_template_and_refuses_to_overwrite(tmp_path):
     again = tfc("init", "mirrored", cwd=str(tmp_path))
     assert again.returncode == 2 and "already exists" in again.stderr
     assert tfc("init", "mirrorred", cwd=str(tmp_path)).returncode == 2
+
+
+def test_script_flag_without_double_dash_gets_a_hint():
+    result = tfc("train", LOCAL, "--steps", "100")
+    assert result.returncode == 2
+    assert "tfcluster train SPEC -- --steps 100" in result.stderr

@@ -321,6 +321,14 @@ def _click_exceptions() -> tuple[type, ...]:
     return tuple(found)
 
 
+def _usage_hint(exc, argv: list[str]) -> str | None:
+    if exc.exit_code != 2:
+        return None
+    if type(exc).__name__ == "NoSuchOption" and "train" in argv and "--" not in argv:
+        return "arguments for the training script go after `--`, e.g. `tfcluster train SPEC -- --steps 100`"
+    return "see `tfcluster --help`"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     _ui.debug = "--debug" in argv
@@ -340,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         if type(exc).__name__ == "NoArgsIsHelpError":
             _ui.stdout.write(exc.format_message() + "\n")  # the help text itself
             return 0
-        _ui.error(exc.format_message(), "see `tfcluster --help`" if exc.exit_code == 2 else None)
+        _ui.error(exc.format_message(), _usage_hint(exc, argv))
         return exc.exit_code
     except (KeyboardInterrupt, typer.Abort):
         _ui.error("interrupted")

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, TypeVar
 
 from tfcluster import state
-from tfcluster.errors import (ConnectError, DeadlineError, ExitCode, PreflightError,
+from tfcluster.errors import (DeadlineError, ExitCode, PreflightError,
                               TaskError, TfclusterError)
 from tfcluster.plan import Plan, TaskPlan
 from tfcluster.spec import Spec
@@ -450,10 +450,6 @@ def _row(task: TaskPlan, status_: str, pid, uptime, port_open) -> dict:
     return {"task": task.key, "host": task.host, "address": task.target, "status": status_,
             "pid": pid, "uptime_s": round(uptime, 1) if uptime is not None else None,
             "port_open": port_open}
-
-
-def connect_error_hosts(results: dict) -> list[str]:
-    return [h for h, r in results.items() if isinstance(r, ConnectError)]
 
 
 def exec_on_hosts(spec: Spec, ui, argv: list[str], hosts: list[str], out) -> int:
