@@ -136,8 +136,7 @@ def _run(run: Run) -> tuple[int, str]:
     _ship(run, script_tasks)
     ui.info(f"Starting the script on {len(script_tasks)} task(s): "
             f"{', '.join(t.key for t in script_tasks)}")
-    for task in script_tasks:
-        _start(run, Proc(task, "script", task.key))
+    _start_all(run, [Proc(task, "script", task.key) for task in script_tasks])
     return _supervise(run)
 
 
@@ -165,8 +164,7 @@ def _prepare_servers(run: Run) -> None:
     run.ui.info(f"Starting {len(servers)} server(s)…")
     run.owns_servers = True
     procs = [Proc(t, "server", f"{t.key}.server" if t.runs_script else t.key) for t in servers]
-    for proc in procs:
-        _start(run, proc)
+    _start_all(run, procs)
     started = [launcher.Started(p.task, p.launch.tag, p.handle.pid, p.launch.log) for p in procs]
     launcher.wait_ready(run.session, started, launcher.READY_TIMEOUT)
 
@@ -187,6 +185,14 @@ def _ship(run: Run, tasks: list[TaskPlan]) -> None:
 
 def _size(n: int) -> str:
     return f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n / 1e3:.1f} kB"
+
+
+def _start_all(run: Run, procs: list[Proc]) -> None:
+    """Start processes in parallel: each start is a round trip (a handshake with its shim),
+    and 32 workers one after another would take seconds before the last one runs."""
+    run.procs.extend(p for p in procs if p not in run.procs)  # summary order = plan order
+    results = launcher.parallel(lambda i: _start(run, procs[i]), range(len(procs)))
+    launcher.raise_first({procs[i].key: r for i, r in results.items()}, "task")
 
 
 def _start(run: Run, proc: Proc) -> None:
@@ -342,7 +348,7 @@ def _shutdown(run: Run) -> None:
 
 
 def _stop_role(run: Run, role: str, fast: threading.Event) -> None:
-    live = [p for p in run.procs if p.role == role and p.exit_code is None]
+    live = [p for p in run.procs if p.role == role and p.exit_code is None and p.handle is not None]
     for proc in live:
         proc.stopping = True
         try:
