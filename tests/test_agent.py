@@ -320,3 +320,13 @@ def test_sync_files_uploads_each_content_once_and_places_it_in_every_run_dir(age
 def test_sync_files_refuses_paths_that_escape_the_run_dir(agent):
     with pytest.raises(TaskError, match="bad file entry"):
         agent.sync_files([("../evil.py", b"x", 0o600)], "~/.tfcluster/runs/r1")
+
+
+def test_sync_files_above_the_inline_limit_uses_the_upload_path(agent, home, monkeypatch):
+    import tfcluster.agent as agent_module
+
+    monkeypatch.setattr(agent_module, "INLINE_LIMIT", 10)
+    files = [("big.bin", bytes(range(256)) * 40, 0o600)]
+    assert agent.sync_files(files, "~/.tfcluster/runs/big1") == 256 * 40
+    assert agent.sync_files(files, "~/.tfcluster/runs/big2") == 0
+    assert (home / ".tfcluster" / "runs" / "big2" / "big.bin").read_bytes() == bytes(range(256)) * 40

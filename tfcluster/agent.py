@@ -7,6 +7,7 @@ JSON on stdout. Attached tasks keep their shim (and channel) open: the agent sen
 """
 from __future__ import annotations
 
+import base64
 import functools
 import hashlib
 import json
@@ -23,6 +24,7 @@ from tfcluster.transport.base import Proc, Transport
 SHIPPED = ("shim.py", "tfserver.py")
 MIN_PYTHON = (3, 8)
 HANDSHAKE_TIMEOUT = 60.0
+INLINE_LIMIT = 512 * 1024     # files up to this much in all travel inside the request
 
 # Runs with `python -c` before the shim is known to be there: says which shipped files
 # are stale and, when none is, answers `info` in the same exec (one round trip).
@@ -303,6 +305,11 @@ class HostAgent:
             by_digest[digest] = data
             entries.append({"path": rel, "sha256": digest, "mode": mode})
         request = {"cache": f"{self.cluster_dir}/cache", "dest": dest, "files": entries}
+        if sum(len(d) for d in by_digest.values()) <= INLINE_LIMIT:
+            # Resending a small script costs less than the two round trips that avoid it.
+            request["inline"] = {d: base64.b64encode(data).decode() for d, data in by_digest.items()}
+            answer = self._shim("files", request)
+            return sum(len(by_digest[d]) for d in answer["added"])
         missing = self._shim("files", request)["missing"]
         for digest in missing:
             self.put_file(by_digest[digest], f"{self.cluster_dir}/cache/{digest}")

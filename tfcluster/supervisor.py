@@ -179,8 +179,8 @@ def _ship(run: Run, tasks: list[TaskPlan]) -> None:
     launcher.raise_first(results, "host")
     sent = sum(results.values())
     total = sum(len(data) for _, data, _ in files) * len(hosts)
-    run.ui.info(f"Shipped {len(files)} file(s) to {len(hosts)} host(s): {_size(sent)} uploaded, "
-                f"{_size(total - sent)} unchanged")
+    run.ui.info(f"Shipped {len(files)} file(s) to {len(hosts)} host(s): {_size(sent)} new, "
+                f"{_size(total - sent)} already there")
 
 
 def _size(n: int) -> str:
