@@ -33,7 +33,7 @@ import hashlib, json, os, runpy, sys
 if sys.version_info < %r:
     print(json.dumps({"error": "python %%d.%%d is too old (tfcluster needs >= 3.8)" %% sys.version_info[:2]}))
     sys.exit(3)
-req = json.loads(sys.stdin.readline())
+req = json.loads(sys.stdin.buffer.readline())  # the binary reader: the shim reads line 2 from it
 bindir = os.path.expanduser(req["bindir"])
 stale = []
 for name, digest in sorted(req["files"].items()):
@@ -46,7 +46,9 @@ for name, digest in sorted(req["files"].items()):
         stale.append(name)
 print(json.dumps({"stale": stale, "bindir": bindir}), flush=True)
 if not stale:
-    sys.argv = [os.path.join(bindir, "shim.py"), "info"]
+    # The next stdin line is a `batch` request (info first, then whatever the caller
+    # wants to know before acting): one exec answers all of it.
+    sys.argv = [os.path.join(bindir, "shim.py"), "batch"]
     runpy.run_path(sys.argv[0], run_name="__main__")
 """ % (MIN_PYTHON,)
 
@@ -171,6 +173,7 @@ class HostAgent:
                  *, in_process: bool | None = None) -> None:
         self.name = name
         self.in_process = in_process      # None: decide by transport and interpreter
+        self._surveyed = None             # a survey answered by prepare(), used once
         self.transport = transport
         self.python = python
         self.cluster_dir = cluster_dir.rstrip("/")
@@ -184,11 +187,14 @@ class HostAgent:
 
     # ------------------------------------------------------------ setup
 
-    def prepare(self) -> HostInfo:
-        """Connect, ship the shim and server when their hashes changed, describe the host."""
+    def prepare(self, survey: tuple[str, list[int]] | None = None) -> HostInfo:
+        """Connect, ship the shim and server when their hashes changed, describe the host.
+
+        `survey` = (tag prefix, ports): also answer survey() for them in the same round
+        trip; survey() with the same arguments then returns that answer without asking."""
         with self._prepare_lock:
             if self._info is None:
-                self._info = self._prepare()
+                self._info = self._prepare(survey)
             return self._info
 
     @property
@@ -200,7 +206,7 @@ class HostAgent:
             return self.in_process
         return self.transport.is_local and self.python == sys.executable
 
-    def _prepare(self) -> HostInfo:
+    def _prepare(self, survey: tuple[str, list[int]] | None) -> HostInfo:
         if self._in_process:
             self._bindir = str(Path(__file__).parent)
             return _host_info(self._shim("info", {}))
@@ -208,7 +214,11 @@ class HostAgent:
         files = _shipped()
         request = {"bindir": f"{self.cluster_dir}/bin",
                    "files": {n: hashlib.sha256(d).hexdigest() for n, d in files.items()}}
-        result = self.transport.run([self.python, "-c", BOOTSTRAP], _line(request))
+        commands = [("info", {})]
+        if survey is not None:
+            commands += self._survey_commands(*survey)
+        then = {"commands": [{"cmd": c, "req": r} for c, r in commands]}
+        result = self.transport.run([self.python, "-c", BOOTSTRAP], _line(request) + _line(then))
         if result.rc == 127 or (result.rc != 0 and b"not found" in result.stderr):
             raise PreflightError(f"host {self.name}: {self.python} not found",
                                  hint="set `python:` in the spec to an interpreter that has tensorflow")
@@ -218,13 +228,15 @@ class HostAgent:
             raise PreflightError(f"host {self.name}: {self.python}: {why}")
         boot = lines[0]
         self._bindir = boot["bindir"]
-        if not boot["stale"]:
-            info = lines[1] if len(lines) > 1 else self._shim("info", {})
+        if not boot["stale"] and len(lines) > 1 and "answers" in lines[1]:
+            answers = lines[1]["answers"]
         else:
             for name in boot["stale"]:
                 self.transport.put(files[name], f"{self._bindir}/{name}", 0o700)
-            info = self._shim("info", {})
-        return _host_info(info)
+            answers = self._shim("batch", then)["answers"]
+        if survey is not None and not any("error" in a for a in answers[1:] if isinstance(a, dict)):
+            self._surveyed = (survey[0], tuple(survey[1]), answers[1], answers[2])
+        return _host_info(answers[0])
 
     def _shim_argv(self, command: str) -> list[str]:
         if self._bindir is None:
@@ -272,10 +284,16 @@ class HostAgent:
         return _statuses(self._shim("status", self._status_request(tag_prefix)))
 
     def survey(self, tag_prefix: str, ports: list[int]) -> tuple[list[TaskStatus], dict[int, str | None]]:
-        """status() and check_ports() in one round trip."""
-        status, held = self._batch([("status", self._status_request(tag_prefix)),
-                                    ("ports", {"ports": list(ports)})])
+        """status() and check_ports() in one round trip (or none, when prepare() asked)."""
+        cached, self._surveyed = self._surveyed, None
+        if cached is not None and cached[:2] == (tag_prefix, tuple(ports)):
+            status, held = cached[2], cached[3]
+        else:
+            status, held = self._batch(self._survey_commands(tag_prefix, ports))
         return _statuses(status), _ports(held)
+
+    def _survey_commands(self, tag_prefix: str, ports: list[int]) -> list[tuple[str, dict]]:
+        return [("status", self._status_request(tag_prefix)), ("ports", {"ports": list(ports)})]
 
     def _status_request(self, tag_prefix: str) -> dict:
         return {"piddir": f"{self.cluster_dir}/pids", "tag_prefix": tag_prefix}

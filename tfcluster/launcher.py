@@ -107,13 +107,24 @@ class Session:
         self.agents[name] = agent
         return agent
 
-    def open(self, names: Iterable[str] | None = None, *, strict: bool = True) -> dict:
-        """Connect and prepare every host; returns name -> HostInfo | exception."""
+    def open(self, names: Iterable[str] | None = None, *, strict: bool = True,
+             survey: list[TaskPlan] | None = None) -> dict:
+        """Connect and prepare every host; returns name -> HostInfo | exception.
+
+        `survey`: tasks whose ports (and this cluster's processes) the same round trip
+        should look at, for a survey() that follows."""
         names = tuple(names) if names is not None else self.host_names
         for name in names:
             if name not in self.agents:
                 self._agent(name)
-        results = parallel(lambda n: self.agents[n].prepare(), names)
+        by_host = _by_host(survey or [])
+        prefix = cluster_prefix(self.plan)
+
+        def prepare(name: str):
+            ports = [t.port for t in by_host.get(name, [])]
+            return self.agents[name].prepare((prefix, ports) if survey is not None else None)
+
+        results = parallel(prepare, names)
         for name, result in results.items():
             if not isinstance(result, BaseException):
                 self.infos[name] = result
@@ -342,7 +353,7 @@ def up(spec: Spec, plan: Plan, ui, timeout: float = READY_TIMEOUT) -> int:
     with state.ClusterLock(plan.name, "up"), Session(spec, plan, ui) as session:
         t0 = time.monotonic()
         ui.info(f"Connecting to {len(plan.hosts)} host(s)…")
-        session.open()
+        session.open(survey=servers)
         live, busy = survey(session, servers)
         missing = [t for t in servers if t.key not in live]
         if not missing:
@@ -423,7 +434,7 @@ def _ports_still_busy(session: Session, settle: float = 5.0) -> list[str]:
 def status(spec: Spec, plan: Plan, ui) -> list[dict]:
     """One row per planned task (plus any unplanned process found with the cluster's tag)."""
     with Session(spec, plan, ui) as session:
-        opened = session.open(strict=False)
+        opened = session.open(strict=False, survey=list(plan.tasks))
         rows = []
         for host in plan.hosts:
             result = opened[host]

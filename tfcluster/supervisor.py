@@ -77,7 +77,7 @@ def train(spec: Spec, plan: Plan, ui, options: Options) -> int:
     run_id = f"{plan.name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(2).hex()}"
     with state.ClusterLock(plan.name, "train"), Session(spec, plan, ui) as session:
         ui.info(f"run {run_id}: connecting to {len(plan.hosts)} host(s)…")
-        session.open()
+        session.open(survey=launcher.server_tasks(plan))
         mux = _make_mux(plan, ui, options, run_id)
         run = Run(spec, plan, ui, options, run_id, session, mux)
         manifest = runlog.Manifest(plan, run_id, os.path.join(options.runs_dir, run_id))
