@@ -191,3 +191,20 @@ def test_old_style_script_in_between_graph_mode_gets_a_hint_to_use_classic(work)
     result = tfcluster("train", str(spec), home=home, cwd=cwd)
     assert result.returncode == 5, result.stderr[-2000:]
     assert "needs `train.mode: classic`" in result.stderr
+
+
+def test_sigterm_stops_the_run_in_order_writes_the_manifest_and_exits_143(work):
+    tmp, home, cwd = work
+    spec = local_spec(tmp, args=["--steps", "100000", "--log_every", "50"])
+    proc = start_tfcluster("train", str(spec), home=home, cwd=cwd)
+    try:
+        read_until(proc, r"worker:0 .*step=", timeout=120)
+        proc.terminate()  # what `timeout`, a scheduler or systemd sends
+        out, _ = proc.communicate(timeout=40)
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 143, out[-2000:]
+    assert "terminated (SIGTERM)" in out
+    doc = manifest(only_run(cwd / "runs"))
+    assert doc["outcome"] == "terminated" and doc["exit_code"] == 143
+    wait_for(lambda: not tagged_processes(), timeout=15, what="every task gone after SIGTERM")

@@ -13,7 +13,7 @@ from typing import List, Optional
 import typer
 
 from tfcluster import __version__
-from tfcluster.errors import ExitCode, TfclusterError, UsageError
+from tfcluster.errors import ExitCode, Terminated, TfclusterError, UsageError
 from tfcluster.ui import UI
 
 HELP = """Run distributed TensorFlow (ps / worker / chief tasks) on your own machines.
@@ -321,6 +321,19 @@ def _click_exceptions() -> tuple[type, ...]:
     return tuple(found)
 
 
+def _terminate_like_ctrl_c() -> None:
+    """SIGTERM (from `timeout`, a scheduler, systemd) stops a run as Ctrl-C does, so the
+    tasks are stopped in order and the run's manifest and summary are still written."""
+    import signal
+    import threading
+
+    def handler(signum, frame) -> None:
+        raise Terminated()
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, handler)
+
+
 def _usage_hint(exc, argv: list[str]) -> str | None:
     if exc.exit_code != 2:
         return None
@@ -329,9 +342,20 @@ def _usage_hint(exc, argv: list[str]) -> str | None:
     return "see `tfcluster --help`"
 
 
+def _click_aborts() -> tuple[type, ...]:
+    found = []
+    for name in ("typer._click.exceptions", "click.exceptions"):
+        try:
+            found.append(__import__(name, fromlist=["Abort"]).Abort)
+        except (ImportError, AttributeError):
+            pass
+    return tuple(found)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     _ui.debug = "--debug" in argv
+    _terminate_like_ctrl_c()
     try:
         rc = app(args=argv, prog_name="tfcluster", standalone_mode=False)
         return int(rc or 0)
@@ -350,7 +374,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         _ui.error(exc.format_message(), _usage_hint(exc, argv))
         return exc.exit_code
-    except (KeyboardInterrupt, typer.Abort):
+    except Terminated:
+        _ui.error("terminated (SIGTERM)")
+        return int(ExitCode.TERMINATED)
+    except (KeyboardInterrupt, typer.Abort) + _click_aborts():
         _ui.error("interrupted")
         return int(ExitCode.INTERRUPTED)
     except BrokenPipeError:

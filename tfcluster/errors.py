@@ -18,6 +18,7 @@ class ExitCode(enum.IntEnum):
     TIMEOUT = 6          # a deadline passed (readiness, train.timeout)
     LOCKED = 7           # another tfcluster holds this cluster's lock
     INTERRUPTED = 130    # Ctrl-C
+    TERMINATED = 143     # SIGTERM (a scheduler, `timeout`, systemd)
 
 
 class TfclusterError(Exception):
@@ -68,3 +69,9 @@ class DeadlineError(TfclusterError):
 
 class LockedError(TfclusterError):
     exit_code = ExitCode.LOCKED
+
+
+class Terminated(BaseException):
+    """SIGTERM, turned into the same orderly stop as Ctrl-C (tasks stopped, state kept).
+
+    Not a KeyboardInterrupt: typer turns those into a silent exit 130."""

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 from tfcluster import launcher, runlog, state
-from tfcluster.errors import ExitCode, TaskError, TfclusterError, UsageError
+from tfcluster.errors import ExitCode, TaskError, Terminated, TfclusterError, UsageError
 from tfcluster.launcher import Session, launch_for
 from tfcluster.plan import Plan, TaskPlan
 from tfcluster.spec import Spec
@@ -85,8 +85,9 @@ def train(spec: Spec, plan: Plan, ui, options: Options) -> int:
         try:
             outcome = _run(run)
             return outcome[0]
-        except KeyboardInterrupt:
-            outcome = (int(ExitCode.INTERRUPTED), "interrupted")
+        except (KeyboardInterrupt, Terminated) as exc:
+            outcome = (int(ExitCode.TERMINATED if isinstance(exc, Terminated) else ExitCode.INTERRUPTED),
+                       "terminated" if isinstance(exc, Terminated) else "interrupted")
             raise
         except TfclusterError as exc:
             outcome = (int(exc.exit_code), exc.message)
@@ -327,15 +328,18 @@ def _diagnose(plan: Plan, tail: str) -> str | None:
 def _shutdown(run: Run) -> None:
     """Scripts first (TERM, grace for a last checkpoint), then servers; a second Ctrl-C
     drops everything at once."""
-    previous = signal.getsignal(signal.SIGINT)
+    signals = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.getsignal(sig) for sig in signals}
     fast = threading.Event()
 
     def second_ctrl_c(signum, frame) -> None:
         fast.set()
         run.ui.warn("second Ctrl-C: stopping everything now")
 
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, second_ctrl_c)
+    main_thread = threading.current_thread() is threading.main_thread()
+    if main_thread:
+        for sig in signals:
+            signal.signal(sig, second_ctrl_c)
     try:
         for role in ("script", "server"):
             _stop_role(run, role, fast)
@@ -343,8 +347,9 @@ def _shutdown(run: Run) -> None:
             prefix = f"{run.plan.name}:{run.run_id}:"
             launcher.stop_run(run.session, prefix, grace=0 if fast.is_set() else 2.0)
     finally:
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGINT, previous)
+        if main_thread:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
 
 def _stop_role(run: Run, role: str, fast: threading.Event) -> None:
