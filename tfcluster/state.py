@@ -22,12 +22,12 @@ def state_dir(name: str) -> str:
     return path
 
 
-def write_private(path: str, data: bytes) -> None:
-    """Atomic write of a 0600 file (tmp in the same dir, fsync, rename)."""
+def write_private(path: str, data: bytes, mode: int = 0o600) -> None:
+    """Atomic write of a private file (tmp in the same dir, fsync, rename)."""
     directory = os.path.dirname(path) or "."
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
     try:
-        os.fchmod(fd, 0o600)
+        os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

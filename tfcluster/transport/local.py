@@ -105,21 +105,11 @@ class LocalTransport(Transport):
         return LocalProc(popen)
 
     def put(self, data: bytes, path: str, mode: int = 0o600) -> None:
+        from tfcluster.state import write_private
+
         path = _expand(path)
         os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
-        tmp = f"{path}.tmp.{os.getpid()}.{threading.get_ident()}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.chmod(tmp, mode)
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        write_private(path, data, mode)
 
     def close(self) -> None:
         pass
