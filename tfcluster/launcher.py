@@ -399,6 +399,7 @@ def down(spec: Spec, plan: Plan, ui, grace: float = 5.0) -> int:
             raise TfclusterError(f"cluster {plan.name!r} not fully stopped ({'; '.join(problems)})",
                                  hint="run `tfcluster down` again once the hosts are reachable")
         state.clear(plan.name)
+        ui.ok(f"cluster {plan.name!r} is down: nothing of it runs and its ports are free")
         return ExitCode.OK
 
 
