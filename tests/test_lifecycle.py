@@ -241,3 +241,19 @@ def test_plan_check_runs_live_preflight_and_starts_nothing(tmp_path, home, ssh_h
         holder.close()
     assert busy.returncode == 4 and f"port {ports_of(spec)[0]} for ps:0 is already in use" in busy.stderr
     assert not tagged_processes()
+
+
+@pytest.mark.tf
+def test_up_and_down_through_a_jump_host_named_in_the_spec(tmp_path, home, ssh_home, sshd, jump_sshd, cwd):
+    jump_sshd.write_known_hosts(ssh_home / "known_hosts", mode="a")
+    spec = ssh_spec(tmp_path, sshd, name="viajump", ssh_extra=f"  jump_host: 127.0.0.5:{jump_sshd.port}\n")
+    up = tfcluster("up", str(spec), home=home, cwd=cwd)
+    assert up.returncode == 0, up.stderr
+    down = tfcluster("down", str(spec), home=home, cwd=cwd)
+    assert down.returncode == 0, down.stderr
+    assert not tagged_processes()
+    # the jump host is checked like any host: unknown to known_hosts -> refused, named
+    (ssh_home / "known_hosts").write_text("".join(
+        line + "\n" for line in (ssh_home / "known_hosts").read_text().splitlines() if "127.0.0.5" not in line))
+    refused = tfcluster("exec", str(spec), "--", "true", home=home, cwd=cwd)
+    assert refused.returncode == 3 and "jump host" in refused.stderr and "unknown host key" in refused.stderr
