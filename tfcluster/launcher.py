@@ -139,15 +139,16 @@ class Session:
 
 # -- preflight -------------------------------------------------------------------------------
 
-def preflight(session: Session, tasks: list[TaskPlan], *, need_tf: bool = True,
+def preflight(session: Session, tasks: list[TaskPlan], *, ports: bool = True,
               busy: dict[tuple[str, int], str | None] | None = None) -> None:
-    """Hosts are fit for these tasks: TF importable, GPUs present, ports free (`busy`:
-    (host, port) -> holder from a survey already made, else the ports are asked now)."""
+    """Hosts are fit for these tasks: TF importable, GPUs present and, when the tasks bind
+    their ports (`ports`), those free (`busy`: (host, port) -> holder from a survey already
+    made, else the ports are asked now)."""
     infos = session.infos
     spec = session.spec
     for name in dict.fromkeys(t.host for t in tasks):
         info = infos[name]
-        if need_tf and not info.tf_version:
+        if not info.tf_version:
             raise PreflightError(
                 f"host {name}: tensorflow is not installed for {session.plan.python}",
                 hint=f"install it there, e.g. `tfcluster exec SPEC --hosts {name} -- "
@@ -156,8 +157,9 @@ def preflight(session: Session, tasks: list[TaskPlan], *, need_tf: bool = True,
         if wanted and info.gpus < wanted:
             raise PreflightError(f"host {name}: the spec gives it {wanted} GPUs but it has {info.gpus}")
     _warn_version_skew(session.ui, infos)
-    _check_same_machine_ports(infos, tasks)
-    _check_ports_free(session, tasks, busy)
+    if ports:
+        _check_same_machine_ports(infos, tasks)
+        _check_ports_free(session, tasks, busy)
 
 
 def _warn_version_skew(ui, infos: dict) -> None:

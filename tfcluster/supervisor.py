@@ -130,23 +130,13 @@ def _run(run: Run) -> tuple[int, str]:
     plan, ui = run.plan, run.ui
     script_tasks = [t for t in plan.tasks if t.runs_script]
     _prepare_servers(run)
-    if plan.mode == "classic":  # the scripts build their own servers: their ports must be free
-        launcher.preflight(run.session, script_tasks)
-    else:
-        _check_tf(run, script_tasks)
+    # In classic mode the scripts build their own servers: their ports must be free too.
+    launcher.preflight(run.session, script_tasks, ports=plan.mode == "classic")
     _ship(run, script_tasks)
     ui.info(f"Starting the script on {len(script_tasks)} task(s): "
             f"{', '.join(t.key for t in script_tasks)}")
     _start_all(run, [Proc(task, "script", task.key) for task in script_tasks])
     return _supervise(run)
-
-
-def _check_tf(run: Run, tasks: list[TaskPlan]) -> None:
-    for host in dict.fromkeys(t.host for t in tasks):
-        if not run.session.infos[host].tf_version:
-            raise launcher.PreflightError(
-                f"host {host}: tensorflow is not installed for {run.plan.python}",
-                hint="install it there or set `python:` in the spec to an interpreter that has it")
 
 
 def _prepare_servers(run: Run) -> None:

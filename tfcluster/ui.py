@@ -75,24 +75,6 @@ class UI:
     def text(self, text: str, *, style: str | None = None) -> None:
         self.out.print(text, style=style, markup=False, highlight=False)
 
-    def status(self, message: str):
-        """A spinner on stderr while a block runs (plain line when not a terminal)."""
-        if self.stderr.isatty():
-            return self.err.status(message)
-        self.info(message)
-        return _Null()
-
-
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        return None
-
-    def update(self, *args, **kwargs) -> None:
-        return None
-
 
 def _console(stream: IO[str], color: bool):
     from rich.console import Console
