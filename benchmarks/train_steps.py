@@ -5,7 +5,7 @@ tfcluster: `python -m tfcluster train SPEC -- --steps S --log_every L` (it start
 servers, waits until they accept connections, ships and starts the two scripts, stops it all).
 Baseline (by hand, like tests/tf_launch.py HandLaunch): three `python -c SERVER_PROGRAM` started
 in parallel, ports polled until all accept, then the two scripts started with the same
-environment tfcluster gives them (TF_CONFIG, TFCLUSTER_MASTER, ... DESIGN.md §2).
+environment tfcluster gives them (TF_CONFIG, TFCLUSTER_MASTER, ...).
 Measured on both sides from each `step=G loss=...` line (G = global step), timestamped by this
 benchmark as it arrives on the pipe (tfcluster: its live stdout, `worker:N │ ` prefix stripped):
   * steps/s  = (last G - first G) / (t(last line) - t(first line)), over both workers' lines:

@@ -1,7 +1,7 @@
 """`tfcluster up` over SSH on 4 loopback hosts vs the same servers started by hand with ssh(1).
 
 One throwaway sshd listens on 127.0.0.2-5 (4 "hosts"); 1 ps (127.0.0.2) + 3 workers, each
-task on its own port (TF servers bind *:PORT, DESIGN.md §6b).
+task on its own port (TF servers bind *:PORT).
 tfcluster: `python -m tfcluster up SPEC`, spawn to exit (every server accepts connections);
 `down` after each rep, untimed.
 Baseline: 4 OpenSSH `ssh -p P -i KEY -o UserKnownHostsFile=... HOST 'cd DIR && TF_CONFIG=...

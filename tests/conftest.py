@@ -1,7 +1,7 @@
 """Suite-wide fixtures: isolated HOME, and a leak check after every test.
 
 Every process tfcluster starts carries TFCLUSTER_JOB_ID in its environment
-(DESIGN.md §5). After each test, no such process that was not there before the
+(see docs/ARCHITECTURE.md). After each test, no such process that was not there before the
 test may remain (a leaked TF server fails the suite).
 """
 from __future__ import annotations

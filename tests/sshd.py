@@ -1,4 +1,5 @@
-"""Real OpenSSH sshd fixtures (DESIGN.md §7), loaded as a pytest plugin by conftest.
+"""Real OpenSSH sshd fixtures (no mocks: the transport is tested against what it meets),
+loaded as a pytest plugin by conftest.
 
 `sshd` listens on 127.0.0.2-4 (three "hosts", one port); `jump_sshd` on 127.0.0.5 only,
 with MaxSessions 4. Remote commands run as root through root's login shell (bash), with
@@ -14,12 +15,13 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
 from tests.conftest import SESSION_VAR
 
-from tfcluster.spec import Host, SshSettings
+from tfcluster.transport.ssh_config import SshOptions
 
 SSHD = "/usr/sbin/sshd"
 SFTP_SERVER = "/usr/lib/openssh/sftp-server"
@@ -196,8 +198,16 @@ def ssh_home(home, sshd, monkeypatch) -> Path:
     return ssh_dir
 
 
-def make_host(name: str, address: str, sshd: Sshd, **ssh_overrides) -> Host:
-    """A spec Host on the test sshd: just the address and port, plus any ssh.* override."""
+class Target(NamedTuple):
+    """What an SshTransport is built from: `SshTransport(*target)`."""
+
+    name: str
+    address: str
+    options: SshOptions = SshOptions()
+
+
+def make_target(name: str, address: str, sshd: Sshd, **ssh_overrides) -> Target:
+    """A host on the test sshd: just the address and port, plus any SshOptions override."""
     ssh_overrides.setdefault("port", sshd.port)
     ssh_overrides.setdefault("connect_timeout", 5.0)
-    return Host(name=name, address=address, ssh=SshSettings(**ssh_overrides))
+    return Target(name, address, SshOptions(**ssh_overrides))

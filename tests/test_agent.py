@@ -17,11 +17,13 @@ import pytest
 
 from tests.conftest import tagged_processes, wait_for
 from tfcluster.agent import HostAgent, TaskLaunch
-from tfcluster.errors import TaskError
+from tfcluster.errors import HostError
+from tfcluster.names import ClusterPaths
 from tfcluster.transport.local import LocalTransport
 
 REPO = Path(__file__).resolve().parent.parent
 CLUSTER_DIR = "~/.tfcluster/lab"
+PATHS = ClusterPaths(CLUSTER_DIR)
 # Stop sweeps the whole machine by tag prefix: a cluster name of our own keeps concurrent
 # test sessions on this machine out of each other's way.
 C = f"agent{uuid.uuid4().hex[:8]}"
@@ -38,12 +40,13 @@ STUBBORN = textwrap.dedent("""
 LAUNCHER = textwrap.dedent("""
     import sys, time
     from tfcluster.agent import HostAgent, TaskLaunch
+    from tfcluster.names import ClusterPaths
     from tfcluster.transport.local import LocalTransport
     agent = HostAgent("local", LocalTransport(), sys.executable, "~/.tfcluster/lab")
     tag = sys.argv[1]
     task = agent.start_attached(
         TaskLaunch(tag, (sys.executable, "-c", "import time; time.sleep(600)"), {}, "~",
-                   "~/.tfcluster/lab/launcher.log", agent.pidfile(tag)),
+                   "~/.tfcluster/lab/launcher.log", ClusterPaths("~/.tfcluster/lab").pidfile(tag)),
         heartbeat_timeout=3, grace=1)
     print(task.pid, flush=True)
     time.sleep(600)
@@ -61,7 +64,13 @@ def agent(home):
 def launch(agent: HostAgent, tag: str, argv, env=None, cwd: str = "~") -> TaskLaunch:
     stem = tag.replace(":", "_")
     return TaskLaunch(tag=tag, argv=tuple(argv), env=dict(env or {}), cwd=cwd,
-                      log=f"{CLUSTER_DIR}/logs/{stem}.log", pidfile=agent.pidfile(tag))
+                      log=f"{CLUSTER_DIR}/logs/{stem}.log", pidfile=PATHS.pidfile(tag))
+
+
+def start_detached(agent: HostAgent, t: TaskLaunch, port: int = 0, timeout: float = 0.2) -> int:
+    """Start one detached task through `launch` (start + readiness in one round trip)."""
+    events = list(agent.launch([("k", port, t)], timeout))
+    return next(pid for _key, state, pid in events if state == "started")
 
 
 def free_port() -> int:
@@ -97,13 +106,15 @@ def test_tfservers_start_become_ready_and_stop_leaving_ports_free(home, capsys):
     agent = HostAgent("local", LocalTransport(), sys.executable, CLUSTER_DIR)
     try:
         agent.prepare()
-        pids = {}
+        launches = []
         for job in ports:
             tf_config = json.dumps({"cluster": cluster, "task": {"type": job, "index": 0}})
-            t = launch(agent, f"{C}:r1:{job}:0", agent.server_argv(),
-                       {"TF_CONFIG": tf_config, "TF_CPP_MIN_LOG_LEVEL": "2"})
-            pids[job] = agent.start_detached(t)
-        outcomes = dict(agent.wait_ready([(job, ports[job], pids[job]) for job in ports], 60))
+            launches.append((job, ports[job], launch(agent, f"{C}:r1:{job}:0", agent.server_argv(),
+                                                     {"TF_CONFIG": tf_config, "TF_CPP_MIN_LOG_LEVEL": "2"})))
+        events = list(agent.launch(launches, 60))
+        pids = {key: pid for key, state, pid in events if state == "started"}
+        outcomes = {key: state for key, state, _ in events if state != "started"}
+        assert dict(agent.wait_ready([(job, ports[job], pids[job]) for job in ports], 60)) == outcomes
         with capsys.disabled():
             print(f"\n[prepare + start + ready of 2 tfservers: {time.monotonic() - t0:.1f}s]")
         assert outcomes == {"ps": "ready", "worker": "ready"}
@@ -129,7 +140,7 @@ def test_tfservers_start_become_ready_and_stop_leaving_ports_free(home, capsys):
 
 @pytest.mark.timeout(30)
 def test_stop_kills_a_term_ignoring_task_and_its_setsid_grandchild(agent):
-    pid = agent.start_detached(launch(agent, f"{C}:r2:worker:0", [sys.executable, "-c", STUBBORN]))
+    pid = start_detached(agent, launch(agent, f"{C}:r2:worker:0", [sys.executable, "-c", STUBBORN]))
     procs = wait_for(lambda: len(with_tag(f"{C}:r2:")) == 2 and with_tag(f"{C}:r2:"), 10,
                      what="task and grandchild")
     grandchild = next(p for p in procs if p != pid)
@@ -251,7 +262,7 @@ def test_stop_spares_an_unrelated_process_named_by_a_stale_pidfile(agent, home):
         tag = f"{C}:r10:ps:0"  # a task that died long ago; its pid now belongs to `sleep`
         record = {"pid": bystander.pid, "pgid": bystander.pid, "start_time": start_time, "tag": tag,
                   "argv": ["old"], "log": "x.log", "started_at": time.time()}
-        agent.put_file(json.dumps(record).encode(), agent.pidfile(tag))
+        agent.transport.put(json.dumps(record).encode(), PATHS.pidfile(tag))
         assert [(s.tag, s.alive) for s in agent.status(f"{C}:")] == [(tag, False)]
 
         report = agent.stop(f"{C}:", grace=0.5)
@@ -291,7 +302,9 @@ def test_prepare_ships_files_only_when_they_changed(home):
     info = HostAgent("c", LocalTransport(), sys.executable, CLUSTER_DIR, in_process=False).prepare()
 
     assert shim.read_bytes() == (REPO / "tfcluster/shim.py").read_bytes()
-    assert info.home == str(home) and info.tf_version
+    for name in ("shim_procs.py", "shim_protocol.py", "tfserver.py"):
+        assert (shim.parent / name).read_bytes() == (REPO / "tfcluster" / name).read_bytes()
+    assert info.tf_version and info.python_version.count(".") == 2
     assert oct(shim.stat().st_mode & 0o777) == "0o700"
 
 
@@ -318,8 +331,9 @@ def test_sync_files_uploads_each_content_once_and_places_it_in_every_run_dir(age
 
 
 def test_sync_files_refuses_paths_that_escape_the_run_dir(agent):
-    with pytest.raises(TaskError, match="bad file entry"):
+    with pytest.raises(HostError, match="bad file entry") as raised:
         agent.sync_files([("../evil.py", b"x", 0o600)], "~/.tfcluster/runs/r1")
+    assert raised.value.exit_code == 1  # a host-side refusal, never "a training task failed"
 
 
 def test_sync_files_above_the_inline_limit_uses_the_upload_path(agent, home, monkeypatch):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from hypothesis import given, settings, strategies as st
 
-from tfcluster.logs import HISTORY, LogMux
+from tfcluster.logmux import HISTORY, LogMux
 
 ROOT = Path(__file__).resolve().parents[1]
 KEYS = ["worker:0", "ps:0"]
@@ -136,7 +136,7 @@ def test_close_flushes_every_task():
 
 
 def test_a_line_longer_than_the_limit_is_shown_not_held_forever(monkeypatch):
-    import tfcluster.logs as logs
+    import tfcluster.logmux as logs
     monkeypatch.setattr(logs, "MAX_PARTIAL", 10)
     m, out = mux()
     m.feed("ps:0", b"0123456789abc")
@@ -368,7 +368,7 @@ def test_collapsing_only_drops_superseded_progress_updates(a, b, order):
 # -- packaging and speed ---------------------------------------------------------------------
 
 def test_importing_logs_does_not_import_rich():
-    code = "import sys, tfcluster.logs; sys.exit('rich' in sys.modules)"
+    code = "import sys, tfcluster.logmux; sys.exit('rich' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
 
 

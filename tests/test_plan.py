@@ -7,7 +7,11 @@ import random
 
 import pytest
 
-from tfcluster.plan import Plan, Restart, TaskPlan, build_plan, plan_to_dict, redact_env
+import sys
+
+from tfcluster.plan import (PACKAGE_DIR, HostPlan, Plan, Restart, TaskPlan, build_plan, interpreter,
+                            plan_to_dict, redact_env)
+from tfcluster.transport.ssh_config import SshOptions
 from tfcluster.spec import load_spec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,7 +43,7 @@ def _tf_config(cluster: dict, job: str, index: int) -> str:
 def test_local_sample_plan_is_exactly_one_ps_and_two_workers_on_this_machine():
     plan = sample("local.yaml")
     cluster = {"ps": ["localhost:22220"], "worker": ["localhost:22230", "localhost:22231"]}
-    argv = ("python3", "between_graph.py", "--steps", "300")
+    argv = ("between_graph.py", "--steps", "300")
 
     def task(job, index, port, chief, script):
         cfg = _tf_config(cluster, job, index)
@@ -53,10 +57,33 @@ def test_local_sample_plan_is_exactly_one_ps_and_two_workers_on_this_machine():
         cluster=(("ps", ("localhost:22220",)), ("worker", ("localhost:22230", "localhost:22231"))),
         tasks=(task("ps", 0, 22220, False, False), task("worker", 0, 22230, True, True),
                task("worker", 1, 22231, False, True)),
-        spec_digest=plan.spec_digest, script=TEMPLATE, files=(),
+        spec_digest=plan.spec_digest,
+        all_hosts=(HostPlan(name="local", address="localhost", local=True, gpus=0,
+                            python=sys.executable, bindir=PACKAGE_DIR, ssh=None),),
+        script=TEMPLATE, files=((TEMPLATE, "between_graph.py"),),
         restart=Restart("never", 3), timeout=None,
     )
     assert len(plan.spec_digest) == 64
+    # what `plan --commands` prints is exactly what runs: tfcluster's own interpreter here
+    assert plan.command(plan.task("worker:1")) == (sys.executable, "between_graph.py", "--steps", "300")
+    assert plan.command(plan.task("ps:0"), "server") == (sys.executable, f"{PACKAGE_DIR}/tfserver.py")
+
+
+@pytest.mark.parametrize("spec_python, local, expected", [
+    ("python3", True, "/venv/bin/python"),       # the default on a local host: our own
+    ("python3", False, "python3"),               # a remote host runs what the spec says
+    ("/opt/py/bin/python", True, "/opt/py/bin/python"),  # an explicit choice is kept
+])
+def test_one_function_decides_the_interpreter(spec_python, local, expected):
+    assert interpreter(spec_python, local, "/venv/bin/python") == expected
+
+
+def test_ssh_hosts_carry_transport_options_and_ship_to_the_cluster_bin_dir():
+    plan = build_plan(load_spec(os.path.join(SAMPLES, "loopback_ssh.yaml")), local_python="/venv/py")
+    host = plan.host("h3")
+    assert (host.local, host.python, host.bindir) == (False, "python3", "~/.tfcluster/loopback/bin")
+    assert isinstance(host.ssh, SshOptions)
+    assert plan.command(plan.task("worker:0"), "server") == ("python3", "~/.tfcluster/loopback/bin/tfserver.py")
 
 
 def test_loopback_sample_gives_each_host_its_own_port():
@@ -78,8 +105,8 @@ def test_gpu_lab_sample_gives_one_gpu_per_worker_and_none_to_ps():
         *[(f"worker:{i}", f"10.1.0.1{1 + i // 4}:{2300 + i % 4}", (i % 4,), str(i % 4)) for i in range(8)],
     ]
     chief = plan.task("worker:0")
-    assert chief.argv == ("/opt/venv/bin/python", "between_graph.py", "--steps", "2000",
-                          "--model_dir", "~/.tfcluster/lab/ckpt")
+    assert plan.command(chief) == ("/opt/venv/bin/python", "between_graph.py", "--steps", "2000",
+                                   "--model_dir", "~/.tfcluster/lab/ckpt")
     assert plan.restart == Restart("on-failure", 3)
 
 
@@ -140,7 +167,7 @@ def test_classic_mode_expands_placeholders_per_task_and_runs_scripts_everywhere(
     assert [t.key for t in plan.tasks] == ["chief:0", "ps:0", "ps:1", "worker:0", "worker:1", "worker:2"]
     assert not any(t.runs_server for t in plan.tasks)
     ps1 = plan.task("ps:1")
-    assert ps1.argv[1:] == ("train.py", "--job=ps", "--task_index=1",
+    assert ps1.argv == ("train.py", "--job=ps", "--task_index=1",
                             "--ps_hosts=10.0.0.1:2222,10.0.0.2:2222",
                             "--worker_hosts=10.0.0.2:3000,10.0.0.3:3000,10.0.0.2:3001",
                             "--dir=~/.tfcluster/shuffle/x", "{literal}")

@@ -14,10 +14,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tfcluster import spec as spec_mod
-from tfcluster.errors import SpecError
-from tfcluster.spec import (Host, Job, Restart, Slot, Spec, SshSettings, Train, layout_tasks,
-                            load_spec)
+from tfcluster import scaffold
+from tfcluster.errors import SpecError, UsageError
+from tfcluster.spec import (Host, Job, Restart, Slot, Spec, SshSettings, Train, check_train_files,
+                            layout_tasks, load_spec, with_train_overrides)
 
 HEAD = """\
 name: t
@@ -209,10 +209,7 @@ REJECTIONS = [
     # --- train
     ("mode-typo", BASE + "train: {mode: betwen-graph}\n", "8: train.mode: unknown mode 'betwen-graph'; did you mean 'between-graph'?"),
     ("train-unknown", BASE + "train: {scrpt: x.py}\n", "8: train.scrpt: unknown key 'scrpt'; did you mean 'script'?"),
-    ("script-missing", BASE + "train: {script: nope.py}\n", "8: train.script: file not found: {dir}/nope.py"),
-    ("script-dir", BASE + "train: {script: sub}\n", "8: train.script: is a directory, not a file: {dir}/sub"),
     ("template-unknown", BASE + "train: {script: 'template:nope'}\n", "8: train.script: unknown template 'nope'; expected one of: {templates}"),
-    ("files-missing", BASE + "train:\n  files:\n    - sub\n    - gone.csv\n", "11: train.files[1]: not found: {dir}/gone.csv"),
     ("files-not-list", BASE + "train: {files: sub}\n", "8: train.files: must be a list, got 'sub'"),
     ("args-unknown", BASE + "train:\n  args: ['--a', 1, '--steps={steps}']\n",
      "9: train.args[2]: unknown placeholder {steps}; known: job, index, ps_hosts, worker_hosts, chief_hosts, workdir, num_workers"),
@@ -244,7 +241,7 @@ def test_rejects_with_exact_message(tmp_path, text, expected):
     (tmp_path / "sub").mkdir()
     path = tmp_path / "c.yaml"
     path.write_text(text)
-    templates = ", ".join(spec_mod._template_names())
+    templates = ", ".join(scaffold.template_names())
     want = f"{path}:" + expected.replace("{dir}", str(tmp_path)).replace("{templates}", templates)
     assert str(error(str(path))) == want
 
@@ -296,6 +293,95 @@ def test_errors_carry_hints(tmp_path):
     assert error(path).hint == "add chief: {count: 1, hosts: [...], port: ...}"
     path = write(tmp_path, BASE + "env: {A: [1]}\n")
     assert error(path).hint == 'quote it: A: "..."'
+
+
+# ------------------------------------------------------------------ files a run ships
+
+# (id, yaml text, "LINE: field: problem" after "FILE:"): load_spec accepts these, check_train_files refuses
+MISSING_FILES = [
+    ("script-missing", BASE + "train: {script: nope.py}\n", "8: train.script: file not found: {dir}/nope.py"),
+    ("script-dir", BASE + "train: {script: sub}\n", "8: train.script: is a directory, not a file: {dir}/sub"),
+    ("script-as-written", BASE + "train: {script: sub/../nope.py}\n",
+     "8: train.script: file not found: {dir}/sub/../nope.py"),
+    ("files-missing", BASE + "train:\n  files:\n    - sub\n    - gone.csv\n", "11: train.files[1]: not found: {dir}/gone.csv"),
+]
+
+
+@pytest.mark.parametrize("text,expected", [c[1:] for c in MISSING_FILES], ids=[c[0] for c in MISSING_FILES])
+def test_check_train_files_rejects_with_exact_message(tmp_path, text, expected):
+    (tmp_path / "sub").mkdir()
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    spec = load_spec(str(path))
+    with pytest.raises(SpecError) as info:
+        check_train_files(spec)
+    assert str(info.value) == f"{path}:" + expected.replace("{dir}", str(tmp_path))
+    assert info.value.hint.endswith("are relative to the spec's directory")
+
+
+def test_load_spec_accepts_a_script_and_files_that_do_not_exist(tmp_path):
+    path = write(tmp_path, BASE + "train:\n  script: gone.py\n  files: [data.csv]\n")
+    train = load_spec(path).train
+    assert train.script == str(tmp_path / "gone.py") and train.files == ("data.csv",)
+    (tmp_path / "gone.py").write_text("")
+    (tmp_path / "data.csv").write_text("")
+    check_train_files(load_spec(path))
+
+
+def test_check_train_files_skips_templates_and_command_line_scripts(tmp_path, monkeypatch):
+    monkeypatch.setattr(scaffold, "templates_root", lambda: tmp_path / "tpl")
+    (tmp_path / "tpl").mkdir()
+    (tmp_path / "tpl" / "mirrored.py").write_text("# template\n")
+    check_train_files(load_spec(write(tmp_path, BASE + "train: {script: 'template:mirrored'}\n")))
+    (tmp_path / "mine.py").write_text("")
+    spec = load_spec(write(tmp_path, BASE + "train: {script: moved.py}\n"))
+    check_train_files(with_train_overrides(spec, script=str(tmp_path / "mine.py")))
+
+
+# ------------------------------------------------------------------ command-line overrides
+
+def usage_error(spec: Spec, **overrides) -> UsageError:
+    with pytest.raises(UsageError) as info:
+        with_train_overrides(spec, **overrides)
+    return info.value
+
+
+def test_overrides_nothing_returns_the_same_spec(tmp_path):
+    spec = load_spec(write(tmp_path, BASE + "train: {args: [a], timeout: 5}\n"))
+    assert with_train_overrides(spec) is spec
+    assert with_train_overrides(spec, args=[]) is spec
+
+
+def test_override_script_must_exist_and_becomes_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    spec = load_spec(write(tmp_path, BASE + "train: {script: old.py}\n"))
+    assert str(usage_error(spec, script="nope.py")) == "--script: no such file: nope.py"
+    (tmp_path / "new.py").write_text("")
+    train = with_train_overrides(spec, script="new.py").train
+    assert train.script == str(tmp_path / "new.py")
+    assert train.script_source is None and train.script_line == 0
+
+
+def test_override_args_use_the_loaders_placeholder_rules(tmp_path):
+    spec = load_spec(write(tmp_path, BASE))
+    known = "job, index, ps_hosts, worker_hosts, chief_hosts, workdir, num_workers"
+    bad = usage_error(spec, args=["--i", "{index:>3}"])
+    assert str(bad) == f"script argument 2 ('{{index:>3}}'): unknown placeholder {{index:>3}}; known: {known}"
+    assert bad.hint == "write {{ and }} for literal braces"
+    assert str(usage_error(spec, args=["{steps}"])) == \
+        f"script argument 1 ('{{steps}}'): unknown placeholder {{steps}}; known: {known}"
+    assert str(usage_error(spec, args=["x}"])) == ("script argument 1 ('x}'): malformed placeholder in 'x}' "
+                                                   "(Single '}' encountered in format string); "
+                                                   "write {{ and }} for literal braces")
+    train = with_train_overrides(spec, args=["--i", "{index}", "{{x}}"]).train
+    assert train.args == ("--i", "{index}", "{{x}}") and train.args_line == 0
+
+
+def test_override_timeout_must_be_positive(tmp_path):
+    spec = load_spec(write(tmp_path, BASE))
+    for bad in (0, -1.5, float("nan"), float("inf")):
+        assert str(usage_error(spec, timeout=bad)) == "--timeout must be a positive number of seconds"
+    assert with_train_overrides(spec, timeout=90).train.timeout == 90.0
 
 
 # ------------------------------------------------------------------ valid specs
@@ -356,7 +442,8 @@ def test_full_spec_loads_to_the_exact_spec(tmp_path):
         train=Train(mode="between-graph", script=str(tmp_path / "train.py"),
                     files=("model/", "data/small.csv"),
                     args=("--steps", "2000", "--model_dir", "{workdir}/ckpt", "{{literal}}", "no"),
-                    restart=Restart("on-failure", 3), timeout=1800.0, args_line=25),
+                    restart=Restart("on-failure", 3), timeout=1800.0, args_line=25,
+                    script_source="train.py", script_line=23, files_lines=(24, 24)),
         digest=hashlib.sha256(Path(path).read_bytes()).hexdigest(),
     )
 
@@ -379,7 +466,7 @@ def test_timeout_accepts_seconds_and_durations(tmp_path, text, seconds):
 
 
 def test_template_script_resolves_in_the_package(tmp_path, monkeypatch):
-    monkeypatch.setattr(spec_mod, "_templates_root", lambda: tmp_path / "tpl")
+    monkeypatch.setattr(scaffold, "templates_root", lambda: tmp_path / "tpl")
     (tmp_path / "tpl").mkdir()
     (tmp_path / "tpl" / "mirrored.py").write_text("# template\n")
     path = write(tmp_path, BASE + "train: {script: 'template:mirrored'}\n")
@@ -389,7 +476,7 @@ def test_template_script_resolves_in_the_package(tmp_path, monkeypatch):
 
 
 def test_shipped_template_resolves(tmp_path):
-    names = spec_mod._template_names()
+    names = scaffold.template_names()
     if not names:
         pytest.skip("no templates shipped yet")
     path = write(tmp_path, BASE + f"train: {{script: 'template:{names[0]}'}}\n")
@@ -524,3 +611,7 @@ def test_mutated_specs_load_or_fail_with_one_line_spec_error(fuzz_dir, text):
     else:
         assert isinstance(spec, Spec)
         layout_tasks(spec)
+        try:
+            check_train_files(spec)
+        except SpecError as exc:
+            assert str(exc).startswith(f"{path}:") and len(str(exc).splitlines()) == 1, str(exc)

@@ -13,11 +13,12 @@ import uuid
 import pytest
 
 from tests.conftest import wait_for
-from tests.sshd import make_host
+from tests.sshd import Target, make_target
 from tfcluster.errors import ConnectError, DeadlineError
-from tfcluster.spec import Host, SshSettings
 from tfcluster.transport import make_transport
-from tfcluster.transport.ssh import SshTransport
+from tfcluster.transport.base import home_relative
+from tfcluster.transport.ssh import MAX_CHANNEL_DIALS, SshTransport
+from tfcluster.transport.ssh_config import SshOptions
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -27,8 +28,8 @@ def transports():
     """Build SshTransports that are all closed after the test."""
     made: list[SshTransport] = []
 
-    def build(host: Host, **kwargs) -> SshTransport:
-        made.append(SshTransport(host, **kwargs))
+    def build(target: Target) -> SshTransport:
+        made.append(SshTransport(*target))
         return made[-1]
 
     yield build
@@ -38,7 +39,7 @@ def transports():
 
 @pytest.fixture
 def gpu0(ssh_home, sshd, transports) -> SshTransport:
-    return transports(make_host("gpu0", "127.0.0.2", sshd))
+    return transports(make_target("gpu0", "127.0.0.2", sshd))
 
 
 def free_port(addr: str = "127.0.0.2") -> int:
@@ -152,7 +153,7 @@ def test_put_resolves_tilde_against_the_login_home(gpu0):
 def test_unknown_host_key_is_rejected_with_one_line_and_a_hint(ssh_home, sshd, transports,
                                                                  tmp_path):
     kh = str(tmp_path / "empty_known_hosts")
-    err = connect_error(transports(make_host("gpu0", "127.0.0.3", sshd, known_hosts=kh)))
+    err = connect_error(transports(make_target("gpu0", "127.0.0.3", sshd, known_hosts=kh)))
     fp = fingerprint(sshd.host_key + ".pub")
     assert err.message == f"host gpu0 (127.0.0.3:{sshd.port}): unknown host key (ssh-ed25519 {fp})"
     assert err.hint == (f"run `ssh-keyscan -p {sshd.port} 127.0.0.3 >> {kh}` after checking "
@@ -162,13 +163,13 @@ def test_unknown_host_key_is_rejected_with_one_line_and_a_hint(ssh_home, sshd, t
 
 def test_accept_new_records_the_key_in_a_new_0600_file(ssh_home, sshd, transports, tmp_path):
     kh = tmp_path / "fresh" / ".ssh" / "known_hosts"
-    transports(make_host("gpu0", "127.0.0.3", sshd, known_hosts=str(kh),
-                         host_key_policy="accept-new")).connect()
+    transports(make_target("gpu0", "127.0.0.3", sshd, known_hosts=str(kh),
+                           host_key_policy="accept-new")).connect()
     assert kh.read_text() == sshd.known_hosts_line("127.0.0.3") + "\n"
     assert stat.S_IMODE(kh.stat().st_mode) == 0o600
     assert stat.S_IMODE(kh.parent.stat().st_mode) == 0o700
     # now known: `reject` connects, and nothing more is written
-    transports(make_host("gpu0", "127.0.0.3", sshd, known_hosts=str(kh))).connect()
+    transports(make_target("gpu0", "127.0.0.3", sshd, known_hosts=str(kh))).connect()
     assert kh.read_text() == sshd.known_hosts_line("127.0.0.3") + "\n"
 
 
@@ -178,8 +179,8 @@ def test_changed_host_key_is_refused_even_under_accept_new(ssh_home, sshd, trans
         fake = " ".join(f.read().split()[:2])
     kh = tmp_path / "known_hosts"
     kh.write_text(f"[127.0.0.3]:{sshd.port} {fake}\n")
-    err = connect_error(transports(make_host("gpu0", "127.0.0.3", sshd, known_hosts=str(kh),
-                                             host_key_policy="accept-new")))
+    err = connect_error(transports(make_target("gpu0", "127.0.0.3", sshd, known_hosts=str(kh),
+                                               host_key_policy="accept-new")))
     assert err.message.startswith(f"host gpu0 (127.0.0.3:{sshd.port}): host key CHANGED "
                                   f"(ssh-ed25519 {fingerprint(sshd.host_key + '.pub')}, "
                                   f"known_hosts has {fingerprint(other + '.pub')})")
@@ -192,7 +193,7 @@ def test_changed_host_key_is_refused_even_under_accept_new(ssh_home, sshd, trans
 def test_wrong_key_fails_authentication_naming_host_and_user(ssh_home, sshd, transports,
                                                              tmp_path):
     wrong = keygen(tmp_path / "wrong_key")
-    err = connect_error(transports(make_host("gpu0", "127.0.0.2", sshd, identity_file=wrong)))
+    err = connect_error(transports(make_target("gpu0", "127.0.0.2", sshd, identity_file=wrong)))
     assert err.message.startswith(
         f"host gpu0 (127.0.0.2:{sshd.port}): authentication failed as user {sshd.user}")
     assert "identity_file" in err.hint
@@ -200,14 +201,14 @@ def test_wrong_key_fails_authentication_naming_host_and_user(ssh_home, sshd, tra
 
 def test_closed_port_is_refused_naming_the_host(ssh_home, transports):
     port = free_port()
-    err = connect_error(transports(Host("gpu0", "127.0.0.2", ssh=SshSettings(port=port))))
+    err = connect_error(transports(Target("gpu0", "127.0.0.2", SshOptions(port=port))))
     assert err.message == (f"host gpu0 (127.0.0.2:{port}): connection refused "
                            "(is sshd running on that port?)")
 
 
 def test_missing_identity_file_is_named(ssh_home, sshd, transports):
-    err = connect_error(transports(make_host("gpu0", "127.0.0.2", sshd,
-                                             identity_file="~/.ssh/nope")))
+    err = connect_error(transports(make_target("gpu0", "127.0.0.2", sshd,
+                                               identity_file="~/.ssh/nope")))
     assert err.message == f"host gpu0 (127.0.0.2:{sshd.port}): identity file ~/.ssh/nope not found"
 
 
@@ -224,16 +225,16 @@ def test_ssh_config_alias_gives_hostname_port_and_identity(ssh_home, sshd, trans
     (ssh_home / "config").write_text(
         f"Host lab3\n  HostName 127.0.0.3\n  Port {sshd.port}\n  IdentityFile ~/.ssh/lab_key\n"
         f"Host gpu4\n  Port {sshd.port}\n  IdentityFile ~/.ssh/lab_key\n")
-    alias = transports(Host("gpu0", "lab3"))
+    alias = transports(Target("gpu0", "lab3"))
     assert where(alias) == f"127.0.0.3:{sshd.port}"
     assert alias.label == f"gpu0 (127.0.0.3:{sshd.port})"
-    by_name = transports(Host("gpu4", "127.0.0.4"))             # config found by host name
+    by_name = transports(Target("gpu4", "127.0.0.4"))             # config found by host name
     assert where(by_name) == f"127.0.0.4:{sshd.port}"
 
 
-def test_spec_values_win_over_ssh_config(ssh_home, sshd, transports):
+def test_explicit_options_win_over_ssh_config(ssh_home, sshd, transports):
     (ssh_home / "config").write_text(f"Host 127.0.0.4\n  Port {free_port()}\n  User nobody\n")
-    t = transports(Host("gpu0", "127.0.0.4", ssh=SshSettings(port=sshd.port, user="root")))
+    t = transports(Target("gpu0", "127.0.0.4", SshOptions(port=sshd.port, user="root")))
     assert where(t) == f"127.0.0.4:{sshd.port}"
 
 
@@ -251,8 +252,8 @@ def assert_went_through_jump(t: SshTransport, jump_sshd) -> None:
 
 
 def test_spec_jump_host_tunnels_through_the_second_sshd(sshd, trust_jump, transports):
-    t = transports(make_host("gpu0", "127.0.0.2", sshd,
-                             jump_host=f"root@127.0.0.5:{trust_jump.port}"))
+    t = transports(make_target("gpu0", "127.0.0.2", sshd,
+                               jump_host=f"root@127.0.0.5:{trust_jump.port}"))
     assert where(t) == f"127.0.0.2:{sshd.port}"
     assert_went_through_jump(t, trust_jump)
 
@@ -262,38 +263,44 @@ def test_ssh_config_proxyjump_tunnels_through_the_second_sshd(ssh_home, sshd, tr
     (ssh_home / "config").write_text(
         "Host 127.0.0.4\n  ProxyJump bastion\n"
         f"Host bastion\n  HostName 127.0.0.5\n  Port {trust_jump.port}\n")
-    t = transports(make_host("gpu0", "127.0.0.4", sshd))
+    t = transports(make_target("gpu0", "127.0.0.4", sshd))
     assert where(t) == f"127.0.0.4:{sshd.port}"
     assert_went_through_jump(t, trust_jump)
 
 
 def test_unreachable_jump_host_is_named(ssh_home, sshd, transports):
     port = free_port("127.0.0.5")
-    err = connect_error(transports(make_host("gpu0", "127.0.0.2", sshd,
-                                             jump_host=f"127.0.0.5:{port}")))
+    err = connect_error(transports(make_target("gpu0", "127.0.0.2", sshd,
+                                               jump_host=f"127.0.0.5:{port}")))
     assert err.message == (f"host gpu0 (127.0.0.2:{sshd.port}): via jump host 127.0.0.5 "
                            f"(127.0.0.5:{port}): connection refused (is sshd running on that port?)")
 
 
 # --- concurrency --------------------------------------------------------------------
 
-def test_twenty_concurrent_connects_to_one_sshd_all_succeed(ssh_home, sshd, transports):
-    hosts = [make_host(f"h{i}", sshd.addresses[i % 3], sshd) for i in range(20)]
-    ts = [transports(h) for h in hosts]
+def connect_concurrently(ts: list[SshTransport], join_s: float) -> list[BaseException]:
+    """connect() every transport at once, each on its own thread; the errors raised."""
     errors: list[BaseException] = []
 
     def connect(t):
         try:
             t.connect()
-        except BaseException as e:   # noqa: BLE001 - reported below
+        except BaseException as e:   # noqa: BLE001 - reported by the caller
             errors.append(e)
 
-    started = time.monotonic()
     threads = [threading.Thread(target=connect, args=(t,)) for t in ts]
     for th in threads:
         th.start()
     for th in threads:
-        th.join(30)
+        th.join(join_s)
+    return errors
+
+
+def test_twenty_concurrent_connects_to_one_sshd_all_succeed(ssh_home, sshd, transports):
+    hosts = [make_target(f"h{i}", sshd.addresses[i % 3], sshd) for i in range(20)]
+    ts = [transports(h) for h in hosts]
+    started = time.monotonic()
+    errors = connect_concurrently(ts, 30)
     elapsed = time.monotonic() - started
     assert errors == []
     assert all(len(t._conns) == 1 and t._conns[0].active() for t in ts)
@@ -303,26 +310,13 @@ def test_twenty_concurrent_connects_to_one_sshd_all_succeed(ssh_home, sshd, tran
 def test_handshakes_dropped_by_maxstartups_are_retried(ssh_home, sshd_factory, transports):
     strict = sshd_factory(("127.0.0.6",), MaxStartups=5)   # below our cap of 8: drops
     strict.write_known_hosts(ssh_home / "known_hosts", mode="a")
-    ts = [transports(make_host(f"h{i}", "127.0.0.6", strict)) for i in range(12)]
-    errors: list[BaseException] = []
-
-    def connect(t):
-        try:
-            t.connect()
-        except BaseException as e:   # noqa: BLE001 - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=connect, args=(t,)) for t in ts]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(60)
-    assert errors == []
+    ts = [transports(make_target(f"h{i}", "127.0.0.6", strict)) for i in range(12)]
+    assert connect_concurrently(ts, 60) == []
 
 
 def test_more_channels_than_maxsessions_open_extra_connections(ssh_home, jump_sshd, transports):
     jump_sshd.write_known_hosts(ssh_home / "known_hosts", mode="a")
-    t = transports(make_host("j", "127.0.0.5", jump_sshd))      # MaxSessions 4 there
+    t = transports(make_target("j", "127.0.0.5", jump_sshd))      # MaxSessions 4 there
     procs = [t.spawn(["cat"]) for _ in range(12)]
     for i, p in enumerate(procs):
         p.write(b"%d\n" % i)
@@ -333,24 +327,62 @@ def test_more_channels_than_maxsessions_open_extra_connections(ssh_home, jump_ss
     assert len(t._conns) >= 3
 
 
+def test_a_host_refusing_every_session_gives_up_after_a_few_new_connections(
+        ssh_home, sshd_factory, transports):
+    closed = sshd_factory(("127.0.0.7",), MaxSessions=0)      # authenticates, then no sessions
+    closed.write_known_hosts(ssh_home / "known_hosts", mode="a")
+    t = transports(make_target("shut", "127.0.0.7", closed))
+    t.connect()
+    with pytest.raises(ConnectError) as info:
+        t.run(["true"], timeout=10)
+    assert info.value.message.startswith(
+        f"host shut (127.0.0.7:{closed.port}): no session channel after {MAX_CHANNEL_DIALS} "
+        "new connections: ")
+    assert not info.value.message.endswith(": ")              # sshd's reason ends the line
+    assert "MaxSessions" in info.value.hint
+    assert len(t._conns) == 1 + MAX_CHANNEL_DIALS             # connect()'s, then the bound
+
+
 # --- packaging ----------------------------------------------------------------------
 
 def test_importing_the_transport_package_does_not_import_paramiko():
-    code = ("import sys, tfcluster.transport, tfcluster.transport.ssh; "
+    code = ("import sys, tfcluster.transport, tfcluster.transport.ssh_config, "
+            "tfcluster.transport.ssh_connect, tfcluster.transport.ssh; "
             "sys.exit('paramiko' in sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=30)
 
 
+def test_the_transport_package_knows_nothing_of_the_spec():
+    code = ("import sys, tfcluster.transport, tfcluster.transport.ssh, tfcluster.transport.local; "
+            "sys.exit(sorted(m for m in ('tfcluster.spec', 'tfcluster.plan', 'tfcluster.state') "
+            "if m in sys.modules) or 0)")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=30)
+
+
 def test_make_transport_picks_ssh_or_local(sshd):
-    assert isinstance(make_transport(make_host("gpu0", "127.0.0.2", sshd)), SshTransport)
+    name, address, options = make_target("gpu0", "127.0.0.2", sshd)
+    ssh = make_transport(name, address, local=False, ssh=options)
+    assert isinstance(ssh, SshTransport) and ssh.options == options
     try:
         from tfcluster.transport.local import LocalTransport
     except ImportError:
         pytest.skip("tfcluster/transport/local.py not written yet")
-    local = make_transport(Host("me", "localhost", local=True))
+    local = make_transport("me", "localhost", local=True)
     assert isinstance(local, LocalTransport) and local.is_local
     assert local.run(["echo", "hi"]).stdout == b"hi\n"
     local.close()
+
+
+def test_home_relative_paths_are_exactly_tilde_and_tilde_slash():
+    assert [home_relative(p) for p in ("~", "~/", "~/a/b", "~//a")] == [".", ".", "a/b", "a"]
+    assert [home_relative(p) for p in ("~user/a", "/abs/~/a", "rel", "$HOME/a")] == [None] * 4
+
+
+def test_local_put_resolves_tilde_against_home_as_ssh_does(home):
+    local = make_transport("me", "localhost", local=True)
+    local.put(b"data", "~/sub/f.txt")
+    assert (home / "sub" / "f.txt").read_bytes() == b"data"
+    assert stat.S_IMODE((home / "sub").stat().st_mode) == 0o700
 
 
 def test_connect_is_idempotent_and_reuses_one_connection(gpu0):

@@ -1,7 +1,7 @@
 """Launch a TensorFlow cluster by hand on loopback: the baseline tfcluster replaces.
 
 Free ports, one TF_CONFIG per process, the same environment contract tfcluster
-gives scripts (DESIGN.md §2), each process in its own session with its output in
+gives scripts, each process in its own session with its output in
 a file, and a ``kill_all`` that leaves nothing behind. Used by the template tests
 and by the benchmarks ("launched by hand").
 
@@ -66,7 +66,7 @@ def is_chief(cluster: dict, job: str, index: int) -> bool:
 
 
 def script_env(cluster: dict, job: str, index: int, run_id: str, tag: str) -> dict[str, str]:
-    """The environment tfcluster gives a script process (DESIGN.md §2)."""
+    """The environment tfcluster gives a script process."""
     env = dict(os.environ)
     env.update({
         "TF_CONFIG": tf_config(cluster, job, index),

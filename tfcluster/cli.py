@@ -1,8 +1,8 @@
-"""The command line: argument parsing and the one error boundary (STYLE.md §4).
+"""The command line: argument parsing and the one error boundary.
 
 `main()` owns every `except`; the command functions are the program without
-error handling. Heavy modules (paramiko, the launcher) are imported inside the
-commands that need them, so `--help` and `plan` stay instant.
+error handling. Heavy modules (paramiko, the session machinery) are imported
+inside the commands that need them, so `--help` and `plan` stay instant.
 """
 from __future__ import annotations
 
@@ -69,6 +69,10 @@ def _load(path: str):
     return spec, build_plan(spec)
 
 
+def _plan(path: str):
+    return _load(path)[1]
+
+
 # -- plan --------------------------------------------------------------------------------
 
 @app.command()
@@ -93,9 +97,9 @@ def plan(
     else:
         print_plan(_ui, p, commands=commands)
     if check:
-        from tfcluster import launcher
+        from tfcluster import lifecycle
 
-        launcher.check(spec, p, _ui)
+        lifecycle.check(p, _ui)
     return ExitCode.OK
 
 
@@ -115,15 +119,15 @@ def up(
 
     Example:  tfcluster up lab.yaml
     """
-    spec, p = _load(spec_path)
+    p = _plan(spec_path)
     if dry_run:
         from tfcluster.render import print_plan
 
         print_plan(_ui, p, commands=True)
         return ExitCode.OK
-    from tfcluster import launcher
+    from tfcluster import lifecycle
 
-    return launcher.up(spec, p, _ui, timeout=timeout)
+    return lifecycle.up(p, _ui, timeout=timeout)
 
 
 @app.command()
@@ -137,10 +141,9 @@ def down(
 
     Example:  tfcluster down lab.yaml
     """
-    from tfcluster import launcher
+    from tfcluster import lifecycle
 
-    spec, p = _load(spec_path)
-    return launcher.down(spec, p, _ui, grace=grace)
+    return lifecycle.down(_plan(spec_path), _ui, grace=grace)
 
 
 @app.command()
@@ -150,17 +153,21 @@ def status(
 ) -> int:
     """Each task: running or stopped, pid, uptime, port open.
 
+    Exits 3 (after the table) when a host could not be reached.
+
     Example:  tfcluster status lab.yaml --json
     """
-    from tfcluster import launcher
-    from tfcluster.render import print_status
+    from tfcluster import lifecycle
+    from tfcluster.render import print_status, status_json
 
-    spec, p = _load(spec_path)
-    rows = launcher.status(spec, p, _ui)
+    p = _plan(spec_path)
+    rows, unreachable = lifecycle.status(p, _ui)
     if json_:
-        _ui.json({"name": p.name, "tasks": rows})
+        _ui.json(status_json(p, rows))
     else:
         print_status(_ui, p, rows)
+    if unreachable:
+        raise lifecycle.unreachable_error(unreachable)
     return ExitCode.OK
 
 
@@ -177,25 +184,27 @@ def exec_(
 
     Example:  tfcluster exec lab.yaml --hosts gpu0,gpu1 -- nvidia-smi -L
     """
-    from tfcluster import launcher
+    from tfcluster.hostexec import exec_on_hosts, exit_code_of
+    from tfcluster.logmux import LogMux
+    from tfcluster.session import Session
 
-    spec, _p = _load(spec_path)
-    names = _select_hosts(spec, hosts)
-    return launcher.exec_on_hosts(spec, _ui, command, names, sys.stdout.buffer)
+    spec, p = _load(spec_path)
+    names = _select_hosts(spec.path, [h.name for h in p.all_hosts], hosts)
+    with Session(p, _ui, names) as session:
+        outcome = exec_on_hosts(session, command, LogMux(_ui.byte_stdout, names, color=_ui.color))
+    return exit_code_of(outcome, _ui)
 
 
-def _select_hosts(spec, hosts: str | None) -> list[str]:
-    import difflib
+def _select_hosts(path: str, known: list[str], hosts: str | None) -> list[str]:
+    from tfcluster.spec import did_you_mean
 
-    known = [h.name for h in spec.hosts]
     if not hosts:
         return known
     names = [h.strip() for h in hosts.split(",") if h.strip()]
     for name in names:
         if name not in known:
-            close = difflib.get_close_matches(name, known, 1)
-            raise UsageError(f"--hosts: no host named {name!r} in {spec.path}"
-                             + (f"; did you mean {close[0]!r}?" if close else ""))
+            raise UsageError(f"--hosts: no host named {name!r} in {path}"
+                             + did_you_mean(name, known))
     return names
 
 
@@ -225,8 +234,13 @@ def train(
     """
     from tfcluster import supervisor
     from tfcluster.plan import build_plan
+    from tfcluster.spec import check_train_files, load_spec, with_train_overrides
 
-    spec = _train_spec(spec_path, script, args, timeout)
+    spec = with_train_overrides(load_spec(spec_path), script=script, args=args, timeout=timeout)
+    if not spec.train.script:
+        raise UsageError(f"{spec.path}: no training script: set train.script or pass --script",
+                         hint="`tfcluster init` writes a template script to start from")
+    check_train_files(spec)
     p = build_plan(spec)
     if dry_run:
         from tfcluster.render import print_plan
@@ -235,42 +249,7 @@ def train(
         return ExitCode.OK
     options = supervisor.Options(show=tuple(task or ()), quiet=quiet, runs_dir=runs_dir,
                                  verbose=verbose)
-    return supervisor.train(spec, p, _ui, options)
-
-
-def _train_spec(path: str, script: str | None, args: list[str] | None, timeout: float | None):
-    """The spec with command-line overrides of train.script / train.args / train.timeout."""
-    import dataclasses
-
-    from tfcluster.spec import load_spec
-
-    spec = load_spec(path)
-    changes: dict = {}
-    if script is not None:
-        if not os.path.isfile(script):
-            raise UsageError(f"--script: no such file: {script}")
-        changes["script"] = os.path.abspath(script)
-    if args:
-        _check_placeholders(args)
-        changes["args"] = tuple(args)
-    if timeout is not None:
-        if timeout <= 0:
-            raise UsageError("--timeout must be a positive number of seconds")
-        changes["timeout"] = timeout
-    if not changes:
-        return spec
-    return dataclasses.replace(spec, train=dataclasses.replace(spec.train, **changes))
-
-
-def _check_placeholders(args: list[str]) -> None:
-    names = dict.fromkeys(["job", "index", "ps_hosts", "worker_hosts", "chief_hosts",
-                           "workdir", "num_workers"], "")
-    for i, arg in enumerate(args):
-        try:
-            arg.format(**names)
-        except (KeyError, IndexError, ValueError) as exc:
-            raise UsageError(f"script argument {i + 1} ({arg!r}): bad placeholder {exc}; "
-                             f"known: {{{'}, {'.join(names)}}}; write {{{{ }}}} for a literal brace") from None
+    return supervisor.train(p, _ui, options)
 
 
 @app.command()
@@ -284,11 +263,11 @@ def logs(
 
     Example:  tfcluster logs lab.yaml worker:1 --run lab-20261122-101500-ab12
     """
-    from tfcluster.runlog import show_logs
+    from tfcluster.runs import show_logs
     from tfcluster.spec import load_spec
 
     spec = load_spec(spec_path)
-    return show_logs(_ui, spec.name, runs_dir, run, task, sys.stdout.buffer)
+    return show_logs(_ui, spec.name, runs_dir, run, task, _ui.byte_stdout)
 
 
 @app.command()
@@ -300,7 +279,7 @@ def init(
 
     Example:  tfcluster init coordinator my_train.py
     """
-    from tfcluster.runlog import copy_template
+    from tfcluster.scaffold import copy_template
 
     path = copy_template(mode, dest)
     _ui.ok(f"wrote {path}")
@@ -358,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     _terminate_like_ctrl_c()
     try:
         rc = app(args=argv, prog_name="tfcluster", standalone_mode=False)
+        if rc == ExitCode.INTERRUPTED:   # typer turned a KeyboardInterrupt into a plain 130
+            _ui.error("interrupted")
         return int(rc or 0)
     except TfclusterError as exc:
         if _ui.debug:

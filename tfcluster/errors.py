@@ -10,7 +10,7 @@ import enum
 
 class ExitCode(enum.IntEnum):
     OK = 0
-    ERROR = 1            # generic failure (a task failed, something did not stop)
+    ERROR = 1            # generic failure (a host-side error, something did not stop)
     USAGE = 2            # bad command line or bad spec
     CONNECT = 3          # a host could not be reached / authenticated
     PREFLIGHT = 4        # hosts reachable but not fit (python/TF missing, port busy, GPUs)
@@ -59,7 +59,16 @@ class PreflightError(TfclusterError):
     exit_code = ExitCode.PREFLIGHT
 
 
+class HostError(TfclusterError):
+    """Something failed on a host (the shim refused a request, a start failed): exit 1,
+    never "a training task failed"."""
+
+    exit_code = ExitCode.ERROR
+
+
 class TaskError(TfclusterError):
+    """A training task (chief/worker script) failed: exit 5."""
+
     exit_code = ExitCode.TASK_FAILED
 
 

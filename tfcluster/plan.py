@@ -1,16 +1,24 @@
 """Spec -> Plan: a pure function (no I/O, no clock, no environment reads).
 
-The plan says, for every task, where it runs, which GPUs it sees, its TF_CONFIG,
-its environment and its exact command. Everything later (up, down, train) only
-carries a plan out, so tests compare whole plans.
+The plan says, for every host, how to reach it and which interpreter runs there,
+and for every task where it runs, which GPUs it sees, its TF_CONFIG, its
+environment and its exact command. Everything later (up, down, train, exec) takes
+only the plan, so tests compare whole plans and nothing past this module reads the
+spec. The one environment fact a plan depends on, the interpreter running
+tfcluster, is an argument.
 """
 from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 
 from tfcluster.spec import JOB_NAMES, Restart, Spec, layout_tasks
+from tfcluster.transport.ssh_config import SshOptions
+
+PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))   # where the shim and server ship from
+DEFAULT_PYTHON = Spec.python
 
 SECRET_MARKERS = ("TOKEN", "SECRET", "PASSWORD", "PASSWD", "KEY", "CREDENTIAL")
 REDACTED = "***"
@@ -33,6 +41,17 @@ ENV_DEFAULTS = {"PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
 
 
 @dataclass(frozen=True)
+class HostPlan:
+    name: str
+    address: str
+    local: bool
+    gpus: int
+    python: str                          # the interpreter every process on this host runs
+    bindir: str                          # where the shim and the TF server live there
+    ssh: SshOptions | None = None        # None for a local host
+
+
+@dataclass(frozen=True)
 class TaskPlan:
     job: str
     index: int
@@ -44,7 +63,8 @@ class TaskPlan:
     runs_server: bool
     tf_config: str                       # JSON, sorted keys
     env: tuple[tuple[str, str], ...]     # sorted by name; run-independent
-    argv: tuple[str, ...] = ()           # the script's command; () when no script runs here
+    argv: tuple[str, ...] = ()           # the script and its arguments (no interpreter); ()
+                                         # when no script runs here
 
     @property
     def key(self) -> str:
@@ -68,8 +88,9 @@ class Plan:
     cluster: tuple[tuple[str, tuple[str, ...]], ...]
     tasks: tuple[TaskPlan, ...]
     spec_digest: str
+    all_hosts: tuple[HostPlan, ...] = ()  # every host of the spec, by name
     script: str | None = None            # local path of the training script
-    files: tuple[str, ...] = ()          # local paths shipped beside it
+    files: tuple[tuple[str, str], ...] = ()  # (local path, path in the run dir); script first
     restart: Restart = field(default_factory=Restart)
     timeout: float | None = None
 
@@ -78,6 +99,22 @@ class Plan:
             if t.key == key:
                 return t
         raise KeyError(key)
+
+    def host(self, name: str) -> HostPlan:
+        for h in self.all_hosts:
+            if h.name == name:
+                return h
+        raise KeyError(name)
+
+    def hosts_named(self, names) -> tuple[HostPlan, ...]:
+        return tuple(self.host(n) for n in names)
+
+    def command(self, task: TaskPlan, role: str = "script") -> tuple[str, ...]:
+        """Exactly what runs for a task's script or server, interpreter included."""
+        host = self.host(task.host)
+        if role == "server":
+            return (host.python, f"{host.bindir}/tfserver.py")
+        return (host.python, *task.argv)
 
     @property
     def hosts(self) -> tuple[str, ...]:
@@ -98,7 +135,29 @@ def redact_env(env: tuple[tuple[str, str], ...] | dict[str, str]) -> dict[str, s
     return {k: (REDACTED if is_secret(k) else v) for k, v in items}
 
 
-def build_plan(spec: Spec) -> Plan:
+def interpreter(spec_python: str, local: bool, local_python: str) -> str:
+    """The one decision of which Python runs on a host: the spec's, except that a local
+    host left at the default `python3` runs tfcluster's own (it has TensorFlow when
+    tfcluster was installed with [tf]; a `python3` on PATH outside the venv may not)."""
+    return local_python if local and spec_python == DEFAULT_PYTHON else spec_python
+
+
+def _host_plan(host, spec: Spec, cluster_dir: str, local_python: str) -> HostPlan:
+    python = interpreter(spec.python, host.local, local_python)
+    # tfcluster's own interpreter on this machine runs the shim straight from the package
+    own = host.local and python == local_python
+    ssh = None if host.local else SshOptions(**{f: getattr(host.ssh, f) for f in SSH_FIELDS})
+    return HostPlan(name=host.name, address=host.address, local=host.local, gpus=host.gpus,
+                    python=python, bindir=PACKAGE_DIR if own else f"{cluster_dir}/bin", ssh=ssh)
+
+
+SSH_FIELDS = ("user", "port", "identity_file", "known_hosts", "host_key_policy", "jump_host",
+              "connect_timeout")
+
+
+def build_plan(spec: Spec, local_python: str | None = None) -> Plan:
+    """`local_python`: the interpreter running tfcluster (default sys.executable)."""
+    local_python = local_python or sys.executable
     slots = layout_tasks(spec)
     addresses = {h.name: h.address for h in spec.hosts}
     cluster_dir = _join(spec.workdir, spec.name)
@@ -124,11 +183,20 @@ def build_plan(spec: Spec) -> Plan:
         cluster=tuple((job, tuple(cluster[job])) for job in JOB_NAMES if job in cluster),
         tasks=tasks,
         spec_digest=spec.digest,
+        all_hosts=tuple(_host_plan(h, spec, cluster_dir, local_python)
+                        for h in sorted(spec.hosts, key=lambda h: h.name)),
         script=spec.train.script,
-        files=tuple(os.path.join(spec.base_dir, f) for f in spec.train.files),
+        files=_files(spec),
         restart=spec.train.restart,
         timeout=spec.train.timeout,
     )
+
+
+def _files(spec: Spec) -> tuple[tuple[str, str], ...]:
+    if not spec.train.script:
+        return ()
+    script = (spec.train.script, os.path.basename(spec.train.script))
+    return (script, *((os.path.join(spec.base_dir, f), os.path.normpath(f)) for f in spec.train.files))
 
 
 def _join(workdir: str, name: str) -> str:
@@ -172,7 +240,7 @@ def _task_plan(spec: Spec, slot, address: str, cluster_json: str, chief: str, pl
     if slot.job in SCRIPT_JOBS[mode] and spec.train.script:
         values = {**placeholders, "job": slot.job, "index": str(slot.index)}
         args = tuple(a.format(**values) for a in spec.train.args)
-        argv = (spec.python, os.path.basename(spec.train.script), *args)
+        argv = (os.path.basename(spec.train.script), *args)
     return TaskPlan(
         job=slot.job, index=slot.index, host=slot.host, address=address, port=slot.port,
         gpus=tuple(slot.gpus), is_chief=key == chief, runs_server=runs_server,
@@ -185,18 +253,28 @@ def plan_to_dict(plan: Plan, *, redact: bool = True) -> dict:
 
     The cluster appears once; each task's TF_CONFIG is {"cluster": <cluster>, "task":
     <tf_config_task>} (repeating the cluster per task would grow with tasks squared)."""
+    hosts = {h.name: h for h in plan.all_hosts}
+
     def task(t: TaskPlan) -> dict:
         env = redact_env(t.env) if redact else dict(t.env)
         del env["TF_CONFIG"]
+        host = hosts[t.host]
         return {
             "task": t.key, "job": t.job, "index": t.index, "host": t.host,
             "address": t.address, "port": t.port, "gpus": list(t.gpus),
-            "chief": t.is_chief, "server": t.runs_server, "script": list(t.argv),
+            "chief": t.is_chief, "server": t.runs_server,
+            "server_command": [host.python, f"{host.bindir}/tfserver.py"] if t.runs_server else [],
+            "script": [host.python, *t.argv] if t.runs_script else [],
             "tf_config_task": {"type": t.job, "index": t.index}, "env": env,
         }
+    restart = plan.restart
     return {
         "name": plan.name, "mode": plan.mode, "python": plan.python,
         "cluster_dir": plan.cluster_dir, "spec_sha256": plan.spec_digest,
+        "restart": {"policy": restart.policy, "max_restarts": restart.max_restarts},
+        "timeout": plan.timeout,
+        "hosts": [{"name": h.name, "address": h.address, "local": h.local, "gpus": h.gpus,
+                   "python": h.python} for h in plan.all_hosts],
         "cluster": {job: list(addrs) for job, addrs in plan.cluster},
         "tasks": [task(t) for t in plan.tasks],
     }

@@ -1,6 +1,7 @@
 """How plans and status look: tables for people, JSON for programs."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 
@@ -33,14 +34,18 @@ def print_plan(ui, plan: Plan, *, commands: bool = False) -> None:
     for t in plan.tasks:
         ui.text(f"\n{t.key} on {t.host}", style="bold")
         if t.runs_server:
-            ui.text(f"  server:  {plan.python} {plan.cluster_dir}/bin/tfserver.py")
+            ui.text(f"  server:  {shlex.join(plan.command(t, 'server'))}")
         if t.runs_script:
-            ui.text(f"  script:  {shlex.join(t.argv)}")
+            ui.text(f"  script:  {shlex.join(plan.command(t))}  (in {plan.cluster_dir}/runs/<run id>)")
         for name, value in redact_env(t.env).items():
             ui.text(f"  {name}={shlex.quote(value)}")
 
 
-def print_status(ui, plan: Plan, rows: list[dict]) -> None:
+def status_json(plan: Plan, rows) -> dict:
+    return {"name": plan.name, "tasks": [dataclasses.asdict(r) for r in rows]}
+
+
+def print_status(ui, plan: Plan, rows) -> None:
     def fmt_uptime(s) -> str:
         if s is None:
             return "-"
@@ -48,11 +53,29 @@ def print_status(ui, plan: Plan, rows: list[dict]) -> None:
         return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
     table_rows = [
-        (r["task"], r["host"], r["address"], r["status"], str(r["pid"] or "-"),
-         fmt_uptime(r["uptime_s"]), {True: "open", False: "closed", None: "?"}[r["port_open"]])
+        (r.task, r.host, r.address, r.status, str(r.pid or "-"),
+         fmt_uptime(r.uptime_s), {True: "open", False: "closed", None: "?"}[r.port_open])
         for r in rows
     ]
     ui.table(f"cluster {plan.name!r}", ["task", "host", "address", "status", "pid", "uptime", "port"],
              table_rows)
-    running = sum(1 for r in rows if r["status"] == "running")
+    running = sum(1 for r in rows if r.status == "running")
     ui.info(f"{running}/{len(rows)} tasks running")
+
+
+SUMMARY_LINE = 60     # characters of a task's last loss line in the summary
+
+
+def clip(text: str, width: int = SUMMARY_LINE) -> str:
+    """Keep the start of a line (where `step=` and `loss=` are) and mark the cut with …"""
+    return text if len(text) <= width else text[:width - 1] + "…"
+
+
+def print_summary(ui, run_id: str, rows: list[tuple[str, ...]], outcome: tuple[int, str],
+                  saved: str) -> None:
+    """The run's table (task, host, exit, restarts, duration, last loss line) and outcome."""
+    if rows:
+        ui.table(f"run {run_id}", ["task", "host", "exit", "restarts", "duration", "last loss line"],
+                 [(*row[:-1], clip(row[-1])) for row in rows], stderr=True)
+    code, text = outcome
+    (ui.ok if code == 0 else ui.info)(f"{text} — logs in {saved}/")

@@ -1,18 +1,21 @@
-"""tfcluster host shim: owns the task processes on one host (DESIGN.md §5).
+"""tfcluster host shim: owns the task processes on one host.
 
-Shipped to every host and run as `PYTHON shim.py SUBCOMMAND`, with one JSON
-request line on stdin (env and secrets never travel on a command line) and JSON
-answers on stdout. Standard library only, Python >= 3.8, no tfcluster imports.
+Shipped to every host and run as `PYTHON shim.py COMMAND`, one JSON request line on
+stdin (env and secrets never travel on a command line), JSON answers on stdout; the
+protocol is in shim_protocol.py and docs/ARCHITECTURE.md. Standard library only,
+Python >= 3.8, no imports from an installed tfcluster (the host may have another
+version): its siblings come from its own directory.
 
-Every task runs in its own session with TFCLUSTER_JOB_ID=<tag> in its
-environment; that tag, read back from /proc/<pid>/environ, is how the shim
-recognises its tasks (pid reuse, setsid escapees). Nothing is killed by name.
+Every task runs in its own session with its tag in its environment; that tag, read
+back from /proc/<pid>/environ with the start time, is how the shim recognises its
+tasks (pid reuse, setsid escapees). Nothing is killed by name.
 """
 from __future__ import annotations
 
 import base64
 import json
 import os
+import select
 import shutil
 import signal
 import socket
@@ -21,257 +24,32 @@ import sys
 import threading
 import time
 
-TAG_VAR = "TFCLUSTER_JOB_ID"
-TF_DISTRIBUTIONS = ("tensorflow", "tensorflow-cpu", "tensorflow-gpu", "tf-nightly",
-                    "tf-nightly-cpu", "tf-nightly-gpu", "tensorflow-intel", "tensorflow-macos")
-POLL = 0.05
+if __package__:
+    from . import shim_procs as procs
+    from . import shim_protocol as proto
+else:  # shipped: this file's directory is first on sys.path
+    import shim_procs as procs
+    import shim_protocol as proto
+
+expand, proc_stat, is_alive, kill_tasks = procs.expand, procs.proc_stat, procs.is_alive, procs.kill_tasks
+exit_code, remove_quietly, write_pidfile = procs.exit_code, procs.remove_quietly, procs.write_pidfile
+POLL = procs.POLL
+ShimError = proto.ShimError
+TAG_VAR = proto.TAG_VAR
 
 
-class ShimError(Exception):
-    """A request the shim cannot honour; reported as {"error": ...}."""
-
-
-# ---------------------------------------------------------------- /proc helpers
-
-def expand(path: str) -> str:
-    return os.path.expanduser(path) if path.startswith("~") else path
-
-
-def proc_stat(pid: int) -> tuple[str, int] | None:
-    """(state, start_time in clock ticks) of a pid, or None if it is gone."""
-    try:
-        with open("/proc/%d/stat" % pid, "rb") as f:
-            data = f.read().decode(errors="replace")
-    except OSError:
-        return None
-    fields = data[data.rindex(")") + 2:].split()
-    return fields[0], int(fields[19])
-
-
-def is_alive(pid: int) -> bool:
-    """Running and not a zombie (`kill -0` says a zombie is alive; it is not)."""
-    stat = proc_stat(pid)
-    return stat is not None and stat[0] not in ("Z", "X")
-
-
-def tag_of(pid: int) -> str | None:
-    try:
-        with open("/proc/%d/environ" % pid, "rb") as f:
-            environ = f.read()
-    except OSError:  # gone, or not ours to read
-        return None
-    prefix = (TAG_VAR + "=").encode()
-    for item in environ.split(b"\0"):
-        if item.startswith(prefix):
-            return item[len(prefix):].decode(errors="replace")
-    return None
-
-
-def all_pids() -> list[int]:
-    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
-
-
-def tagged(match) -> dict[int, str]:
-    """pid -> tag of every live process (not this shim) whose tag satisfies `match`."""
-    me = os.getpid()
-    found = {}
-    for pid in all_pids():
-        if pid == me:
-            continue
-        tag = tag_of(pid)
-        if tag is not None and match(tag) and is_alive(pid):
-            found[pid] = tag
-    return found
-
-
-def signal_quietly(pid: int, sig: int, group: bool = False) -> None:
-    try:
-        if group:
-            os.killpg(pid, sig)
-        else:
-            os.kill(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def exit_code(returncode: int) -> int:
-    return 128 - returncode if returncode < 0 else returncode
-
-
-# ---------------------------------------------------------------- killing
-
-def kill_tasks(groups: list[int], match, grace: float) -> dict[int, str]:
-    """TERM the groups and every matching process, wait up to `grace`, KILL, sweep.
-
-    Returns the processes still alive at the end (pid -> tag)."""
-    for pgid in groups:
-        signal_quietly(pgid, signal.SIGTERM, group=True)
-    for pid in tagged(match):
-        signal_quietly(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and tagged(match):
-        time.sleep(POLL)
-    # A group whose leader is gone may still hold untagged members; its pgid cannot
-    # be reused while any member lives, so KILLing it is safe.
-    for pgid in groups:
-        signal_quietly(pgid, signal.SIGKILL, group=True)
-    deadline = time.monotonic() + 2.0
-    while True:
-        left = tagged(match)
-        for pid in left:
-            signal_quietly(pid, signal.SIGKILL)
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(POLL)
-
-
-# ---------------------------------------------------------------- pid files
-
-def write_pidfile(path: str, record: dict) -> None:
-    tmp = "%s.tmp.%d" % (path, os.getpid())
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(record, f)
-    os.replace(tmp, path)
-
-
-def remove_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
-
-
-def read_pidfiles(piddir: str, tag_prefix: str) -> list[tuple[str, dict]]:
-    piddir = expand(piddir)
-    try:
-        names = sorted(os.listdir(piddir))
-    except FileNotFoundError:
-        return []
-    found = []
-    for name in names:
-        if not name.endswith(".pid"):
-            continue
-        path = os.path.join(piddir, name)
-        try:
-            with open(path) as f:
-                record = json.load(f)
-        except (OSError, ValueError):
-            continue
-        if str(record.get("tag", "")).startswith(tag_prefix):
-            found.append((path, record))
-    return found
-
-
-def verified(record: dict) -> bool:
-    """The pid in a pid file is still that task: same tag, same start time."""
-    pid = int(record.get("pid", 0))
-    stat = proc_stat(pid) if pid > 0 else None
-    return (stat is not None and stat[0] not in ("Z", "X")
-            and stat[1] == record.get("start_time") and tag_of(pid) == record.get("tag"))
-
-
-# ---------------------------------------------------------------- info / ports
-
-def tf_version() -> str | None:
-    try:
-        from importlib import metadata
-    except ImportError:  # pragma: no cover - Python < 3.8
-        return None
-    for dist in TF_DISTRIBUTIONS:
-        try:
-            return metadata.version(dist)
-        except Exception:
-            continue
-    return None
-
-
-def gpu_count() -> int:
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], stdout=subprocess.PIPE,
-                             stderr=subprocess.DEVNULL, timeout=20).stdout
-        return sum(1 for line in out.decode(errors="replace").splitlines()
-                   if line.startswith("GPU "))
-    except (OSError, subprocess.SubprocessError):
-        pass
-    try:
-        return len(os.listdir("/proc/driver/nvidia/gpus"))
-    except OSError:
-        return 0
-
-
-def machine_id() -> str:
-    for path in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
-        try:
-            with open(path) as f:
-                return f.read().strip()
-        except OSError:
-            continue
-    return ""
+def _line(obj) -> bytes:
+    return (json.dumps(obj) + "\n").encode()
 
 
 def cmd_info(req: dict) -> dict:
-    return {"home": os.path.expanduser("~"), "hostname": socket.gethostname(),
-            "python_version": "%d.%d.%d" % sys.version_info[:3], "tf_version": tf_version(),
-            "machine_id": machine_id(), "gpus": gpu_count(), "pid": os.getpid()}
-
-
-def port_free(port: int) -> bool:
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("0.0.0.0", port))
-        return True
-    except OSError:
-        return False
-    finally:
-        s.close()
-
-
-def socket_inodes(port: int) -> set[str]:
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as f:
-                rows = f.read().splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            cols = row.split()
-            if len(cols) > 9 and int(cols[1].rsplit(":", 1)[1], 16) == port and cols[9] != "0":
-                inodes.add(cols[9])
-    return inodes
-
-
-def describe(pid: int) -> str:
-    try:
-        with open("/proc/%d/cmdline" % pid, "rb") as f:
-            argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
-    except OSError:
-        argv = []
-    words = [os.path.basename(a) if i == 0 else a for i, a in enumerate(argv)]
-    text = " ".join(words)
-    return "pid %d (%s)" % (pid, text[:80]) if text else "pid %d" % pid
-
-
-def port_holder(port: int) -> str:
-    wanted = {"socket:[%s]" % inode for inode in socket_inodes(port)}
-    for pid in all_pids() if wanted else []:
-        try:
-            fds = os.listdir("/proc/%d/fd" % pid)
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                if os.readlink("/proc/%d/fd/%s" % (pid, fd)) in wanted:
-                    return describe(pid)
-            except OSError:
-                continue
-    return "in use"
+    return {"python_version": "%d.%d.%d" % sys.version_info[:3], "tf_version": procs.tf_version(),
+            "machine_id": procs.machine_id(), "gpus": procs.gpu_count()}
 
 
 def cmd_ports(req: dict) -> dict:
-    return {str(p): (None if port_free(int(p)) else port_holder(int(p))) for p in req["ports"]}
+    return {str(p): (None if procs.port_free(int(p)) else procs.port_holder(int(p)))
+            for p in req["ports"]}
 
 
 # ---------------------------------------------------------------- start
@@ -321,8 +99,8 @@ class Attached:
     def __init__(self, proc: subprocess.Popen, req: dict, log: str, offset: int) -> None:
         self.proc, self.req, self.log, self.offset = proc, req, log, offset
         self.tag = req["tag"]
-        self.hb_timeout = float(req.get("heartbeat_timeout") or 30.0)
-        self.grace = float(req.get("grace") if req.get("grace") is not None else 5.0)
+        self.hb_timeout = float(req.get("heartbeat_timeout") or proto.DEFAULT_HEARTBEAT_TIMEOUT)
+        self.grace = float(req.get("grace") if req.get("grace") is not None else proto.DEFAULT_GRACE)
         self.last_beat = time.monotonic()
         self.reason = None          # "stop" | "eof" | "signal" once cleanup is wanted
         self.wake = threading.Event()
@@ -330,9 +108,12 @@ class Attached:
         self.task_done = threading.Event()
 
     def run(self) -> int:
-        write_all(2, (json.dumps({"pid": self.proc.pid}) + "\n").encode())
         for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self.on_signal)   # a handler, not SIG_IGN: the task must not inherit it
+        try:
+            write_all(2, _line({"pid": self.proc.pid}))
+        except OSError:           # the launcher left between our start and the handshake
+            self.reason = "eof"
         tailer = threading.Thread(target=self.tail, daemon=True)
         tailer.start()
         threading.Thread(target=self.read_stdin, daemon=True).start()
@@ -361,7 +142,7 @@ class Attached:
                 self.reason = self.reason or "eof"
                 break
             self.last_beat = time.monotonic()
-            if line.strip() == b"STOP":
+            if line == proto.STOP_LINE or line.strip() == proto.STOP_LINE.strip():
                 self.reason = self.reason or "stop"
                 break
         self.wake.set()
@@ -406,6 +187,8 @@ class Attached:
 
 
 def cmd_start(req: dict):
+    if req.get("attached") and launcher_gone():
+        raise ShimError("the launcher went away before the task started")
     proc, log, offset = spawn(req)
     if not req.get("attached"):
         return {"pid": proc.pid}
@@ -418,35 +201,35 @@ def cmd_start(req: dict):
 
 def cmd_stop(req: dict) -> dict:
     prefix = req["tag_prefix"]
-    records = read_pidfiles(req["piddir"], prefix)
-    live = [(path, r) for path, r in records if verified(r)]
-    before = tagged(lambda t: t.startswith(prefix))
+    if not prefix:
+        raise ShimError("stop needs a tag prefix (an empty one would match every cluster)")
+    records = procs.read_pidfiles(req["piddir"], prefix)
+    live = [(path, r) for path, r in records if procs.verified(r)]
+    before = procs.tagged(lambda t: t.startswith(prefix))
     left = kill_tasks([int(r.get("pgid") or r["pid"]) for _, r in live],
-                      lambda t: t.startswith(prefix), float(req.get("grace", 5.0)))
+                      lambda t: t.startswith(prefix), float(req.get("grace", proto.DEFAULT_GRACE)))
     stopped = {int(r["pid"]): r["tag"] for _, r in live}
     stopped.update(before)
     for pid in left:
         stopped.pop(pid, None)
-    survivors = {pid: tag for pid, tag in left.items()}
     for path, record in records:
-        if int(record["pid"]) not in survivors:
+        if int(record["pid"]) not in left:
             remove_quietly(path)
     return {"stopped": [{"tag": t, "pid": p} for p, t in sorted(stopped.items())],
-            "survivors": [{"tag": t, "pid": p} for p, t in sorted(survivors.items())]}
+            "survivors": [{"tag": t, "pid": p} for p, t in sorted(left.items())]}
 
 
 def cmd_status(req: dict) -> list:
     out = []
-    for _, r in read_pidfiles(req["piddir"], req.get("tag_prefix", "")):
-        alive = verified(r)
+    for _, r in procs.read_pidfiles(req["piddir"], req.get("tag_prefix", "")):
+        alive = procs.verified(r)
         started = r.get("started_at")
-        out.append({"tag": r.get("tag"), "pid": r.get("pid"), "alive": alive,
-                    "start_time": r.get("start_time"), "argv": r.get("argv"), "log": r.get("log"),
+        out.append({"tag": r.get("tag"), "pid": r.get("pid"), "alive": alive, "log": r.get("log"),
                     "uptime_s": round(time.time() - started, 3) if alive and started else None})
     return out
 
 
-# ---------------------------------------------------------------- wait / tail
+# ---------------------------------------------------------------- wait / launch / tail
 
 def accepts(port: int) -> bool:
     for family, host in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")):
@@ -476,19 +259,32 @@ def cmd_wait(req: dict) -> None:
                 state = "timeout"
             if state:
                 pending.remove(item)
-                write_all(1, (json.dumps({"key": item["key"], "state": state}) + "\n").encode())
+                write_all(1, _line({"key": item["key"], "state": state}))
         if pending:
             time.sleep(0.1)
     return None
 
 
+def launcher_gone() -> bool:
+    """The launcher keeps a launch's stdin open; EOF means it was interrupted or died."""
+    try:
+        readable, _, _ = select.select([sys.stdin.buffer], [], [], 0)
+        return bool(readable) and not os.read(sys.stdin.buffer.fileno(), 1)
+    except (OSError, ValueError):
+        return True
+
+
 def cmd_launch(req: dict) -> None:
     """Start detached servers, then wait for them, in one exec: a line {"key", "pid"} per
-    start, then cmd_wait's lines. Saves `up` a round trip (a login shell + an interpreter)."""
+    start, then cmd_wait's lines. Saves `up` a round trip (a login shell + an interpreter).
+    Stops starting servers once the launcher is gone, so an interrupted `up` leaves
+    nothing that its stop sweep could miss."""
     items = []
     for start in req["starts"]:
+        if req.get("watch_stdin") and launcher_gone():
+            raise ShimError("the launcher went away; no more servers started")
         proc, _log, _offset = spawn(start["req"])
-        write_all(1, (json.dumps({"key": start["key"], "pid": proc.pid}) + "\n").encode())
+        write_all(1, _line({"key": start["key"], "pid": proc.pid}))
         items.append({"key": start["key"], "port": start["port"], "pid": proc.pid})
     cmd_wait({"items": items, "timeout": req.get("timeout", 60)})
 
@@ -521,10 +317,7 @@ def cmd_files(req: dict) -> dict:
         path = os.path.join(cache, digest)
         if digest.isalnum() and not os.path.isfile(path):
             os.makedirs(cache, mode=0o700, exist_ok=True)
-            tmp = "%s.tmp.%d" % (path, os.getpid())
-            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
-                f.write(base64.b64decode(encoded))
-            os.replace(tmp, path)
+            procs.atomic_write(path, base64.b64decode(encoded))
             added.append(digest)
     missing = []
     for entry in req["files"]:
@@ -544,31 +337,27 @@ def cmd_files(req: dict) -> dict:
     return {"missing": sorted(set(missing)), "added": added}
 
 
-BATCHABLE = ("info", "ports", "status", "start", "stop", "tail")
-
-
 def cmd_batch(req: dict) -> dict:
-    """Several one-shot commands in one exec: each answer, or its error, in order.
-
-    Every exec costs a login shell and an interpreter start on the host (about 0.2 s
-    with a pyenv .bashrc), so `up` asks for status + ports, then every start, in one go."""
-    answers = []
-    for item in req["commands"]:
-        name, sub = item["cmd"], item.get("req", {})
-        if name not in BATCHABLE or (name == "start" and sub.get("attached")):
+    """Several one-shot commands in one exec, answers keyed by command (an error envelope
+    in place of a failed one). Every exec costs a login shell and an interpreter start on
+    the host (about 0.2 s with a pyenv .bashrc), so `up` asks info + status + ports at once."""
+    answers = {}
+    for name, sub in req["commands"].items():
+        if name not in proto.BATCHABLE:
             raise ShimError("not batchable: %s" % name)
         try:
-            answers.append(COMMANDS[name](sub))
+            answers[name] = COMMANDS[name](sub)
         except (ShimError, OSError, KeyError, ValueError) as e:
-            answers.append({"error": str(e) if isinstance(e, ShimError) else "%s: %s" % (type(e).__name__, e)})
+            answers[name] = proto.error_answer(proto.describe_exception(e))
     return {"answers": answers}
 
 
 # ---------------------------------------------------------------- main
 
-COMMANDS = {"info": cmd_info, "ports": cmd_ports, "start": cmd_start, "stop": cmd_stop,
-            "status": cmd_status, "wait": cmd_wait, "tail": cmd_tail, "files": cmd_files,
-            "batch": cmd_batch, "launch": cmd_launch}
+COMMANDS = {proto.INFO: cmd_info, proto.PORTS: cmd_ports, proto.START: cmd_start,
+            proto.STOP: cmd_stop, proto.STATUS: cmd_status, proto.WAIT: cmd_wait,
+            proto.TAIL: cmd_tail, proto.FILES: cmd_files, proto.BATCH: cmd_batch,
+            proto.LAUNCH: cmd_launch}
 
 
 def main(argv: list) -> int:
@@ -580,12 +369,11 @@ def main(argv: list) -> int:
     try:
         answer = COMMANDS[argv[1]](req)
     except (ShimError, OSError, KeyError, ValueError) as e:
-        text = str(e) if isinstance(e, ShimError) else "%s: %s" % (type(e).__name__, e)
         fd = 2 if req.get("attached") else 1
-        write_all(fd, (json.dumps({"error": text}) + "\n").encode())
-        return 3
+        write_all(fd, _line(proto.error_answer(proto.describe_exception(e))))
+        return proto.EXIT_ERROR
     if answer is not None:
-        write_all(1, (json.dumps(answer) + "\n").encode())
+        write_all(1, _line(answer))
     return 0
 
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import tempfile
 from dataclasses import dataclass
 
 from tfcluster.errors import LockedError
+from tfcluster.fsutil import write_private  # noqa: F401 - also imported from here
 
 
 def state_dir(name: str) -> str:
@@ -20,25 +20,6 @@ def state_dir(name: str) -> str:
     path = os.path.join(base, "tfcluster", name)
     os.makedirs(path, mode=0o700, exist_ok=True)
     return path
-
-
-def write_private(path: str, data: bytes, mode: int = 0o600) -> None:
-    """Atomic write of a private file (tmp in the same dir, fsync, rename)."""
-    directory = os.path.dirname(path) or "."
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
-    try:
-        os.fchmod(fd, mode)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
 
 
 def load(name: str) -> dict | None:

@@ -4,7 +4,9 @@ The supervisor brings up the servers the mode needs (attached, so they die with
 it) or reuses a cluster that is `up`, ships the script, starts one attached
 script per task, streams every output into the LogMux, applies the restart
 policy, and stops everything in order on success, failure, timeout or Ctrl-C.
-All waiting happens on one event queue fed by one reader thread per process.
+Once the scripts run, the supervisor waits on one event queue fed by one reader
+thread per process; the decisions (retry? succeeded? what stops when?) are pure
+functions in policy.py.
 """
 from __future__ import annotations
 
@@ -16,15 +18,20 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from tfcluster import launcher, runlog, state
-from tfcluster.errors import ExitCode, TaskError, Terminated, TfclusterError, UsageError
-from tfcluster.launcher import Session, launch_for
+from tfcluster import names, policy, state
+from tfcluster.errors import DeadlineError, ExitCode, TaskError, Terminated, TfclusterError, UsageError
 from tfcluster.plan import Plan, TaskPlan
-from tfcluster.spec import Spec
+from tfcluster.preflight import preflight
+from tfcluster.render import print_summary
+from tfcluster.runs import Manifest
+from tfcluster.servers import Started, wait_ready
+from tfcluster.session import Session, raise_first, server_tasks
+from tfcluster.shim_protocol import DEFAULT_HEARTBEAT_TIMEOUT
+from tfcluster.shipping import ship
 
 LOSS_LINE = re.compile(r"loss\s*[=:]")
-PEER_GRACE = 60.0          # how long other workers may take to finish after the chief succeeded
-RETRYABLE = range(128, 256)  # exit-code policy: killed by a signal / infrastructure failures
+SCRIPT_GRACE = 10.0         # a script's last checkpoint after Ctrl-C, before KILL
+SERVER_STOP_GRACE = 2.0     # servers hold no state worth waiting for
 
 
 @dataclass
@@ -32,8 +39,8 @@ class Options:
     show: tuple[str, ...] = ()
     quiet: bool = False
     runs_dir: str = "runs"
-    grace: float = 10.0
-    heartbeat: float = 30.0
+    grace: float = SCRIPT_GRACE
+    heartbeat: float = DEFAULT_HEARTBEAT_TIMEOUT
     verbose: bool = False           # show TF's start-up chatter too
 
 
@@ -56,7 +63,6 @@ class Proc:
 
 @dataclass
 class Run:
-    spec: Spec
     plan: Plan
     ui: object
     options: Options
@@ -66,21 +72,17 @@ class Run:
     events: "queue.Queue[tuple[Proc, int, int]]" = field(default_factory=queue.Queue)
     procs: list[Proc] = field(default_factory=list)
     owns_servers: bool = False
-    interrupted: int = 0
 
 
-def train(spec: Spec, plan: Plan, ui, options: Options) -> int:
-    if not plan.script:
-        raise UsageError(f"{spec.path}: no training script: set train.script or pass --script",
-                         hint="`tfcluster init` writes a template script to start from")
+def train(plan: Plan, ui, options: Options) -> int:
     _check_task_filter(plan, options.show)
-    run_id = f"{plan.name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(2).hex()}"
-    with state.ClusterLock(plan.name, "train"), Session(spec, plan, ui) as session:
+    run_id = names.new_run_id(plan.name)
+    with state.ClusterLock(plan.name, "train"), Session(plan, ui) as session:
         ui.info(f"run {run_id}: connecting to {len(plan.hosts)} host(s)…")
-        session.open(survey=launcher.server_tasks(plan))
+        session.open(survey=server_tasks(plan))
         mux = _make_mux(plan, ui, options, run_id)
-        run = Run(spec, plan, ui, options, run_id, session, mux)
-        manifest = runlog.Manifest(plan, run_id, os.path.join(options.runs_dir, run_id))
+        run = Run(plan, ui, options, run_id, session, mux)
+        manifest = Manifest(plan, run_id, os.path.join(options.runs_dir, run_id))
         outcome: tuple[int, str] = (int(ExitCode.ERROR), "did not start")
         try:
             outcome = _run(run)
@@ -88,6 +90,7 @@ def train(spec: Spec, plan: Plan, ui, options: Options) -> int:
         except (KeyboardInterrupt, Terminated) as exc:
             outcome = (int(ExitCode.TERMINATED if isinstance(exc, Terminated) else ExitCode.INTERRUPTED),
                        "terminated" if isinstance(exc, Terminated) else "interrupted")
+            ui.info("Stopping every task (Ctrl-C again to stop at once)…")
             raise
         except TfclusterError as exc:
             outcome = (int(exc.exit_code), exc.message)
@@ -107,11 +110,10 @@ def _check_task_filter(plan: Plan, show: tuple[str, ...]) -> None:
 
 
 def _make_mux(plan: Plan, ui, options: Options, run_id: str):
-    from tfcluster.logs import LogMux
-    import sys
+    from tfcluster.logmux import LogMux
 
     keys = [t.key for t in plan.tasks if t.runs_script or t.runs_server]
-    keys += [f"{t.key}.server" for t in plan.tasks if t.runs_script and t.runs_server]
+    keys += [names.mux_key(t.key, "server", True) for t in plan.tasks if t.runs_script and t.runs_server]
 
     def show(key: str) -> bool:
         if options.quiet or key.endswith(".server"):
@@ -120,7 +122,7 @@ def _make_mux(plan: Plan, ui, options: Options, run_id: str):
 
     save_dir = os.path.join(options.runs_dir, run_id)
     os.makedirs(save_dir, mode=0o700, exist_ok=True)
-    return LogMux(sys.stdout.buffer, keys, color=ui.color, show=show, save_dir=save_dir,
+    return LogMux(ui.byte_stdout, keys, color=ui.color, show=show, save_dir=save_dir,
                   hide_noise=not options.verbose)
 
 
@@ -131,8 +133,8 @@ def _run(run: Run) -> tuple[int, str]:
     script_tasks = [t for t in plan.tasks if t.runs_script]
     _prepare_servers(run)
     # In classic mode the scripts build their own servers: their ports must be free too.
-    launcher.preflight(run.session, script_tasks, ports=plan.mode == "classic")
-    _ship(run, script_tasks)
+    preflight(run.session, script_tasks, ports=plan.mode == "classic")
+    ui.info(ship(run.session, script_tasks, run.run_id))
     ui.info(f"Starting the script on {len(script_tasks)} task(s): "
             f"{', '.join(t.key for t in script_tasks)}")
     _start_all(run, [Proc(task, "script", task.key) for task in script_tasks])
@@ -140,10 +142,10 @@ def _run(run: Run) -> tuple[int, str]:
 
 
 def _prepare_servers(run: Run) -> None:
-    servers = launcher.server_tasks(run.plan)
+    servers = server_tasks(run.plan)
     if not servers:
         return
-    live, busy = launcher.survey(run.session, servers)
+    live, busy = run.session.survey(servers)
     if live and len(live) == len(servers):
         run.ui.info(f"Using the running cluster ({len(live)} servers from `tfcluster up`)")
         return
@@ -151,48 +153,27 @@ def _prepare_servers(run: Run) -> None:
         raise TfclusterError(
             f"cluster {run.plan.name!r} is partly up ({len(live)} of {len(servers)} servers running)",
             hint="run `tfcluster up SPEC` to start the missing servers, or `tfcluster down SPEC`")
-    launcher.preflight(run.session, servers, busy=busy)
+    preflight(run.session, servers, busy=busy)
     run.ui.info(f"Starting {len(servers)} server(s)…")
     run.owns_servers = True
-    procs = [Proc(t, "server", f"{t.key}.server" if t.runs_script else t.key) for t in servers]
+    procs = [Proc(t, "server", names.mux_key(t.key, "server", t.runs_script)) for t in servers]
     _start_all(run, procs)
-    started = [launcher.Started(p.task, p.launch.tag, p.handle.pid, p.launch.log) for p in procs]
-    launcher.wait_ready(run.session, started, launcher.READY_TIMEOUT)
-
-
-def _ship(run: Run, tasks: list[TaskPlan]) -> None:
-    """Copy the script and train.files into this run's directory on each host that runs it."""
-    files = runlog.collect_files(run.spec, run.plan)
-    rundir = f"{run.plan.cluster_dir}/runs/{run.run_id}"
-
-    hosts = list(dict.fromkeys(t.host for t in tasks))
-    results = launcher.parallel(lambda h: run.session.agents[h].sync_files(files, rundir), hosts)
-    launcher.raise_first(results, "host")
-    sent = sum(results.values())
-    total = sum(len(data) for _, data, _ in files) * len(hosts)
-    run.ui.info(f"Shipped {len(files)} file(s) to {len(hosts)} host(s): {_size(sent)} new, "
-                f"{_size(total - sent)} already there")
-
-
-def _size(n: int) -> str:
-    return f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n / 1e3:.1f} kB"
+    wait_ready(run.session, [Started(p.task, p.launch.tag, p.handle.pid, p.launch.log) for p in procs])
 
 
 def _start_all(run: Run, procs: list[Proc]) -> None:
     """Start processes in parallel: each start is a round trip (a handshake with its shim),
     and 32 workers one after another would take seconds before the last one runs."""
     run.procs.extend(p for p in procs if p not in run.procs)  # summary order = plan order
-    results = launcher.parallel(lambda i: _start(run, procs[i]), range(len(procs)))
-    launcher.raise_first({procs[i].key: r for i, r in results.items()}, "task")
+    results = run.session.parallel(lambda i: _start(run, procs[i]), range(len(procs)))
+    raise_first({procs[i].key: r for i, r in results.items()}, "task")
 
 
 def _start(run: Run, proc: Proc) -> None:
     agent = run.session.agents[proc.task.host]
-    argv = agent.server_argv() if proc.role == "server" else proc.task.argv
-    if argv and argv[0] == run.plan.python:
-        argv = (agent.python, *argv[1:])  # a local host may run tfcluster's own interpreter
+    argv = agent.server_argv() if proc.role == "server" else run.plan.command(proc.task)
     extra = {"TFCLUSTER_RESTART": str(proc.restarts)}
-    launch = proc.launch = launch_for(run.plan, proc.task, run.run_id, proc.role, argv, extra)
+    launch = proc.launch = run.session.launch_for(proc.task, run.run_id, proc.role, argv, extra)
     proc.handle = agent.start_attached(launch, heartbeat_timeout=run.options.heartbeat,
                                        grace=run.options.grace)
     proc.started = time.time()
@@ -225,17 +206,17 @@ def _supervise(run: Run) -> tuple[int, str]:
     deadline = time.monotonic() + run.plan.timeout if run.plan.timeout else None
     chief_done_at: float | None = None
     while True:
-        if _all_needed_done(run):
+        if policy.run_succeeded(run.plan.mode, _script_states(run)):
             return int(ExitCode.OK), "succeeded"
-        wait = 0.5
         if deadline is not None and time.monotonic() > deadline:
-            raise TfclusterError(f"run {run.run_id} hit its timeout ({run.plan.timeout:.0f}s); "
-                                 f"stopped every task", exit_code=ExitCode.TIMEOUT)
-        if chief_done_at and time.monotonic() - chief_done_at > PEER_GRACE:
-            run.ui.warn(f"workers still running {PEER_GRACE:.0f}s after the chief finished; stopping them")
+            raise DeadlineError(f"run {run.run_id} hit its timeout ({run.plan.timeout:.0f}s); "
+                                f"stopped every task")
+        if chief_done_at and time.monotonic() - chief_done_at > policy.PEER_GRACE:
+            run.ui.warn(f"workers still running {policy.PEER_GRACE:.0f}s after the chief finished; "
+                        f"stopping them")
             return int(ExitCode.OK), "succeeded (stragglers stopped)"
         try:
-            proc, attempt, rc = run.events.get(timeout=wait)
+            proc, attempt, rc = run.events.get(timeout=0.5)
         except queue.Empty:
             continue
         if attempt != proc.attempt:
@@ -244,7 +225,7 @@ def _supervise(run: Run) -> tuple[int, str]:
         if proc.stopping:
             continue
         if rc == 0 and proc.role == "script":
-            if proc.task.is_chief and run.plan.mode in ("between-graph", "coordinator"):
+            if policy.starts_peer_grace(run.plan.mode, proc.task.is_chief, rc):
                 chief_done_at = time.monotonic()
             continue
         if chief_done_at and proc.role == "script":
@@ -253,45 +234,28 @@ def _supervise(run: Run) -> tuple[int, str]:
         _on_failure(run, proc, rc)
 
 
-def _all_needed_done(run: Run) -> bool:
-    """Success: the chief exited 0 (between-graph/coordinator) and, in mirrored and classic,
-    every worker did too; in between-graph, other workers are given PEER_GRACE to finish."""
-    scripts = [p for p in run.procs if p.role == "script"]
-    if run.plan.mode in ("mirrored", "classic"):
-        needed = [p for p in scripts if p.task.job in ("chief", "worker")]
-        return all(p.exit_code == 0 for p in needed)
-    chief = next(p for p in scripts if p.task.is_chief)
-    if chief.exit_code != 0:
-        return False
-    others = [p for p in scripts if p is not chief and p.task.job in ("worker", "chief")]
-    return all(p.exit_code is not None for p in others)
+def _script_states(run: Run) -> list[policy.ScriptState]:
+    return [policy.ScriptState(p.task.job, p.task.is_chief, p.exit_code)
+            for p in run.procs if p.role == "script"]
 
 
 def _on_failure(run: Run, proc: Proc, rc: int) -> None:
-    policy = run.plan.restart
-    retry = policy.policy == "on-failure" or (policy.policy == "exit-code" and rc in RETRYABLE)
+    restart = run.plan.restart
     what = f"{proc.task.key}{' server' if proc.role == 'server' else ''} on {proc.task.host}"
-    if retry and proc.restarts < policy.max_restarts:
+    if policy.should_restart(restart, rc, proc.restarts):
         proc.restarts += 1
-        run.mux.note(proc.key, f"exited with code {rc}; restarting ({proc.restarts}/{policy.max_restarts})")
-        run.ui.warn(f"{what} exited with code {rc}; restarting ({proc.restarts}/{policy.max_restarts})")
+        count = f"{proc.restarts}/{restart.max_restarts}"
+        run.mux.note(proc.key, f"exited with code {rc}; restarting ({count})")
+        run.ui.warn(f"{what} exited with code {rc}; restarting ({count})")
         if proc.role == "server" and proc.task.job == "ps":
             run.ui.warn(f"{proc.task.key} lost the variables it held; training resumes from the last "
                         f"checkpoint only if the script restores one (the templates do with --model_dir)")
         _start(run, proc)
         return
     tail = "\n".join(run.mux.tail(proc.key, 15))
-    hint = _diagnose(run.plan, tail) or _restart_hint(policy, proc, retry)
+    hint = _diagnose(run.plan, tail) or policy.restart_hint(restart, proc.restarts, rc)
     raise TaskError(f"{what} failed with exit code {rc}", hint=hint,
                     details=f"last lines of {proc.task.key}:\n{tail}" if tail else None)
-
-
-def _restart_hint(policy, proc: Proc, retried: bool) -> str | None:
-    if retried:
-        return f"it failed {proc.restarts + 1} times (train.restart.max_restarts = {policy.max_restarts})"
-    if policy.policy == "never":
-        return "set train.restart: {policy: on-failure} in the spec to restart failed tasks"
-    return None
 
 
 # Known failure signatures in a task's last lines, and what to do about them.
@@ -331,11 +295,11 @@ def _shutdown(run: Run) -> None:
         for sig in signals:
             signal.signal(sig, second_ctrl_c)
     try:
-        for role in ("script", "server"):
+        for role in policy.STOP_ORDER:
             _stop_role(run, role, fast)
         if run.owns_servers or run.procs:
-            prefix = f"{run.plan.name}:{run.run_id}:"
-            launcher.stop_run(run.session, prefix, grace=0 if fast.is_set() else 2.0)
+            prefix = names.run_prefix(run.plan.name, run.run_id)
+            run.session.stop_run(prefix, grace=0 if fast.is_set() else SERVER_STOP_GRACE)
     finally:
         if main_thread:
             for sig, handler in previous.items():
@@ -368,10 +332,5 @@ def _summary(run: Run, outcome: tuple[int, str]) -> None:
         duration = (p.ended or time.time()) - p.started if p.started else 0
         last = (run.mux.last_line_matching(p.key, LOSS_LINE) or "").replace("tfcluster-result: ", "")
         rows.append((p.task.key, p.task.host, "-" if p.exit_code is None else str(p.exit_code),
-                     str(p.restarts), f"{duration:.1f}s", last[-60:]))
-    if rows:
-        run.ui.table(f"run {run.run_id}", ["task", "host", "exit", "restarts", "duration", "last loss line"],
-                     rows, stderr=True)
-    code, text = outcome
-    saved = os.path.join(run.options.runs_dir, run.run_id)
-    (run.ui.ok if code == 0 else run.ui.info)(f"{text} — logs in {saved}/")
+                     str(p.restarts), f"{duration:.1f}s", last))
+    print_summary(run.ui, run.run_id, rows, outcome, os.path.join(run.options.runs_dir, run.run_id))

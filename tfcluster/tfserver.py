@@ -1,4 +1,4 @@
-"""The TensorFlow server tfcluster runs for each ps/worker task (DESIGN.md §1).
+"""The TensorFlow server tfcluster runs for each ps/worker task.
 
 Shipped to the hosts beside shim.py and started by it. Reads TF_CONFIG, starts a
 gRPC server for its task, says where it listens, then serves until killed (TF

@@ -37,6 +37,11 @@ class UI:
             self._err = _console(self.stderr, self.color and self.stderr.isatty())
         return self._err
 
+    @property
+    def byte_stdout(self):
+        """The binary stream under stdout, for task output (LogMux writes bytes)."""
+        return getattr(self.stdout, "buffer", self.stdout)
+
     # -- messages ------------------------------------------------------------------------
     def error(self, message: str, hint: str | None = None) -> None:
         self.stderr.write(f"tfcluster: error: {message}\n")

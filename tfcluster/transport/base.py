@@ -1,4 +1,4 @@
-"""The one interface both transports implement (DESIGN.md §4).
+"""The one interface both transports implement.
 
 The launcher and supervisor never know whether a host is local or remote: they
 talk to a `HostAgent` (tfcluster/agent.py), which drives the remote shim through
@@ -46,6 +46,18 @@ class Proc(abc.ABC):
         """Drop it: close the channel / kill the local process. Idempotent."""
 
 
+def home_relative(path: str) -> str | None:
+    """`path` relative to the login user's home if it is "~" or starts with "~/", else None.
+
+    Both transports expand exactly these forms, so a path means the same on every host;
+    "~user/..." and "$HOME/..." stay literal: no shell ever sees a `put` path."""
+    if path == "~":
+        return "."
+    if path.startswith("~/"):
+        return path[2:].lstrip("/") or "."
+    return None
+
+
 class Transport(abc.ABC):
     """One per host. `connect()` is idempotent; every method is thread-safe."""
 
@@ -68,7 +80,7 @@ class Transport(abc.ABC):
     def put(self, data: bytes, path: str, mode: int = 0o600) -> None:
         """Write `data` to `path` on the host (parents created, 0700 dirs), atomically.
 
-        `path` may start with "~/" (the login user's home)."""
+        `path` may be "~" or start with "~/" (the login user's home; see `home_relative`)."""
 
     @abc.abstractmethod
     def close(self) -> None: ...

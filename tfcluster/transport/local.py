@@ -12,11 +12,14 @@ import threading
 from typing import Sequence
 
 from tfcluster.errors import DeadlineError
-from tfcluster.transport.base import Proc, Result, Transport
+from tfcluster.fsutil import write_private
+from tfcluster.transport.base import Proc, Result, Transport, home_relative
 
 
 def _expand(path: str) -> str:
-    return os.path.expanduser(path) if path == "~" or path.startswith("~/") else path
+    """`path` with a leading "~" / "~/" made the login user's home, as SFTP does remotely."""
+    rest = home_relative(path)
+    return path if rest is None else os.path.join(os.path.expanduser("~"), rest)
 
 
 class LocalProc(Proc):
@@ -105,8 +108,6 @@ class LocalTransport(Transport):
         return LocalProc(popen)
 
     def put(self, data: bytes, path: str, mode: int = 0o600) -> None:
-        from tfcluster.state import write_private
-
         path = _expand(path)
         os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
         write_private(path, data, mode)

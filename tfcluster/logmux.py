@@ -6,7 +6,7 @@ with a single `out.write` under one lock, so two tasks' text never share an
 output line. It works in bytes: UTF-8 is only validated (an incomplete trailing
 character is held back exactly as the incremental decoder would, invalid bytes
 become U+FFFD), never decoded line by line. Rich is not used on this path: its
-markup eats `[worker:0]`-style text and it manages ~19k lines/s (DESIGN §6b).
+markup eats `[worker:0]`-style text and it manages ~19k lines/s.
 
 Line ends: `\\n`, `\\r\\n`, and a bare `\\r` (a progress-bar update). Within one
 batch only the latest update of a progress line is shown (a terminal would have
@@ -20,6 +20,8 @@ import os
 import re
 import threading
 from typing import BinaryIO, Callable, Sequence
+
+from tfcluster.names import log_file
 
 NOTE_MARK = "[tfcluster] "
 HISTORY = 100                 # recent display lines kept per task (tail, summary)
@@ -270,10 +272,10 @@ class LogMux:
 
 
 def _open_log(save_dir: str, key: str) -> int:
-    name = key.replace(":", "-")
-    if not name or "/" in name or name.startswith("."):
+    name = log_file(key)
+    if name == ".log" or "/" in name or name.startswith("."):
         raise ValueError(f"task key {key!r} cannot name a log file")
-    fd = os.open(os.path.join(save_dir, f"{name}.log"),
+    fd = os.open(os.path.join(save_dir, name),
                  os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     os.fchmod(fd, 0o600)  # O_CREAT's mode does not apply to a file that already existed
     return fd

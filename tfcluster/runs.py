@@ -1,18 +1,15 @@
-"""What a run leaves on this machine (runs/<run id>/: logs + manifest.json), and
-the files a run ships to the hosts."""
+"""What a run leaves on this machine: runs/<run id>/ with each task's log and
+manifest.json, and reading them back (`tfcluster logs`)."""
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 
 from tfcluster.errors import UsageError
+from tfcluster.fsutil import write_private
+from tfcluster.names import key_of_log, log_file
 from tfcluster.plan import Plan, plan_to_dict
-from tfcluster.spec import MODES, Spec
-from tfcluster.state import write_private
-
-MAX_SHIPPED_BYTES = 256 * 1024 * 1024
 
 
 class Manifest:
@@ -42,31 +39,6 @@ class Manifest:
         write_private(self.path, json.dumps(doc, indent=2).encode())
 
 
-def collect_files(spec: Spec, plan: Plan) -> list[tuple[str, bytes, int]]:
-    """(path relative to the run dir, content, mode) for the script and train.files."""
-    out = [(os.path.basename(plan.script), _read(plan.script), 0o600)]
-    for path in plan.files:
-        rel_base = os.path.relpath(path, spec.base_dir)
-        if os.path.isdir(path):
-            for root, _dirs, names in os.walk(path):
-                for name in sorted(names):
-                    full = os.path.join(root, name)
-                    out.append((os.path.relpath(full, spec.base_dir), _read(full), 0o600))
-        else:
-            out.append((rel_base, _read(path), 0o600))
-    if sum(len(d) for _, d, _ in out) > MAX_SHIPPED_BYTES:
-        raise UsageError("train.files add up to more than 256 MiB; put data on the hosts instead")
-    return out
-
-
-def _read(path: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError as exc:
-        raise UsageError(f"cannot read {path}: {exc.strerror}") from None
-
-
 def run_dirs(runs_dir: str, name: str) -> list[str]:
     """This cluster's saved runs, oldest first."""
     try:
@@ -79,7 +51,7 @@ def run_dirs(runs_dir: str, name: str) -> list[str]:
 
 
 def show_logs(ui, name: str, runs_dir: str, run: str | None, task: str | None, out) -> int:
-    from tfcluster.logs import LogMux
+    from tfcluster.logmux import LogMux
 
     runs = run_dirs(runs_dir, name)
     if not runs:
@@ -89,8 +61,7 @@ def show_logs(ui, name: str, runs_dir: str, run: str | None, task: str | None, o
     elif run not in runs:
         raise UsageError(f"no run {run!r} under {runs_dir}/ (latest: {runs[-1]})")
     directory = os.path.join(runs_dir, run)
-    logs = sorted(f for f in os.listdir(directory) if f.endswith(".log") and ".server." not in f)
-    keys = [_key_of(f) for f in logs]
+    keys = sorted(k for k in map(key_of_log, os.listdir(directory)) if k is not None)
     if task is not None:
         if task not in keys:
             raise UsageError(f"run {run} has no log for {task} (has: {', '.join(keys)})")
@@ -98,34 +69,9 @@ def show_logs(ui, name: str, runs_dir: str, run: str | None, task: str | None, o
     ui.info(f"run {run}")
     mux = LogMux(out, keys, color=ui.color)
     for key in keys:
-        with open(os.path.join(directory, _file_of(key)), "rb") as f:
+        with open(os.path.join(directory, log_file(key)), "rb") as f:
             while chunk := f.read(1 << 16):
                 mux.feed(key, chunk)
         mux.close_task(key)
     mux.close()
     return 0
-
-
-def _key_of(filename: str) -> str:
-    job, _, index = filename[:-4].rpartition("-")
-    return f"{job}:{index}"
-
-
-def _file_of(key: str) -> str:
-    job, _, index = key.rpartition(":")
-    return f"{job}-{index}.log"
-
-
-def copy_template(mode: str, dest: str | None) -> str:
-    import importlib.resources
-
-    if mode not in MODES:
-        raise UsageError(f"unknown mode {mode!r}; choose one of: {', '.join(MODES)}")
-    name = mode.replace("-", "_") + ".py"
-    dest = dest or f"train_{name}"
-    if os.path.exists(dest):
-        raise UsageError(f"{dest} already exists; pass another destination")
-    source = importlib.resources.files("tfcluster.templates").joinpath(name)
-    with importlib.resources.as_file(source) as path:
-        shutil.copyfile(path, dest)
-    return dest

@@ -1,0 +1,71 @@
+"""Ctrl-C at every phase of `up` and `train`, local and over SSH: exit 130 with
+"interrupted" (never a host failure), promptly, and nothing left running.
+
+Each case waits for the line that opens a phase and sends SIGINT to tfcluster's
+process group, as a terminal's Ctrl-C does. Where the signal lands inside the
+phase varies from run to run; the contract holds wherever it lands.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from tests.conftest import tagged_processes, wait_for
+from tests.train_helpers import kill_group, local_spec, read_until, ssh_spec, start_tfcluster
+
+pytestmark = [pytest.mark.tf, pytest.mark.timeout(240)]
+
+SCRIPT_GRACE = 10.0            # supervisor.SCRIPT_GRACE: a script's last checkpoint
+PROMPT = SCRIPT_GRACE + 10.0   # "about a second plus the stop grace", with room for a busy machine
+
+TRAIN = "train:\n  mode: between-graph\n  script: template:between_graph\n" \
+        "  args: ['--steps', '100000', '--log_every', '20']\n"
+
+# (command, the line that opens the phase, a second Ctrl-C once stopping has begun)
+PHASES = {
+    "up-connecting": ("up", r"Connecting to", False),
+    "up-starting": ("up", r"Starting \d+ server", False),
+    "train-connecting": ("train", r"connecting to", False),
+    "train-starting": ("train", r"Starting \d+ server", False),
+    "train-shipping": ("train", r"ready on .*, 3/3\)", False),
+    "train-running": ("train", r"worker:1 .*step=", False),
+    "train-stopping": ("train", r"worker:0 .*step=", True),
+}
+
+
+def _spec(transport: str, tmp_path, request):
+    if transport == "local":
+        return local_spec(tmp_path, args=["--steps", "100000", "--log_every", "20"], name="intr")
+    sshd = request.getfixturevalue("sshd")
+    request.getfixturevalue("ssh_home")
+    return ssh_spec(tmp_path, sshd, name="intrssh", train=TRAIN)
+
+
+@pytest.mark.parametrize("transport", ["local", pytest.param("ssh", marks=pytest.mark.ssh)])
+@pytest.mark.parametrize("phase", list(PHASES))
+def test_ctrl_c_exits_130_promptly_and_leaves_nothing(phase, transport, tmp_path, home, request):
+    command, marker, twice = PHASES[phase]
+    spec = _spec(transport, tmp_path, request)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    proc = start_tfcluster(command, str(spec), home=home, cwd=cwd)
+    try:
+        read_until(proc, marker, timeout=150)
+        os.killpg(proc.pid, signal.SIGINT)
+        t0 = time.monotonic()
+        if twice:
+            read_until(proc, r"stopping|interrupted", timeout=PROMPT)
+            os.killpg(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=PROMPT + 30)
+        elapsed = time.monotonic() - t0
+        assert proc.returncode == 130, out[-3000:]
+        assert "tfcluster: error: interrupted" in out, out[-3000:]
+        assert "KeyboardInterrupt" not in out and "Traceback" not in out, out[-3000:]
+        assert "host " not in out.split("tfcluster: error:")[-1], out[-3000:]
+        assert elapsed < PROMPT, f"took {elapsed:.1f}s to stop after Ctrl-C"
+        wait_for(lambda: not tagged_processes(), timeout=10, what="every task gone after Ctrl-C")
+    finally:
+        kill_group(proc)

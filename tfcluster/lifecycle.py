@@ -1,0 +1,176 @@
+"""The cluster's lifecycle commands: `up`, `down`, `status`, and `plan --check`.
+
+Each takes the plan (never the spec) and a UI, drives the hosts through a Session,
+and raises a TfclusterError for the CLI's one error boundary to report.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from tfcluster import names, state
+from tfcluster.errors import ExitCode, TfclusterError
+from tfcluster.plan import Plan, TaskPlan
+from tfcluster.preflight import preflight
+from tfcluster.servers import READY_TIMEOUT, Started, start_detached
+from tfcluster.session import Session, server_tasks
+from tfcluster.shim_protocol import DEFAULT_GRACE
+
+PORT_SETTLE = 5.0     # a just-killed server's socket may take a moment to go
+
+
+def up(plan: Plan, ui, timeout: float = READY_TIMEOUT) -> int:
+    servers = server_tasks(plan)
+    if not servers:
+        ui.info(f"mode {plan.mode!r} runs no tfcluster servers: nothing to start "
+                f"(`tfcluster train` starts the scripts)")
+        return ExitCode.OK
+    with state.ClusterLock(plan.name, "up"), Session(plan, ui) as session:
+        t0 = time.monotonic()
+        ui.info(f"Connecting to {len(plan.hosts)} host(s)…")
+        session.open(survey=servers)
+        live, busy = session.survey(servers)
+        missing = [t for t in servers if t.key not in live]
+        if not missing:
+            ui.ok(f"cluster {plan.name!r} is already up ({len(servers)} servers); nothing started")
+            return ExitCode.OK
+        if live:
+            ui.info(f"{len(live)} server(s) already running; starting the {len(missing)} missing")
+        preflight(session, missing, busy=busy)
+        run_id = names.new_run_id("up")
+        ui.info(f"Starting {len(missing)} server(s)…")
+        started = start_detached(session, missing, run_id, timeout)
+        _record(plan, run_id, started, live)
+        ui.ok(f"cluster {plan.name!r} is up: {len(servers)} servers in {time.monotonic() - t0:.1f}s")
+        return ExitCode.OK
+
+
+def _record(plan: Plan, run_id: str, started: list[Started], live: dict) -> None:
+    old = state.load(plan.name) or {}
+    tasks = {k: v for k, v in old.get("tasks", {}).items() if k in live}
+    for s in started:
+        tasks[s.task.key] = {"host": s.task.host, "port": s.task.port, "pid": s.pid,
+                             "tag": s.tag, "log": s.log, "started": time.time()}
+    state.save(plan.name, {"name": plan.name, "spec_sha256": plan.spec_digest,
+                           "run_id": run_id, "tasks": tasks})
+
+
+def down(plan: Plan, ui, grace: float = DEFAULT_GRACE) -> int:
+    """Stop everything of this cluster on every host; name hosts that could not be reached."""
+    hosts = [h.name for h in plan.all_hosts if h.name in plan.hosts]
+    with state.ClusterLock(plan.name, "down"), Session(plan, ui, hosts) as session:
+        opened = session.open(strict=False)
+        unreachable = {h: e for h, e in opened.items() if isinstance(e, BaseException)}
+        session.drop(unreachable)
+        reports = session.stop_run(names.cluster_prefix(plan.name), grace)
+        survivors = _report_down(ui, reports)
+        ports_busy = _ports_still_busy(session)
+        problems = [f"unreachable: {', '.join(f'{h} ({e})' for h, e in unreachable.items())}"] \
+            if unreachable else []
+        problems += [f"survivors: {', '.join(survivors)}"] if survivors else []
+        problems += [f"ports still busy: {', '.join(ports_busy)}"] if ports_busy else []
+        if problems:
+            raise TfclusterError(f"cluster {plan.name!r} not fully stopped ({'; '.join(problems)})",
+                                 hint="run `tfcluster down` again once the hosts are reachable")
+        state.clear(plan.name)
+        ui.ok(f"cluster {plan.name!r} is down: nothing of it runs and its ports are free")
+        return ExitCode.OK
+
+
+def _report_down(ui, reports: dict) -> list[str]:
+    survivors = []
+    for host, report in sorted(reports.items()):
+        if isinstance(report, BaseException):
+            survivors.append(f"{host} ({report})")
+            continue
+        n = len(report.stopped)
+        ui.info(f"  {host}: {'stopped ' + str(n) + ' process(es)' if n else 'nothing running'}")
+        survivors += [f"{host} pid {pid} ({tag})" for tag, pid in report.survivors]
+    return survivors
+
+
+def _ports_still_busy(session: Session) -> list[str]:
+    """Ports of the cluster that cannot be bound again, re-checked for up to PORT_SETTLE
+    seconds before calling one busy."""
+    def check(host: str) -> list[str]:
+        ports = [t.port for t in session.plan.tasks_on(host)]
+        busy = session.agents[host].check_ports(ports)
+        return [f"{host}:{p}" for p, holder in busy.items() if holder]
+
+    deadline = time.monotonic() + PORT_SETTLE
+    while True:
+        results = session.parallel(check, list(session.agents))
+        busy = [item for r in results.values() if not isinstance(r, BaseException) for item in r]
+        if not busy or time.monotonic() > deadline:
+            return busy
+        time.sleep(0.25)
+
+
+@dataclass(frozen=True)
+class TaskRow:
+    """One row of `status`: a planned task and what was found of it."""
+
+    task: str
+    host: str
+    address: str
+    status: str                 # running | stopped | unreachable
+    pid: int | None = None
+    uptime_s: float | None = None
+    port_open: bool | None = None
+
+
+def status(plan: Plan, ui) -> tuple[list[TaskRow], dict[str, BaseException]]:
+    """One row per planned task, and the hosts that could not be reached (host -> error)."""
+    with Session(plan, ui) as session:
+        opened = session.open(strict=False, survey=list(plan.tasks))
+        rows: list[TaskRow] = []
+        unreachable = {h: e for h, e in opened.items() if isinstance(e, BaseException)}
+        for host in plan.hosts:
+            if host in unreachable:
+                rows += [TaskRow(t.key, t.host, t.target, "unreachable") for t in plan.tasks_on(host)]
+            else:
+                rows += _host_rows(session, host)
+        return rows, unreachable
+
+
+def _host_rows(session: Session, host: str) -> list[TaskRow]:
+    tasks = session.plan.tasks_on(host)
+    found = session.agents[host].survey(names.cluster_prefix(session.plan.name), [t.port for t in tasks])
+    rows = []
+    for task in tasks:
+        mine = [s for s in found.statuses if s.alive and _is_task(s.tag, task)]
+        st = mine[0] if mine else None
+        uptime = round(st.uptime_s, 1) if st and st.uptime_s is not None else None
+        rows.append(TaskRow(task.key, task.host, task.target, "running" if st else "stopped",
+                            st.pid if st else None, uptime, bool(found.ports.get(task.port))))
+    return rows
+
+
+def _is_task(tag_text: str, task: TaskPlan) -> bool:
+    tag = names.Tag.parse(tag_text)
+    return tag is not None and (tag.job, tag.index) == (task.job, task.index)
+
+
+def unreachable_error(unreachable: dict[str, BaseException]) -> TfclusterError:
+    """Exit 3 naming every host `status` could not reach (the first one's own message)."""
+    first = next(iter(unreachable.values()))
+    others = list(unreachable)[1:]
+    message = str(first) + (f" (also unreachable: {', '.join(others)})" if others else "")
+    hint = getattr(first, "hint", None)
+    code = first.exit_code if isinstance(first, TfclusterError) else ExitCode.CONNECT
+    return TfclusterError(message, hint=hint, exit_code=code)
+
+
+def check(plan: Plan, ui) -> None:
+    """`plan --check`: connect, run the preflight checks, start nothing."""
+    with Session(plan, ui) as session:
+        ui.info(f"Checking {len(plan.hosts)} host(s)…")
+        session.open()
+        for name in plan.hosts:
+            info = session.infos[name]
+            ui.ok(f"{name}: python {info.python_version}, tensorflow {info.tf_version or 'MISSING'}, "
+                  f"{info.gpus} GPU(s), machine {info.machine_id[:8] or '?'}")
+        binders = [t for t in plan.tasks if t.runs_server or (plan.mode == "classic" and t.runs_script)]
+        preflight(session, binders)
+        ui.ok("preflight passed: every host can run its tasks and every port is free")
+

@@ -1,0 +1,113 @@
+"""Every name tfcluster gives to things: process tags, run ids, paths, log files.
+
+Pure functions and frozen records, no I/O. The package builds each name here once
+and sends it to the host inside requests; the shim never derives a name itself.
+"""
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass
+
+ROLES = ("server", "script")
+
+
+@dataclass(frozen=True)
+class Tag:
+    """What the shim writes into a task's environment to recognise it later.
+
+    Text form `cluster:run:job:index:role`; a prefix of it selects a whole cluster
+    (`cluster:`) or one run (`cluster:run:`). Cluster names and run ids never hold a
+    colon (the spec loader refuses one), so the form parses back unambiguously."""
+
+    cluster: str
+    run: str
+    job: str
+    index: int
+    role: str
+
+    def __str__(self) -> str:
+        return f"{self.cluster}:{self.run}:{self.job}:{self.index}:{self.role}"
+
+    @property
+    def key(self) -> str:
+        return task_key(self.job, self.index)
+
+    @classmethod
+    def parse(cls, text: str) -> "Tag | None":
+        parts = text.split(":")
+        if len(parts) != 5 or not parts[3].isdigit() or parts[4] not in ROLES:
+            return None
+        return cls(parts[0], parts[1], parts[2], int(parts[3]), parts[4])
+
+
+def task_key(job: str, index: int) -> str:
+    return f"{job}:{index}"
+
+
+def cluster_prefix(cluster: str) -> str:
+    return f"{cluster}:"
+
+
+def run_prefix(cluster: str, run_id: str) -> str:
+    return f"{cluster}:{run_id}:"
+
+
+def new_run_id(prefix: str, now: float | None = None, token: str | None = None) -> str:
+    """`<prefix>-YYYYmmdd-HHMMSS-<4 hex>`: sorts by start time; the token keeps two runs
+    started in the same second apart."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+    return f"{prefix}-{stamp}-{token or secrets.token_hex(2)}"
+
+
+def log_name(key: str, role: str = "script") -> str:
+    """On a host: `worker:1` -> `worker-1.log`; a server's `worker-1.server.log`."""
+    return log_file(f"{key}.server" if role == "server" else key)
+
+
+def log_file(mux_key: str) -> str:
+    """The file a LogMux key is saved in: `worker:1` -> `worker-1.log`,
+    `worker:1.server` -> `worker-1.server.log`."""
+    return mux_key.replace(":", "-") + ".log"
+
+
+def key_of_log(filename: str) -> str | None:
+    """The task key a script's log file belongs to; None for anything else (servers too)."""
+    if not filename.endswith(".log") or filename.endswith(".server.log"):
+        return None
+    job, sep, index = filename[:-4].rpartition("-")
+    return task_key(job, int(index)) if sep and job and index.isdigit() else None
+
+
+def mux_key(key: str, role: str, task_runs_both: bool) -> str:
+    """The LogMux key of a process: a server shares its task's key unless the task also
+    runs a script, whose output owns the plain key."""
+    return f"{key}.server" if role == "server" and task_runs_both else key
+
+
+@dataclass(frozen=True)
+class ClusterPaths:
+    """Where a cluster lives on a host: `<workdir>/<name>/` (may start with `~/`)."""
+
+    root: str
+
+    @property
+    def bindir(self) -> str:
+        return f"{self.root}/bin"
+
+    @property
+    def piddir(self) -> str:
+        return f"{self.root}/pids"
+
+    @property
+    def cache(self) -> str:
+        return f"{self.root}/cache"
+
+    def rundir(self, run_id: str) -> str:
+        return f"{self.root}/runs/{run_id}"
+
+    def log(self, run_id: str, key: str, role: str = "script") -> str:
+        return f"{self.rundir(run_id)}/{log_name(key, role)}"
+
+    def pidfile(self, tag: Tag | str) -> str:
+        return f"{self.piddir}/{str(tag).replace(':', '_')}.pid"

@@ -1,0 +1,68 @@
+"""The run's decisions as pure functions: is this exit retried, has the run succeeded,
+what stops when. The supervisor does the I/O; these say what to do, so they are tested
+with tables in milliseconds, without TensorFlow.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+
+class Restart(Protocol):
+    """train.restart as the plan carries it."""
+
+    policy: str            # never | on-failure | exit-code
+    max_restarts: int
+
+NEVER, ON_FAILURE, EXIT_CODE = "never", "on-failure", "exit-code"
+# `exit-code` retries what a restart can fix: a task killed by a signal (128+N, OOM
+# killer, a lost host) or an infrastructure failure; exits 1-127 are the script's own.
+RETRYABLE = range(128, 256)
+CHIEF_ENDS_RUN = ("between-graph", "coordinator")   # other modes need every worker
+TRAINING_JOBS = ("chief", "worker")
+STOP_ORDER = ("script", "server")                    # scripts first: a last checkpoint
+PEER_GRACE = 60.0        # how long other workers may take to finish after the chief succeeded
+
+
+@dataclass(frozen=True)
+class ScriptState:
+    job: str
+    is_chief: bool
+    exit_code: int | None          # None while running
+
+
+def retryable(restart: Restart, rc: int) -> bool:
+    """Whether the policy restarts a process that exited with `rc` at all."""
+    return restart.policy == ON_FAILURE or (restart.policy == EXIT_CODE and rc in RETRYABLE)
+
+
+def should_restart(restart: Restart, rc: int, restarts_done: int) -> bool:
+    return retryable(restart, rc) and restarts_done < restart.max_restarts
+
+
+def run_succeeded(mode: str, scripts: Sequence[ScriptState]) -> bool:
+    """between-graph / coordinator: the chief exited 0 and every other training script
+    has ended (or PEER_GRACE runs out, which the supervisor times); mirrored / classic:
+    every chief and worker exited 0."""
+    training = [s for s in scripts if s.job in TRAINING_JOBS]
+    if mode not in CHIEF_ENDS_RUN:
+        return bool(training) and all(s.exit_code == 0 for s in training)
+    chiefs = [s for s in scripts if s.is_chief]
+    if not chiefs or chiefs[0].exit_code != 0:
+        return False
+    return all(s.exit_code is not None for s in training)
+
+
+def starts_peer_grace(mode: str, is_chief: bool, rc: int) -> bool:
+    """A chief that succeeds in a chief-ends-the-run mode gives the others PEER_GRACE."""
+    return rc == 0 and is_chief and mode in CHIEF_ENDS_RUN
+
+
+def restart_hint(restart: Restart, restarts_done: int, rc: int) -> str | None:
+    """What to tell the user when a failed process is not restarted."""
+    if retryable(restart, rc):
+        return (f"it failed {restarts_done + 1} times "
+                f"(train.restart.max_restarts = {restart.max_restarts})")
+    if restart.policy == NEVER:
+        return "set train.restart: {policy: on-failure} in the spec to restart failed tasks"
+    return None

@@ -1,0 +1,63 @@
+"""Preflight: are the hosts fit for these tasks? TensorFlow importable, GPUs present,
+no two tasks on one machine sharing a port, and every port free. Nothing is started."""
+from __future__ import annotations
+
+from tfcluster.errors import PreflightError
+from tfcluster.plan import TaskPlan
+from tfcluster.session import Session, by_host, raise_first
+
+
+def preflight(session: Session, tasks: list[TaskPlan], *, ports: bool = True,
+              busy: dict[tuple[str, int], str | None] | None = None) -> None:
+    """`ports`: the tasks bind their ports, so those must be free (`busy`: (host, port) ->
+    holder from a survey already made, else the ports are asked now)."""
+    infos = session.infos
+    for name in dict.fromkeys(t.host for t in tasks):
+        info, host = infos[name], session.plan.host(name)
+        if not info.tf_version:
+            raise PreflightError(
+                f"host {name}: tensorflow is not installed for {host.python}",
+                hint=f"install it there, e.g. `tfcluster exec SPEC --hosts {name} -- "
+                     f"{host.python} -m pip install tensorflow`, or set `python:` in the spec")
+        if host.gpus and info.gpus < host.gpus:
+            raise PreflightError(f"host {name}: the spec gives it {host.gpus} GPUs but it has {info.gpus}")
+    _warn_version_skew(session.ui, infos)
+    if ports:
+        _check_same_machine_ports(infos, tasks)
+        _check_ports_free(session, tasks, busy)
+
+
+def _warn_version_skew(ui, infos: dict) -> None:
+    for field in ("python_version", "tf_version"):
+        versions = {getattr(i, field) for i in infos.values() if getattr(i, field)}
+        if len(versions) > 1:
+            detail = ", ".join(f"{n}={getattr(i, field)}" for n, i in sorted(infos.items()))
+            ui.warn(f"hosts differ in {field.replace('_', ' ')}: {detail}")
+
+
+def _check_same_machine_ports(infos: dict, tasks: list[TaskPlan]) -> None:
+    seen: dict[tuple[str, int], TaskPlan] = {}
+    for task in tasks:
+        machine = infos[task.host].machine_id or task.host
+        other = seen.setdefault((machine, task.port), task)
+        if other is not task and other.host != task.host:
+            raise PreflightError(
+                f"hosts {other.host} and {task.host} are the same machine (machine-id) and "
+                f"{other.key} and {task.key} both use port {task.port}; a TF server binds every interface",
+                hint="give the tasks different ports")
+
+
+def _check_ports_free(session: Session, tasks: list[TaskPlan], busy=None) -> None:
+    if busy is None:
+        grouped = by_host(tasks)
+        results = session.parallel(
+            lambda h: session.agents[h].check_ports([t.port for t in grouped[h]]), grouped)
+        raise_first(results, "host")
+        busy = {(h, port): holder for h, ports in results.items() for port, holder in ports.items()}
+    for task in tasks:
+        holder = busy.get((task.host, task.port))
+        if holder:
+            raise PreflightError(
+                f"host {task.host}: port {task.port} for {task.key} is already in use ({holder})",
+                hint="stop whatever holds it (`tfcluster down` if it is an old cluster), "
+                     "or change the port in the spec")

@@ -1,0 +1,47 @@
+"""The training-script templates shipped in the package (tfcluster.templates).
+
+One script per training mode. A spec names one as `train.script: template:NAME`, and
+`tfcluster init MODE` copies one out to start from.
+"""
+from __future__ import annotations
+
+import importlib.resources
+import os
+import shutil
+from typing import Any
+
+from tfcluster.errors import UsageError
+
+
+def templates_root() -> Any:
+    """The package's shipped training scripts (a Traversable); tests swap it out."""
+    return importlib.resources.files("tfcluster.templates")
+
+
+def template_names() -> list[str]:
+    """The names `template:NAME` accepts, sorted; [] when the templates are not installed."""
+    try:
+        return sorted(p.name[:-3] for p in templates_root().iterdir()
+                      if p.name.endswith(".py") and not p.name.startswith("_"))
+    except (ModuleNotFoundError, OSError):
+        return []
+
+
+def template_path(name: str) -> str:
+    """The file of template `name` (one of template_names(); not checked here)."""
+    return str(templates_root() / f"{name}.py")
+
+
+def copy_template(mode: str, dest: str | None) -> str:
+    """Copy the template for `mode` to `dest` (default train_<mode>.py); returns the path written."""
+    modes = [name.replace("_", "-") for name in template_names()]   # one template per mode
+    if mode not in modes:
+        raise UsageError(f"unknown mode {mode!r}; choose one of: {', '.join(modes)}")
+    name = mode.replace("-", "_") + ".py"
+    dest = dest or f"train_{name}"
+    if os.path.exists(dest):
+        raise UsageError(f"{dest} already exists; pass another destination")
+    source = templates_root().joinpath(name)
+    with importlib.resources.as_file(source) as path:
+        shutil.copyfile(path, dest)
+    return dest

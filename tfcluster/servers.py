@@ -1,0 +1,111 @@
+"""Starting the cluster's TF servers and waiting until each accepts connections.
+
+`up` starts detached servers (they outlive it) with one `launch` round trip per host;
+`train` starts attached ones through the supervisor and waits here. Both report each
+server as it becomes ready, and name the first that did not, with its log's tail.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+from tfcluster import names
+from tfcluster.errors import DeadlineError, HostError, TfclusterError
+from tfcluster.plan import TaskPlan
+from tfcluster.session import Session, by_host, raise_first
+from tfcluster.shim_protocol import DEFAULT_GRACE
+
+READY_TIMEOUT = 120.0
+
+
+@dataclass
+class Started:
+    task: TaskPlan
+    tag: str
+    pid: int
+    log: str
+
+
+def start_detached(session: Session, tasks: list[TaskPlan], run_id: str,
+                   timeout: float = READY_TIMEOUT) -> list[Started]:
+    """Start a detached server per task and wait until each is ready (one round trip per
+    host). On any failure, or Ctrl-C, everything started here is stopped first."""
+    grouped = by_host(tasks)
+    started: dict[str, Started] = {}
+    progress = _Progress(session, len(tasks))
+
+    def run_host(host: str) -> list[tuple[str, str]]:
+        agent = session.agents[host]
+        launches = {t.key: (t, session.launch_for(t, run_id, "server", agent.server_argv()))
+                    for t in grouped[host]}
+        decided = []
+        for key, state, pid in agent.launch([(k, t.port, l) for k, (t, l) in launches.items()], timeout):
+            task, launch = launches[key]
+            if state == "started":
+                started[key] = Started(task, launch.tag, pid, launch.log)
+                continue
+            decided.append((key, state))
+            if state == "ready":
+                progress.ready(key)
+        return decided
+
+    try:
+        _raise_unready(session, session.parallel(run_host, grouped), started, timeout)
+    except BaseException:
+        session.stop_run(names.run_prefix(session.plan.name, run_id), DEFAULT_GRACE)
+        raise
+    return list(started.values())
+
+
+def wait_ready(session: Session, started: list[Started], timeout: float = READY_TIMEOUT) -> None:
+    """Block until every started server accepts connections; raise naming the first that did not."""
+    grouped = by_host(started, lambda s: s.task.host)
+    progress = _Progress(session, len(started))
+
+    def wait_host(host: str) -> list[tuple[str, str]]:
+        items = [(s.task.key, s.task.port, s.pid) for s in grouped[host]]
+        decided = []
+        for key, outcome in session.agents[host].wait_ready(items, timeout):
+            decided.append((key, outcome))
+            if outcome == "ready":
+                progress.ready(key)
+        return decided
+
+    _raise_unready(session, session.parallel(wait_host, grouped),
+                   {s.task.key: s for s in started}, timeout)
+
+
+def _raise_unready(session: Session, results: dict, started: dict[str, Started], timeout: float) -> None:
+    raise_first(results, "host")
+    for decided in results.values():
+        for key, outcome in decided:
+            if outcome != "ready":
+                _raise_not_ready(session, started[key], outcome, timeout)
+
+
+class _Progress:
+    """One line per server as it becomes ready, with elapsed time and a count."""
+
+    def __init__(self, session: Session, total: int) -> None:
+        self.session, self.total, self.t0 = session, total, time.monotonic()
+        self.count = 0
+        self.lock = threading.Lock()
+
+    def ready(self, key: str) -> None:
+        with self.lock:
+            self.count += 1
+            self.session.ui.info(f"  ✓ {key:<10} ready on {self.session.plan.task(key).target}"
+                                 f"  ({time.monotonic() - self.t0:.1f}s, {self.count}/{self.total})")
+
+
+def _raise_not_ready(session: Session, s: Started, outcome: str, timeout: float) -> None:
+    try:
+        tail = session.agents[s.task.host].tail(s.log, 15)
+    except TfclusterError:
+        tail = ""
+    where = f"{s.task.key} on {s.task.host} ({s.task.target})"
+    details = f"last lines of {s.task.key}'s log ({s.log}):\n{tail}" if tail.strip() else None
+    if outcome == "timeout":
+        raise DeadlineError(f"{where}: server not ready after {timeout:.0f}s", details=details)
+    raise HostError(f"{where}: server exited before it was ready", details=details)

@@ -1,0 +1,258 @@
+"""The host's side of process ownership: /proc, pid files, killing by tag, ports.
+
+Shipped beside shim.py (standard library only, Python >= 3.8). A task is recognised
+by the tag in its environment plus its start time, never by its name or pid alone.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+
+if __package__:
+    from .shim_protocol import TAG_VAR
+else:  # shipped: the shim's directory is first on sys.path
+    from shim_protocol import TAG_VAR
+
+TF_DISTRIBUTIONS = ("tensorflow", "tensorflow-cpu", "tensorflow-gpu", "tf-nightly",
+                    "tf-nightly-cpu", "tf-nightly-gpu", "tensorflow-intel", "tensorflow-macos")
+POLL = 0.05
+
+
+def atomic_write(path: str, data: bytes, mode: int = 0o600) -> None:
+    """Write a private file under a temporary name, then rename it into place."""
+    tmp = "%s.tmp.%d" % (path, os.getpid())
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.chmod(tmp, mode)
+    os.replace(tmp, path)
+
+
+def expand(path: str) -> str:
+    """`~` or `~/...` is the login user's home; nothing else is expanded."""
+    return os.path.expanduser(path) if path == "~" or path.startswith("~/") else path
+
+
+def proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state, start_time in clock ticks) of a pid, or None if it is gone."""
+    try:
+        with open("/proc/%d/stat" % pid, "rb") as f:
+            data = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    fields = data[data.rindex(")") + 2:].split()
+    return fields[0], int(fields[19])
+
+
+def is_alive(pid: int) -> bool:
+    """Running and not a zombie (`kill -0` says a zombie is alive; it is not)."""
+    stat = proc_stat(pid)
+    return stat is not None and stat[0] not in ("Z", "X")
+
+
+def tag_of(pid: int) -> str | None:
+    try:
+        with open("/proc/%d/environ" % pid, "rb") as f:
+            environ = f.read()
+    except OSError:  # gone, or not ours to read
+        return None
+    prefix = (TAG_VAR + "=").encode()
+    for item in environ.split(b"\0"):
+        if item.startswith(prefix):
+            return item[len(prefix):].decode(errors="replace")
+    return None
+
+
+def all_pids() -> list[int]:
+    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+
+
+def tagged(match) -> dict[int, str]:
+    """pid -> tag of every live process (not this shim) whose tag satisfies `match`."""
+    me = os.getpid()
+    found = {}
+    for pid in all_pids():
+        if pid == me:
+            continue
+        tag = tag_of(pid)
+        if tag is not None and match(tag) and is_alive(pid):
+            found[pid] = tag
+    return found
+
+
+def signal_quietly(pid: int, sig: int, group: bool = False) -> None:
+    try:
+        if group:
+            os.killpg(pid, sig)
+        else:
+            os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def exit_code(returncode: int) -> int:
+    return 128 - returncode if returncode < 0 else returncode
+
+
+# ---------------------------------------------------------------- killing
+
+def kill_tasks(groups: list[int], match, grace: float) -> dict[int, str]:
+    """TERM the groups and every matching process, wait up to `grace`, KILL, sweep.
+
+    Returns the processes still alive at the end (pid -> tag)."""
+    for pgid in groups:
+        signal_quietly(pgid, signal.SIGTERM, group=True)
+    for pid in tagged(match):
+        signal_quietly(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and tagged(match):
+        time.sleep(POLL)
+    # A group whose leader is gone may still hold untagged members; its pgid cannot
+    # be reused while any member lives, so KILLing it is safe.
+    for pgid in groups:
+        signal_quietly(pgid, signal.SIGKILL, group=True)
+    deadline = time.monotonic() + 2.0
+    while True:
+        left = tagged(match)
+        for pid in left:
+            signal_quietly(pid, signal.SIGKILL)
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(POLL)
+
+
+# ---------------------------------------------------------------- pid files
+
+def write_pidfile(path: str, record: dict) -> None:
+    atomic_write(path, json.dumps(record).encode())
+
+
+def remove_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def read_pidfiles(piddir: str, tag_prefix: str) -> list[tuple[str, dict]]:
+    piddir = expand(piddir)
+    try:
+        names = sorted(os.listdir(piddir))
+    except FileNotFoundError:
+        return []
+    found = []
+    for name in names:
+        if not name.endswith(".pid"):
+            continue
+        path = os.path.join(piddir, name)
+        try:
+            with open(path) as f:
+                record = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if str(record.get("tag", "")).startswith(tag_prefix):
+            found.append((path, record))
+    return found
+
+
+def verified(record: dict) -> bool:
+    """The pid in a pid file is still that task: same tag, same start time."""
+    pid = int(record.get("pid", 0))
+    stat = proc_stat(pid) if pid > 0 else None
+    return (stat is not None and stat[0] not in ("Z", "X")
+            and stat[1] == record.get("start_time") and tag_of(pid) == record.get("tag"))
+
+
+def tf_version() -> str | None:
+    try:
+        from importlib import metadata
+    except ImportError:  # pragma: no cover - Python < 3.8
+        return None
+    for dist in TF_DISTRIBUTIONS:
+        try:
+            return metadata.version(dist)
+        except Exception:
+            continue
+    return None
+
+
+def gpu_count() -> int:
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, timeout=20).stdout
+        return sum(1 for line in out.decode(errors="replace").splitlines()
+                   if line.startswith("GPU "))
+    except (OSError, subprocess.SubprocessError):
+        pass
+    try:
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return 0
+
+
+def machine_id() -> str:
+    for path in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
+        try:
+            with open(path) as f:
+                return f.read().strip()
+        except OSError:
+            continue
+    return ""
+
+
+def port_free(port: int) -> bool:
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("0.0.0.0", port))
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+def socket_inodes(port: int) -> set[str]:
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            cols = row.split()
+            if len(cols) > 9 and int(cols[1].rsplit(":", 1)[1], 16) == port and cols[9] != "0":
+                inodes.add(cols[9])
+    return inodes
+
+
+def describe(pid: int) -> str:
+    try:
+        with open("/proc/%d/cmdline" % pid, "rb") as f:
+            argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        argv = []
+    words = [os.path.basename(a) if i == 0 else a for i, a in enumerate(argv)]
+    text = " ".join(words)
+    return "pid %d (%s)" % (pid, text[:80]) if text else "pid %d" % pid
+
+
+def port_holder(port: int) -> str:
+    wanted = {"socket:[%s]" % inode for inode in socket_inodes(port)}
+    for pid in all_pids() if wanted else []:
+        try:
+            fds = os.listdir("/proc/%d/fd" % pid)
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink("/proc/%d/fd/%s" % (pid, fd)) in wanted:
+                    return describe(pid)
+            except OSError:
+                continue
+    return "in use"

@@ -1,0 +1,61 @@
+"""The shim protocol, defined once: both the shim (on the host) and HostAgent import it.
+
+Shipped to every host beside shim.py, so: standard library only, Python >= 3.8, no
+tfcluster imports. See docs/ARCHITECTURE.md, "The shim protocol".
+
+A request is one JSON line on the shim's stdin; a one-shot answer is one JSON line
+on stdout. Streaming commands (`wait`, `launch`) answer one line per event. An
+attached `start` answers its handshake on stderr, then copies the task's log to
+stdout while reading control lines from stdin. Any failure is the envelope
+{"error": "one line"}; nothing else ever has an "error" key.
+"""
+from __future__ import annotations
+
+# Commands
+INFO = "info"            # python/TF versions, GPUs, machine id
+PORTS = "ports"          # port -> null (free) or who holds it
+STATUS = "status"        # pid files of a tag prefix, each verified alive or not
+STOP = "stop"            # TERM, grace, KILL, sweep by tag
+TAIL = "tail"            # last lines of a log
+FILES = "files"          # place cached files into a run dir
+BATCH = "batch"          # several one-shot commands in one exec, answers keyed by command
+START = "start"          # one task; attached (dies with the launcher) or detached
+WAIT = "wait"            # stream: each server's readiness
+LAUNCH = "launch"        # stream: start detached servers, then wait for them
+
+ONE_SHOT = (INFO, PORTS, STATUS, STOP, TAIL, FILES, BATCH)
+BATCHABLE = (INFO, PORTS, STATUS, STOP, TAIL)
+# Safe to run inside the launcher's own process (a local host on tfcluster's own
+# interpreter): they neither write to fd 1/2 nor end the process.
+IN_PROCESS = ONE_SHOT
+
+# Control lines the launcher sends to an attached start's stdin.
+STOP_LINE = b"STOP\n"
+HEARTBEAT_LINE = b"HB\n"
+
+# Defaults both sides share.
+DEFAULT_GRACE = 5.0              # seconds between TERM and KILL
+DEFAULT_HEARTBEAT_TIMEOUT = 30.0  # an attached task whose launcher is silent this long is stopped
+HEARTBEATS_PER_TIMEOUT = 3       # the launcher beats three times per timeout
+
+TAG_VAR = "TFCLUSTER_JOB_ID"     # the environment variable that carries a task's tag
+EXIT_ERROR = 3                   # the shim's exit status after an error envelope
+
+
+class ShimError(Exception):
+    """A request the shim cannot honour; reported as the error envelope."""
+
+
+def error_answer(text: str) -> dict:
+    return {"error": text}
+
+
+def error_of(answer) -> str | None:
+    """The envelope's text, or None when `answer` is not an error."""
+    if isinstance(answer, dict) and "error" in answer:
+        return str(answer["error"])
+    return None
+
+
+def describe_exception(exc: BaseException) -> str:
+    return str(exc) if isinstance(exc, ShimError) else "%s: %s" % (type(exc).__name__, exc)

@@ -1,0 +1,79 @@
+"""Host addresses: what a spec may give as an address or jump host, and which are one machine.
+
+An address ends up on ssh's command line and in shells, so anything that could be read as
+an option or shell syntax is refused, whatever a resolver might make of it.
+"""
+from __future__ import annotations
+
+import ipaddress
+import re
+
+import yaml
+
+from tfcluster.spec.yamltree import _Bad, _line, _str
+
+_USER_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}")
+_LABEL_RE = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+_SHELL_CHARS = set(";|&$`'\"<>(){}[]*?!\\#~^%,=")
+
+
+def _address(node: yaml.Node, field: str) -> str:
+    value = _str(node, field)
+    problem = _address_problem(value)
+    if problem:
+        raise _Bad(_line(node), field, f"{problem}: {value!r}")
+    return value
+
+
+def _address_problem(value: str) -> str | None:
+    """Why `value` is not a hostname, IPv4 or IPv6 address (it reaches ssh and shells)."""
+    if not value:
+        return "must not be empty"
+    if any(c.isspace() or not c.isprintable() for c in value):
+        return "must not contain whitespace or control characters"
+    if value.startswith("-"):
+        return "must not start with '-' (ssh would take it for an option)"
+    bad = sorted(set(value) & _SHELL_CHARS)
+    if bad:
+        return f"must not contain shell metacharacter {bad[0]!r}"
+    if _is_ip(value) or _is_hostname(value):
+        return None
+    return "not a valid hostname, IPv4 or IPv6 address"
+
+
+def _is_ip(value: str) -> bool:
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        return False
+    return True
+
+
+def _is_hostname(value: str) -> bool:
+    labels = value.split(".")
+    if len(value) > 253 or not all(_LABEL_RE.fullmatch(label) for label in labels):
+        return False
+    return not all(label.isdigit() for label in labels)   # 10.1.0.300 is a broken IPv4
+
+
+def _machine(address: str) -> str:
+    """One key per machine. Every loopback address is this machine: a TF server binds every
+    interface, so 127.0.0.2:P and 127.0.0.3:P are the same port."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return "loopback" if address.lower() == "localhost" else address.lower()
+    return "loopback" if ip.is_loopback else ip.compressed
+
+
+def _jump_host(node: yaml.Node, field: str) -> str:
+    value = _str(node, field)
+    user, _, rest = value.rpartition("@")
+    host, port = rest, ""
+    if rest.count(":") == 1:       # host:port; a bare IPv6 address has several colons
+        host, _, port = rest.partition(":")
+    ok = (not user or _USER_RE.fullmatch(user)) and re.fullmatch(r"[0-9]{0,5}", port)
+    problem = _address_problem(host) if ok else "must be [user@]host[:port]"
+    if problem:
+        raise _Bad(_line(node), field, f"{problem}: {value!r}")
+    return value

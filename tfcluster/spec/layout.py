@@ -1,0 +1,122 @@
+"""Task placement: which host, port and GPUs each task gets, and the checks that need it.
+
+`layout_tasks(spec)` is the planner's input. The cross checks (ports that collide on one
+machine, job counts a mode needs) run on the placed tasks because only then is it known
+which tasks share a machine.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from tfcluster.errors import SpecError
+from tfcluster.spec.addresses import _machine
+from tfcluster.spec.model import JOB_NAMES, Host, Job, Slot, Spec
+from tfcluster.spec.yamltree import _spec_error, _sub
+
+_LOOPBACK_NOTE = "127.0.0.x addresses are one machine and a TF server binds every interface"
+
+
+def layout_tasks(spec: Spec) -> tuple[Slot, ...]:
+    """Every task of the spec on its host, port and GPUs, in JOB_NAMES then index order.
+
+    Pure and deterministic. Count jobs go round-robin over their hosts (ports count up per
+    host), per_gpu jobs give each GPU of each host one task, explicit tasks keep list order.
+    GPU ids come from one counter per host, consumed in that same order. Raises SpecError
+    when a host is asked for more GPUs than it has.
+    """
+    hosts = {h.name: h for h in spec.hosts}
+    order = {name: i for i, name in enumerate(JOB_NAMES)}
+    placed = [p for job in sorted(spec.jobs, key=lambda j: order[j.name])
+              for p in _place(job, hosts)]
+    return tuple(_assign_gpus(spec.path, placed, hosts))
+
+
+def _assign_gpus(path: str, placed: list[tuple[Job, int, str, int, int]],
+                 hosts: dict[str, Host]) -> Iterator[Slot]:
+    need: dict[str, int] = {}          # totals, so the error says what the host would need
+    for _, _, host, _, k in placed:
+        need[host] = need.get(host, 0) + k
+    used: dict[str, int] = {}
+    for job, index, host, port, k in placed:
+        start = used.get(host, 0)
+        if start + k > hosts[host].gpus:
+            raise _spec_error(path, job.line, _sub("jobs", job.name),
+                              f"host {host} has {hosts[host].gpus} GPUs but its tasks need {need[host]}")
+        used[host] = start + k
+        yield Slot(job.name, index, host, port, tuple(range(start, start + k)))
+
+
+def _place(job: Job, hosts: dict[str, Host]) -> list[tuple[Job, int, str, int, int]]:
+    """(job, index, host, port, gpus per task) for each task of one job."""
+    if job.tasks is not None:
+        return [(job, i, h, p, job.gpus) for i, (h, p) in enumerate(job.tasks)]
+    port = job.port or 0
+    if job.per_gpu:
+        pairs = [(h, port + g) for h in job.hosts for g in range(hosts[h].gpus)]
+        return [(job, i, h, p, 1) for i, (h, p) in enumerate(pairs)]
+    n = len(job.hosts)
+    return [(job, i, job.hosts[i % n], port + i // n, job.gpus) for i in range(job.count or 0)]
+
+
+def _per_host(job: Job, hosts: dict[str, Host]) -> dict[str, int]:
+    """How many tasks of a count/per_gpu job land on each of its hosts (as _place puts them)."""
+    if job.per_gpu:
+        return {name: hosts[name].gpus for name in job.hosts}
+    n = len(job.hosts)
+    return {name: (job.count or 0) // n + (i < (job.count or 0) % n)
+            for i, name in enumerate(job.hosts)}
+
+
+def _task_count(job: Job, hosts: dict[str, Host]) -> int:
+    if job.tasks is not None:
+        return len(job.tasks)
+    return sum(_per_host(job, hosts).values())
+
+
+# --------------------------------------------------------------------------- cross checks
+
+def _check_conflicts(spec: Spec, slots: tuple[Slot, ...]) -> None:
+    hosts = {h.name: h for h in spec.hosts}
+    seen: dict[tuple[str, int], Slot] = {}
+    for slot in slots:
+        key = (_machine(hosts[slot.host].address), slot.port)
+        first = seen.setdefault(key, slot)
+        if first is not slot:
+            job = spec.job(slot.job)
+            raise _spec_error(spec.path, job.line if job else None, _sub("jobs", slot.job),
+                              _conflict(slot, first, hosts))
+
+
+def _conflict(slot: Slot, first: Slot, hosts: dict[str, Host]) -> str:
+    both = f"{slot.job}:{slot.index} and {first.job}:{first.index} both use"
+    a, b = hosts[slot.host], hosts[first.host]
+    if a.name == b.name:
+        return f"{both} {a.name}:{slot.port}"
+    if a.address == b.address:
+        return f"{both} port {slot.port} of {a.address} (hosts {a.name} and {b.name})"
+    return (f"{both} port {slot.port} of this machine (hosts {a.name} at {a.address} and "
+            f"{b.name} at {b.address}): {_LOOPBACK_NOTE}")
+
+
+def _check_mode(spec: Spec, slots: tuple[Slot, ...], jobs_line: int) -> None:
+    mode = spec.train.mode
+    have = {name: sum(1 for s in slots if s.job == name) for name in JOB_NAMES}
+
+    def bad(name: str, problem: str, hint: str | None = None) -> SpecError:
+        job = spec.job(name)
+        field = _sub("jobs", name) if job else "jobs"
+        return _spec_error(spec.path, job.line if job else jobs_line, field, problem, hint)
+
+    if have["chief"] > 1:
+        raise bad("chief", f"at most 1 chief task, got {have['chief']}")
+    if not have["worker"]:
+        raise bad("worker", f"mode {mode} needs at least one worker task")
+    if mode != "mirrored" and not have["ps"]:
+        raise bad("ps", f"mode {mode} needs at least one ps task",
+                  hint="add ps: {count: 1, hosts: [...], port: 2222}")
+    if mode == "coordinator" and not have["chief"]:
+        raise bad("chief", "mode coordinator needs a chief job (it runs the coordinator)",
+                  hint="add chief: {count: 1, hosts: [...], port: ...}")
+    if mode == "mirrored" and have["ps"]:
+        raise bad("ps", "mode mirrored takes no ps tasks: MultiWorkerMirroredStrategy uses no "
+                        "parameter servers", hint="remove the ps job or pick another train.mode")

@@ -1,0 +1,324 @@
+"""From a spec file to a checked YAML node tree, and typed scalars read off its nodes.
+
+No schema knowledge lives here: this module knows files, YAML and scalar types (integers,
+booleans, durations, names), never which keys a spec has. Problems are raised as `_Bad`
+(a line, a field path, a problem and maybe a hint); load_spec adds the file name.
+"""
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import stat
+from collections.abc import Iterable, Sequence
+
+import yaml
+
+from tfcluster.errors import SpecError
+
+MAX_SPEC_BYTES = 1 << 20          # a spec is a page of YAML; anything bigger is a mistake or an attack
+MAX_DEPTH = 32                    # the schema nests 5 deep; deeper is junk (and costs stack)
+
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
+_INT_RE = re.compile(r"-?[0-9]+")
+_NUM_RE = re.compile(r"[0-9]+(\.[0-9]+)?")
+_DURATION_RE = re.compile(r"([0-9]+(?:\.[0-9]+)?)([smh]?)")
+_NULLS = ("", "~", "null", "Null", "NULL")
+_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+try:  # libyaml is ~10x faster; the pure-Python loader gives the same nodes
+    _Loader: type = yaml.CSafeLoader
+except AttributeError:  # pragma: no cover - PyYAML built without libyaml
+    _Loader = yaml.SafeLoader
+
+
+# --------------------------------------------------------------------------- errors
+
+class _Bad(Exception):
+    """Raised deep in the walk without the file name; load_spec adds it."""
+
+    def __init__(self, line: int, field: str, problem: str, hint: str | None = None) -> None:
+        super().__init__(problem)
+        self.line, self.field, self.problem, self.hint = line, field, problem, hint
+
+
+def _one_line(text: str) -> str:
+    # user text (keys, values, paths) lands in the message; it must stay one line
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def _spec_error(path: str, line: int | None, field: str, problem: str,
+                hint: str | None = None) -> SpecError:
+    where = f"{path}:{line}" if line else path
+    head = f"{where}: {field}: " if field else f"{where}: "
+    return SpecError(_one_line(head + problem), hint=hint)
+
+
+def _line(node: yaml.Node) -> int:
+    return node.start_mark.line + 1
+
+
+def _sub(field: str, key: str | int) -> str:
+    if isinstance(key, int):
+        return f"{field}[{key}]"
+    return f"{field}.{key}" if field else key
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """`; did you mean 'x'?` for the closest choice, or nothing."""
+    close = difflib.get_close_matches(word, list(choices), n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _suggest(word: str, choices: Iterable[str], what: str) -> str:
+    choices = list(choices)
+    close = difflib.get_close_matches(word, choices, n=1)
+    if close:
+        return f"unknown {what} {word!r}; did you mean {close[0]!r}?"
+    return f"unknown {what} {word!r}; expected one of: {', '.join(choices)}"
+
+
+# --------------------------------------------------------------------------- reading
+
+def _read(path: str) -> bytes:
+    try:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):   # a FIFO or device would block or never end
+            raise _Bad(0, "", "not a regular file")
+        if st.st_size > MAX_SPEC_BYTES:
+            raise _Bad(0, "", f"file is {st.st_size} bytes; a spec may be at most 1 MiB")
+        with open(path, "rb") as f:
+            data = f.read(MAX_SPEC_BYTES + 1)
+    except (OSError, ValueError) as exc:
+        raise _Bad(0, "", f"cannot read spec: {getattr(exc, 'strerror', None) or exc}") from None
+    if len(data) > MAX_SPEC_BYTES:         # it grew between stat and read
+        raise _Bad(0, "", "file is larger than 1 MiB; a spec may be at most 1 MiB")
+    return data
+
+
+def _decode(data: bytes) -> str:
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise _Bad(line, "spec", f"not UTF-8 text (byte 0x{data[exc.start]:02x})") from None
+
+
+def _yaml_problem(exc: yaml.YAMLError, text: str) -> _Bad:
+    if isinstance(exc, yaml.reader.ReaderError):
+        # libyaml reports a byte offset, pure PyYAML a character offset; both are near enough
+        line = text.encode("utf-8", "replace").count(b"\n", 0, max(exc.position, 0)) + 1
+        return _Bad(line, "yaml", exc.reason)
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    context = getattr(exc, "context", None)
+    problem = f"{problem} ({context})" if context else problem
+    return _Bad(mark.line + 1 if mark else 1, "yaml", problem)
+
+
+def _compose(text: str) -> yaml.Node:
+    try:
+        root = _tree(yaml.parse(text, Loader=_Loader))
+    except yaml.YAMLError as exc:
+        raise _yaml_problem(exc, text) from None
+    if root is None:
+        raise _Bad(1, "spec", "file is empty; expected a mapping with name, hosts and jobs")
+    return root
+
+
+def _tree(events: Iterable[yaml.Event]) -> yaml.Node | None:
+    """yaml.compose's node tree, built in one streaming pass over the parser's events.
+
+    Not yaml.compose itself: libyaml's composer recurses in C (a deep `[[[[` kills the
+    interpreter), the pure-Python one takes seconds on a 1 MiB file, and both expand
+    aliases. Here aliases, anchors and tags are refused as they stream by (a billion-laughs
+    file stops at its first anchor) and nesting is capped. No implicit typing is done:
+    nodes keep the text as written and its style.
+    """
+    root: yaml.Node | None = None
+    stack: list[yaml.Node] = []            # open collections, innermost last
+    keys: list[yaml.Node | None] = []      # per open collection: a mapping key awaiting its value
+    for event in events:
+        _refuse(event, len(stack), root)
+        if isinstance(event, yaml.CollectionEndEvent):
+            stack.pop()
+            keys.pop()
+            continue
+        node = _node(event)
+        if node is None:
+            continue
+        if stack:
+            _attach(stack[-1], keys, node)
+        else:
+            root = node
+        if not isinstance(node, yaml.ScalarNode):
+            stack.append(node)
+            keys.append(None)
+    return root
+
+
+def _refuse(event: yaml.Event, depth: int, root: yaml.Node | None) -> None:
+    if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
+        raise _Bad(_line(event), "yaml", "YAML anchors/aliases are not supported")
+    if getattr(event, "tag", None) not in (None, "!"):
+        raise _Bad(_line(event), "yaml", f"YAML tags are not supported ({event.tag})")
+    if isinstance(event, yaml.CollectionStartEvent) and depth >= MAX_DEPTH:
+        raise _Bad(_line(event), "yaml", f"nested more than {MAX_DEPTH} levels deep")
+    if isinstance(event, yaml.DocumentStartEvent) and root is not None:
+        raise _Bad(_line(event), "yaml", "a second YAML document; a spec is a single document")
+
+
+def _node(event: yaml.Event) -> yaml.Node | None:
+    marks = (event.start_mark, event.end_mark)
+    if isinstance(event, yaml.ScalarEvent):
+        return yaml.ScalarNode("", event.value, *marks, style=event.style)
+    if isinstance(event, yaml.SequenceStartEvent):
+        return yaml.SequenceNode("", [], *marks, flow_style=event.flow_style)
+    if isinstance(event, yaml.MappingStartEvent):
+        return yaml.MappingNode("", [], *marks, flow_style=event.flow_style)
+    return None
+
+
+def _attach(parent: yaml.Node, keys: list[yaml.Node | None], node: yaml.Node) -> None:
+    if isinstance(parent, yaml.SequenceNode):
+        parent.value.append(node)
+    elif keys[-1] is None:
+        keys[-1] = node
+    else:
+        parent.value.append((keys[-1], node))
+        keys[-1] = None
+
+
+# --------------------------------------------------------------------------- typed scalars
+
+def _kind(node: yaml.Node) -> str:
+    if isinstance(node, yaml.MappingNode):
+        return "a mapping"
+    if isinstance(node, yaml.SequenceNode):
+        return "a list"
+    return "null" if _is_null(node) else f"{node.value!r}"
+
+
+def _is_plain(node: yaml.Node) -> bool:
+    return isinstance(node, yaml.ScalarNode) and not node.style
+
+
+def _is_null(node: yaml.Node) -> bool:
+    return _is_plain(node) and node.value in _NULLS
+
+
+class _AnyKey:
+    """`allowed` for mappings whose keys are data (env names, job names), not schema."""
+
+    def __contains__(self, key: object) -> bool:
+        return True
+
+
+def _fields(node: yaml.Node, field: str, allowed: Sequence[str] | _AnyKey,
+            required: Sequence[str] = ()) -> dict[str, tuple[yaml.Node, yaml.Node]]:
+    """key -> (key node, value node), refusing duplicates, unknown and missing keys."""
+    if not isinstance(node, yaml.MappingNode):
+        raise _Bad(_line(node), field or "spec", f"must be a mapping, got {_kind(node)}")
+    found: dict[str, tuple[yaml.Node, yaml.Node]] = {}
+    for key_node, value in node.value:
+        key = _key(key_node, field)
+        if key in found:  # YAML itself would silently keep the last one
+            first = _line(found[key][0])
+            raise _Bad(_line(key_node), _sub(field, key), f"duplicate key (first on line {first})")
+        if key not in allowed:
+            raise _Bad(_line(key_node), _sub(field, key), _suggest(key, allowed, "key"),
+                       hint=f"allowed keys here: {', '.join(allowed)}")
+        found[key] = (key_node, value)
+    for key in required:
+        if key not in found:
+            raise _Bad(_line(node), _sub(field, key), "missing required key")
+    return found
+
+
+def _key(node: yaml.Node, field: str) -> str:
+    if not isinstance(node, yaml.ScalarNode):
+        raise _Bad(_line(node), field or "spec", f"keys must be strings, got {_kind(node)}")
+    return node.value
+
+
+def _str(node: yaml.Node, field: str) -> str:
+    """The scalar's text as written: `no` stays "no" and `2` stays "2" (no YAML typing)."""
+    if not isinstance(node, yaml.ScalarNode) or _is_null(node):
+        raise _Bad(_line(node), field, f"must be a string, got {_kind(node)}")
+    return node.value
+
+
+def _word(node: yaml.Node, field: str) -> str:
+    """A string that ends up in a command line: no whitespace or control characters."""
+    value = _str(node, field)
+    if not value:
+        raise _Bad(_line(node), field, "must not be empty")
+    if any(c.isspace() or not c.isprintable() for c in value):
+        raise _Bad(_line(node), field, f"must not contain whitespace or control characters: {value!r}")
+    return value
+
+
+def _path(node: yaml.Node, field: str) -> str:
+    value = _str(node, field)
+    if "\0" in value or "\n" in value:
+        raise _Bad(_line(node), field, "must not contain NUL or newline")
+    return value
+
+
+def _name(node: yaml.Node, field: str) -> str:
+    value = _str(node, field)
+    if not _NAME_RE.fullmatch(value) or ".." in value:
+        raise _Bad(_line(node), field, f"invalid name {value!r}",
+                   hint="1-63 characters: letters, digits, '_', '.', '-'; starts with a letter "
+                        "or digit; no '..'")
+    return value
+
+
+def _int(node: yaml.Node, field: str, lo: int, hi: int) -> int:
+    """Plain decimal digits only: `22:22` (sexagesimal), `0x10`, `1_000`, `true` are refused."""
+    if not _is_plain(node) or not _INT_RE.fullmatch(node.value):
+        raise _Bad(_line(node), field, f"must be a decimal integer, got {_kind(node)}")
+    # Python refuses to parse huge digit strings; anything this long is out of range anyway
+    value = int(node.value) if len(node.value) <= 12 else hi + 1
+    if not lo <= value <= hi:
+        raise _Bad(_line(node), field, f"must be an integer from {lo} to {hi}, got {node.value[:20]}")
+    return value
+
+
+def _positive(node: yaml.Node, field: str) -> float:
+    if not _is_plain(node) or not _NUM_RE.fullmatch(node.value) or len(node.value) > 15:
+        raise _Bad(_line(node), field, f"must be a positive number, got {_kind(node)}")
+    value = float(node.value)
+    if value <= 0:
+        raise _Bad(_line(node), field, f"must be a positive number, got {node.value}")
+    return value
+
+
+def _duration(node: yaml.Node, field: str) -> float:
+    text = node.value if isinstance(node, yaml.ScalarNode) else ""
+    match = _DURATION_RE.fullmatch(text) if len(text) <= 15 else None
+    if not match or float(match.group(1)) <= 0:
+        raise _Bad(_line(node), field,
+                   f"must be a positive number of seconds or a duration like 90s, 30m, 2h; "
+                   f"got {_kind(node)}")
+    return float(match.group(1)) * _UNITS[match.group(2)]
+
+
+def _bool(node: yaml.Node, field: str) -> bool:
+    if not _is_plain(node) or node.value.lower() not in ("true", "false"):
+        raise _Bad(_line(node), field, f"must be true or false, got {_kind(node)}")
+    return node.value.lower() == "true"
+
+
+def _choice(node: yaml.Node, field: str, choices: Sequence[str], what: str) -> str:
+    value = _str(node, field)
+    if value not in choices:
+        raise _Bad(_line(node), field, _suggest(value, choices, what),
+                   hint=f"one of: {', '.join(choices)}")
+    return value
+
+
+def _list(node: yaml.Node, field: str) -> list[yaml.Node]:
+    if not isinstance(node, yaml.SequenceNode):
+        raise _Bad(_line(node), field, f"must be a list, got {_kind(node)}")
+    return node.value
