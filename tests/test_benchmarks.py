@@ -26,11 +26,11 @@ def _smoke(name: str, timeout: float) -> str:
     return r.stdout
 
 
-def test_plan_scale_smoke():
+def test_plan_scale_benchmark_runs_small_and_leaves_nothing_running():
     _smoke("plan_scale.py", 60)
 
 
-def test_log_throughput_smoke():
+def test_log_throughput_benchmark_runs_small_and_leaves_nothing_running():
     r = subprocess.run([sys.executable, str(BENCH / "log_throughput.py"), "--smoke"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
@@ -39,32 +39,32 @@ def test_log_throughput_smoke():
 
 @needs_sshd
 @pytest.mark.skipif(not shutil.which("pdsh"), reason="pdsh not installed")
-def test_exec_fanout_smoke():
+def test_exec_fanout_benchmark_runs_small_and_leaves_nothing_running():
     _smoke("exec_fanout.py", 90)
 
 
 @needs_sshd
-def test_log_stream_smoke():
+def test_log_stream_benchmark_runs_small_and_leaves_nothing_running():
     out = _smoke("log_stream.py", 120)
     assert "verified:" in out
 
 
 @needs_sshd
-def test_rss_stream_smoke():
+def test_rss_stream_benchmark_runs_small_and_leaves_nothing_running():
     assert "TARGET rss_stream" in _smoke("rss_stream.py", 150)
 
 
 @pytest.mark.tf
-def test_up_local_smoke():
+def test_up_local_benchmark_runs_small_and_leaves_nothing_running():
     _smoke("up_local.py", 180)
 
 
 @pytest.mark.tf
 @needs_sshd
-def test_up_ssh_smoke():
+def test_up_ssh_benchmark_runs_small_and_leaves_nothing_running():
     _smoke("up_ssh.py", 180)
 
 
 @pytest.mark.tf
-def test_train_steps_smoke():
+def test_train_steps_benchmark_runs_small_and_leaves_nothing_running():
     _smoke("train_steps.py", 240)

@@ -80,7 +80,7 @@ def test_plan_and_help_never_import_tensorflow_or_paramiko():
         "from tfcluster.cli import main\n"
         f"rc = main(['plan', {LOCAL!r}, '--json'])\n"
         "main(['--help'])\n"
-        "heavy = [m for m in ('tensorflow', 'paramiko', 'tfcluster.launcher') if m in sys.modules]\n"
+        "heavy = [m for m in ('tensorflow', 'paramiko', 'rich', 'tfcluster.session', 'tfcluster.agent') if m in sys.modules]\n"
         "print('HEAVY', heavy, rc)\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -119,3 +119,62 @@ def test_script_flag_without_double_dash_gets_a_hint():
     result = tfc("train", LOCAL, "--steps", "100")
     assert result.returncode == 2
     assert "tfcluster train SPEC -- --steps 100" in result.stderr
+
+
+def _spec_with_script(tmp_path, args: str = "[]") -> tuple[str, str]:
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    spec = tmp_path / "moved.yaml"
+    spec.write_text("name: moved\nhosts:\n  - {name: local, address: 127.0.0.1}\n"
+                    "jobs:\n  ps: {tasks: ['local:29991']}\n  worker: {tasks: ['local:29992']}\n"
+                    f"train:\n  script: train.py\n  args: {args}\n  timeout: 90s\n"
+                    "  restart: {policy: exit-code, max_restarts: 2}\n")
+    return str(spec), str(script)
+
+
+def test_a_moved_script_only_stops_train_not_plan_or_logs(tmp_path):
+    spec, script = _spec_with_script(tmp_path)
+    os.unlink(script)
+    assert tfc("plan", spec).returncode == 0
+    logs = tfc("logs", spec, cwd=str(tmp_path))
+    assert logs.returncode == 2 and "no saved runs of cluster 'moved'" in logs.stderr
+    train = tfc("train", spec, "--dry-run")
+    assert train.returncode == 2
+    assert f"moved.yaml:8: train.script: file not found: {tmp_path}/train.py" in train.stderr
+
+
+def test_script_arguments_on_the_command_line_follow_the_spec_placeholder_rules(tmp_path):
+    spec, _ = _spec_with_script(tmp_path)
+    bad = tfc("train", spec, "--dry-run", "--", "--index={index:>3}")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert "script argument 1 ('--index={index:>3}')" in bad.stderr and "unknown placeholder" in bad.stderr
+    good = tfc("train", spec, "--dry-run", "--", "--index={index}")
+    assert good.returncode == 0, good.stderr
+    assert "--index=0" in good.stdout
+
+
+def test_plan_json_shows_restart_timeout_and_exact_commands(tmp_path):
+    spec, _ = _spec_with_script(tmp_path)
+    doc = json.loads(tfc("plan", spec, "--json").stdout)
+    assert doc["restart"] == {"policy": "exit-code", "max_restarts": 2}
+    assert doc["timeout"] == 90.0
+    worker = next(t for t in doc["tasks"] if t["task"] == "worker:0")
+    assert worker["script"] == [sys.executable, "train.py"]   # a local host runs our interpreter
+    assert worker["server_command"][0] == sys.executable
+    assert doc["hosts"] == [{"name": "local", "address": "127.0.0.1", "local": True, "gpus": 0,
+                             "python": sys.executable}]
+
+
+def test_run_summary_keeps_the_start_of_a_long_line_and_marks_the_cut():
+    import io
+
+    from tfcluster.render import print_summary
+    from tfcluster.ui import UI
+
+    err = io.StringIO()
+    ui = UI(io.StringIO(), err, color=False)
+    line = "worker=0 global_step=299 loss=0.0123 " + "x" * 100
+    print_summary(ui, "r1", [("worker:0", "local", "0", "0", "1.0s", line)], (0, "succeeded"), "runs/r1")
+    text = err.getvalue()
+    assert "worker=0 global_step=299 loss=0.0123" in text and "…" in text
+    assert "x" * 100 not in text and "succeeded — logs in runs/r1/" in text

@@ -139,6 +139,8 @@ def test_auth_failure_and_closed_port_give_one_line_naming_the_host(tmp_path, ho
     closed.write_text(text)
     result = tfcluster("status", str(closed), home=home, cwd=cwd)
     assert "unreachable" in result.stdout
+    assert result.returncode == 3, result.stderr   # the table, then the host named, exit 3
+    assert "tfcluster: error: host h2 (127.0.0.2:" in result.stderr and "also unreachable: h3, h4" in result.stderr
     result = tfcluster("up", str(closed), home=home, cwd=cwd)
     assert result.returncode == 3 and "connection refused" in result.stderr.lower()
     assert "Traceback" not in result.stderr

@@ -363,10 +363,8 @@ def test_make_transport_picks_ssh_or_local(sshd):
     name, address, options = make_target("gpu0", "127.0.0.2", sshd)
     ssh = make_transport(name, address, local=False, ssh=options)
     assert isinstance(ssh, SshTransport) and ssh.options == options
-    try:
-        from tfcluster.transport.local import LocalTransport
-    except ImportError:
-        pytest.skip("tfcluster/transport/local.py not written yet")
+    from tfcluster.transport.local import LocalTransport
+
     local = make_transport("me", "localhost", local=True)
     assert isinstance(local, LocalTransport) and local.is_local
     assert local.run(["echo", "hi"]).stdout == b"hi\n"
