@@ -45,7 +45,7 @@ class Options:
 
 
 @dataclass
-class Proc:
+class Supervised:
     """One supervised process: a script, or a server this run owns."""
 
     task: TaskPlan
@@ -69,8 +69,8 @@ class Run:
     run_id: str
     session: Session
     mux: object
-    events: "queue.Queue[tuple[Proc, int, int]]" = field(default_factory=queue.Queue)
-    procs: list[Proc] = field(default_factory=list)
+    events: "queue.Queue[tuple[Supervised, int, int]]" = field(default_factory=queue.Queue)
+    procs: list[Supervised] = field(default_factory=list)
     owns_servers: bool = False
 
 
@@ -137,7 +137,7 @@ def _run(run: Run) -> tuple[int, str]:
     ui.info(ship(run.session, script_tasks, run.run_id))
     ui.info(f"Starting the script on {len(script_tasks)} task(s): "
             f"{', '.join(t.key for t in script_tasks)}")
-    _start_all(run, [Proc(task, "script", task.key) for task in script_tasks])
+    _start_all(run, [Supervised(task, "script", task.key) for task in script_tasks])
     return _supervise(run)
 
 
@@ -156,12 +156,12 @@ def _prepare_servers(run: Run) -> None:
     preflight(run.session, servers, busy=busy)
     run.ui.info(f"Starting {len(servers)} server(s)…")
     run.owns_servers = True
-    procs = [Proc(t, "server", names.mux_key(t.key, "server", t.runs_script)) for t in servers]
+    procs = [Supervised(t, "server", names.mux_key(t.key, "server", t.runs_script)) for t in servers]
     _start_all(run, procs)
     wait_ready(run.session, [Started(p.task, p.launch.tag, p.handle.pid, p.launch.log) for p in procs])
 
 
-def _start_all(run: Run, procs: list[Proc]) -> None:
+def _start_all(run: Run, procs: list[Supervised]) -> None:
     """Start processes in parallel: each start is a round trip (a handshake with its shim),
     and 32 workers one after another would take seconds before the last one runs."""
     run.procs.extend(p for p in procs if p not in run.procs)  # summary order = plan order
@@ -169,7 +169,7 @@ def _start_all(run: Run, procs: list[Proc]) -> None:
     raise_first({procs[i].key: r for i, r in results.items()}, "task")
 
 
-def _start(run: Run, proc: Proc) -> None:
+def _start(run: Run, proc: Supervised) -> None:
     agent = run.session.agents[proc.task.host]
     argv = agent.server_argv() if proc.role == "server" else run.plan.command(proc.task)
     extra = {"TFCLUSTER_RESTART": str(proc.restarts)}
@@ -185,7 +185,7 @@ def _start(run: Run, proc: Proc) -> None:
                      name=f"pump-{proc.key}", daemon=True).start()
 
 
-def _pump(run: Run, proc: Proc, handle, attempt: int) -> None:
+def _pump(run: Run, proc: Supervised, handle, attempt: int) -> None:
     """Feed one process's output to the mux; report its exit on the event queue."""
     try:
         while chunk := handle.read():
@@ -239,7 +239,7 @@ def _script_states(run: Run) -> list[policy.ScriptState]:
             for p in run.procs if p.role == "script"]
 
 
-def _on_failure(run: Run, proc: Proc, rc: int) -> None:
+def _on_failure(run: Run, proc: Supervised, rc: int) -> None:
     restart = run.plan.restart
     what = f"{proc.task.key}{' server' if proc.role == 'server' else ''} on {proc.task.host}"
     if policy.should_restart(restart, rc, proc.restarts):
