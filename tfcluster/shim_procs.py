@@ -32,6 +32,11 @@ def atomic_write(path: str, data: bytes, mode: int = 0o600) -> None:
     os.replace(tmp, path)
 
 
+def write_all(fd: int, data: bytes) -> None:
+    while data:
+        data = data[os.write(fd, data):]
+
+
 def expand(path: str) -> str:
     """`~` or `~/...` is the login user's home; nothing else is expanded."""
     return os.path.expanduser(path) if path == "~" or path.startswith("~/") else path

@@ -1,0 +1,158 @@
+"""The host's side of a task's life: spawning it (own session, tag, pid file, log
+file) and, for an attached task, copying its log to the launcher while watching the
+launcher's heartbeats and STOP line.
+
+Shipped beside shim.py (standard library only, Python >= 3.8).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+if __package__:
+    from . import shim_procs as procs
+    from . import shim_protocol as proto
+else:  # shipped: the shim's directory is first on sys.path
+    import shim_procs as procs
+    import shim_protocol as proto
+
+expand, proc_stat, kill_tasks = procs.expand, procs.proc_stat, procs.kill_tasks
+exit_code, remove_quietly, write_pidfile = procs.exit_code, procs.remove_quietly, procs.write_pidfile
+write_all, POLL = procs.write_all, procs.POLL
+ShimError, TAG_VAR = proto.ShimError, proto.TAG_VAR
+
+
+def _line(obj) -> bytes:
+    return (json.dumps(obj) + "\n").encode()
+
+
+def open_private(path: str) -> int:
+    os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+
+
+def spawn(req: dict) -> tuple[subprocess.Popen, str, int]:
+    """Start the task; returns (popen, log path, log offset before the task wrote)."""
+    tag = req["tag"]
+    argv = [expand(a) if a.startswith("~/") else a for a in req["argv"]]
+    cwd = expand(req.get("cwd") or "~")
+    log, pidfile = expand(req["log"]), expand(req["pidfile"])
+    os.makedirs(cwd, mode=0o700, exist_ok=True)
+    os.makedirs(os.path.dirname(pidfile), mode=0o700, exist_ok=True)
+    env = dict(os.environ)
+    env.update({str(k): str(v) for k, v in (req.get("env") or {}).items()})
+    env[TAG_VAR] = tag
+    log_fd = open_private(log)
+    offset = os.fstat(log_fd).st_size
+    try:
+        proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=log_fd,
+                                stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
+    except OSError as e:
+        raise ShimError("cannot start %s: %s" % (argv[0], e))
+    finally:
+        os.close(log_fd)
+    stat = proc_stat(proc.pid)
+    record = {"pid": proc.pid, "pgid": proc.pid, "start_time": stat[1] if stat else None,
+              "started_at": time.time(), "tag": tag, "argv": argv, "log": log}
+    if req.get("port") is not None:
+        record["port"] = req["port"]
+    write_pidfile(pidfile, record)
+    return proc, log, offset
+
+
+class Attached:
+    """An attached task: log bytes to stdout, heartbeats/STOP on stdin, watchdog."""
+
+    def __init__(self, proc: subprocess.Popen, req: dict, log: str, offset: int) -> None:
+        self.proc, self.req, self.log, self.offset = proc, req, log, offset
+        self.tag = req["tag"]
+        self.hb_timeout = float(req.get("heartbeat_timeout") or proto.DEFAULT_HEARTBEAT_TIMEOUT)
+        self.grace = float(req.get("grace") if req.get("grace") is not None else proto.DEFAULT_GRACE)
+        self.last_beat = time.monotonic()
+        self.reason = None          # "stop" | "eof" | "signal" once cleanup is wanted
+        self.wake = threading.Event()
+        self.quiet = threading.Event()   # set: the tailer must not write any more
+        self.task_done = threading.Event()
+
+    def run(self) -> int:
+        for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self.on_signal)   # a handler, not SIG_IGN: the task must not inherit it
+        try:
+            write_all(2, _line({"pid": self.proc.pid}))
+        except OSError:           # the launcher left between our start and the handshake
+            self.reason = "eof"
+        tailer = threading.Thread(target=self.tail, daemon=True)
+        tailer.start()
+        threading.Thread(target=self.read_stdin, daemon=True).start()
+        while self.proc.poll() is None:
+            if self.reason is None and time.monotonic() - self.last_beat > self.hb_timeout:
+                self.reason = "heartbeat"
+            if self.reason is not None:
+                return self.stop(tailer)
+            self.wake.wait(0.1)
+        self.finish()
+        tailer.join()
+        return exit_code(self.proc.returncode)
+
+    def on_signal(self, signum, frame) -> None:
+        self.reason = self.reason or "signal"
+        self.wake.set()
+
+    def read_stdin(self) -> None:
+        stdin = sys.stdin.buffer
+        while True:
+            try:
+                line = stdin.readline()
+            except (OSError, ValueError):
+                line = b""
+            if not line:
+                self.reason = self.reason or "eof"
+                break
+            self.last_beat = time.monotonic()
+            if line == proto.STOP_LINE or line.strip() == proto.STOP_LINE.strip():
+                self.reason = self.reason or "stop"
+                break
+        self.wake.set()
+
+    def tail(self) -> None:
+        """Copy the log file to stdout as it grows; the task never sees our pipe."""
+        try:
+            with open(self.log, "rb") as f:
+                f.seek(self.offset)
+                while not self.quiet.is_set():
+                    finished = self.task_done.is_set()
+                    chunk = f.read(65536)
+                    if chunk:
+                        write_all(1, chunk)
+                    elif finished:
+                        return
+                    else:
+                        time.sleep(POLL)
+        except OSError:  # reader gone (EPIPE) or log removed: nothing more to say
+            self.quiet.set()
+
+    def finish(self) -> None:
+        """The task is gone: sweep what it left behind, drop the pid file."""
+        kill_tasks([], lambda t: t == self.tag, grace=0.0)  # leader reaped: its pgid may be reused
+        remove_quietly(expand(self.req["pidfile"]))
+        self.task_done.set()
+
+    def stop(self, tailer: threading.Thread) -> int:
+        if self.reason != "stop":
+            self.quiet.set()  # nobody is listening (or the reader stalled): never block on stdout
+        kill_tasks([self.proc.pid], lambda t: t == self.tag, grace=self.grace)
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        remove_quietly(expand(self.req["pidfile"]))
+        self.task_done.set()
+        if not self.quiet.is_set():
+            tailer.join(timeout=5)  # a live reader asked to STOP: give it the last output
+        rc = self.proc.returncode
+        return exit_code(rc) if rc is not None else 128 + signal.SIGKILL
