@@ -57,7 +57,7 @@ def test_ctrl_c_exits_130_promptly_and_leaves_nothing(phase, transport, tmp_path
         os.killpg(proc.pid, signal.SIGINT)
         t0 = time.monotonic()
         if twice:
-            read_until(proc, r"stopping|interrupted", timeout=PROMPT)
+            read_until(proc, r"Stopping every task", timeout=PROMPT)
             os.killpg(proc.pid, signal.SIGINT)
         out, _ = proc.communicate(timeout=PROMPT + 30)
         elapsed = time.monotonic() - t0
@@ -69,3 +69,29 @@ def test_ctrl_c_exits_130_promptly_and_leaves_nothing(phase, transport, tmp_path
         wait_for(lambda: not tagged_processes(), timeout=10, what="every task gone after Ctrl-C")
     finally:
         kill_group(proc)
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.05, 0.15, 0.3, 0.6])
+def test_ctrl_c_at_varied_moments_of_starting_servers_leaves_nothing(delay, tmp_path, home):
+    """The moment matters for races (a server spawned just as the stop sweep runs): the
+    signal lands `delay` seconds into "Starting servers". The delay is where the fault is
+    injected, not a wait for anything."""
+    spec = local_spec(tmp_path, name="intrv")
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    proc = start_tfcluster("up", str(spec), home=home, cwd=cwd)
+    try:
+        read_until(proc, r"Starting \d+ server", timeout=150)
+        time.sleep(delay)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=PROMPT + 30)
+        # a late signal may find `up` already done (exit 0); then `down` must clean up
+        assert proc.returncode in (0, 130), out[-3000:]
+        if proc.returncode == 130:
+            assert "tfcluster: error: interrupted" in out and "Traceback" not in out, out[-3000:]
+            wait_for(lambda: not tagged_processes(), timeout=10, what="every server gone after Ctrl-C")
+    finally:
+        kill_group(proc)
+        if tagged_processes():
+            from tests.train_helpers import tfcluster
+            tfcluster("down", str(spec), home=home, cwd=cwd)

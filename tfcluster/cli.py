@@ -369,7 +369,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def run() -> None:
     """Console-script entry point."""
-    sys.exit(main())
+    import signal
+
+    rc = main()
+    # The outcome is decided and reported: a late second Ctrl-C must not turn the
+    # interpreter's shutdown into a traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sys.exit(rc)
 
 
 if __name__ == "__main__":

@@ -113,6 +113,8 @@ def cmd_wait(req: dict) -> None:
     pending = list(req["items"])
     deadline = time.monotonic() + float(req.get("timeout", 60))
     while pending:
+        if req.get("watch_stdin") and launcher_gone():
+            raise ShimError("the launcher went away before the servers were ready")
         for item in list(pending):
             state = None
             if accepts(int(item["port"])):
@@ -141,16 +143,28 @@ def launcher_gone() -> bool:
 def cmd_launch(req: dict) -> None:
     """Start detached servers, then wait for them, in one exec: a line {"key", "pid"} per
     start, then cmd_wait's lines. Saves `up` a round trip (a login shell + an interpreter).
-    Stops starting servers once the launcher is gone, so an interrupted `up` leaves
-    nothing that its stop sweep could miss."""
-    items = []
-    for start in req["starts"]:
-        if req.get("watch_stdin") and launcher_gone():
-            raise ShimError("the launcher went away; no more servers started")
-        proc, _log, _offset = spawn(start["req"])
-        write_all(1, _line({"key": start["key"], "pid": proc.pid}))
-        items.append({"key": start["key"], "port": start["port"], "pid": proc.pid})
-    cmd_wait({"items": items, "timeout": req.get("timeout", 60)})
+
+    With `watch_stdin` the launcher keeps our stdin open until every server is decided:
+    if it goes away first (Ctrl-C, a dropped connection), no further server is started
+    and those already started are stopped here, so nothing outlives an interrupted `up`
+    whatever the timing of its own stop sweep."""
+    watch = bool(req.get("watch_stdin"))
+    started = {}
+    try:
+        items = []
+        for start in req["starts"]:
+            if watch and launcher_gone():
+                raise ShimError("the launcher went away; no more servers started")
+            proc, _log, _offset = spawn(start["req"])
+            started[proc.pid] = start["req"]["tag"]
+            write_all(1, _line({"key": start["key"], "pid": proc.pid}))
+            items.append({"key": start["key"], "port": start["port"], "pid": proc.pid})
+        cmd_wait({"items": items, "timeout": req.get("timeout", 60), "watch_stdin": watch})
+    except BaseException:
+        if watch and started:
+            tags = set(started.values())
+            kill_tasks(list(started), lambda t: t in tags, proto.DEFAULT_GRACE)
+        raise
 
 
 def cmd_tail(req: dict) -> dict:

@@ -90,13 +90,12 @@ def train(plan: Plan, ui, options: Options) -> int:
         except (KeyboardInterrupt, Terminated) as exc:
             outcome = (int(ExitCode.TERMINATED if isinstance(exc, Terminated) else ExitCode.INTERRUPTED),
                        "terminated" if isinstance(exc, Terminated) else "interrupted")
-            ui.info("Stopping every task (Ctrl-C again to stop at once)…")
             raise
         except TfclusterError as exc:
             outcome = (int(exc.exit_code), exc.message)
             raise
         finally:
-            _shutdown(run)
+            _shutdown(run, interrupted=outcome[0] in (ExitCode.INTERRUPTED, ExitCode.TERMINATED))
             mux.close()
             manifest.finish(run.procs, outcome)
             _summary(run, outcome)
@@ -279,9 +278,9 @@ def _diagnose(plan: Plan, tail: str) -> str | None:
 
 # -- shutdown --------------------------------------------------------------------------------
 
-def _shutdown(run: Run) -> None:
+def _shutdown(run: Run, interrupted: bool = False) -> None:
     """Scripts first (TERM, grace for a last checkpoint), then servers; a second Ctrl-C
-    drops everything at once."""
+    drops everything at once (its handler is in place before the user is told so)."""
     signals = (signal.SIGINT, signal.SIGTERM)
     previous = {sig: signal.getsignal(sig) for sig in signals}
     fast = threading.Event()
@@ -294,6 +293,8 @@ def _shutdown(run: Run) -> None:
     if main_thread:
         for sig in signals:
             signal.signal(sig, second_ctrl_c)
+    if interrupted:
+        run.ui.info("Stopping every task (Ctrl-C again to stop at once)…")
     try:
         for role in policy.STOP_ORDER:
             _stop_role(run, role, fast)
