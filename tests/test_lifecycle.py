@@ -45,6 +45,7 @@ def _up_status_down(spec: Path, home: Path, cwd: Path) -> None:
     up = tfcluster("up", str(spec), home=home, cwd=cwd)
     assert up.returncode == 0, up.stderr
     assert "is up" in up.stderr
+    assert "1/3; waiting for " in up.stderr and ", 3/3)" in up.stderr  # names, not only counts
     status = tfcluster("status", str(spec), "--json", home=home, cwd=cwd)
     rows = json.loads(status.stdout)["tasks"]
     assert [(r["task"], r["status"], r["port_open"]) for r in rows] == [

@@ -33,7 +33,7 @@ def start_detached(session: Session, tasks: list[TaskPlan], run_id: str,
     host). On any failure, or Ctrl-C, everything started here is stopped first."""
     grouped = by_host(tasks)
     started: dict[str, Started] = {}
-    progress = _Progress(session, len(tasks))
+    progress = _Progress(session, [t.key for t in tasks])
 
     def run_host(host: str) -> list[tuple[str, str]]:
         agent = session.agents[host]
@@ -53,15 +53,18 @@ def start_detached(session: Session, tasks: list[TaskPlan], run_id: str,
     try:
         _raise_unready(session, session.parallel(run_host, grouped), started, timeout)
     except BaseException:
+        progress.close()
         session.stop_run(names.run_prefix(session.plan.name, run_id), DEFAULT_GRACE)
         raise
+    finally:
+        progress.close()
     return list(started.values())
 
 
 def wait_ready(session: Session, started: list[Started], timeout: float = READY_TIMEOUT) -> None:
     """Block until every started server accepts connections; raise naming the first that did not."""
     grouped = by_host(started, lambda s: s.task.host)
-    progress = _Progress(session, len(started))
+    progress = _Progress(session, [s.task.key for s in started])
 
     def wait_host(host: str) -> list[tuple[str, str]]:
         items = [(s.task.key, s.task.port, s.pid) for s in grouped[host]]
@@ -72,8 +75,11 @@ def wait_ready(session: Session, started: list[Started], timeout: float = READY_
                 progress.ready(key)
         return decided
 
-    _raise_unready(session, session.parallel(wait_host, grouped),
-                   {s.task.key: s for s in started}, timeout)
+    try:
+        _raise_unready(session, session.parallel(wait_host, grouped),
+                       {s.task.key: s for s in started}, timeout)
+    finally:
+        progress.close()
 
 
 def _raise_unready(session: Session, results: dict, started: dict[str, Started], timeout: float) -> None:
@@ -85,18 +91,45 @@ def _raise_unready(session: Session, results: dict, started: dict[str, Started],
 
 
 class _Progress:
-    """One line per server as it becomes ready, with elapsed time and a count."""
+    """A line per server as it becomes ready, naming the ones still awaited, and every
+    TICK seconds without news a line saying what is still awaited and for how long."""
 
-    def __init__(self, session: Session, total: int) -> None:
-        self.session, self.total, self.t0 = session, total, time.monotonic()
-        self.count = 0
+    TICK = 5.0
+    NAMED = 4           # names shown before "+N more"
+
+    def __init__(self, session: Session, keys: list[str]) -> None:
+        self.session, self.total, self.t0 = session, len(keys), time.monotonic()
+        self.pending = list(keys)
         self.lock = threading.Lock()
+        self.done = threading.Event()
+        self.last_news = self.t0
+        threading.Thread(target=self._tick, name="tfcluster-progress", daemon=True).start()
 
     def ready(self, key: str) -> None:
         with self.lock:
-            self.count += 1
+            if key in self.pending:
+                self.pending.remove(key)
+            count = self.total - len(self.pending)
+            self.last_news = now = time.monotonic()
+            waiting = f"; waiting for {self._names()}" if self.pending else ""
             self.session.ui.info(f"  ✓ {key:<10} ready on {self.session.plan.task(key).target}"
-                                 f"  ({time.monotonic() - self.t0:.1f}s, {self.count}/{self.total})")
+                                 f"  ({now - self.t0:.1f}s, {count}/{self.total}{waiting})")
+
+    def _tick(self) -> None:
+        while not self.done.wait(1.0):
+            with self.lock:
+                now = time.monotonic()
+                if self.pending and now - self.last_news >= self.TICK:
+                    self.last_news = now
+                    self.session.ui.info(f"  … {now - self.t0:.0f}s: still waiting for {self._names()}")
+
+    def _names(self) -> str:
+        shown = ", ".join(self.pending[:self.NAMED])
+        more = len(self.pending) - self.NAMED
+        return shown + (f" (+{more} more)" if more > 0 else "")
+
+    def close(self) -> None:
+        self.done.set()
 
 
 def _raise_not_ready(session: Session, s: Started, outcome: str, timeout: float) -> None:
