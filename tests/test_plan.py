@@ -108,6 +108,12 @@ def test_gpu_lab_sample_gives_one_gpu_per_worker_and_none_to_ps():
     assert plan.command(chief) == ("/opt/venv/bin/python", "between_graph.py", "--steps", "2000",
                                    "--model_dir", "~/.tfcluster/lab/ckpt")
     assert plan.restart == Restart("on-failure", 3)
+    # between-graph: the script is a client of its task's server, which alone sees the GPU
+    worker3 = plan.task("worker:3")
+    assert dict(worker3.env)["CUDA_VISIBLE_DEVICES"] == "3"
+    assert worker3.script_env == (("CUDA_VISIBLE_DEVICES", ""),)
+    assert plan.task("ps:0").script_env == ()
+    assert plan_to_dict(plan)["tasks"][2]["script_env"] == {"CUDA_VISIBLE_DEVICES": ""}
 
 
 def test_secrets_are_redacted_in_the_json_plan_but_reach_the_task_env():

@@ -65,6 +65,7 @@ class TaskPlan:
     env: tuple[tuple[str, str], ...]     # sorted by name; run-independent
     argv: tuple[str, ...] = ()           # the script and its arguments (no interpreter); ()
                                          # when no script runs here
+    script_env: tuple[tuple[str, str], ...] = ()  # what the script's env changes from `env`
 
     @property
     def key(self) -> str:
@@ -241,10 +242,14 @@ def _task_plan(spec: Spec, slot, address: str, cluster_json: str, chief: str, pl
         values = {**placeholders, "job": slot.job, "index": str(slot.index)}
         args = tuple(a.format(**values) for a in spec.train.args)
         argv = (os.path.basename(spec.train.script), *args)
+    # A between-graph script is only a client of its task's server, which owns the GPU:
+    # a client that touched the GPU would take nearly all of its memory by default.
+    client_only = mode == "between-graph" and runs_server and argv and slot.gpus
     return TaskPlan(
         job=slot.job, index=slot.index, host=slot.host, address=address, port=slot.port,
         gpus=tuple(slot.gpus), is_chief=key == chief, runs_server=runs_server,
         tf_config=tf_config, env=tuple(sorted(env.items())), argv=argv,
+        script_env=(("CUDA_VISIBLE_DEVICES", ""),) if client_only else (),
     )
 
 
@@ -265,6 +270,7 @@ def plan_to_dict(plan: Plan, *, redact: bool = True) -> dict:
             "chief": t.is_chief, "server": t.runs_server,
             "server_command": [host.python, f"{host.bindir}/tfserver.py"] if t.runs_server else [],
             "script": [host.python, *t.argv] if t.runs_script else [],
+            "script_env": dict(t.script_env),
             "tf_config_task": {"type": t.job, "index": t.index}, "env": env,
         }
     restart = plan.restart

@@ -37,6 +37,8 @@ def print_plan(ui, plan: Plan, *, commands: bool = False) -> None:
             ui.text(f"  server:  {shlex.join(plan.command(t, 'server'))}")
         if t.runs_script:
             ui.text(f"  script:  {shlex.join(plan.command(t))}  (in {plan.cluster_dir}/runs/<run id>)")
+            for name, value in t.script_env:
+                ui.text(f"  script env: {name}={shlex.quote(value)}  (a client: its server owns the GPU)")
         for name, value in redact_env(t.env).items():
             ui.text(f"  {name}={shlex.quote(value)}")
 

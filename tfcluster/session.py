@@ -174,6 +174,8 @@ class Session:
                    extra_env: dict[str, str] | None = None) -> TaskLaunch:
         tag = names.Tag(self.plan.name, run_id, task.job, task.index, role)
         env = dict(task.env)
+        if role == "script":
+            env.update(task.script_env)
         env["TFCLUSTER_RUN_ID"] = run_id
         env.update(extra_env or {})
         return TaskLaunch(tag=str(tag), argv=tuple(argv), env=env, cwd=self.paths.rundir(run_id),

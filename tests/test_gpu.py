@@ -1,0 +1,83 @@
+"""GPU assignment on a host whose GPUs come from a fake `nvidia-smi` (this machine has
+none): a GPU worker per GPU, CUDA_VISIBLE_DEVICES per process, ps on CPU, and in
+between-graph mode the script (a client) sees no GPU while its server owns one."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.tf_launch import free_ports
+from tests.train_helpers import cli_env
+
+pytestmark = [pytest.mark.tf, pytest.mark.timeout(240)]
+
+FAKE_SMI = """#!/bin/sh
+[ "$1" = "-L" ] || exit 1
+echo "GPU 0: Fake GPU (UUID: GPU-0)"
+echo "GPU 1: Fake GPU (UUID: GPU-1)"
+"""
+
+# Writes what it sees, and what its task's server sees, then ends the run.
+PROBE = """import json, os, sys
+server = {}
+for pid in os.listdir('/proc'):
+    try:
+        env = dict(l.split('=', 1) for l in open(f'/proc/{pid}/environ').read().split('\\0') if '=' in l)
+    except OSError:
+        continue
+    tag = env.get('TFCLUSTER_JOB_ID', '')
+    if tag.endswith(':server') and env.get('TFCLUSTER_CLUSTER') == 'gpus':
+        server[tag.split(':')[2] + ':' + tag.split(':')[3]] = env.get('CUDA_VISIBLE_DEVICES')
+me = os.environ['TFCLUSTER_JOB'] + ':' + os.environ['TFCLUSTER_TASK_INDEX']
+json.dump({'script': os.environ['CUDA_VISIBLE_DEVICES'], 'servers': server},
+          open(os.path.join(sys.argv[1], me + '.json'), 'w'))
+"""
+
+
+def test_gpu_workers_servers_own_the_gpu_and_scripts_see_none(tmp_path, home):
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text(FAKE_SMI)
+    (fake / "nvidia-smi").chmod(0o755)
+    (tmp_path / "probe.py").write_text(PROBE)
+    out = tmp_path / "out"
+    out.mkdir()
+    ps, w = free_ports(2), free_ports(1)[0]
+    spec = tmp_path / "gpus.yaml"
+    spec.write_text(
+        "name: gpus\nhosts:\n  - {name: local, address: 127.0.0.1, gpus: 2}\n"
+        f"jobs:\n  ps: {{tasks: ['local:{ps[0]}']}}\n"
+        f"  worker: {{per_gpu: true, hosts: [local], port: {w}}}\n"
+        f"train:\n  mode: between-graph\n  script: probe.py\n  args: ['{out}']\n")
+    env = {**cli_env(home), "PATH": f"{fake}:{os.environ['PATH']}"}
+    result = subprocess.run([sys.executable, "-m", "tfcluster", "train", str(spec)], capture_output=True,
+                            text=True, timeout=200, cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    seen = {f.stem: json.loads(f.read_text()) for f in out.iterdir()}
+    assert set(seen) == {"worker:0", "worker:1"}
+    for name, got in seen.items():
+        assert got["script"] == "", name                       # a client: no GPU
+        assert got["servers"]["ps:0"] == ""                     # ps on CPU
+        assert got["servers"]["worker:0"] == "0" and got["servers"]["worker:1"] == "1"
+
+
+def test_a_host_with_fewer_gpus_than_the_spec_says_fails_preflight(tmp_path, home):
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text(FAKE_SMI)
+    (fake / "nvidia-smi").chmod(0o755)
+    ps, port = free_ports(2)
+    spec = tmp_path / "four.yaml"
+    spec.write_text("name: four\nhosts:\n  - {name: local, address: 127.0.0.1, gpus: 4}\n"
+                    f"jobs:\n  ps: {{tasks: ['local:{ps}']}}\n"
+                    f"  worker: {{per_gpu: true, hosts: [local], port: {port}}}\n")
+    env = {**cli_env(home), "PATH": f"{fake}:{os.environ['PATH']}"}
+    result = subprocess.run([sys.executable, "-m", "tfcluster", "up", str(spec)], capture_output=True,
+                            text=True, timeout=120, cwd=tmp_path, env=env)
+    assert result.returncode == 4, result.stderr
+    assert "host local: the spec gives it 4 GPUs but it has 2" in result.stderr
+    assert "Starting" not in result.stderr
