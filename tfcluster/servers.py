@@ -51,13 +51,14 @@ def start_detached(session: Session, tasks: list[TaskPlan], run_id: str,
         return decided
 
     try:
-        _raise_unready(session, session.parallel(run_host, grouped), started, timeout)
+        try:
+            results = session.parallel(run_host, grouped)
+        finally:
+            progress.close()
+        _raise_unready(session, results, started, timeout)
     except BaseException:
-        progress.close()
         session.stop_run(names.run_prefix(session.plan.name, run_id), DEFAULT_GRACE)
         raise
-    finally:
-        progress.close()
     return list(started.values())
 
 
@@ -76,10 +77,10 @@ def wait_ready(session: Session, started: list[Started], timeout: float = READY_
         return decided
 
     try:
-        _raise_unready(session, session.parallel(wait_host, grouped),
-                       {s.task.key: s for s in started}, timeout)
+        results = session.parallel(wait_host, grouped)
     finally:
         progress.close()
+    _raise_unready(session, results, {s.task.key: s for s in started}, timeout)
 
 
 def _raise_unready(session: Session, results: dict, started: dict[str, Started], timeout: float) -> None:
