@@ -15,10 +15,10 @@ import pytest
 
 from tests.conftest import tagged_processes, wait_for
 from tests.train_helpers import kill_group, local_spec, read_until, ssh_spec, start_tfcluster
+from tfcluster.supervisor import SCRIPT_GRACE   # a script's last checkpoint after Ctrl-C
 
 pytestmark = [pytest.mark.tf, pytest.mark.timeout(240)]
 
-SCRIPT_GRACE = 10.0            # supervisor.SCRIPT_GRACE: a script's last checkpoint
 PROMPT = SCRIPT_GRACE + 10.0   # "about a second plus the stop grace", with room for a busy machine
 
 TRAIN = "train:\n  mode: between-graph\n  script: template:between_graph\n" \

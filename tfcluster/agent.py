@@ -177,14 +177,14 @@ class HostAgent:
 
     # ------------------------------------------------------------ queries
 
-    def run_command(self, argv: list[str]) -> Proc:
-        """A plain command on the host, no shim (for `exec`)."""
+    @contextlib.contextmanager
+    def run_command(self, argv: list[str]) -> Iterator[Proc]:
+        """A plain command on the host, no shim (for `exec`); Ctrl-C drops it."""
         self._check_cancelled()
         self.transport.connect()
         proc = self.transport.spawn(argv)
-        with self._inflight_lock:
-            self._inflight.add(proc)
-        return proc
+        with self._tracked(proc):
+            yield proc
 
     def server_argv(self) -> tuple[str, ...]:
         if self._bindir is None:

@@ -26,10 +26,10 @@ def exec_on_hosts(session: Session, argv: list[str], mux) -> ExecOutcome:
 
     def run_one(name: str) -> int:
         try:
-            proc = session.agent(name).run_command(wrapped)
-            while chunk := proc.read(65536):
-                mux.feed(name, chunk)
-            return proc.wait()
+            with session.agent(name).run_command(wrapped) as proc:
+                while chunk := proc.read(65536):
+                    mux.feed(name, chunk)
+                return proc.wait()
         finally:
             mux.close_task(name)
 

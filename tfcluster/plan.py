@@ -12,8 +12,9 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
+from tfcluster.names import task_key
 from tfcluster.spec import JOB_NAMES, Restart, Spec, layout_tasks
 from tfcluster.transport.ssh_config import SshOptions
 
@@ -69,7 +70,7 @@ class TaskPlan:
 
     @property
     def key(self) -> str:
-        return f"{self.job}:{self.index}"
+        return task_key(self.job, self.index)
 
     @property
     def target(self) -> str:
@@ -147,13 +148,12 @@ def _host_plan(host, spec: Spec, cluster_dir: str, local_python: str) -> HostPla
     python = interpreter(spec.python, host.local, local_python)
     # tfcluster's own interpreter on this machine runs the shim straight from the package
     own = host.local and python == local_python
-    ssh = None if host.local else SshOptions(**{f: getattr(host.ssh, f) for f in SSH_FIELDS})
+    # the spec's SshSettings and the transport's SshOptions carry the same fields; neither
+    # layer imports the other, so the plan copies one into the other by name
+    ssh = None if host.local else SshOptions(**{f.name: getattr(host.ssh, f.name)
+                                                for f in fields(SshOptions)})
     return HostPlan(name=host.name, address=host.address, local=host.local, gpus=host.gpus,
                     python=python, bindir=PACKAGE_DIR if own else f"{cluster_dir}/bin", ssh=ssh)
-
-
-SSH_FIELDS = ("user", "port", "identity_file", "known_hosts", "host_key_policy", "jump_host",
-              "connect_timeout")
 
 
 def build_plan(spec: Spec, local_python: str | None = None) -> Plan:
@@ -221,7 +221,7 @@ def tf_config_json(cluster_json: str, job: str, index: int) -> str:
 
 def _task_plan(spec: Spec, slot, address: str, cluster_json: str, chief: str, placeholders) -> TaskPlan:
     mode = spec.train.mode
-    key = f"{slot.job}:{slot.index}"
+    key = task_key(slot.job, slot.index)
     runs_server = slot.job in SERVER_JOBS[mode]
     tf_config = tf_config_json(cluster_json, slot.job, slot.index)
     env = dict(ENV_DEFAULTS)

@@ -114,7 +114,7 @@ class Attached:
                 self.reason = self.reason or "eof"
                 break
             self.last_beat = time.monotonic()
-            if line == proto.STOP_LINE or line.strip() == proto.STOP_LINE.strip():
+            if line.strip() == proto.STOP_LINE.strip():
                 self.reason = self.reason or "stop"
                 break
         self.wake.set()
