@@ -54,11 +54,9 @@ def parallel(fn: Callable[[T], R], items: Iterable[T], limit: int = 32,
                 if not remaining[0]:
                     done.set()
 
-    threads = [threading.Thread(target=worker, daemon=True, name="tfcluster-host")
-               for _ in range(min(limit, len(items)))]
-    for thread in threads:
-        thread.start()
-    try:
+    try:  # an interrupt may land while the threads are being started, too
+        for _ in range(min(limit, len(items))):
+            threading.Thread(target=worker, daemon=True, name="tfcluster-host").start()
         done.wait()
     except BaseException:
         stop.set()
