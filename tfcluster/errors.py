@@ -17,6 +17,7 @@ class ExitCode(enum.IntEnum):
     TASK_FAILED = 5      # a training task (chief/worker) failed
     TIMEOUT = 6          # a deadline passed (readiness, train.timeout)
     LOCKED = 7           # another tfcluster holds this cluster's lock
+    INCONSISTENT = 8     # the workers disagree (variable placement differs between them)
     INTERRUPTED = 130    # Ctrl-C
     TERMINATED = 143     # SIGTERM (a scheduler, `timeout`, systemd)
 
@@ -70,6 +71,12 @@ class TaskError(TfclusterError):
     """A training task (chief/worker script) failed: exit 5."""
 
     exit_code = ExitCode.TASK_FAILED
+
+
+class InconsistentError(TfclusterError):
+    """The tasks of one run disagree about the model (a placement mismatch): exit 8."""
+
+    exit_code = ExitCode.INCONSISTENT
 
 
 class DeadlineError(TfclusterError):

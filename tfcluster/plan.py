@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass, field, fields
 
 from tfcluster.names import task_key
-from tfcluster.spec import JOB_NAMES, Restart, Spec, layout_tasks
+from tfcluster.spec import JOB_NAMES, Checks, Restart, Spec, layout_tasks
 from tfcluster.transport.ssh_config import SshOptions
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))   # where the shim and server ship from
@@ -95,6 +95,13 @@ class Plan:
     files: tuple[tuple[str, str], ...] = ()  # (local path, path in the run dir); script first
     restart: Restart = field(default_factory=Restart)
     timeout: float | None = None
+    checks: Checks = field(default_factory=Checks)
+    tensorboard: str | None = None       # LOGDIR on the chief's host, placeholders filled
+
+    @property
+    def chief(self) -> TaskPlan | None:
+        """The task whose script is the chief (None when no script runs)."""
+        return next((t for t in self.tasks if t.is_chief and t.runs_script), None)
 
     def task(self, key: str) -> TaskPlan:
         for t in self.tasks:
@@ -190,7 +197,19 @@ def build_plan(spec: Spec, local_python: str | None = None) -> Plan:
         files=_files(spec),
         restart=spec.train.restart,
         timeout=spec.train.timeout,
+        checks=spec.train.checks,
+        tensorboard=_tensorboard(spec, slots, placeholders),
     )
+
+
+def _tensorboard(spec: Spec, slots, placeholders: dict[str, str]) -> str | None:
+    """train.tensorboard with the chief's placeholders filled (TensorBoard runs there)."""
+    if not spec.train.tensorboard:
+        return None
+    chief = next((s for s in slots if s.job == "chief"), None) or next(
+        (s for s in slots if s.job == "worker"), None)
+    values = {**placeholders, "job": chief.job if chief else "", "index": str(chief.index) if chief else "0"}
+    return spec.train.tensorboard.format(**values)
 
 
 def _files(spec: Spec) -> tuple[tuple[str, str], ...]:
@@ -279,6 +298,9 @@ def plan_to_dict(plan: Plan, *, redact: bool = True) -> dict:
         "cluster_dir": plan.cluster_dir, "spec_sha256": plan.spec_digest,
         "restart": {"policy": restart.policy, "max_restarts": restart.max_restarts},
         "timeout": plan.timeout,
+        "checks": {"placement": plan.checks.placement, "reachability": plan.checks.reachability,
+                   "proxy_guard": plan.checks.proxy_guard, "hang_after": plan.checks.hang_after},
+        "tensorboard": plan.tensorboard,
         "hosts": [{"name": h.name, "address": h.address, "local": h.local, "gpus": h.gpus,
                    "python": h.python} for h in plan.all_hosts],
         "cluster": {job: list(addrs) for job, addrs in plan.cluster},

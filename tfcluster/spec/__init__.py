@@ -15,13 +15,13 @@ from __future__ import annotations
 from tfcluster.spec.layout import layout_tasks
 from tfcluster.spec.loader import check_train_files, load_spec, with_train_overrides
 from tfcluster.spec.model import (HOST_KEY_POLICIES, JOB_NAMES, LOCAL_ADDRESSES, MAX_TASKS, MODES,
-                                  PLACEHOLDERS, RESTART_POLICIES, Host, Job, Restart, Slot, Spec,
+                                  PLACEHOLDERS, RESTART_POLICIES, Checks, Host, Job, Restart, Slot, Spec,
                                   SshSettings, Train)
 from tfcluster.spec.yamltree import MAX_DEPTH, MAX_SPEC_BYTES, did_you_mean
 
 __all__ = [
     "HOST_KEY_POLICIES", "JOB_NAMES", "LOCAL_ADDRESSES", "MAX_DEPTH", "MAX_SPEC_BYTES",
     "MAX_TASKS", "MODES", "PLACEHOLDERS", "RESTART_POLICIES",
-    "Host", "Job", "Restart", "Slot", "Spec", "SshSettings", "Train",
+    "Checks", "Host", "Job", "Restart", "Slot", "Spec", "SshSettings", "Train",
     "check_train_files", "did_you_mean", "layout_tasks", "load_spec", "with_train_overrides",
 ]

@@ -61,6 +61,16 @@ class Restart:
 
 
 @dataclass(frozen=True)
+class Checks:
+    """train.checks: the diagnoses tfcluster runs around a training (docs/ARCHITECTURE.md)."""
+
+    placement: bool = True            # compare variable placement across workers
+    reachability: bool = True         # every host reaches every task address before scripts start
+    proxy_guard: bool = True          # extend no_proxy with the cluster's addresses
+    hang_after: float = 20.0          # seconds of waiting before the watchdog speaks (0: off)
+
+
+@dataclass(frozen=True)
 class Train:
     mode: str = "between-graph"
     script: str | None = None         # absolute local path (resolved against the spec's dir)
@@ -68,6 +78,8 @@ class Train:
     args: tuple[str, ...] = ()        # unexpanded; placeholders checked by the loader
     restart: Restart = field(default_factory=Restart)
     timeout: float | None = None      # seconds
+    checks: Checks = field(default_factory=Checks)
+    tensorboard: str | None = None    # LOGDIR (unexpanded placeholders) for TensorBoard on the chief
     args_line: int = 0
     # What check_train_files needs to report a missing file exactly as written, long after
     # loading: the script as the spec wrote it ("template:NAME" or a path; None when the

@@ -19,10 +19,10 @@ from tfcluster import scaffold
 from tfcluster.spec.addresses import _USER_RE, _address, _jump_host
 from tfcluster.spec.layout import _per_host, _task_count
 from tfcluster.spec.model import (HOST_KEY_POLICIES, JOB_NAMES, LOCAL_ADDRESSES, MAX_TASKS, MODES,
-                                  PLACEHOLDERS, RESTART_POLICIES, Host, Job, Restart, Spec,
+                                  PLACEHOLDERS, RESTART_POLICIES, Checks, Host, Job, Restart, Spec,
                                   SshSettings, Train)
 from tfcluster.spec.yamltree import (_AnyKey, _Bad, _bool, _choice, _duration, _fields, _int,
-                                     _is_null, _kind, _line, _list, _name, _path, _positive, _str,
+                                     _is_null, _is_plain, _kind, _line, _list, _name, _path, _positive, _str,
                                      _sub, _suggest, _word)
 
 _ENV_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -31,7 +31,8 @@ _SSH_KEYS = ("user", "port", "identity_file", "known_hosts", "host_key_policy", 
              "connect_timeout")
 _HOST_KEYS = ("name", "address", "gpus", "ssh")
 _JOB_KEYS = ("count", "per_gpu", "hosts", "port", "gpus", "tasks")
-_TRAIN_KEYS = ("mode", "script", "files", "args", "restart", "timeout")
+_TRAIN_KEYS = ("mode", "script", "files", "args", "restart", "timeout", "checks", "tensorboard")
+_CHECK_KEYS = ("placement", "reachability", "proxy_guard", "hang_after")
 
 
 def _build(path: str, root: yaml.Node) -> tuple[Spec, int]:
@@ -260,6 +261,8 @@ def _parse_train(node: yaml.Node, base_dir: str) -> Train:
         args=_args(value["args"]) if "args" in f else (),
         restart=_restart(value["restart"]) if "restart" in f else Restart(),
         timeout=_duration(value["timeout"], "train.timeout") if "timeout" in f else None,
+        checks=_checks(value["checks"]) if "checks" in f else Checks(),
+        tensorboard=_tensorboard(value["tensorboard"]) if "tensorboard" in f else None,
         args_line=_line(value["args"]) if "args" in f else 0,
         script_source=source,
         script_line=_line(value["script"]) if "script" in f else 0,
@@ -317,6 +320,28 @@ def _check_placeholders(value: str, line: int, field: str) -> None:
         if name not in PLACEHOLDERS or spec or conversion:
             raise _Bad(line, field, f"unknown placeholder {shown}; known: {', '.join(PLACEHOLDERS)}",
                        hint="write {{ and }} for literal braces")
+
+
+def _checks(node: yaml.Node) -> Checks:
+    f = _fields(node, "train.checks", _CHECK_KEYS)
+    flags = {k: _bool(f[k][1], f"train.checks.{k}") for k in ("placement", "reachability", "proxy_guard")
+             if k in f}
+    if "hang_after" in f:
+        hang = f["hang_after"][1]
+        flags["hang_after"] = 0.0 if _is_off(hang) else _duration(hang, "train.checks.hang_after")
+    return Checks(**flags)
+
+
+def _is_off(node: yaml.Node) -> bool:
+    return _is_plain(node) and node.value.lower() in ("0", "false", "off")
+
+
+def _tensorboard(node: yaml.Node) -> str:
+    value = _path(node, "train.tensorboard")
+    if not value:
+        raise _Bad(_line(node), "train.tensorboard", "must name a log directory, got an empty string")
+    _check_placeholders(value, _line(node), "train.tensorboard")
+    return value
 
 
 def _restart(node: yaml.Node) -> Restart:
