@@ -27,7 +27,7 @@ def _env(job, index, chief, master, tf_config, cluster="local", workers="2", gpu
     env = {
         "CUDA_VISIBLE_DEVICES": gpus, "PYTHONUNBUFFERED": "1", "TFCLUSTER_CLUSTER": cluster,
         "TFCLUSTER_IS_CHIEF": chief, "TFCLUSTER_JOB": job, "TFCLUSTER_NUM_WORKERS": workers,
-        "TFCLUSTER_TASK_INDEX": str(index), "TF_CONFIG": tf_config, "TF_CPP_MIN_LOG_LEVEL": "2",
+        "TFCLUSTER_TASK_INDEX": str(index), "TF_CONFIG": tf_config, "TF_CPP_MIN_LOG_LEVEL": "0",
         **dict(extra),
     }
     if master:
@@ -208,9 +208,9 @@ def test_mirrored_mode_has_no_servers_and_no_ps_in_tf_config(tmp_path):
 def test_spec_env_overrides_defaults_but_not_tfcluster_variables(tmp_path):
     (tmp_path / "train.py").write_text("")
     path = tmp_path / "e.yaml"
-    path.write_text("name: e\nenv: {TF_CPP_MIN_LOG_LEVEL: '0', TF_CONFIG: nope, FOO: bar}\n"
+    path.write_text("name: e\nenv: {TF_CPP_MIN_LOG_LEVEL: '2', TF_CONFIG: nope, FOO: bar}\n"
                     "hosts: [{name: a, address: 10.0.0.1}]\n"
                     "jobs: {ps: {count: 1, hosts: [a], port: 1}, worker: {count: 1, hosts: [a], port: 2}}\n")
     env = dict(build_plan(load_spec(str(path))).task("worker:0").env)
-    assert env["TF_CPP_MIN_LOG_LEVEL"] == "0" and env["FOO"] == "bar"
+    assert env["TF_CPP_MIN_LOG_LEVEL"] == "2" and env["FOO"] == "bar"
     assert json.loads(env["TF_CONFIG"])["task"] == {"type": "worker", "index": 0}

@@ -19,6 +19,7 @@ import collections
 import os
 import re
 import threading
+import time
 from typing import BinaryIO, Callable, Sequence
 
 from tfcluster.names import log_file
@@ -62,9 +63,17 @@ TF_NOISE = (
 )
 
 
+# TensorFlow's C++ INFO and WARNING lines (`I1123 04:50:00.123456  1234 master.cc:278] ...`):
+# the tasks run with TF_CPP_MIN_LOG_LEVEL=0 so that they reach the saved logs and the hang
+# watchdog; the live view hides them with hide_noise=True (errors are always shown).
+TF_INFO_LINE = re.compile(rb"^[IW]\d{4} \d\d:\d\d:\d+(?:\.\d+)? +\d+ [^ \]]+:\d+\] ", re.M)
+# Lines tfcluster's start-up probe writes for tfcluster itself: saved, never shown live.
+PROBE_MARKS = (b"tfcluster-placement: ", b"tfcluster-not-ready: ")
+
+
 class _Task:
     __slots__ = ("key", "prefix", "sep", "show", "lock", "carry", "partial",
-                 "shown", "ring", "fd", "saved_midline")
+                 "shown", "ring", "fd", "saved_midline", "last_output")
 
     def __init__(self, key: str, prefix: bytes, show: bool, fd: int | None) -> None:
         self.key, self.prefix, self.show, self.fd = key, prefix, show, fd
@@ -75,6 +84,7 @@ class _Task:
         self.shown = False        # a `\r` update of the current line is already on screen
         self.ring: collections.deque[bytes] = collections.deque(maxlen=HISTORY)
         self.saved_midline = False
+        self.last_output: float | None = None   # time.monotonic() of the last chunk
 
 
 class LogMux:
@@ -82,19 +92,23 @@ class LogMux:
 
     `show(key)` is asked once per task at construction; a hidden task (and its
     notes) is still saved and still answers `tail` / `last_line_matching`.
-    With `collapse=False` every progress update gets its own line.
+    With `collapse=False` every progress update gets its own line. `watch` is
+    (markers, callback): every complete line containing one of the markers is passed
+    to `callback(key, line)` (from the feeding thread) before it is shown or hidden.
     """
 
     def __init__(self, out: BinaryIO, keys: Sequence[str], *, color: bool,
                  show: Callable[[str], bool] | None = None,
                  save_dir: str | None = None, collapse: bool = True,
-                 hide_noise: bool = False) -> None:
+                 hide_noise: bool = False,
+                 watch: tuple[Sequence[bytes], Callable[[str, bytes], None]] | None = None) -> None:
         if len(set(keys)) != len(keys):
             raise ValueError(f"duplicate task keys: {list(keys)}")
         self._out = out
         self._color = color
         self._collapse = collapse
         self._hide_noise = hide_noise
+        self._watch = watch
         self._out_lock = threading.Lock()
         self._broken = False      # the reader of `out` went away (e.g. `| head`)
         self._closed = False
@@ -122,6 +136,7 @@ class LogMux:
             return
         t = self._tasks[key]
         with t.lock:
+            t.last_output = time.monotonic()
             self._save(t, chunk)
             body, t.carry = _utf8_split(t.carry + chunk if t.carry else chunk)
             if body:
@@ -165,6 +180,10 @@ class LogMux:
         with t.lock:
             recent = list(t.ring)[-n:]
         return [line.decode("utf-8", "replace") for line in recent]
+
+    def last_output(self, key: str) -> float | None:
+        """time.monotonic() when `key` last wrote anything (None: never)."""
+        return self._tasks[key].last_output
 
     def last_line_matching(self, key: str, pattern: re.Pattern) -> str | None:
         """The most recent of the last HISTORY lines of `key` that `pattern` finds."""
@@ -251,14 +270,23 @@ class LogMux:
     def _emit(self, t: _Task, block: bytes | None) -> None:
         if block is None:
             return
-        if self._hide_noise and any(marker in block for marker in TF_NOISE):
-            block = b"\n".join(line for line in block.split(b"\n")
-                               if not any(marker in line for marker in TF_NOISE))
+        if self._watch is not None and any(m in block for m in self._watch[0]):
+            for line in block.split(b"\n"):
+                if any(m in line for m in self._watch[0]):
+                    self._watch[1](t.key, line)
+        if any(m in block for m in PROBE_MARKS) or (self._hide_noise and (
+                any(m in block for m in TF_NOISE) or _has_tf_log_line(block))):
+            block = b"\n".join(line for line in block.split(b"\n") if not self._hidden(line))
             if not block:
                 return
         t.ring.extend(block.rsplit(b"\n", HISTORY)[-HISTORY:])
         if t.show:
             self._write(t.prefix + block.replace(b"\n", t.sep) + b"\n")
+
+    def _hidden(self, line: bytes) -> bool:
+        if any(m in line for m in PROBE_MARKS):
+            return True
+        return self._hide_noise and (any(m in line for m in TF_NOISE) or bool(TF_INFO_LINE.match(line)))
 
     def _write(self, buf: bytes) -> None:
         with self._out_lock:
@@ -269,6 +297,13 @@ class LogMux:
                 self._out.flush()  # live view: nothing else would flush a quiet task's last lines
             except BrokenPipeError:
                 self._broken = True  # keep saving and remembering; stop showing
+
+
+def _has_tf_log_line(block: bytes) -> bool:
+    """TF_INFO_LINE.search, with the regex run only when a line starts with I or W."""
+    if not (block[:1] in (b"I", b"W") or b"\nI" in block or b"\nW" in block):
+        return False
+    return TF_INFO_LINE.search(block) is not None
 
 
 def _open_log(save_dir: str, key: str) -> int:

@@ -38,7 +38,8 @@ SCRIPT_JOBS = {
     "mirrored": ("chief", "worker", "evaluator"),
 }
 # Env defaults the spec may override; everything tfcluster-specific it may not.
-ENV_DEFAULTS = {"PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
+# TF's C++ INFO lines reach the saved logs and the hang watchdog; the live view hides them.
+ENV_DEFAULTS = {"PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "0"}
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,14 @@ class Plan:
     def chief(self) -> TaskPlan | None:
         """The task whose script is the chief (None when no script runs)."""
         return next((t for t in self.tasks if t.is_chief and t.runs_script), None)
+
+    def probes(self) -> str:
+        """What the start-up probe reports in a script process ("" : no probe): the
+        variables' placement, and model-not-ready waits, for TF1-style modes only."""
+        if self.mode not in ("between-graph", "classic"):
+            return ""
+        wanted = (("placement", self.checks.placement), ("waits", self.checks.hang_after > 0))
+        return ",".join(name for name, on in wanted if on)
 
     def task(self, key: str) -> TaskPlan:
         for t in self.tasks:

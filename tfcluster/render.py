@@ -74,10 +74,12 @@ def clip(text: str, width: int = SUMMARY_LINE) -> str:
 
 
 def print_summary(ui, run_id: str, rows: list[tuple[str, ...]], outcome: tuple[int, str],
-                  saved: str) -> None:
+                  saved: str, checks: dict[str, str] | None = None) -> None:
     """The run's table (task, host, exit, restarts, duration, last loss line) and outcome."""
     if rows:
         ui.table(f"run {run_id}", ["task", "host", "exit", "restarts", "duration", "last loss line"],
                  [(*row[:-1], clip(row[-1])) for row in rows], stderr=True)
+    for name, result in (checks or {}).items():
+        ui.info(f"{name} check: {result}")
     code, text = outcome
     (ui.ok if code == 0 else ui.info)(f"{text} — logs in {saved}/")

@@ -23,14 +23,14 @@ class Manifest:
         os.makedirs(directory, mode=0o700, exist_ok=True)
         self._write({"outcome": "running"})
 
-    def finish(self, procs, outcome: tuple[int, str]) -> None:
+    def finish(self, procs, outcome: tuple[int, str], checks: dict[str, str] | None = None) -> None:
         tasks = {}
         for p in procs:
             entry = tasks.setdefault(p.task.key, {"host": p.task.host})
             entry[p.role] = {"exit_code": p.exit_code, "restarts": p.restarts,
                              "started": p.started, "ended": p.ended}
         self._write({"outcome": outcome[1], "exit_code": outcome[0], "ended": time.time(),
-                     "tasks": tasks})
+                     "tasks": tasks, "checks": checks or {}})
 
     def _write(self, extra: dict) -> None:
         doc = {"run_id": self.run_id, "cluster": self.plan.name, "mode": self.plan.mode,

@@ -15,6 +15,7 @@ from tfcluster import names
 from tfcluster.agent import HostAgent, HostInfo, Survey, TaskLaunch
 from tfcluster.errors import Terminated, TfclusterError
 from tfcluster.plan import HostPlan, Plan, TaskPlan
+from tfcluster.shim_protocol import PROBE_VAR
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -174,6 +175,9 @@ class Session:
         env = dict(task.env)
         if role == "script":
             env.update(task.script_env)
+            probe = self.plan.probes()
+            if probe:
+                env[PROBE_VAR] = probe
         env["TFCLUSTER_RUN_ID"] = run_id
         env.update(extra_env or {})
         return TaskLaunch(tag=str(tag), argv=tuple(argv), env=env, cwd=self.paths.rundir(run_id),

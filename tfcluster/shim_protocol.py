@@ -39,6 +39,7 @@ DEFAULT_HEARTBEAT_TIMEOUT = 30.0  # an attached task whose launcher is silent th
 HEARTBEATS_PER_TIMEOUT = 3       # the launcher beats three times per timeout
 
 TAG_VAR = "TFCLUSTER_JOB_ID"     # the environment variable that carries a task's tag
+PROBE_VAR = "TFCLUSTER_PROBE"    # "placement,waits": run the start-up probe (probe/) in this task
 EXIT_ERROR = 3                   # the shim's exit status after an error envelope
 
 

@@ -47,6 +47,8 @@ def spawn(req: dict) -> tuple[subprocess.Popen, str, int]:
     env = dict(os.environ)
     env.update({str(k): str(v) for k, v in (req.get("env") or {}).items()})
     env[TAG_VAR] = tag
+    if env.get(proto.PROBE_VAR):
+        _add_probe(env)
     log_fd = open_private(log)
     offset = os.fstat(log_fd).st_size
     try:
@@ -63,6 +65,14 @@ def spawn(req: dict) -> tuple[subprocess.Popen, str, int]:
         record["port"] = req["port"]
     write_pidfile(pidfile, record)
     return proc, log, offset
+
+
+def _add_probe(env: dict) -> None:
+    """Put the start-up probe (probe/sitecustomize.py beside this file) first on the
+    task's PYTHONPATH; the probe takes itself off again for the task's children."""
+    probe = os.path.join(os.path.dirname(os.path.abspath(__file__)), "probe")
+    rest = env.get("PYTHONPATH")
+    env["PYTHONPATH"] = probe + (os.pathsep + rest if rest else "")
 
 
 class Attached:

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 from tfcluster import names, policy, state
+from tfcluster.diagnoses import RunChecks
 from tfcluster.errors import DeadlineError, ExitCode, TaskError, Terminated, TfclusterError, UsageError
 from tfcluster.plan import Plan, TaskPlan
 from tfcluster.preflight import preflight
@@ -72,6 +73,7 @@ class Run:
     events: "queue.Queue[tuple[Supervised, int, int]]" = field(default_factory=queue.Queue)
     procs: list[Supervised] = field(default_factory=list)
     owns_servers: bool = False
+    checks: RunChecks | None = None
 
 
 def train(plan: Plan, ui, options: Options) -> int:
@@ -80,8 +82,10 @@ def train(plan: Plan, ui, options: Options) -> int:
     with state.ClusterLock(plan.name, "train"), Session(plan, ui) as session:
         ui.info(f"run {run_id}: connecting to {len(plan.hosts)} host(s)…")
         session.open(survey=server_tasks(plan))
-        mux = _make_mux(plan, ui, options, run_id)
-        run = Run(plan, ui, options, run_id, session, mux)
+        events: queue.Queue = queue.Queue()
+        checks = RunChecks(plan, ui, os.path.join(options.runs_dir, run_id), lambda: events.put(None))
+        mux = _make_mux(plan, ui, options, run_id, checks)
+        run = Run(plan, ui, options, run_id, session, mux, events, checks=checks)
         manifest = Manifest(plan, run_id, os.path.join(options.runs_dir, run_id))
         outcome: tuple[int, str] = (int(ExitCode.ERROR), "did not start")
         try:
@@ -97,7 +101,7 @@ def train(plan: Plan, ui, options: Options) -> int:
         finally:
             _shutdown(run, interrupted=outcome[0] in (ExitCode.INTERRUPTED, ExitCode.TERMINATED))
             mux.close()
-            manifest.finish(run.procs, outcome)
+            manifest.finish(run.procs, outcome, checks.summary())
             _summary(run, outcome)
 
 
@@ -108,7 +112,7 @@ def _check_task_filter(plan: Plan, show: tuple[str, ...]) -> None:
             raise UsageError(f"--task {key}: no such task (tasks: {', '.join(sorted(keys))})")
 
 
-def _make_mux(plan: Plan, ui, options: Options, run_id: str):
+def _make_mux(plan: Plan, ui, options: Options, run_id: str, checks: RunChecks):
     from tfcluster.logmux import LogMux
 
     keys = [t.key for t in plan.tasks if t.runs_script or t.runs_server]
@@ -122,7 +126,8 @@ def _make_mux(plan: Plan, ui, options: Options, run_id: str):
     save_dir = os.path.join(options.runs_dir, run_id)
     os.makedirs(save_dir, mode=0o700, exist_ok=True)
     return LogMux(ui.byte_stdout, keys, color=ui.color, show=show, save_dir=save_dir,
-                  hide_noise=not options.verbose)
+                  hide_noise=not options.verbose,
+                  watch=(checks.markers, checks.on_line) if checks.markers else None)
 
 
 # -- the run ---------------------------------------------------------------------------------
@@ -214,10 +219,14 @@ def _supervise(run: Run) -> tuple[int, str]:
             run.ui.warn(f"workers still running {policy.PEER_GRACE:.0f}s after the chief finished; "
                         f"stopping them")
             return int(ExitCode.OK), "succeeded (stragglers stopped)"
+        run.checks.tick(run.procs, run.mux)
         try:
-            proc, attempt, rc = run.events.get(timeout=0.5)
+            event = run.events.get(timeout=0.5)
         except queue.Empty:
             continue
+        if event is None:
+            continue        # a check woke us
+        proc, attempt, rc = event
         if attempt != proc.attempt:
             continue  # an earlier attempt's exit, already handled
         proc.exit_code, proc.ended = rc, time.time()
@@ -318,7 +327,10 @@ def _stop_role(run: Run, role: str, fast: threading.Event) -> None:
     deadline = time.monotonic() + run.options.grace + 5
     while any(p.exit_code is None for p in live) and time.monotonic() < deadline and not fast.is_set():
         try:
-            proc, _attempt, rc = run.events.get(timeout=0.2)
+            event = run.events.get(timeout=0.2)
+            if event is None:
+                continue
+            proc, _attempt, rc = event
             if proc.exit_code is None:
                 proc.exit_code, proc.ended = rc, time.time()
         except queue.Empty:
@@ -334,4 +346,6 @@ def _summary(run: Run, outcome: tuple[int, str]) -> None:
         last = (run.mux.last_line_matching(p.key, LOSS_LINE) or "").replace("tfcluster-result: ", "")
         rows.append((p.task.key, p.task.host, "-" if p.exit_code is None else str(p.exit_code),
                      str(p.restarts), f"{duration:.1f}s", last))
-    print_summary(run.ui, run.run_id, rows, outcome, os.path.join(run.options.runs_dir, run.run_id))
+    checks = run.checks.summary() if run.checks else {}
+    print_summary(run.ui, run.run_id, rows, outcome, os.path.join(run.options.runs_dir, run.run_id),
+                  checks if run.plan.probes() or run.plan.checks.hang_after else {})

@@ -1,0 +1,257 @@
+"""Issue 9's diagnoses: the placement-consistency check and the hang watchdog.
+
+Unit tests of the pure parts (placement.py, watchdog.py), the start-up probe run in a
+real interpreter, and end-to-end runs that produce each failure for real with scripts
+written the way users write them (tests/scripts/)."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import tagged_processes, wait_for
+from tests.train_helpers import kill_group, local_spec, manifest, only_run, read_until, start_tfcluster, tfcluster
+from tfcluster import placement as pl
+from tfcluster import watchdog as wd
+
+SCRIPTS = Path(__file__).parent / "scripts"
+PROBE_DIR = Path(pl.__file__).parent / "probe"
+
+
+@pytest.fixture
+def work(tmp_path, home):
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    return tmp_path, home, cwd
+
+
+# -- placement: pure -----------------------------------------------------------------------
+
+def report(task: str, *rows) -> bytes:
+    import json
+    return b"tfcluster-placement: " + json.dumps({"task": task, "vars": [list(r) for r in rows]}).encode()
+
+
+def test_devices_normalise_to_job_and_task_and_own_task_is_this_task():
+    assert pl.normalise("/job:ps/replica:0/task:1/device:CPU:0", "worker:0") == "/job:ps/task:1"
+    assert pl.normalise("/job:ps/task:1", "worker:0") == "/job:ps/task:1"
+    assert pl.normalise("/job:worker/task:1", "worker:1") == "this task"
+    assert pl.normalise("/job:worker/task:1", "worker:0") == "/job:worker/task:1"
+    assert pl.normalise("", "worker:0") == pl.normalise("/device:GPU:0", "worker:0") == "this task"
+
+
+def test_first_differing_variable_in_creation_order_names_both_tasks_and_devices():
+    check = pl.PlacementCheck(["worker:0", "worker:1", "worker:2"])
+    a = pl.parse(report("worker:0", ["step:0", "/job:ps/task:0", [], "int64"],
+                        ["b:0", "/job:ps/task:1", [4], "float32"], ["a:0", "/job:ps/task:0", [4], "float32"]))
+    b = pl.parse(report("worker:1", ["step:0", "/job:ps/task:0", [], "int64"],
+                        ["a:0", "/job:ps/task:1", [4], "float32"], ["b:0", "/job:ps/task:0", [4], "float32"]))
+    assert check.add(b) is None                      # alone: nothing to compare
+    found = check.add(a)
+    assert found == pl.Mismatch("b:0", "device", "worker:0", "/job:ps/task:1", "worker:1", "/job:ps/task:0")
+    assert found.message() == ("placement mismatch: variable 'b:0' has device /job:ps/task:1 in worker:0 "
+                               "but /job:ps/task:0 in worker:1")
+    assert check.summary() == found.message()
+
+
+def test_local_variables_on_each_workers_own_task_are_consistent_and_shape_differences_are_not():
+    check = pl.PlacementCheck(["worker:0", "worker:1"])
+    assert check.add(pl.parse(report("worker:0", ["local:0", "/job:worker/task:0", [2], "float32"]))) is None
+    assert check.add(pl.parse(report("worker:1", ["local:0", "/job:worker/task:1", [2], "float32"]))) is None
+    assert check.summary() == "consistent across 2 tasks (1 variables)"
+    shaped = pl.PlacementCheck(["worker:0", "worker:1"])
+    shaped.add(pl.parse(report("worker:0", ["w:0", "/job:ps/task:0", [2], "float32"])))
+    found = shaped.add(pl.parse(report("worker:1", ["w:0", "/job:ps/task:0", [3], "float32"])))
+    assert (found.what, found.value_a, found.value_b) == ("shape", "[2]", "[3]")
+
+
+def test_reports_from_unknown_tasks_and_garbage_lines_are_ignored():
+    check = pl.PlacementCheck(["worker:0"])
+    assert pl.parse(b"tfcluster-placement: {not json") is None
+    assert pl.parse(b"step=1 loss=2") is None
+    assert check.add(pl.parse(report("ps:0", ["w:0", "/job:ps/task:0", [], "float32"]))) is None
+    assert check.summary().startswith("no task reported")
+
+
+# -- watchdog: pure ------------------------------------------------------------------------
+
+SESSION_LINE = (b"I0000 00:00:1795407056.226120   11206 master.cc:278] CreateSession still waiting "
+                b"for response from worker: /job:worker/replica:0/task:1")
+
+
+def test_a_createsession_wait_is_due_once_it_has_lasted_hang_after_and_repeats_at_a_bounded_rate():
+    dog = wd.Watchdog(hang_after=20)
+    dog.saw("worker:0", SESSION_LINE, now=100.0)      # TF says so 10 s into the wait
+    assert dog.due(105.0, {"worker:0"}) == []
+    dog.saw("worker:0", SESSION_LINE, now=110.0)
+    [wait] = dog.due(110.0, {"worker:0"})
+    assert (wait.waiter, wait.kind, wait.target, wait.start) == ("worker:0", "session", "worker:1", 90.0)
+    dog.saw("worker:0", SESSION_LINE, now=120.0)
+    assert dog.due(120.0, {"worker:0"}) == []          # said 10 s ago: not again yet
+    for t in range(130, 180, 10):
+        dog.saw("worker:0", SESSION_LINE, now=float(t))
+    assert dog.due(171.0, {"worker:0"}) != []          # repeat = max(60, 3 x hang_after)
+
+
+def test_a_wait_that_stopped_or_whose_waiter_ended_is_dropped_and_the_server_log_counts_as_its_task():
+    dog = wd.Watchdog(hang_after=20)
+    dog.saw("worker:0.server", SESSION_LINE, now=100.0)
+    assert dog.due(140.0, {"worker:0"}) == []           # no message for 40 s: the wait ended
+    dog.saw("worker:0.server", SESSION_LINE, now=200.0)
+    dog.saw("worker:0.server", SESSION_LINE, now=210.0)
+    assert dog.due(211.0, set()) == []                  # worker:0 no longer runs
+
+
+def test_not_ready_waits_are_on_the_chief_and_connection_failures_map_addresses_to_tasks():
+    dog = wd.Watchdog(hang_after=20, targets={"127.0.0.1:2222": "ps:0"}, chief="worker:0")
+    dog.saw("worker:1", b"tfcluster-not-ready: Variables not initialized: w, b", now=0.0)
+    dog.saw("worker:1", b"tfcluster-not-ready: Variables not initialized: w, b", now=21.0)
+    [wait] = dog.due(21.0, {"worker:1"})
+    assert (wait.kind, wait.target, wait.detail) == ("not-ready", "worker:0", "w, b")
+    dog.saw("worker:0", b"UNAVAILABLE: failed to connect to all addresses; last error: UNKNOWN: "
+                        b"ipv4:127.0.0.1:2222: Failed to connect to remote host: Connection refused", now=30.0)
+    dog.saw("worker:0", b"ipv4:127.0.0.1:2222: Failed to connect to remote host: Connection refused", now=51.0)
+    [wait] = dog.due(51.0, {"worker:0", "worker:1"})
+    assert (wait.kind, wait.target, wait.detail) == ("unavailable", "ps:0", "127.0.0.1:2222")
+
+
+def test_silence_is_reported_only_past_the_repeat_interval_and_not_while_a_known_wait_explains_it():
+    dog = wd.Watchdog(hang_after=20)
+    dog.silent("worker:1", since=0.0, now=59.0)
+    assert dog.due(59.0, {"worker:1"}) == []
+    dog.silent("worker:1", since=0.0, now=61.0)
+    [wait] = dog.due(61.0, {"worker:1"})
+    assert wait.kind == "silent"
+    quiet = wd.Watchdog(hang_after=20)
+    quiet.silent("worker:0", since=0.0, now=100.0)
+    quiet.saw("worker:0", SESSION_LINE, now=90.0)
+    quiet.saw("worker:0", SESSION_LINE, now=100.0)
+    assert [w.kind for w in quiet.due(100.0, {"worker:0"})] == ["session"]
+
+
+@pytest.mark.parametrize("facts, expected", [
+    (wd.Facts("local", "127.0.0.1:2231", "finished", exit_code=0), "device_filters=['/job:ps', '/job:worker/task:0']"),
+    (wd.Facts("local", "127.0.0.1:2231", "failed", exit_code=3), "exited with code 3"),
+    (wd.Facts("local", "127.0.0.1:2231", "running", pid=7, port="connection refused", quiet_for=12,
+              last_line="booting"), "is running (pid 7, last output 12s ago: 'booting'). Its port does not "
+                                     "accept connections from h0 (connection refused)"),
+    (wd.Facts("local", "127.0.0.1:2231", "running", pid=7, port=None, proxy="https_proxy"), "A proxy is set"),
+])
+def test_each_cause_gets_its_own_explanation(facts, expected):
+    wait = wd.Wait("worker:0", "session", "worker:1", "", start=0.0, last=25.0)
+    line = wd.explain(wait, facts, 25.0, "h0", "runs/x/worker-1.log")
+    assert line.startswith("worker:0 has waited 25s for worker:1 (local, 127.0.0.1:2231): worker:1 ")
+    assert expected in line and "\n" not in line
+
+
+# -- the probe in a real interpreter -------------------------------------------------------
+
+PROBED = """
+import os, subprocess, sys
+import tensorflow as tf
+tf.compat.v1.disable_eager_execution()
+with tf.compat.v1.device("/job:ps/task:1"):
+    v = tf.compat.v1.get_variable("v", [2, 3])
+tf.compat.v1.Session().close()
+tf.compat.v1.Session().close()          # only the first session reports
+print("child PYTHONPATH:", os.environ.get("PYTHONPATH"), flush=True)
+print("user sitecustomize ran:", os.environ.get("USER_SITE_RAN"), flush=True)
+"""
+
+
+@pytest.mark.tf
+@pytest.mark.timeout(120)
+def test_probe_reports_the_first_sessions_variables_and_chains_the_users_sitecustomize(tmp_path):
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "sitecustomize.py").write_text("import os\nos.environ['USER_SITE_RAN'] = 'yes'\n")
+    env = {**os.environ, "PYTHONPATH": f"{PROBE_DIR}{os.pathsep}{user}", "TFCLUSTER_PROBE": "placement,waits",
+           "TFCLUSTER_JOB": "worker", "TFCLUSTER_TASK_INDEX": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    out = subprocess.run([sys.executable, "-c", PROBED], env=env, capture_output=True, text=True, timeout=100)
+    assert out.returncode == 0, out.stderr
+    reports = [line for line in out.stderr.splitlines() if line.startswith("tfcluster-placement: ")]
+    assert len(reports) == 1
+    parsed = pl.parse(reports[0].encode())
+    assert parsed == pl.Report("worker:1", (pl.Variable("v:0", "/job:ps/task:1", "[2, 3]", "float32"),))
+    assert f"child PYTHONPATH: {user}" in out.stdout        # the task's children are not probed
+    assert "user sitecustomize ran: yes" in out.stdout
+
+
+def test_probe_off_loads_nothing_and_still_chains(tmp_path):
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "sitecustomize.py").write_text("print('user site', flush=True)\n")
+    code = "import sys; print([type(f).__name__ for f in sys.meta_path if 'After' in str(f)])"
+    env = {**os.environ, "PYTHONPATH": f"{PROBE_DIR}{os.pathsep}{user}", "TFCLUSTER_PROBE": ""}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=30)
+    assert out.stdout.splitlines() == ["user site", "[]"], out
+
+
+# -- end to end ----------------------------------------------------------------------------
+
+@pytest.mark.tf
+@pytest.mark.timeout(300)
+def test_variables_created_from_a_set_stop_the_run_with_exit_8_naming_variable_tasks_and_devices(work):
+    tmp, home, cwd = work
+    spec = local_spec(tmp, script=str(SCRIPTS / "set_order.py"), ps=2, workers=2, name="setorder")
+    out = tfcluster("train", str(spec), "--runs-dir", str(tmp / "runs"), home=home, cwd=cwd, timeout=240)
+    assert out.returncode == 8, out.stdout + out.stderr
+    error = [line for line in out.stderr.splitlines() if "placement mismatch" in line]
+    assert error, out.stderr
+
+    m = re.search(r"placement mismatch: variable 'layer\d+:0' has device /job:ps/task:(\d) in worker:0 "
+                  r"but /job:ps/task:(\d) in worker:1", error[0])
+    assert m and m.group(1) != m.group(2), error[0]
+    assert "create the variables in a fixed order" in out.stderr
+    run = only_run(tmp / "runs")
+    assert manifest(run)["exit_code"] == 8
+    assert manifest(run)["checks"]["placement"].startswith("placement mismatch: variable 'layer")
+    assert "tfcluster-placement" not in out.stdout      # the reports are saved, never shown live
+    assert "tfcluster-placement" in (run / "worker-1.log").read_text()
+    wait_for(lambda: not tagged_processes(), 20, what="every task stopped")
+
+
+@pytest.mark.tf
+@pytest.mark.timeout(300)
+def test_the_same_script_with_the_check_off_is_not_stopped_by_it(work):
+    tmp, home, cwd = work
+    spec = local_spec(tmp, script=str(SCRIPTS / "set_order.py"), ps=2, workers=2, name="setoff",
+                      extra="  timeout: 40s\n  checks: {placement: false, hang_after: off}\n")
+    out = tfcluster("train", str(spec), "--runs-dir", str(tmp / "runs"), home=home, cwd=cwd, timeout=240)
+    assert out.returncode == 6, out.stdout + out.stderr          # only train.timeout ends it
+    assert "placement" not in out.stderr
+    assert manifest(only_run(tmp / "runs"))["checks"] == {"placement": "off"}
+
+
+@pytest.mark.tf
+@pytest.mark.timeout(300)
+def test_a_late_worker_gets_a_diagnosis_naming_it_its_host_and_its_closed_port_and_the_run_goes_on(work):
+    tmp, home, cwd = work
+    go = tmp / "go"
+    spec = local_spec(tmp, mode="classic", script=str(SCRIPTS / "late_worker.py"), ps=1, workers=2, name="late")
+    spec.write_text(spec.read_text().replace("train:\n", f"env: {{LATE_WORKER_GO: '{go}'}}\ntrain:\n"))
+    port = int(re.search(r"worker: \{tasks: \[\"local:\d+\", \"local:(\d+)\"", spec.read_text()).group(1))
+    proc = start_tfcluster("train", str(spec), "--runs-dir", str(tmp / "runs"), home=home, cwd=cwd)
+    try:
+        lines = read_until(proc, r"worker:0 has waited \d+s for worker:1", timeout=150)
+        started = next(i for i, line in enumerate(lines) if "Starting the script" in line)
+        diagnosis = lines[-1]
+        assert f"worker:1 (local, 127.0.0.1:{port}): worker:1 is running (pid " in diagnosis
+        assert "worker 1: waiting for the go file" in diagnosis          # its last line
+        assert "Its port does not accept connections from local (connection refused)" in diagnosis
+        assert "has not started its TF server yet" in diagnosis
+        assert not any("CreateSession still waiting" in line for line in lines)   # INFO: saved, not live
+        assert started < len(lines) - 1
+        go.write_text("")
+        rest = proc.communicate(timeout=150)[0]
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 0, rest
+    run = only_run(tmp / "runs")
+    assert "CreateSession still waiting for response from worker: /job:worker/replica:0/task:1" in \
+        (run / "worker-0.log").read_text()
+    assert manifest(run)["checks"]["hang"].endswith("diagnosis(es)")

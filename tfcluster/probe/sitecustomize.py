@@ -1,0 +1,153 @@
+"""tfcluster's start-up probe for a training script (docs/ARCHITECTURE.md, "Diagnoses").
+
+tfcluster puts this directory first on a script's PYTHONPATH, so Python runs this file
+at start-up as `sitecustomize`. It imports nothing heavy and changes nothing until the
+script itself imports TensorFlow's session module; then it wraps `BaseSession.__init__`
+so that the first session created with global variables in its graph prints one line
+
+    tfcluster-placement: {"task": "worker:1", "vars": [[name, device, shape, dtype], ...]}
+
+to stderr (the task's log), which the launcher compares across workers. It also reports
+when `SessionManager` finds the model not ready (variables not initialised), a wait that
+TensorFlow logs only at INFO level. Any `sitecustomize` the user has runs afterwards,
+exactly as it would have; this directory is taken back off PYTHONPATH so the script's
+own child processes are not probed.
+"""
+import importlib.machinery
+import importlib.util
+import json
+import os
+import sys
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_MARK = "tfcluster-placement: "
+_WAIT_MARK = "tfcluster-not-ready: "
+_MAX_VARS = 20000
+_reported = []
+
+
+def _emit(text):
+    try:
+        os.write(2, (text + "\n").encode("utf-8", "replace"))
+    except OSError:
+        pass
+
+
+def _report(session):
+    if _reported:
+        return
+    graph = getattr(session, "graph", None)
+    if graph is None:
+        return
+    variables = graph.get_collection("variables")
+    if not variables:
+        return
+    _reported.append(True)
+    rows = []
+    for v in variables[:_MAX_VARS]:
+        try:
+            shape = v.shape.as_list() if v.shape.rank is not None else None
+        except (AttributeError, ValueError):
+            shape = None
+        dtype = getattr(getattr(v, "dtype", None), "base_dtype", None)
+        rows.append([v.name, v.device or "", shape, getattr(dtype, "name", str(dtype))])
+    task = "%s:%s" % (os.environ.get("TFCLUSTER_JOB", "?"), os.environ.get("TFCLUSTER_TASK_INDEX", "?"))
+    _emit(_MARK + json.dumps({"task": task, "pid": os.getpid(), "vars": rows,
+                              "truncated": len(variables) > _MAX_VARS}, separators=(",", ":")))
+
+
+def _patch_session(module):
+    cls = getattr(module, "BaseSession", None)
+    original = getattr(cls, "__init__", None)
+    if original is None or getattr(original, "_tfcluster", False):
+        return
+
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        try:
+            _report(self)
+        except Exception:  # noqa: BLE001 - the probe must never break the user's script
+            pass
+
+    __init__._tfcluster = True
+    cls.__init__ = __init__
+
+
+def _patch_session_manager(module):
+    cls = getattr(module, "SessionManager", None)
+    original = getattr(cls, "_model_not_ready", None)
+    if original is None or getattr(original, "_tfcluster", False):
+        return
+
+    def _model_not_ready(self, sess):
+        why = original(self, sess)
+        if why:
+            try:
+                _emit(_WAIT_MARK + " ".join(str(why).split())[:2000])
+            except Exception:  # noqa: BLE001
+                pass
+        return why
+
+    _model_not_ready._tfcluster = True
+    cls._model_not_ready = _model_not_ready
+
+
+_TARGETS = {
+    "tensorflow.python.client.session": _patch_session,
+    "tensorflow.python.training.session_manager": _patch_session_manager,
+}
+
+
+class _AfterImport:
+    """Patches a module right after it is executed, without importing it early."""
+
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        patch = _TARGETS.get(name)
+        if patch is None:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        loader = spec.loader
+        original = loader.exec_module
+
+        def exec_module(module):
+            original(module)
+            try:
+                patch(module)
+            except Exception:  # noqa: BLE001
+                pass
+
+        loader.exec_module = exec_module
+        return spec
+
+
+def _unprobe_children():
+    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    rest = [p for p in parts if os.path.abspath(p) != _HERE]
+    if rest:
+        os.environ["PYTHONPATH"] = os.pathsep.join(rest)
+    else:
+        os.environ.pop("PYTHONPATH", None)
+
+
+def _chain_user_sitecustomize():
+    path = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", path)
+    if spec is None or spec.loader is None:
+        return
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["sitecustomize"] = module
+    spec.loader.exec_module(module)   # its errors surface exactly as site.py shows them
+
+
+_WANTED = set(os.environ.get("TFCLUSTER_PROBE", "").split(","))
+if "placement" not in _WANTED:
+    del _TARGETS["tensorflow.python.client.session"]
+if "waits" not in _WANTED:
+    del _TARGETS["tensorflow.python.training.session_manager"]
+if _TARGETS:
+    sys.meta_path.insert(0, _AfterImport)
+_unprobe_children()
+_chain_user_sitecustomize()
