@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from tfcluster import names, policy, state
 from tfcluster.errors import DeadlineError, ExitCode, TaskError, Terminated, TfclusterError, UsageError
 from tfcluster.plan import Plan, TaskPlan
-from tfcluster.preflight import preflight
+from tfcluster.preflight import check_versions, preflight
 from tfcluster.render import print_summary
 from tfcluster.runs import Manifest
 from tfcluster.servers import Started, wait_ready
@@ -42,6 +42,7 @@ class Options:
     grace: float = SCRIPT_GRACE
     heartbeat: float = DEFAULT_HEARTBEAT_TIMEOUT
     verbose: bool = False           # show TF's start-up chatter too
+    allow_skew: bool = False        # hosts on other Python/TF minor versions: warn, go on
 
 
 @dataclass
@@ -130,6 +131,7 @@ def _make_mux(plan: Plan, ui, options: Options, run_id: str):
 def _run(run: Run) -> tuple[int, str]:
     plan, ui = run.plan, run.ui
     script_tasks = [t for t in plan.tasks if t.runs_script]
+    check_versions(run.session, allow_skew=run.options.allow_skew)
     _prepare_servers(run)
     # In classic mode the scripts build their own servers: their ports must be free too.
     preflight(run.session, script_tasks, ports=plan.mode == "classic")
