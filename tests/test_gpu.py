@@ -16,9 +16,11 @@ from tests.train_helpers import cli_env
 pytestmark = [pytest.mark.tf, pytest.mark.timeout(240)]
 
 FAKE_SMI = """#!/bin/sh
-[ "$1" = "-L" ] || exit 1
-echo "GPU 0: Fake GPU (UUID: GPU-0)"
-echo "GPU 1: Fake GPU (UUID: GPU-1)"
+case "$*" in
+  "--query-gpu=driver_version --format=csv,noheader") echo 550.54.15; echo 550.54.15 ;;
+  -L) echo "GPU 0: Fake GPU (UUID: GPU-0)"; echo "GPU 1: Fake GPU (UUID: GPU-1)" ;;
+  *) exit 1 ;;
+esac
 """
 
 # Writes what it sees, and what its task's server sees, then ends the run.

@@ -33,6 +33,9 @@ class HostInfo:
     tf_version: str | None
     machine_id: str
     gpus: int
+    cuda_version: str | None = None     # what TF was built with; None for a CPU build
+    cudnn_version: str | None = None
+    driver_version: str | None = None   # the NVIDIA driver, when nvidia-smi answers
 
 
 @dataclass(frozen=True)
@@ -112,7 +115,8 @@ class HostAgent:
             self._surveyed = (survey[0], tuple(survey[1]), answers)
         info = answers[proto.INFO]
         return HostInfo(python_version=info["python_version"], tf_version=info["tf_version"],
-                        machine_id=info["machine_id"], gpus=int(info["gpus"]))
+                        machine_id=info["machine_id"], gpus=int(info["gpus"]),
+                        **{k: info.get(k) for k in ("cuda_version", "cudnn_version", "driver_version")})
 
     def _bootstrap(self, commands: dict) -> dict:
         self._check_cancelled()

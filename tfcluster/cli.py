@@ -41,6 +41,7 @@ _ui = UI()
 
 SpecArg = typer.Argument(..., help="Cluster spec (YAML), e.g. sample_clusters/local.yaml",
                          metavar="SPEC")
+SKEW_HELP = "Hosts on different Python or TensorFlow minor versions: warn and go on, not exit 4"
 
 
 def _version(value: bool) -> None:
@@ -84,6 +85,7 @@ def plan(
     check: bool = typer.Option(False, "--check",
                                help="Also connect to every host and run the preflight checks "
                                     "(python, tensorflow, GPUs, ports free). Starts nothing."),
+    allow_skew: bool = typer.Option(False, "--allow-skew", help=SKEW_HELP + " (only with --check)."),
 ) -> int:
     """Show what would run where: tasks, ports, GPUs, TF_CONFIG. No network unless --check.
 
@@ -99,7 +101,7 @@ def plan(
     if check:
         from tfcluster import lifecycle
 
-        lifecycle.check(p, _ui)
+        lifecycle.check(p, _ui, allow_skew=allow_skew)
     return ExitCode.OK
 
 
@@ -110,6 +112,7 @@ def up(
     spec_path: str = SpecArg,
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan; touch nothing."),
     timeout: float = typer.Option(120.0, "--timeout", help="Seconds to wait for every server."),
+    allow_skew: bool = typer.Option(False, "--allow-skew", help=SKEW_HELP + "."),
 ) -> int:
     """Start the cluster's TF servers and wait until each accepts connections.
 
@@ -127,7 +130,7 @@ def up(
         return ExitCode.OK
     from tfcluster import lifecycle
 
-    return lifecycle.up(p, _ui, timeout=timeout)
+    return lifecycle.up(p, _ui, timeout=timeout, allow_skew=allow_skew)
 
 
 @app.command()
@@ -222,6 +225,7 @@ def train(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No live task output; summary only."),
     runs_dir: str = typer.Option("runs", "--runs-dir", help="Where per-run logs and manifest are saved."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Also show TF's start-up log noise."),
+    allow_skew: bool = typer.Option(False, "--allow-skew", help=SKEW_HELP + "."),
 ) -> int:
     """Run the training script on the cluster with live, prefixed logs.
 
@@ -248,7 +252,7 @@ def train(
         print_plan(_ui, p, commands=True)
         return ExitCode.OK
     options = supervisor.Options(show=tuple(task or ()), quiet=quiet, runs_dir=runs_dir,
-                                 verbose=verbose)
+                                 verbose=verbose, allow_skew=allow_skew)
     return supervisor.train(p, _ui, options)
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from tfcluster import names, state
 from tfcluster.errors import ExitCode, TfclusterError
 from tfcluster.plan import Plan, TaskPlan
-from tfcluster.preflight import preflight
+from tfcluster.preflight import check_versions, preflight
 from tfcluster.servers import READY_TIMEOUT, Started, start_detached
 from tfcluster.session import Session, server_tasks
 from tfcluster.shim_protocol import DEFAULT_GRACE
@@ -19,7 +19,7 @@ from tfcluster.shim_protocol import DEFAULT_GRACE
 PORT_SETTLE = 5.0     # a just-killed server's socket may take a moment to go
 
 
-def up(plan: Plan, ui, timeout: float = READY_TIMEOUT) -> int:
+def up(plan: Plan, ui, timeout: float = READY_TIMEOUT, allow_skew: bool = False) -> int:
     servers = server_tasks(plan)
     if not servers:
         ui.info(f"mode {plan.mode!r} runs no tfcluster servers: nothing to start "
@@ -36,6 +36,7 @@ def up(plan: Plan, ui, timeout: float = READY_TIMEOUT) -> int:
             return ExitCode.OK
         if live:
             ui.info(f"{len(live)} server(s) already running; starting the {len(missing)} missing")
+        check_versions(session, allow_skew=allow_skew)
         preflight(session, missing, busy=busy)
         run_id = names.new_run_id("up")
         ui.info(f"Starting {len(missing)} server(s)…")
@@ -161,15 +162,12 @@ def unreachable_error(unreachable: dict[str, BaseException]) -> TfclusterError:
     return TfclusterError(message, hint=hint, exit_code=code)
 
 
-def check(plan: Plan, ui) -> None:
-    """`plan --check`: connect, run the preflight checks, start nothing."""
+def check(plan: Plan, ui, allow_skew: bool = False) -> None:
+    """`plan --check`: connect, report the hosts' versions, run the preflight checks, start nothing."""
     with Session(plan, ui) as session:
         ui.info(f"Checking {len(plan.hosts)} host(s)…")
         session.open()
-        for name in plan.hosts:
-            info = session.infos[name]
-            ui.ok(f"{name}: python {info.python_version}, tensorflow {info.tf_version or 'MISSING'}, "
-                  f"{info.gpus} GPU(s), machine {info.machine_id[:8] or '?'}")
+        check_versions(session, allow_skew=allow_skew, report=True)
         binders = [t for t in plan.tasks if t.runs_server or (plan.mode == "classic" and t.runs_script)]
         preflight(session, binders)
         ui.ok("preflight passed: every host can run its tasks and every port is free")

@@ -1,9 +1,12 @@
 """Preflight: are the hosts fit for these tasks? TensorFlow importable, GPUs present,
-no two tasks on one machine sharing a port, and every port free. Nothing is started."""
+no two tasks on one machine sharing a port, and every port free; and do the hosts agree
+on their Python and TensorFlow versions (versions.py). Nothing is started."""
 from __future__ import annotations
 
+from tfcluster import versions
 from tfcluster.errors import PreflightError
 from tfcluster.plan import TaskPlan
+from tfcluster.render import version_table
 from tfcluster.session import Session, by_host, raise_first
 
 
@@ -21,18 +24,27 @@ def preflight(session: Session, tasks: list[TaskPlan], *, ports: bool = True,
                      f"{host.python} -m pip install tensorflow`, or set `python:` in the spec")
         if host.gpus and info.gpus < host.gpus:
             raise PreflightError(f"host {name}: the spec gives it {host.gpus} GPUs but it has {info.gpus}")
-    _warn_version_skew(session.ui, infos)
     if ports:
         _check_same_machine_ports(infos, tasks)
         _check_ports_free(session, tasks, busy)
 
 
-def _warn_version_skew(ui, infos: dict) -> None:
-    for field in ("python_version", "tf_version"):
-        versions = {getattr(i, field) for i in infos.values() if getattr(i, field)}
-        if len(versions) > 1:
-            detail = ", ".join(f"{n}={getattr(i, field)}" for n, i in sorted(infos.items()))
-            ui.warn(f"hosts differ in {field.replace('_', ' ')}: {detail}")
+def check_versions(session: Session, *, allow_skew: bool, report: bool = False) -> None:
+    """Hosts on another Python or TensorFlow minor version than the rest: an error (exit 4)
+    with the version table before it, or with `allow_skew` the table and a warning. The
+    table is printed anyway with `report` (`plan --check`)."""
+    infos = {h: session.infos[h] for h in session.host_names if h in session.infos}
+    skews = versions.find_skews(infos)
+    table = version_table(infos, versions.odd_fields(skews))
+    if skews and not allow_skew:
+        raise PreflightError(
+            versions.message(skews), details=session.ui.table_text(*table),
+            hint="install the same Python and TensorFlow minor versions on every host (the table "
+                 "marks the odd ones), or pass --allow-skew to go on anyway")
+    if skews or report:
+        session.ui.table(*table, stderr=True)
+    if skews:
+        session.ui.warn(f"{versions.message(skews)} (going on: --allow-skew)")
 
 
 def _check_same_machine_ports(infos: dict, tasks: list[TaskPlan]) -> None:

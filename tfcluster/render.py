@@ -43,6 +43,26 @@ def print_plan(ui, plan: Plan, *, commands: bool = False) -> None:
             ui.text(f"  {name}={shlex.quote(value)}")
 
 
+VERSION_COLUMNS = ("host", "python", "tensorflow", "cuda/cudnn", "driver", "GPUs")
+
+
+def version_table(infos: dict, odd: dict[str, list[str]]) -> tuple:
+    """(title, columns, rows) of the hosts' versions (host -> HostInfo); `odd`: host -> the
+    fields it differs in, marked in a last column. For ui.table, or ui.table_text (an
+    error's details)."""
+    def row(host: str, info) -> tuple[str, ...]:
+        build = (info.cuda_version, info.cudnn_version)
+        cells = (host, info.python_version, info.tf_version or "MISSING",
+                 " / ".join(v or "?" for v in build) if any(build) else "-",
+                 info.driver_version or "-", str(info.gpus))
+        if not odd:
+            return cells
+        return cells + (f"← differs ({', '.join(odd[host])})" if host in odd else "",)
+
+    rows = [row(host, info) for host, info in infos.items()]
+    return f"versions on {len(rows)} host(s)", VERSION_COLUMNS + (("",) if odd else ()), rows
+
+
 def status_json(plan: Plan, rows) -> dict:
     return {"name": plan.name, "tasks": [dataclasses.asdict(r) for r in rows]}
 

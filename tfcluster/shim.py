@@ -41,8 +41,11 @@ def _line(obj) -> bytes:
 
 
 def cmd_info(req: dict) -> dict:
-    return {"python_version": "%d.%d.%d" % sys.version_info[:3], "tf_version": procs.tf_version(),
-            "machine_id": procs.machine_id(), "gpus": procs.gpu_count()}
+    gpus, driver = procs.nvidia()
+    answer = {"python_version": "%d.%d.%d" % sys.version_info[:3], "tf_version": procs.tf_version(),
+              "machine_id": procs.machine_id(), "gpus": gpus, "driver_version": driver}
+    answer.update(procs.tf_build())
+    return answer
 
 
 def cmd_ports(req: dict) -> dict:

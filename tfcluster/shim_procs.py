@@ -185,18 +185,54 @@ def tf_version() -> str | None:
     return None
 
 
-def gpu_count() -> int:
+def tf_build() -> dict:
+    """The CUDA and cuDNN versions TensorFlow was built with (None for a CPU build, or
+    when unknown), read from its build_info.py as text: importing TF costs seconds."""
+    found = {"cuda_version": None, "cudnn_version": None}
     try:
-        out = subprocess.run(["nvidia-smi", "-L"], stdout=subprocess.PIPE,
-                             stderr=subprocess.DEVNULL, timeout=20).stdout
-        return sum(1 for line in out.decode(errors="replace").splitlines()
-                   if line.startswith("GPU "))
+        import importlib.util
+        spec = importlib.util.find_spec("tensorflow")  # locates, runs nothing
+        for folder in (spec.submodule_search_locations or []) if spec else []:
+            path = os.path.join(folder, "python", "platform", "build_info.py")
+            if os.path.isfile(path):
+                with open(path, "rb") as f:
+                    info = _build_info(f.read())
+                for key in found:
+                    found[key] = str(info[key]) if info.get(key) else None
+                break
+    except Exception:  # a broken install is reported by the TF-missing check, not here
+        pass
+    return found
+
+
+def _build_info(source: bytes) -> dict:
+    """`build_info = {...}` or `collections.OrderedDict([(k, v), ...])`, never executed."""
+    import ast
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "build_info"
+                                                for t in node.targets):
+            value = node.value
+            if isinstance(value, ast.Call) and value.args:
+                value = value.args[0]
+            return dict(ast.literal_eval(value))
+    return {}
+
+
+def nvidia() -> tuple[int, str | None]:
+    """(GPU count, driver version or None) from one nvidia-smi call: it answers a line per GPU."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, timeout=20)
+        words = out.stdout.decode(errors="replace").split() if out.returncode == 0 else []
+        drivers = [w for w in words if w[:1].isdigit()]
+        if drivers:
+            return len(drivers), drivers[0]
     except (OSError, subprocess.SubprocessError):
         pass
     try:
-        return len(os.listdir("/proc/driver/nvidia/gpus"))
+        return len(os.listdir("/proc/driver/nvidia/gpus")), None
     except OSError:
-        return 0
+        return 0, None
 
 
 def machine_id() -> str:

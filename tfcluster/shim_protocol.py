@@ -12,7 +12,7 @@ stdout while reading control lines from stdin. Any failure is the envelope
 from __future__ import annotations
 
 # Commands
-INFO = "info"            # python/TF versions, GPUs, machine id
+INFO = "info"            # python/TF versions, TF build (CUDA/cuDNN), GPUs + driver, machine id
 PORTS = "ports"          # port -> null (free) or who holds it
 STATUS = "status"        # pid files of a tag prefix, each verified alive or not
 STOP = "stop"            # TERM, grace, KILL, sweep by tag

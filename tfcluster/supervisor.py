@@ -22,7 +22,7 @@ from tfcluster import names, policy, state
 from tfcluster.diagnoses import RunChecks
 from tfcluster.errors import DeadlineError, ExitCode, TaskError, Terminated, TfclusterError, UsageError
 from tfcluster.plan import Plan, TaskPlan
-from tfcluster.preflight import preflight
+from tfcluster.preflight import check_versions, preflight
 from tfcluster.render import print_summary
 from tfcluster.runs import Manifest
 from tfcluster.servers import Started, wait_ready
@@ -43,6 +43,7 @@ class Options:
     grace: float = SCRIPT_GRACE
     heartbeat: float = DEFAULT_HEARTBEAT_TIMEOUT
     verbose: bool = False           # show TF's start-up chatter too
+    allow_skew: bool = False        # hosts on other Python/TF minor versions: warn, go on
 
 
 @dataclass
@@ -135,6 +136,7 @@ def _make_mux(plan: Plan, ui, options: Options, run_id: str, checks: RunChecks):
 def _run(run: Run) -> tuple[int, str]:
     plan, ui = run.plan, run.ui
     script_tasks = [t for t in plan.tasks if t.runs_script]
+    check_versions(run.session, allow_skew=run.options.allow_skew)
     _prepare_servers(run)
     # In classic mode the scripts build their own servers: their ports must be free too.
     preflight(run.session, script_tasks, ports=plan.mode == "classic")

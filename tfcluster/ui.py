@@ -6,6 +6,7 @@ swap both streams. Rich is imported lazily: `plan --json` never needs it.
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 import sys
@@ -67,18 +68,29 @@ class UI:
 
     def table(self, title: str | None, columns: Sequence[str], rows: Iterable[Sequence[Any]],
               *, stderr: bool = False) -> None:
-        from rich.table import Table
-        from rich.text import Text
+        (self.err if stderr else self.out).print(_table(title, columns, rows))
 
-        table = Table(title=title, title_justify="left", header_style="bold")
-        for column in columns:
-            table.add_column(column)
-        for row in rows:
-            table.add_row(*(c if not isinstance(c, str) else Text(c) for c in row))
-        (self.err if stderr else self.out).print(table)
+    def table_text(self, title: str | None, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+        """The same table as plain text, for an error's `details` (shown just before its line)."""
+        console = _console(io.StringIO(), False)
+        with console.capture() as captured:
+            console.print(_table(title, columns, rows))
+        return captured.get()
 
     def text(self, text: str, *, style: str | None = None) -> None:
         self.out.print(text, style=style, markup=False, highlight=False)
+
+
+def _table(title: str | None, columns: Sequence[str], rows: Iterable[Sequence[Any]]):
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(title=title, title_justify="left", header_style="bold")
+    for column in columns:
+        table.add_column(column)
+    for row in rows:
+        table.add_row(*(c if not isinstance(c, str) else Text(c) for c in row))
+    return table
 
 
 def _console(stream: IO[str], color: bool):
