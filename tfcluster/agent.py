@@ -33,6 +33,7 @@ class HostInfo:
     tf_version: str | None
     machine_id: str
     gpus: int
+    tensorboard_version: str | None = None
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,8 @@ class HostAgent:
             self._surveyed = (survey[0], tuple(survey[1]), answers)
         info = answers[proto.INFO]
         return HostInfo(python_version=info["python_version"], tf_version=info["tf_version"],
-                        machine_id=info["machine_id"], gpus=int(info["gpus"]))
+                        machine_id=info["machine_id"], gpus=int(info["gpus"]),
+                        tensorboard_version=info.get("tensorboard_version"))
 
     def _bootstrap(self, commands: dict) -> dict:
         self._check_cancelled()

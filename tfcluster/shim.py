@@ -42,6 +42,7 @@ def _line(obj) -> bytes:
 
 def cmd_info(req: dict) -> dict:
     return {"python_version": "%d.%d.%d" % sys.version_info[:3], "tf_version": procs.tf_version(),
+            "tensorboard_version": procs.installed_version(procs.TB_DISTRIBUTIONS),
             "machine_id": procs.machine_id(), "gpus": procs.gpu_count()}
 
 
