@@ -36,6 +36,7 @@ class HostInfo:
     cuda_version: str | None = None     # what TF was built with; None for a CPU build
     cudnn_version: str | None = None
     driver_version: str | None = None   # the NVIDIA driver, when nvidia-smi answers
+    tensorboard_version: str | None = None
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,8 @@ class HostAgent:
         info = answers[proto.INFO]
         return HostInfo(python_version=info["python_version"], tf_version=info["tf_version"],
                         machine_id=info["machine_id"], gpus=int(info["gpus"]),
-                        **{k: info.get(k) for k in ("cuda_version", "cudnn_version", "driver_version")})
+                        **{k: info.get(k) for k in ("cuda_version", "cudnn_version", "driver_version")},
+                        tensorboard_version=info.get("tensorboard_version"))
 
     def _bootstrap(self, commands: dict) -> dict:
         self._check_cancelled()

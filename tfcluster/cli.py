@@ -226,6 +226,10 @@ def train(
     runs_dir: str = typer.Option("runs", "--runs-dir", help="Where per-run logs and manifest are saved."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Also show TF's start-up log noise."),
     allow_skew: bool = typer.Option(False, "--allow-skew", help=SKEW_HELP + "."),
+    tensorboard: Optional[str] = typer.Option(
+        None, "--tensorboard", metavar="LOGDIR",
+        help="Run TensorBoard on LOGDIR on the chief's host for the run and print its URL "
+             "(overrides train.tensorboard; same placeholders)."),
 ) -> int:
     """Run the training script on the cluster with live, prefixed logs.
 
@@ -240,7 +244,8 @@ def train(
     from tfcluster.plan import build_plan
     from tfcluster.spec import check_train_files, load_spec, with_train_overrides
 
-    spec = with_train_overrides(load_spec(spec_path), script=script, args=args, timeout=timeout)
+    spec = with_train_overrides(load_spec(spec_path), script=script, args=args, timeout=timeout,
+                                tensorboard=tensorboard)
     if not spec.train.script:
         raise UsageError(f"{spec.path}: no training script: set train.script or pass --script",
                          hint="`tfcluster init` writes a template script to start from")

@@ -9,7 +9,8 @@ import secrets
 import time
 from dataclasses import dataclass
 
-ROLES = ("server", "script")
+TENSORBOARD = "tensorboard"    # the role of the TensorBoard a run starts on its chief's host
+ROLES = ("server", "script", TENSORBOARD)
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,10 @@ def new_run_id(prefix: str, now: float | None = None, token: str | None = None) 
 
 
 def log_name(key: str, role: str = "script") -> str:
-    """On a host: `worker:1` -> `worker-1.log`; a server's `worker-1.server.log`."""
+    """On a host: `worker:1` -> `worker-1.log`; a server's `worker-1.server.log`; the
+    run's TensorBoard `tensorboard.log`."""
+    if role == TENSORBOARD:
+        return log_file(TENSORBOARD)
     return log_file(f"{key}.server" if role == "server" else key)
 
 

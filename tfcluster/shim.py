@@ -43,7 +43,8 @@ def _line(obj) -> bytes:
 def cmd_info(req: dict) -> dict:
     gpus, driver = procs.nvidia()
     answer = {"python_version": "%d.%d.%d" % sys.version_info[:3], "tf_version": procs.tf_version(),
-              "machine_id": procs.machine_id(), "gpus": gpus, "driver_version": driver}
+              "machine_id": procs.machine_id(), "gpus": gpus, "driver_version": driver,
+              "tensorboard_version": procs.installed_version(procs.TB_DISTRIBUTIONS)}
     answer.update(procs.tf_build())
     return answer
 

@@ -19,6 +19,7 @@ else:  # shipped: the shim's directory is first on sys.path
 
 TF_DISTRIBUTIONS = ("tensorflow", "tensorflow-cpu", "tensorflow-gpu", "tf-nightly",
                     "tf-nightly-cpu", "tf-nightly-gpu", "tensorflow-intel", "tensorflow-macos")
+TB_DISTRIBUTIONS = ("tensorboard", "tb-nightly")
 POLL = 0.05
 
 
@@ -173,11 +174,16 @@ def verified(record: dict) -> bool:
 
 
 def tf_version() -> str | None:
+    return installed_version(TF_DISTRIBUTIONS)
+
+
+def installed_version(distributions) -> str | None:
+    """The version of the first of these distributions installed here, else None."""
     try:
         from importlib import metadata
     except ImportError:  # pragma: no cover - Python < 3.8
         return None
-    for dist in TF_DISTRIBUTIONS:
+    for dist in distributions:
         try:
             return metadata.version(dist)
         except Exception:

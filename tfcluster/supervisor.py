@@ -75,6 +75,7 @@ class Run:
     procs: list[Supervised] = field(default_factory=list)
     owns_servers: bool = False
     checks: RunChecks | None = None
+    board: object = None            # board.Board: TensorBoard on the chief's host, if asked for
 
 
 def train(plan: Plan, ui, options: Options) -> int:
@@ -100,6 +101,8 @@ def train(plan: Plan, ui, options: Options) -> int:
             outcome = (int(exc.exit_code), exc.message)
             raise
         finally:
+            if run.board is not None:
+                run.board.close()
             _shutdown(run, interrupted=outcome[0] in (ExitCode.INTERRUPTED, ExitCode.TERMINATED))
             mux.close()
             manifest.finish(run.procs, outcome, checks.summary())
@@ -144,6 +147,11 @@ def _run(run: Run) -> tuple[int, str]:
     ui.info(f"Starting the script on {len(script_tasks)} task(s): "
             f"{', '.join(t.key for t in script_tasks)}")
     _start_all(run, [Supervised(task, "script", task.key) for task in script_tasks])
+    if plan.tensorboard:
+        from tfcluster import board
+
+        run.board = board.start(run.session, plan, run.run_id, ui,
+                                os.path.join(run.options.runs_dir, run.run_id), run.options.heartbeat)
     return _supervise(run)
 
 

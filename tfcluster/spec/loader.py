@@ -54,8 +54,9 @@ def check_train_files(spec: Spec) -> None:
 
 
 def with_train_overrides(spec: Spec, *, script: str | None = None, args: list[str] | None = None,
-                         timeout: float | None = None) -> Spec:
-    """The spec with the command line's train.script / train.args / train.timeout.
+                         timeout: float | None = None, tensorboard: str | None = None) -> Spec:
+    """The spec with the command line's train.script / train.args / train.timeout /
+    train.tensorboard.
 
     Checked by the loader's rules; UsageError (one line) for a bad value. An empty `args`
     overrides nothing, as the command line gives one when no `-- ARGS` were passed.
@@ -78,6 +79,17 @@ def with_train_overrides(spec: Spec, *, script: str | None = None, args: list[st
         if not 0 < timeout < math.inf:   # also refuses NaN, which compares false to everything
             raise UsageError("--timeout must be a positive number of seconds")
         changes["timeout"] = float(timeout)
+    if tensorboard is not None:
+        if not tensorboard:
+            raise UsageError("--tensorboard needs a log directory, got an empty string")
+        if "\0" in tensorboard or "\n" in tensorboard:
+            raise UsageError(_one_line(f"--tensorboard {tensorboard!r}: must not contain NUL or newline"))
+        try:
+            _check_placeholders(tensorboard, 0, "")
+        except _Bad as bad:
+            raise UsageError(_one_line(f"--tensorboard {tensorboard!r}: {bad.problem}"),
+                             hint=bad.hint) from None
+        changes["tensorboard"] = tensorboard
     if not changes:
         return spec
     return replace(spec, train=replace(spec.train, **changes))

@@ -58,6 +58,18 @@ def home_relative(path: str) -> str | None:
     return None
 
 
+class Forward:
+    """A port on a host made reachable here: connect to 127.0.0.1:`local_port`.
+
+    For a local host that is the port itself and there is nothing to close."""
+
+    def __init__(self, local_port: int) -> None:
+        self.local_port = local_port
+
+    def close(self) -> None:
+        """Stop forwarding (nothing to do when nothing is forwarded). Idempotent."""
+
+
 class Transport(abc.ABC):
     """One per host. `connect()` is idempotent; every method is thread-safe."""
 
@@ -81,6 +93,17 @@ class Transport(abc.ABC):
         """Write `data` to `path` on the host (parents created, 0700 dirs), atomically.
 
         `path` may be "~" or start with "~/" (the login user's home; see `home_relative`)."""
+
+    @abc.abstractmethod
+    def tunnel(self, port: int):
+        """A byte stream (settimeout, sendall, recv, close) to 127.0.0.1:`port` on the host:
+        a socket for a local host, a direct-tcpip channel over SSH. Raises when nothing
+        listens there."""
+
+    @abc.abstractmethod
+    def forward(self, port: int, local_port: int = 0) -> Forward:
+        """Make 127.0.0.1:`port` on the host reachable at 127.0.0.1:`local_port` here (another
+        free port when that one is taken); the result names the port to connect to."""
 
     @abc.abstractmethod
     def close(self) -> None: ...

@@ -7,13 +7,14 @@ the shim's stdin-EOF watchdog does the rest.
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import threading
 from typing import Sequence
 
 from tfcluster.errors import DeadlineError
 from tfcluster.fsutil import write_private
-from tfcluster.transport.base import Proc, Result, Transport, home_relative
+from tfcluster.transport.base import Forward, Proc, Result, Transport, home_relative
 
 
 def _expand(path: str) -> str:
@@ -111,6 +112,12 @@ class LocalTransport(Transport):
         path = _expand(path)
         os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
         write_private(path, data, mode)
+
+    def tunnel(self, port: int):
+        return socket.create_connection(("127.0.0.1", port), timeout=10)
+
+    def forward(self, port: int, local_port: int = 0) -> Forward:
+        return Forward(port)          # the host is this machine: nothing to forward
 
     def close(self) -> None:
         pass

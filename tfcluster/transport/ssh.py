@@ -15,7 +15,7 @@ import time
 from typing import Callable, Sequence
 
 from tfcluster.errors import ConnectError, DeadlineError
-from tfcluster.transport.base import Proc, Result, Transport, home_relative
+from tfcluster.transport.base import Forward, Proc, Result, Transport, home_relative
 from tfcluster.transport.ssh_config import (USER_CONFIG, Endpoint, SshOptions, load_ssh_config,
                                             resolve)
 from tfcluster.transport.ssh_connect import Connection, dial
@@ -147,6 +147,23 @@ class SshTransport(Transport):
             raise ConnectError(f"host {self.label}: cannot write {path}: {e}") from None
         finally:
             chan.close()
+
+    def forward(self, port: int, local_port: int = 0) -> Forward:
+        """`ssh -L`: each connection to the local port gets a direct-tcpip channel to
+        127.0.0.1:`port` on the host, on this transport's connection (transport/forward.py)."""
+        from tfcluster.transport.forward import Forwarder
+        return Forwarder(lambda origin: self.tunnel(port, origin), local_port, name=self.name)
+
+    def tunnel(self, port: int, origin: tuple[str, int] = ("127.0.0.1", 0)):
+        """A direct-tcpip channel to 127.0.0.1:`port` on the host, on a connection already
+        open (never a new one: a forward must not outlive close()); raises what paramiko
+        raises (nothing listening there: ChannelException)."""
+        with self._lock:
+            conns = [c for c in self._conns if c.active()]
+        if not conns:
+            raise ConnectError(f"host {self.label}: not connected")
+        return conns[0].transport.open_channel("direct-tcpip", ("127.0.0.1", port), origin,
+                                               timeout=self._endpoint.timeout)
 
     def close(self) -> None:
         with self._lock:
