@@ -1,6 +1,7 @@
 """A classic-mode script (it builds its own server) without device_filters, so worker 0's
 session waits for every task. Worker 1 starts its server only once the file named by
-LATE_WORKER_GO exists: a worker that starts late, on a condition the test controls."""
+LATE_WORKER_GO exists: a worker that starts late, on a condition the test controls. Worker 0
+stays up until worker 1 is done (worker 1's session needs worker 0's server too)."""
 import json
 import os
 import time
@@ -27,3 +28,9 @@ with tf.compat.v1.train.MonitoredTrainingSession(master=server.target, is_chief=
     while not sess.should_stop():
         n = sess.run(bump)
 print(f"worker {index} done at step={n}", flush=True)
+done = os.environ["LATE_WORKER_GO"] + ".worker1-done"
+if index == 1:
+    open(done, "w").close()
+else:
+    while not os.path.exists(done):
+        time.sleep(0.2)
