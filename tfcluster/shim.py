@@ -22,10 +22,12 @@ import sys
 import time
 
 if __package__:
+    from . import shim_net as net
     from . import shim_procs as procs
     from . import shim_protocol as proto
     from . import shim_tasks as tasks
 else:  # shipped: this file's directory is first on sys.path
+    import shim_net as net
     import shim_procs as procs
     import shim_protocol as proto
     import shim_tasks as tasks
@@ -42,7 +44,8 @@ def _line(obj) -> bytes:
 
 def cmd_info(req: dict) -> dict:
     return {"python_version": "%d.%d.%d" % sys.version_info[:3], "tf_version": procs.tf_version(),
-            "machine_id": procs.machine_id(), "gpus": procs.gpu_count()}
+            "machine_id": procs.machine_id(), "gpus": procs.gpu_count(),
+            "proxy": net.proxy_report(os.environ)}
 
 
 def cmd_ports(req: dict) -> dict:
@@ -235,7 +238,7 @@ def cmd_batch(req: dict) -> dict:
 COMMANDS = {proto.INFO: cmd_info, proto.PORTS: cmd_ports, proto.START: cmd_start,
             proto.STOP: cmd_stop, proto.STATUS: cmd_status, proto.WAIT: cmd_wait,
             proto.TAIL: cmd_tail, proto.FILES: cmd_files, proto.BATCH: cmd_batch,
-            proto.LAUNCH: cmd_launch}
+            proto.LAUNCH: cmd_launch, proto.REACH: net.cmd_reach}
 
 
 def main(argv: list) -> int:
