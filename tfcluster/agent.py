@@ -33,6 +33,7 @@ class HostInfo:
     tf_version: str | None
     machine_id: str
     gpus: int
+    proxy: tuple[tuple[str, str], ...] = ()   # the proxy variables tasks inherit (shim_net)
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class TaskLaunch:
     cwd: str
     log: str
     pidfile: str
+    no_proxy: tuple[str, ...] = ()      # kept off any proxy the host's environment sets
 
 
 @dataclass(frozen=True)
@@ -112,7 +114,8 @@ class HostAgent:
             self._surveyed = (survey[0], tuple(survey[1]), answers)
         info = answers[proto.INFO]
         return HostInfo(python_version=info["python_version"], tf_version=info["tf_version"],
-                        machine_id=info["machine_id"], gpus=int(info["gpus"]))
+                        machine_id=info["machine_id"], gpus=int(info["gpus"]),
+                        proxy=tuple(sorted((info.get("proxy") or {}).items())))
 
     def _bootstrap(self, commands: dict) -> dict:
         self._check_cancelled()
@@ -378,4 +381,4 @@ def _line(obj) -> bytes:
 
 def _start_request(t: TaskLaunch) -> dict:
     return {"tag": t.tag, "argv": list(t.argv), "env": dict(t.env), "cwd": t.cwd, "log": t.log,
-            "pidfile": t.pidfile}
+            "pidfile": t.pidfile, "no_proxy": list(t.no_proxy)}
