@@ -20,11 +20,12 @@ from tfcluster.attached import tail_text
 from tfcluster.errors import HostError, PreflightError
 from tfcluster.plan import Plan, TaskPlan
 from tfcluster.session import raise_first
-from tfcluster.shim_net import CONNECT_TIMEOUT, RESOLVE_SLACK
+from tfcluster.shim_net import CONNECT_TIMEOUT, probe_all_bound
 from tfcluster.transport.base import Proc
 
 START_TIMEOUT = 60.0     # a shim's start over SSH (a login shell and an interpreter), listeners up
 EXIT_WAIT = 5.0          # a shim closes its listeners and exits once its stdin ends
+ANSWER_SLACK = 30.0      # a loaded host's (or connection's) delay on top of the shim's own bounds
 
 
 @dataclass(frozen=True)
@@ -53,14 +54,12 @@ def check_reachability(session, tasks: list[TaskPlan] | None = None, served=froz
     tasks = cluster_tasks(plan) if tasks is None else list(tasks)
     if not tasks:
         return 0.0
-    sources = list(plan.hosts)
-    hosts = list(dict.fromkeys(sources + [t.host for t in tasks]))
-    listen = {h: [t.port for t in tasks if t.host == h and t.key not in served] for h in hosts}
+    sources = list(plan.hosts)          # every task's host is one of them
+    listen = {h: [t.port for t in tasks if t.host == h and t.key not in served] for h in sources}
     targets = [[t.address, t.port] for t in tasks]
     t0 = time.monotonic()
     ui.info(f"Checking that {len(sources)} host(s) reach {len(tasks)} task address(es)…")
-    answers = _exchange(session, hosts, listen, {h: targets if h in sources else [] for h in hosts},
-                        timeout)
+    answers = _exchange(session, sources, listen, targets, timeout)
     _raise_busy(answers, tasks)
     by_target = {t.target: t for t in tasks}
     failures = [Failure(h, by_target[f"{a}:{p}"].key, f"{a}:{p}", reason)
@@ -79,7 +78,7 @@ def can_connect(session, from_host: str, targets, timeout: float = CONNECT_TIMEO
     agent = session.agents[from_host]
     request = {"targets": [[a, int(p)] for a, p in targets], "timeout": timeout}
     proc = agent.transport.spawn(agent._shim_argv(proto.REACH))   # noqa: SLF001 - a streaming shim command
-    with _Killer([proc], START_TIMEOUT + timeout + RESOLVE_SLACK) as killer:
+    with _Killer([proc], START_TIMEOUT + probe_all_bound(len(request["targets"]), timeout)) as killer:
         proc.write(_line(request))
         proc.close_stdin()
         return _Lines(proc, agent.name, killer).next("results")["results"]
@@ -87,12 +86,13 @@ def can_connect(session, from_host: str, targets, timeout: float = CONNECT_TIMEO
 
 # ------------------------------------------------------------------------- the exchange
 
-def _exchange(session, hosts: list[str], listen: dict, targets: dict, timeout: float) -> dict:
+def _exchange(session, hosts: list[str], listen: dict, targets: list, timeout: float) -> dict:
     """Every host: listeners up (all of them before anyone connects), then connect, then
     close. host -> {"listening", "busy", "results"}."""
     procs: dict[str, Proc] = {}
     readers: dict[str, _Lines] = {}
-    lifetime = START_TIMEOUT + timeout + RESOLVE_SLACK + 30.0
+    connecting = probe_all_bound(len(targets), timeout) + ANSWER_SLACK
+    lifetime = START_TIMEOUT + connecting + ANSWER_SLACK   # the shims' own bound
     killer = _Killer([], START_TIMEOUT)
 
     def open_host(host: str) -> dict:
@@ -107,13 +107,13 @@ def _exchange(session, hosts: list[str], listen: dict, targets: dict, timeout: f
         return readers[host].next("listening")
 
     def go(host: str) -> dict:
-        procs[host].write(_line({"targets": targets[host], "timeout": timeout}))
+        procs[host].write(_line({"targets": targets, "timeout": timeout}))
         return readers[host].next("results")
 
     with killer:
         opened = session.parallel(open_host, hosts)
         raise_first(opened, "host")
-        killer.restart(timeout + RESOLVE_SLACK + 30.0)
+        killer.restart(connecting)
         results = session.parallel(go, hosts)
         raise_first(results, "host")
         _close(procs)
@@ -149,6 +149,9 @@ class _Killer:
     def add(self, proc: Proc) -> None:
         with self._lock:
             self.procs.append(proc)
+            late = self.expired
+        if late:            # spawned after the deadline passed: never wait on it
+            proc.kill()
 
     def restart(self, seconds: float) -> None:
         if self._timer is not None:
@@ -159,7 +162,8 @@ class _Killer:
         self._timer.start()
 
     def _expire(self) -> None:
-        self.expired = True
+        with self._lock:
+            self.expired = True
         self._kill_all()
 
     def _kill_all(self) -> None:

@@ -20,7 +20,7 @@ import json
 import os
 import queue
 import re
-import select
+import selectors
 import socket
 import struct
 import sys
@@ -100,6 +100,9 @@ class Acceptor:
         self.listeners = list(listeners)
         self.accepted = []
         self.stop = threading.Event()
+        self.selector = selectors.DefaultSelector()     # epoll: no FD_SETSIZE limit
+        for s in self.listeners:
+            self.selector.register(s, selectors.EVENT_READ)
         self.thread = threading.Thread(target=self.run, daemon=True)
         if self.listeners:
             self.thread.start()
@@ -107,12 +110,12 @@ class Acceptor:
     def run(self) -> None:
         while not self.stop.is_set():
             try:
-                ready, _, _ = select.select(self.listeners, [], [], 0.1)
+                ready = self.selector.select(0.1)
             except (OSError, ValueError):
                 return
-            for s in ready:
+            for key, _ in ready:
                 try:
-                    self.accepted.append(s.accept()[0])
+                    self.accepted.append(key.fileobj.accept()[0])
                 except OSError:
                     pass
 
@@ -120,6 +123,7 @@ class Acceptor:
         self.stop.set()
         if self.thread.is_alive():
             self.thread.join(1.0)
+        self.selector.close()
         for s in self.accepted + self.listeners:
             try:
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
@@ -158,6 +162,11 @@ def probe(address: str, port: int, timeout: float = CONNECT_TIMEOUT) -> str | No
     return reason
 
 
+def probe_all_bound(count: int, timeout: float) -> float:
+    """How long probe_all may take for `count` targets (rounds of MAX_THREADS)."""
+    return timeout * ((count - 1) // MAX_THREADS + 1) + RESOLVE_SLACK
+
+
 def probe_all(targets, timeout: float = CONNECT_TIMEOUT) -> dict:
     """"address:port" -> None | reason for every target, tried in parallel (bounded)."""
     keys = ["%s:%s" % (a, p) for a, p in targets]
@@ -184,7 +193,7 @@ def probe_all(targets, timeout: float = CONNECT_TIMEOUT) -> dict:
         return {}
     for _ in range(min(MAX_THREADS, len(keys))):
         threading.Thread(target=worker, daemon=True).start()
-    done.wait(timeout * (len(keys) // MAX_THREADS + 1) + RESOLVE_SLACK)
+    done.wait(probe_all_bound(len(keys), timeout))
     with lock:
         return {k: results.get(k, "no answer within %gs (name resolution hung?)" % timeout)
                 for k in keys}
