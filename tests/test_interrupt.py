@@ -29,6 +29,7 @@ PHASES = {
     "up-connecting": ("up", r"Connecting to", False),
     "up-starting": ("up", r"Starting \d+ server", False),
     "train-connecting": ("train", r"connecting to", False),
+    "train-reach": ("train", r"Checking that \d+ host\(s\) reach", False),
     "train-starting": ("train", r"Starting \d+ server", False),
     "train-shipping": ("train", r"ready on .*, 3/3\)", False),
     "train-running": ("train", r"worker:1 .*step=", False),

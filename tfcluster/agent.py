@@ -37,6 +37,7 @@ class HostInfo:
     cudnn_version: str | None = None
     driver_version: str | None = None   # the NVIDIA driver, when nvidia-smi answers
     tensorboard_version: str | None = None
+    proxy: tuple[tuple[str, str], ...] = ()   # the proxy variables tasks inherit (shim_net)
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class TaskLaunch:
     cwd: str
     log: str
     pidfile: str
+    no_proxy: tuple[str, ...] = ()      # kept off any proxy the host's environment sets
 
 
 @dataclass(frozen=True)
@@ -118,7 +120,8 @@ class HostAgent:
         return HostInfo(python_version=info["python_version"], tf_version=info["tf_version"],
                         machine_id=info["machine_id"], gpus=int(info["gpus"]),
                         **{k: info.get(k) for k in ("cuda_version", "cudnn_version", "driver_version")},
-                        tensorboard_version=info.get("tensorboard_version"))
+                        tensorboard_version=info.get("tensorboard_version"),
+                        proxy=tuple(sorted((info.get("proxy") or {}).items())))
 
     def _bootstrap(self, commands: dict) -> dict:
         self._check_cancelled()
@@ -384,4 +387,4 @@ def _line(obj) -> bytes:
 
 def _start_request(t: TaskLaunch) -> dict:
     return {"tag": t.tag, "argv": list(t.argv), "env": dict(t.env), "cwd": t.cwd, "log": t.log,
-            "pidfile": t.pidfile}
+            "pidfile": t.pidfile, "no_proxy": list(t.no_proxy)}

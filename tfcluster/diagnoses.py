@@ -26,10 +26,8 @@ PORT_CHECK_TIMEOUT = 3.0
 
 
 class RunChecks:
-    def __init__(self, plan: Plan, ui, log_dir: str, wake: Callable[[], None],
-                 port_check: Callable[[str, str, int], str | None] | None = None) -> None:
-        self.plan, self.ui, self.log_dir, self.wake = plan, ui, log_dir, wake
-        self.port_check = port_check or self._port_from_here
+    def __init__(self, plan: Plan, ui, log_dir: str, wake: Callable[[], None], session=None) -> None:
+        self.plan, self.ui, self.log_dir, self.wake, self.session = plan, ui, log_dir, wake, session
         probes = plan.probes().split(",")
         scripts = [t.key for t in plan.tasks if t.runs_script and t.job in ("chief", "worker")]
         self.placement = pl.PlacementCheck(scripts) if "placement" in probes else None
@@ -96,8 +94,14 @@ class RunChecks:
         finally:
             self._diagnosing.release()
 
-    def _port_from_here(self, from_host: str, address: str, port: int) -> str | None:
-        return _connect_from_here(address, port) if self.plan.host(from_host).local else "unchecked"
+    def port_check(self, from_host: str, address: str, port: int) -> str | None:
+        """None when address:port accepts a connection from `from_host`, else why not."""
+        if self.plan.host(from_host).local or self.session is None:
+            return _connect_from_here(address, port) if self.plan.host(from_host).local else "unchecked"
+        from tfcluster.reach import can_connect
+
+        answer = can_connect(self.session, from_host, [(address, port)], timeout=PORT_CHECK_TIMEOUT)
+        return answer.get(f"{address}:{port}", "unchecked")
 
     def _proxy_only(self, wait: wd.Wait) -> wd.Facts:
         return wd.Facts(proxy=self._proxy(wait.waiter))

@@ -8,10 +8,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from tfcluster import names, state
+from tfcluster import names, proxy, state
 from tfcluster.errors import ExitCode, TfclusterError
 from tfcluster.plan import Plan, TaskPlan
 from tfcluster.preflight import check_versions, preflight
+from tfcluster.reach import check_reachability
 from tfcluster.servers import READY_TIMEOUT, Started, start_detached
 from tfcluster.session import Session, server_tasks
 from tfcluster.shim_protocol import DEFAULT_GRACE
@@ -38,6 +39,8 @@ def up(plan: Plan, ui, timeout: float = READY_TIMEOUT, allow_skew: bool = False)
             ui.info(f"{len(live)} server(s) already running; starting the {len(missing)} missing")
         check_versions(session, allow_skew=allow_skew)
         preflight(session, missing, busy=busy)
+        if plan.checks.reachability:   # every host reaches every server; live ones are dialled
+            check_reachability(session, servers, served=set(live))
         run_id = names.new_run_id("up")
         ui.info(f"Starting {len(missing)} server(s)…")
         started = start_detached(session, missing, run_id, timeout)
@@ -171,4 +174,7 @@ def check(plan: Plan, ui, allow_skew: bool = False) -> None:
         binders = [t for t in plan.tasks if t.runs_server or (plan.mode == "classic" and t.runs_script)]
         preflight(session, binders)
         ui.ok("preflight passed: every host can run its tasks and every port is free")
+        if plan.checks.reachability:
+            check_reachability(session)
+        proxy.report(session, ui)
 

@@ -16,6 +16,7 @@ from tfcluster.agent import HostAgent, HostInfo, Survey, TaskLaunch
 from tfcluster.errors import Terminated, TfclusterError
 from tfcluster.plan import HostPlan, Plan, TaskPlan
 from tfcluster.shim_protocol import PROBE_VAR
+from tfcluster.proxy import no_proxy_for
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -114,6 +115,7 @@ class Session:
         self.host_names = tuple(hosts) if hosts is not None else plan.hosts
         self.agents: dict[str, HostAgent] = {}
         self.infos: dict[str, HostInfo] = {}
+        self.no_proxy = no_proxy_for(plan)    # every task's start request carries these
 
     def __enter__(self) -> "Session":
         return self
@@ -181,7 +183,8 @@ class Session:
         env["TFCLUSTER_RUN_ID"] = run_id
         env.update(extra_env or {})
         return TaskLaunch(tag=str(tag), argv=tuple(argv), env=env, cwd=self.paths.rundir(run_id),
-                          log=self.paths.log(run_id, task.key, role), pidfile=self.paths.pidfile(tag))
+                          log=self.paths.log(run_id, task.key, role), pidfile=self.paths.pidfile(tag),
+                          no_proxy=self.no_proxy)
 
     def survey(self, tasks: list[TaskPlan]) -> tuple[dict[str, object], dict]:
         """One round trip per host: live servers of this cluster (task key -> TaskStatus) and

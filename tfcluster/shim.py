@@ -22,10 +22,12 @@ import sys
 import time
 
 if __package__:
+    from . import shim_net as net
     from . import shim_procs as procs
     from . import shim_protocol as proto
     from . import shim_tasks as tasks
 else:  # shipped: this file's directory is first on sys.path
+    import shim_net as net
     import shim_procs as procs
     import shim_protocol as proto
     import shim_tasks as tasks
@@ -44,7 +46,8 @@ def cmd_info(req: dict) -> dict:
     gpus, driver = procs.nvidia()
     answer = {"python_version": "%d.%d.%d" % sys.version_info[:3], "tf_version": procs.tf_version(),
               "machine_id": procs.machine_id(), "gpus": gpus, "driver_version": driver,
-              "tensorboard_version": procs.installed_version(procs.TB_DISTRIBUTIONS)}
+              "tensorboard_version": procs.installed_version(procs.TB_DISTRIBUTIONS),
+              "proxy": net.proxy_report(os.environ)}
     answer.update(procs.tf_build())
     return answer
 
@@ -239,7 +242,7 @@ def cmd_batch(req: dict) -> dict:
 COMMANDS = {proto.INFO: cmd_info, proto.PORTS: cmd_ports, proto.START: cmd_start,
             proto.STOP: cmd_stop, proto.STATUS: cmd_status, proto.WAIT: cmd_wait,
             proto.TAIL: cmd_tail, proto.FILES: cmd_files, proto.BATCH: cmd_batch,
-            proto.LAUNCH: cmd_launch}
+            proto.LAUNCH: cmd_launch, proto.REACH: net.cmd_reach}
 
 
 def main(argv: list) -> int:

@@ -22,6 +22,7 @@ BATCH = "batch"          # several one-shot commands in one exec, answers keyed 
 START = "start"          # one task; attached (dies with the launcher) or detached
 WAIT = "wait"            # stream: each server's readiness
 LAUNCH = "launch"        # stream: start detached servers, then wait for them
+REACH = "reach"          # stream: listen on task ports, connect to every task address
 
 ONE_SHOT = (INFO, PORTS, STATUS, STOP, TAIL, FILES, BATCH)
 BATCHABLE = (INFO, PORTS, STATUS, STOP, TAIL)

@@ -15,9 +15,11 @@ import threading
 import time
 
 if __package__:
+    from . import shim_net as net
     from . import shim_procs as procs
     from . import shim_protocol as proto
 else:  # shipped: the shim's directory is first on sys.path
+    import shim_net as net
     import shim_procs as procs
     import shim_protocol as proto
 
@@ -46,6 +48,7 @@ def spawn(req: dict) -> tuple[subprocess.Popen, str, int]:
     os.makedirs(os.path.dirname(pidfile), mode=0o700, exist_ok=True)
     env = dict(os.environ)
     env.update({str(k): str(v) for k, v in (req.get("env") or {}).items()})
+    env.update(net.guard_env(env, req.get("no_proxy") or ()))  # the cluster's addresses
     env[TAG_VAR] = tag
     if env.get(proto.PROBE_VAR):
         _add_probe(env)

@@ -23,6 +23,7 @@ from tfcluster.diagnoses import RunChecks
 from tfcluster.errors import DeadlineError, ExitCode, TaskError, Terminated, TfclusterError, UsageError
 from tfcluster.plan import Plan, TaskPlan
 from tfcluster.preflight import check_versions, preflight
+from tfcluster.reach import check_reachability
 from tfcluster.render import print_summary
 from tfcluster.runs import Manifest
 from tfcluster.servers import Started, wait_ready
@@ -85,7 +86,8 @@ def train(plan: Plan, ui, options: Options) -> int:
         ui.info(f"run {run_id}: connecting to {len(plan.hosts)} host(s)…")
         session.open(survey=server_tasks(plan))
         events: queue.Queue = queue.Queue()
-        checks = RunChecks(plan, ui, os.path.join(options.runs_dir, run_id), lambda: events.put(None))
+        checks = RunChecks(plan, ui, os.path.join(options.runs_dir, run_id), lambda: events.put(None),
+                           session)
         mux = _make_mux(plan, ui, options, run_id, checks)
         run = Run(plan, ui, options, run_id, session, mux, events, checks=checks)
         manifest = Manifest(plan, run_id, os.path.join(options.runs_dir, run_id))
@@ -140,9 +142,12 @@ def _run(run: Run) -> tuple[int, str]:
     plan, ui = run.plan, run.ui
     script_tasks = [t for t in plan.tasks if t.runs_script]
     check_versions(run.session, allow_skew=run.options.allow_skew)
-    _prepare_servers(run)
+    servers, live = _prepare_servers(run)
     # In classic mode the scripts build their own servers: their ports must be free too.
     preflight(run.session, script_tasks, ports=plan.mode == "classic")
+    if plan.checks.reachability:   # live servers are dialled; other ports get a rehearsal
+        check_reachability(run.session, served=live)
+    _start_servers(run, servers)
     ui.info(ship(run.session, script_tasks, run.run_id))
     ui.info(f"Starting the script on {len(script_tasks)} task(s): "
             f"{', '.join(t.key for t in script_tasks)}")
@@ -155,19 +160,26 @@ def _run(run: Run) -> tuple[int, str]:
     return _supervise(run)
 
 
-def _prepare_servers(run: Run) -> None:
+def _prepare_servers(run: Run) -> tuple[list[TaskPlan], set[str]]:
+    """(servers this run starts, keys of the live `up` servers it reuses instead)."""
     servers = server_tasks(run.plan)
     if not servers:
-        return
+        return [], set()
     live, busy = run.session.survey(servers)
     if live and len(live) == len(servers):
         run.ui.info(f"Using the running cluster ({len(live)} servers from `tfcluster up`)")
-        return
+        return [], set(live)
     if live:
         raise TfclusterError(
             f"cluster {run.plan.name!r} is partly up ({len(live)} of {len(servers)} servers running)",
             hint="run `tfcluster up SPEC` to start the missing servers, or `tfcluster down SPEC`")
     preflight(run.session, servers, busy=busy)
+    return servers, set()
+
+
+def _start_servers(run: Run, servers: list[TaskPlan]) -> None:
+    if not servers:
+        return
     run.ui.info(f"Starting {len(servers)} server(s)…")
     run.owns_servers = True
     procs = [Supervised(t, "server", names.mux_key(t.key, "server", t.runs_script)) for t in servers]

@@ -98,6 +98,24 @@ def _conflict(slot: Slot, first: Slot, hosts: dict[str, Host]) -> str:
             f"{b.name} at {b.address}): {_LOOPBACK_NOTE}")
 
 
+def _check_loopback_mix(spec: Spec, slots: tuple[Slot, ...]) -> None:
+    """A task dials every other task at its host's address: a loopback address in a cluster
+    that also has other hosts would make the tasks on those hosts dial themselves."""
+    used = dict.fromkeys(s.host for s in slots)
+    hosts = [(i, h) for i, h in enumerate(spec.hosts) if h.name in used]
+    loop = [(i, h) for i, h in hosts if _machine(h.address) == "loopback"]
+    other = [h for _, h in hosts if _machine(h.address) != "loopback"]
+    if loop and other:
+        i, h = loop[0]
+        raise _spec_error(
+            spec.path, h.line, _sub(_sub("hosts", i), "address"),
+            f"host {h.name} is at loopback address {h.address} but host {other[0].name} is at "
+            f"{other[0].address}: tasks on {other[0].name} would dial {h.address} and reach "
+            f"themselves, not {h.name}",
+            hint=f"give host {h.name} an address the other hosts reach (its hostname or IP), or "
+                 f"put every task on loopback")
+
+
 def _check_mode(spec: Spec, slots: tuple[Slot, ...], jobs_line: int) -> None:
     mode = spec.train.mode
     have = {name: sum(1 for s in slots if s.job == name) for name in JOB_NAMES}

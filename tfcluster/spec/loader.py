@@ -7,7 +7,7 @@ import os
 from dataclasses import replace
 
 from tfcluster.errors import UsageError
-from tfcluster.spec.layout import _check_conflicts, _check_mode, layout_tasks
+from tfcluster.spec.layout import _check_conflicts, _check_loopback_mix, _check_mode, layout_tasks
 from tfcluster.spec.model import Spec
 from tfcluster.spec.schema import _build, _check_placeholders
 from tfcluster.spec.yamltree import _Bad, _compose, _decode, _one_line, _read, _spec_error, _sub
@@ -27,6 +27,7 @@ def load_spec(path: str) -> Spec:
     spec = replace(spec, digest=hashlib.sha256(data).hexdigest())
     slots = layout_tasks(spec)
     _check_conflicts(spec, slots)
+    _check_loopback_mix(spec, slots)
     _check_mode(spec, slots, jobs_line)
     return spec
 

@@ -1,0 +1,249 @@
+"""Reachability: before anything trains, every host that runs tasks opens a TCP connection
+to every task address of the cluster, exactly as its tasks will dial them.
+
+One `reach` shim per host (shim_net.py): each listens on the ports of its tasks that no
+live server of this cluster serves yet (a short rehearsal of the servers and scripts that
+will bind them), then all connect to all. A failing pair is a PreflightError (exit 4)
+naming the host, the task and the address, with a hint by cause; nothing is left running
+(the shims close their listeners and exit before this returns). See docs/ARCHITECTURE.md,
+"Checks before a run".
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass
+
+from tfcluster import shim_protocol as proto
+from tfcluster.attached import tail_text
+from tfcluster.errors import HostError, PreflightError
+from tfcluster.plan import Plan, TaskPlan
+from tfcluster.session import raise_first
+from tfcluster.shim_net import CONNECT_TIMEOUT, probe_all_bound
+from tfcluster.transport.base import Proc
+
+START_TIMEOUT = 60.0     # a shim's start over SSH (a login shell and an interpreter), listeners up
+EXIT_WAIT = 5.0          # a shim closes its listeners and exits once its stdin ends
+ANSWER_SLACK = 30.0      # a loaded host's (or connection's) delay on top of the shim's own bounds
+
+
+@dataclass(frozen=True)
+class Failure:
+    host: str          # where the connection was opened from
+    task: str          # the task whose address it was
+    target: str        # address:port
+    reason: str        # "name does not resolve", "connection refused", "timed out after 5s", ...
+
+    def line(self) -> str:
+        return f"host {self.host} cannot reach {self.task} at {self.target}: {self.reason}"
+
+
+def cluster_tasks(plan: Plan) -> list[TaskPlan]:
+    """The tasks whose addresses are in the cluster (every TF task may dial each of them)."""
+    members = {address for _job, addresses in plan.cluster for address in addresses}
+    return [t for t in plan.tasks if t.target in members]
+
+
+def check_reachability(session, tasks: list[TaskPlan] | None = None, served=frozenset(),
+                       timeout: float = CONNECT_TIMEOUT) -> float:
+    """Every host that runs tasks connects to every task of `tasks` (default: the cluster).
+    `served`: keys of tasks whose live server answers already (no listener there). Raises
+    PreflightError for a failing pair; returns the seconds it took."""
+    plan, ui = session.plan, session.ui
+    tasks = cluster_tasks(plan) if tasks is None else list(tasks)
+    if not tasks:
+        return 0.0
+    sources = list(plan.hosts)          # every task's host is one of them
+    listen = {h: [t.port for t in tasks if t.host == h and t.key not in served] for h in sources}
+    targets = [[t.address, t.port] for t in tasks]
+    t0 = time.monotonic()
+    ui.info(f"Checking that {len(sources)} host(s) reach {len(tasks)} task address(es)…")
+    answers = _exchange(session, sources, listen, targets, timeout)
+    _raise_busy(answers, tasks)
+    by_target = {t.target: t for t in tasks}
+    failures = [Failure(h, by_target[f"{a}:{p}"].key, f"{a}:{p}", reason)
+                for h in sources for a, p in targets
+                if (reason := answers[h]["results"].get(f"{a}:{p}")) is not None]
+    if failures:
+        raise _error(failures, plan)
+    seconds = time.monotonic() - t0
+    ui.info(f"reachability: {len(sources)} host(s) reach every task address ({seconds:.1f}s)")
+    return seconds
+
+
+def can_connect(session, from_host: str, targets, timeout: float = CONNECT_TIMEOUT) -> dict:
+    """Connect only (no listeners) from `from_host` to [(address, port), ...]:
+    {"address:port": None | reason}. For a watchdog asking why a task waits."""
+    agent = session.agents[from_host]
+    request = {"targets": [[a, int(p)] for a, p in targets], "timeout": timeout}
+    proc = agent.transport.spawn(agent._shim_argv(proto.REACH))   # noqa: SLF001 - a streaming shim command
+    with _Killer([proc], START_TIMEOUT + probe_all_bound(len(request["targets"]), timeout)) as killer:
+        proc.write(_line(request))
+        proc.close_stdin()
+        return _Lines(proc, agent.name, killer).next("results")["results"]
+
+
+# ------------------------------------------------------------------------- the exchange
+
+def _exchange(session, hosts: list[str], listen: dict, targets: list, timeout: float) -> dict:
+    """Every host: listeners up (all of them before anyone connects), then connect, then
+    close. host -> {"listening", "busy", "results"}."""
+    procs: dict[str, Proc] = {}
+    readers: dict[str, _Lines] = {}
+    connecting = probe_all_bound(len(targets), timeout) + ANSWER_SLACK
+    lifetime = START_TIMEOUT + connecting + ANSWER_SLACK   # the shims' own bound
+    killer = _Killer([], START_TIMEOUT)
+
+    def open_host(host: str) -> dict:
+        agent = session.agents[host]
+        if agent.cancelled.is_set():
+            raise KeyboardInterrupt()
+        proc = agent.transport.spawn(agent._shim_argv(proto.REACH))   # noqa: SLF001
+        procs[host] = proc
+        killer.add(proc)
+        proc.write(_line({"listen": listen[host], "lifetime": lifetime}))
+        readers[host] = _Lines(proc, host, killer)
+        return readers[host].next("listening")
+
+    def go(host: str) -> dict:
+        procs[host].write(_line({"targets": targets, "timeout": timeout}))
+        return readers[host].next("results")
+
+    with killer:
+        opened = session.parallel(open_host, hosts)
+        raise_first(opened, "host")
+        killer.restart(connecting)
+        results = session.parallel(go, hosts)
+        raise_first(results, "host")
+        _close(procs)
+    return {h: {**opened[h], **results[h]} for h in hosts}
+
+
+def _close(procs: dict[str, Proc]) -> None:
+    """End every shim's stdin and wait until it exited: its listeners must be gone before
+    a server binds the same port."""
+    for proc in procs.values():
+        try:
+            proc.close_stdin()
+        except OSError:
+            pass
+    deadline = time.monotonic() + EXIT_WAIT
+    for host, proc in procs.items():
+        if proc.wait(max(0.0, deadline - time.monotonic())) is None:
+            raise HostError(f"host {host}: reach did not exit {EXIT_WAIT:g}s after its stdin ended")
+
+
+class _Killer:
+    """Drops every process when a phase overruns its deadline (a read then returns EOF);
+    drops them all on leaving, whatever happened."""
+
+    def __init__(self, procs: list[Proc], seconds: float) -> None:
+        self.procs = list(procs)
+        self.expired = False
+        self._lock = threading.Lock()
+        self._timer: threading.Timer | None = None
+        self.seconds = seconds
+        self.restart(seconds)
+
+    def add(self, proc: Proc) -> None:
+        with self._lock:
+            self.procs.append(proc)
+            late = self.expired
+        if late:            # spawned after the deadline passed: never wait on it
+            proc.kill()
+
+    def restart(self, seconds: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self.seconds = seconds
+        self._timer = threading.Timer(seconds, self._expire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _expire(self) -> None:
+        with self._lock:
+            self.expired = True
+        self._kill_all()
+
+    def _kill_all(self) -> None:
+        with self._lock:
+            procs = list(self.procs)
+        for proc in procs:
+            proc.kill()
+
+    def __enter__(self) -> "_Killer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._kill_all()
+
+
+class _Lines:
+    """JSON lines from a shim's stdout; its error envelope or an early end is a HostError."""
+
+    def __init__(self, proc: Proc, host: str, killer: _Killer) -> None:
+        self.proc, self.host, self.killer = proc, host, killer
+        self.buf = b""
+
+    def next(self, key: str) -> dict:
+        while b"\n" not in self.buf:
+            chunk = self.proc.read()
+            if not chunk:
+                if self.killer.expired:
+                    raise HostError(f"host {self.host}: reach did not answer within "
+                                    f"{self.killer.seconds:g}s")
+                raise HostError(f"host {self.host}: reach ended early: "
+                                f"{tail_text(self.proc.read_stderr()) or 'no output'}")
+            self.buf += chunk
+        line, self.buf = self.buf.split(b"\n", 1)
+        answer = json.loads(line)
+        problem = proto.error_of(answer)
+        if problem is not None:
+            raise HostError(f"host {self.host}: reach: {problem}")
+        if key not in answer:
+            raise HostError(f"host {self.host}: reach: unexpected answer {line[:200]!r}")
+        return answer
+
+
+# ------------------------------------------------------------------------- diagnosis
+
+def _raise_busy(answers: dict, tasks: list[TaskPlan]) -> None:
+    for task in tasks:
+        holder = answers[task.host]["busy"].get(str(task.port))
+        if holder:
+            raise PreflightError(
+                f"host {task.host}: port {task.port} of {task.key} is already in use ({holder})",
+                hint="stop whatever holds it (`tfcluster down` if it is an old cluster), "
+                     "or change the port in the spec")
+
+
+def _error(failures: list[Failure], plan: Plan) -> PreflightError:
+    first = failures[0]
+    details = None
+    if len(failures) > 1:
+        details = f"{len(failures)} failing pairs:\n" + "\n".join(f"  {f.line()}" for f in failures)
+    return PreflightError(first.line(), hint=_hint(first, plan), details=details)
+
+
+def _hint(f: Failure, plan: Plan) -> str:
+    owner = plan.task(f.task).host
+    address = f.target.rpartition(":")[0]
+    off = "or set train.checks.reachability: false to skip this check"
+    if f.reason.startswith("name does not resolve"):
+        return (f"{address} must resolve on every host, as the tasks dial it (an ~/.ssh/config "
+                f"alias only works for ssh): give host {owner} an address every host resolves "
+                f"(DNS, /etc/hosts) or its IP; {off}")
+    if f.reason == "connection refused":
+        return (f"nothing listens at {f.target} as seen from {f.host}: a firewall rejects the "
+                f"port, or {address} names another machine than host {owner}; {off}")
+    if f.reason.startswith("timed out"):
+        return (f"a firewall drops the packets from {f.host} to {f.target} (or the address is "
+                f"not routable from there): open the port between the hosts; {off}")
+    return f"check the routes and firewalls between {f.host} and {owner}; {off}"
+
+
+def _line(obj) -> bytes:
+    return (json.dumps(obj) + "\n").encode()

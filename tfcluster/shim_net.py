@@ -1,0 +1,294 @@
+"""The host's side of the network checks: `reach` (listen on task ports, connect to every
+task address) and the proxy guard (the no_proxy a task gets). See docs/ARCHITECTURE.md,
+"Checks before a run".
+
+Shipped beside shim.py (standard library only, Python >= 3.8, no tfcluster imports).
+
+`reach` runs in three phases driven over stdin/stdout, one JSON line each way:
+  1. request {"listen": [port, ...], "lifetime": s} -> bind a listener on each port
+     (dual-stack `::`, else 0.0.0.0) -> {"listening": [...], "busy": {port: holder}}
+  2. GO {"targets": [[address, port], ...], "timeout": s} -> connect to all of them in
+     parallel -> {"results": {"address:port": null | "one-line reason"}}
+  3. stdin ends (or `lifetime` passes: nothing outlives a lost launcher) -> listeners closed,
+     exit.
+A request that carries "targets" itself skips the listeners: one answer, then exit.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import queue
+import re
+import selectors
+import socket
+import struct
+import sys
+import threading
+import time
+
+if __package__:
+    from . import shim_procs as procs
+else:  # shipped: the shim's directory is first on sys.path
+    import shim_procs as procs
+
+CONNECT_TIMEOUT = 5.0    # per target: one SYN retransmit (1 s) and then some
+LIFETIME = 120.0         # a reach whose launcher went silent closes its listeners by then
+MAX_THREADS = 64         # connections tried at once
+RESOLVE_SLACK = 10.0     # a hung resolver may hold a probe this much past its timeout
+
+# Variables that send a process's HTTP (and gRPC) connections through a proxy, in any case.
+# gRPC reads grpc_proxy, https_proxy, http_proxy (lower case), and then no_grpc_proxy, else
+# no_proxy, matching the target's host name (no port) exactly or as a suffix.
+PROXY_VARS = ("http_proxy", "https_proxy", "grpc_proxy", "all_proxy")
+NO_PROXY_VARS = ("no_proxy", "NO_PROXY")
+GRPC_NO_PROXY = "no_grpc_proxy"   # when set, gRPC ignores no_proxy: extended too
+
+
+def _line(obj) -> bytes:
+    return (json.dumps(obj) + "\n").encode()
+
+
+# ---------------------------------------------------------------- listen / connect
+
+def listen(ports) -> tuple[dict, dict]:
+    """(port -> listening socket, port -> why it could not listen). A busy port is not an
+    error here: it may be the cluster's own live server; the launcher decides."""
+    sockets, busy = {}, {}
+    for port in ports:
+        try:
+            sockets[int(port)] = _listener(int(port))
+        except OSError as e:
+            busy[str(port)] = (procs.port_holder(int(port)) if e.errno == errno.EADDRINUSE
+                               else "cannot listen: %s" % (e.strerror or e))
+    return sockets, busy
+
+
+def _listener(port: int) -> socket.socket:
+    """Every interface, as a TF server binds: dual-stack when the host has IPv6."""
+    try:
+        s = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+    except OSError:
+        s = None
+    if s is not None:
+        try:
+            s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("::", port))
+            s.listen(1024)
+            return s
+        except OSError as e:
+            s.close()
+            if e.errno == errno.EADDRINUSE:
+                raise
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("0.0.0.0", port))
+        s.listen(1024)
+    except OSError:
+        s.close()
+        raise
+    return s
+
+
+class Acceptor:
+    """Accepts (and holds) every connection to the listeners, so a full accept queue never
+    turns into a false timeout; closing resets them (no TIME_WAIT on a task's port)."""
+
+    def __init__(self, listeners) -> None:
+        self.listeners = list(listeners)
+        self.accepted = []
+        self.stop = threading.Event()
+        self.selector = selectors.DefaultSelector()     # epoll: no FD_SETSIZE limit
+        for s in self.listeners:
+            self.selector.register(s, selectors.EVENT_READ)
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        if self.listeners:
+            self.thread.start()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                ready = self.selector.select(0.1)
+            except (OSError, ValueError):
+                return
+            for key, _ in ready:
+                try:
+                    self.accepted.append(key.fileobj.accept()[0])
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.stop.set()
+        if self.thread.is_alive():
+            self.thread.join(1.0)
+        self.selector.close()
+        for s in self.accepted + self.listeners:
+            try:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            except OSError:
+                pass
+            s.close()
+
+
+def probe(address: str, port: int, timeout: float = CONNECT_TIMEOUT) -> str | None:
+    """None when a TCP connection to address:port opens within `timeout`, else why not."""
+    deadline = time.monotonic() + timeout
+    try:
+        infos = socket.getaddrinfo(address, port, 0, socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        if e.errno in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)):
+            return "name does not resolve"
+        return "name does not resolve (%s)" % (e.strerror or e)
+    reason = "name does not resolve (no address)"
+    for family, kind, proto, _, sockaddr in infos:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return "timed out after %gs" % timeout
+        s = socket.socket(family, kind, proto)
+        s.settimeout(left)
+        try:
+            s.connect(sockaddr)
+            return None
+        except socket.timeout:
+            reason = "timed out after %gs" % timeout
+        except ConnectionRefusedError:
+            reason = "connection refused"
+        except OSError as e:
+            reason = (e.strerror or str(e)).lower()
+        finally:
+            s.close()
+    return reason
+
+
+def probe_all_bound(count: int, timeout: float) -> float:
+    """How long probe_all may take for `count` targets (rounds of MAX_THREADS)."""
+    return timeout * ((count - 1) // MAX_THREADS + 1) + RESOLVE_SLACK
+
+
+def probe_all(targets, timeout: float = CONNECT_TIMEOUT) -> dict:
+    """"address:port" -> None | reason for every target, tried in parallel (bounded)."""
+    keys = ["%s:%s" % (a, p) for a, p in targets]
+    results = {}
+    work = queue.Queue()
+    for (address, port), key in zip(targets, keys):
+        work.put((address, int(port), key))
+    done = threading.Event()
+    lock = threading.Lock()
+
+    def worker() -> None:
+        while True:
+            try:
+                address, port, key = work.get_nowait()
+            except queue.Empty:
+                return
+            reason = probe(address, port, timeout)
+            with lock:
+                results[key] = reason
+                if len(results) == len(set(keys)):
+                    done.set()
+
+    if not keys:
+        return {}
+    for _ in range(min(MAX_THREADS, len(keys))):
+        threading.Thread(target=worker, daemon=True).start()
+    done.wait(probe_all_bound(len(keys), timeout))
+    with lock:
+        return {k: results.get(k, "no answer within %gs (name resolution hung?)" % timeout)
+                for k in keys}
+
+
+# ---------------------------------------------------------------- the command
+
+def cmd_reach(req: dict):
+    timeout = float(req.get("timeout", CONNECT_TIMEOUT))
+    if "targets" in req:
+        return {"results": probe_all(req["targets"], timeout)}
+    deadline = time.monotonic() + float(req.get("lifetime", LIFETIME))
+    sockets, busy = listen(req.get("listen") or [])
+    acceptor = Acceptor(sockets.values())
+    lines = _stdin_lines()
+    try:
+        procs.write_all(1, _line({"listening": sorted(sockets), "busy": busy}))
+        go = _next_line(lines, deadline)
+        if go is not None:
+            go = json.loads(go)
+            results = probe_all(go.get("targets") or [], float(go.get("timeout", timeout)))
+            procs.write_all(1, _line({"results": results}))
+            while _next_line(lines, deadline) is not None:
+                pass                     # hold the listeners until stdin ends
+    finally:
+        acceptor.close()
+    # A reader thread may still block on stdin (lifetime passed): leave without joining it.
+    os._exit(0)
+
+
+def _stdin_lines() -> queue.Queue:
+    """Lines of stdin as they come, None at EOF (a thread: the buffered reader that read
+    the request may hold more, so select() on the descriptor would not see it)."""
+    lines = queue.Queue()
+
+    def read() -> None:
+        while True:
+            try:
+                line = sys.stdin.buffer.readline()
+            except (OSError, ValueError):
+                line = b""
+            lines.put(line or None)
+            if not line:
+                return
+
+    threading.Thread(target=read, daemon=True).start()
+    return lines
+
+
+def _next_line(lines: queue.Queue, deadline: float):
+    """The next non-empty line, or None at EOF or once the deadline passed."""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None
+        try:
+            line = lines.get(timeout=left)
+        except queue.Empty:
+            return None
+        if line is None:
+            lines.put(None)
+            return None
+        if line.strip():
+            return line
+
+
+# ---------------------------------------------------------------- proxy guard
+
+def proxies_set(env) -> list:
+    """The names of the proxy variables `env` sets to something (any case)."""
+    return sorted(k for k, v in env.items() if k.lower() in PROXY_VARS and v.strip())
+
+
+def guard_env(env, hosts) -> dict:
+    """The no_proxy changes that keep connections to `hosts` off a proxy: {} unless `env`
+    sets a proxy variable. Each no_proxy variable keeps its entries and gains the missing
+    hosts (compared without case), comma-joined."""
+    if not hosts or not proxies_set(env):
+        return {}
+    names = NO_PROXY_VARS + ((GRPC_NO_PROXY,) if GRPC_NO_PROXY in env else ())
+    changes = {}
+    for name in names:
+        entries = [e.strip() for e in env.get(name, "").split(",") if e.strip()]
+        have = {e.lower() for e in entries}
+        entries += [h for h in dict.fromkeys(hosts) if h.lower() not in have]
+        changes[name] = ",".join(entries)
+    return changes
+
+
+def proxy_report(env) -> dict:
+    """The proxy-related variables of `env`, credentials in proxy URLs masked (for `info`)."""
+    out = {}
+    for name, value in env.items():
+        if name.lower() in PROXY_VARS:
+            out[name] = re.sub(r"://[^/@]*@", "://***@", value)
+        elif name in NO_PROXY_VARS or name == GRPC_NO_PROXY:
+            out[name] = value
+    return out
