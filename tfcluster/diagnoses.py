@@ -74,7 +74,9 @@ class RunChecks:
                              name="diagnose").start()
 
     def summary(self) -> dict[str, str]:
-        out = {"placement": self.placement.summary() if self.placement is not None else "off"}
+        out = {}
+        if self.plan.mode in ("between-graph", "classic"):     # the modes the probe serves
+            out["placement"] = self.placement.summary() if self.placement is not None else "off"
         if self.watchdog is not None:
             out["hang"] = f"{self.diagnoses} diagnosis(es)" if self.diagnoses else "no hang seen"
         return out

@@ -368,6 +368,5 @@ def _summary(run: Run, outcome: tuple[int, str]) -> None:
         last = (run.mux.last_line_matching(p.key, LOSS_LINE) or "").replace("tfcluster-result: ", "")
         rows.append((p.task.key, p.task.host, "-" if p.exit_code is None else str(p.exit_code),
                      str(p.restarts), f"{duration:.1f}s", last))
-    checks = run.checks.summary() if run.checks else {}
-    print_summary(run.ui, run.run_id, rows, outcome, os.path.join(run.options.runs_dir, run.run_id),
-                  checks if run.plan.probes() or run.plan.checks.hang_after else {})
+    checks = run.checks.summary() if run.checks and rows else {}    # said only once scripts ran
+    print_summary(run.ui, run.run_id, rows, outcome, os.path.join(run.options.runs_dir, run.run_id), checks)
