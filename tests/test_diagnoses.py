@@ -223,7 +223,7 @@ def test_the_same_script_with_the_check_off_is_not_stopped_by_it(work):
                       extra="  timeout: 40s\n  checks: {placement: false, hang_after: off}\n")
     out = tfcluster("train", str(spec), "--runs-dir", str(tmp / "runs"), home=home, cwd=cwd, timeout=240)
     assert out.returncode == 6, out.stdout + out.stderr          # only train.timeout ends it
-    assert "placement" not in out.stderr
+    assert "placement mismatch" not in out.stderr and "placement check: off" in out.stderr
     assert manifest(only_run(tmp / "runs"))["checks"] == {"placement": "off"}
 
 
