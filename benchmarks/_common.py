@@ -409,7 +409,8 @@ def cluster_tasks(cluster: dict) -> list[tuple[str, int, str]]:
 
 
 def hand_env(b: Bench, cluster: dict, job: str, index: int) -> dict[str, str]:
-    """What a careful hand launch gives a TF server (what tfcluster gives its servers)."""
+    """What a careful hand launch gives a TF server (TF's C++ chatter off: tfcluster keeps it, for
+    its hang watchdog, but hides it from the live view)."""
     return b.env(TF_CONFIG=tf_config(cluster, job, index), TF_CPP_MIN_LOG_LEVEL="2",
                  PYTHONUNBUFFERED="1", TFCLUSTER_JOB_ID=f"bench-hand:{job}:{index}",
                  CUDA_VISIBLE_DEVICES="")

@@ -165,8 +165,10 @@ def test_ssh_run_forwards_tensorboard_through_the_connection(tmp_path, home, ssh
         assert logdir == str(tmp_path / "tb-worker-0")
         # The page came through tfcluster's forwarded port, not from TensorBoard directly:
         # tfcluster listens on it, TensorBoard listens elsewhere (on the host's loopback).
-        remote_ports = listeners(pid)
-        assert port in listeners(proc.pid) and remote_ports and port not in remote_ports
+        tree = [pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))]
+        remote_ports = wait_for(lambda: set().union(*(listeners(p) for p in tree)), 20,
+                                what="TensorBoard's listening socket")
+        assert port in listeners(proc.pid) and port not in remote_ports
         out = end_run(proc, flag, "finish")
     finally:
         flag.touch()
