@@ -13,6 +13,7 @@ import functools
 import getpass
 import os
 import re
+import shlex
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -84,11 +85,18 @@ def load_ssh_config(path: str = USER_CONFIG, system: str | None = None) -> param
     if system is None:
         system = os.environ.get(SYSTEM_CONFIG_VAR, SYSTEM_CONFIG)
     config = _config_class()()
-    for p in (os.path.expanduser(path), system):
-        if p and os.path.isfile(p):
+    for p, own in ((os.path.expanduser(path), True), (system, False)):
+        if not p or not os.path.isfile(p):
+            continue
+        with open(p) as f:
+            st = os.fstat(f.fileno())
+            if own and (st.st_uid not in (0, os.geteuid()) or st.st_mode & 0o022):
+                # ssh(1) refuses it too: someone else could make us run their ProxyCommand
+                raise ConnectError(f"{p}: bad owner or permissions",
+                                   hint=f"it must be yours and not writable by others: "
+                                        f"chmod go-w {shlex.quote(p)}")
             try:
-                with open(p) as f:
-                    config.parse(f)
+                config.parse(f)
             except Exception as e:  # noqa: BLE001 - paramiko raises several types here
                 raise ConnectError(f"{p}: cannot parse ssh config: {e}") from None
     return config
@@ -143,6 +151,9 @@ def resolve(name: str, address: str, options: SshOptions, config: paramiko.SSHCo
     else:
         keys, look = (), not identities_only
     keys += tuple(k for k in extra_keys if k not in keys and os.path.isfile(k))
+    port = options.port or opts.get("port", 22)
+    if not str(port).isdigit() or not 1 <= int(port) <= 65535:
+        raise ConnectError(f"{role} {name}: bad port {port!r} in ssh config")
     known = (options.known_hosts,) if options.known_hosts else \
         tuple(opts.get("userknownhostsfile", USER_KNOWN_HOSTS).split())
     if options.jump_host:                # explicit, like `ssh -J`: beats the config's proxies
@@ -150,7 +161,7 @@ def resolve(name: str, address: str, options: SshOptions, config: paramiko.SSHCo
     else:
         jump, command = _proxy(opts)
     ep = Endpoint(name=name, address=opts.get("hostname", address),
-                  port=int(options.port or opts.get("port", 22)),
+                  port=int(port),
                   user=options.user or opts.get("user") or getpass.getuser(),
                   key_files=keys, look_for_keys=look, known_hosts=known,
                   policy=options.host_key_policy, timeout=float(options.connect_timeout),
@@ -208,6 +219,8 @@ def jump_endpoint(target: Endpoint, options: SshOptions,
     elif hostport.startswith("[") and "]:" in hostport:
         host, port = hostport[1:].split("]:")
     host = host.strip("[]")
+    if port and not port.isdigit():
+        raise ConnectError(f"jump host {hop!r}: bad port {port!r}")
     hop_options = SshOptions(user=user or None, port=int(port) if port else None,
                              known_hosts=options.known_hosts,
                              host_key_policy=options.host_key_policy,

@@ -101,9 +101,8 @@ def dial(ep: Endpoint, options: SshOptions, config: paramiko.SSHConfig,
     if ep.jump:
         if depth >= MAX_JUMPS:
             raise ep.error(f"more than {MAX_JUMPS} ProxyJump hops (a loop in ~/.ssh/config?)")
-        jep = jump_endpoint(ep, options, config)
         try:
-            jump = dial(jep, options, config, depth + 1)
+            jump = dial(jump_endpoint(ep, options, config), options, config, depth + 1)
         except ConnectError as e:
             raise ep.error(f"via {e.message}", e.hint) from None
     try:
@@ -197,34 +196,39 @@ def _agent_keys(ep: Endpoint):
 
 
 def _handshake(ep: Endpoint, jump: Connection | None):
-    import paramiko
     with _handshake_slot(f"{ep.address}:{ep.port}"):
         known = KnownHosts(ep)
-        sock, proxy = _open_sock(ep, jump)
-        client = paramiko.SSHClient()            # no host keys of its own: the policy decides
-        client.set_missing_host_key_policy(HostKeyPolicy(ep, known))
         agent, agent_keys = (None, []) if ep.allow_agent else _agent_keys(ep)
-        started = time.monotonic()
         try:
-            client.connect(ep.address, port=ep.port, username=ep.user,
-                           pkey=agent_keys[0] if agent_keys else None,
-                           key_filename=list(ep.key_files) or None,
-                           look_for_keys=ep.look_for_keys, allow_agent=ep.allow_agent,
-                           sock=sock, timeout=ep.timeout, banner_timeout=ep.timeout,
-                           auth_timeout=ep.timeout, transport_factory=functools.partial(
-                               _fast_transport, key_types=tuple(known.key_types())))
-        except BaseException as e:
-            client.close()
-            sock.close()
-            error = _map_handshake_error(ep, e, time.monotonic() - started)
-            if proxy:
-                error = _proxy_exit(proxy, e) or error
-                proxy.close()
-            raise error from None
+            client, proxy = _authenticate(ep, jump, known, agent_keys[0] if agent_keys else None)
         finally:
             if agent:
-                agent.close()
+                agent.close()                    # its keys have signed what they had to
     client.get_transport().set_keepalive(KEEPALIVE_S)
+    return client, proxy
+
+
+def _authenticate(ep: Endpoint, jump: Connection | None, known: KnownHosts, pkey):
+    import paramiko
+    sock, proxy = _open_sock(ep, jump)
+    client = paramiko.SSHClient()                # no host keys of its own: the policy decides
+    client.set_missing_host_key_policy(HostKeyPolicy(ep, known))
+    started = time.monotonic()
+    try:
+        client.connect(ep.address, port=ep.port, username=ep.user, pkey=pkey,
+                       key_filename=list(ep.key_files) or None,
+                       look_for_keys=ep.look_for_keys, allow_agent=ep.allow_agent,
+                       sock=sock, timeout=ep.timeout, banner_timeout=ep.timeout,
+                       auth_timeout=ep.timeout, transport_factory=functools.partial(
+                           _fast_transport, key_types=tuple(known.key_types())))
+    except BaseException as e:
+        client.close()
+        sock.close()
+        error = _map_handshake_error(ep, e, time.monotonic() - started)
+        if proxy:
+            error = _proxy_exit(proxy, e) or error
+            proxy.close()
+        raise error from None
     return client, proxy
 
 
