@@ -21,7 +21,7 @@ import pytest
 
 from tests.conftest import SESSION_VAR
 
-from tfcluster.transport.ssh_config import SshOptions
+from tfcluster.transport.ssh_config import SYSTEM_CONFIG_VAR, SshOptions
 
 SSHD = "/usr/sbin/sshd"
 SFTP_SERVER = "/usr/lib/openssh/sftp-server"
@@ -187,8 +187,10 @@ def jump_sshd(sshd_factory) -> Sshd:
 
 @pytest.fixture
 def ssh_home(home, sshd, monkeypatch) -> Path:
-    """~/.ssh of the isolated HOME trusts the test sshd and holds the user key as id_ed25519."""
+    """~/.ssh of the isolated HOME trusts the test sshd and holds the user key as id_ed25519;
+    no system ssh_config is read."""
     monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)   # never the developer's agent
+    monkeypatch.setenv(SYSTEM_CONFIG_VAR, "")            # nor the machine's /etc/ssh/ssh_config
     ssh_dir = home / ".ssh"
     ssh_dir.mkdir(mode=0o700)
     sshd.write_known_hosts(ssh_dir / "known_hosts")

@@ -103,6 +103,10 @@ REJECTIONS = [
      "8: ssh.connect_timeout: must be a positive number, got 'soon'"),
     ("ssh-user", BASE + "ssh: {user: -oProxyCommand}\n", "8: ssh.user: invalid user name '-oProxyCommand'"),
     ("ssh-jump", BASE + "ssh: {jump_host: 'b;rm'}\n", "8: ssh.jump_host: must not contain shell metacharacter ';': 'b;rm'"),
+    ("ssh-jump-port", BASE + "ssh: {jump_host: 'u@b:99999'}\n",
+     "8: ssh.jump_host: port must be from 1 to 65535: 'u@b:99999'"),
+    ("ssh-jump-port-0", BASE + "ssh: {jump_host: 'b:0'}\n", "8: ssh.jump_host: port must be from 1 to 65535: 'b:0'"),
+    ("ssh-jump-no-port", BASE + "ssh: {jump_host: 'b:'}\n", "8: ssh.jump_host: must be [user@]host[:port]: 'b:'"),
     ("ssh-null", BASE + "ssh:\n", "8: ssh: must be a mapping, got null"),
     # --- hosts
     ("hosts-empty", "name: t\nhosts: []\njobs: {}\n", "2: hosts: must list at least one host"),

@@ -69,11 +69,14 @@ def _machine(address: str) -> str:
 def _jump_host(node: yaml.Node, field: str) -> str:
     value = _str(node, field)
     user, _, rest = value.rpartition("@")
-    host, port = rest, ""
+    host, port = rest, None
     if rest.count(":") == 1:       # host:port; a bare IPv6 address has several colons
         host, _, port = rest.partition(":")
-    ok = (not user or _USER_RE.fullmatch(user)) and re.fullmatch(r"[0-9]{0,5}", port)
+    ok = (not user or _USER_RE.fullmatch(user)) and (
+        port is None or re.fullmatch(r"[0-9]{1,5}", port))
     problem = _address_problem(host) if ok else "must be [user@]host[:port]"
+    if not problem and port and not 1 <= int(port) <= 65535:
+        problem = "port must be from 1 to 65535"
     if problem:
         raise _Bad(_line(node), field, f"{problem}: {value!r}")
     return value

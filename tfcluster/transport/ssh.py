@@ -56,9 +56,20 @@ class SshTransport(Transport):
         self._conns.append(conn)
         return conn
 
+    def _prune(self) -> None:
+        """Drop the connections that died, closing what they hold (jump connections, a
+        ProxyCommand); the caller holds self._lock."""
+        alive = []
+        for c in self._conns:
+            if c.active():
+                alive.append(c)
+            else:
+                c.close()
+        self._conns = alive
+
     def connect(self) -> None:
         with self._lock:
-            self._conns = [c for c in self._conns if c.active()]
+            self._prune()
             if not self._conns:
                 self._dial()
 
@@ -73,7 +84,7 @@ class SshTransport(Transport):
         last: BaseException | None = None
         while True:
             with self._lock:
-                self._conns = [c for c in self._conns if c.active()]
+                self._prune()
                 conns = [c for c in self._conns if not any(c is t for t in tried)]
                 if not conns:
                     if dials == MAX_CHANNEL_DIALS:

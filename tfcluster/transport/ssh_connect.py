@@ -1,26 +1,31 @@
-"""One authenticated SSH connection: dialing through jump hosts, host-key policy.
+"""One authenticated SSH connection: dialing through jump hosts or a ProxyCommand,
+host-key policy, which keys are offered.
 
 paramiko is imported inside functions only: `plan` and `--help` never pay for it.
-Host keys are checked against known_hosts by our own policy: `reject` or
-`accept-new`; a changed key is always refused. Every failure is a one-line
-ConnectError naming the host (and the jump host it failed at).
+Host keys are checked against the user's and the global known_hosts by our own policy
+(known_hosts.py): `reject` or `accept-new`; a changed or revoked key is always refused.
+Every failure is a one-line ConnectError naming the host (and the jump host it failed at).
 """
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import random
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tfcluster.errors import ConnectError
+from tfcluster.transport.known_hosts import HostKeyPolicy, KnownHosts
 from tfcluster.transport.ssh_config import Endpoint, SshOptions, jump_endpoint
 
 if TYPE_CHECKING:
     import paramiko
+
+    from tfcluster.transport.ssh_proxy import ProxyProcess
 
 # Per destination: sshd's MaxStartups (default 10:30:100) randomly drops unauthenticated
 # connections beyond 10 at once, so we stay below that and retry the few still dropped.
@@ -31,57 +36,11 @@ MAX_JUMPS = 5               # guards against a ProxyJump that loops through ~/.s
 
 _slots: dict[str, threading.BoundedSemaphore] = {}
 _slots_lock = threading.Lock()
-_known_hosts_lock = threading.Lock()
 
 
 def _handshake_slot(dest: str) -> threading.BoundedSemaphore:
     with _slots_lock:
         return _slots.setdefault(dest, threading.BoundedSemaphore(MAX_HANDSHAKES))
-
-
-class _HostKeyPolicy:
-    """paramiko MissingHostKeyPolicy (duck-typed, so this module imports without paramiko)."""
-
-    def __init__(self, ep: Endpoint) -> None:
-        self.ep = ep
-
-    def missing_host_key(self, client, hostname: str, key) -> None:
-        ep = self.ep
-        if ep.policy != "accept-new":
-            scan = f"ssh-keyscan -p {ep.port} {ep.address} >> {ep.known_hosts[0]}"
-            raise ep.error(f"unknown host key ({key.get_name()} {key.fingerprint})",
-                           hint=f"run `{scan}` after checking the fingerprint, "
-                                "or set ssh.host_key_policy: accept-new")
-        _append_known_host(os.path.expanduser(ep.known_hosts[0]),
-                           f"{hostname} {key.get_name()} {key.get_base64()}\n")
-        client.get_host_keys().add(hostname, key.get_name(), key)
-
-
-def _append_known_host(path: str, line: str) -> None:
-    parent = os.path.dirname(path)
-    with _known_hosts_lock:
-        if parent and not os.path.isdir(parent):
-            os.makedirs(parent, mode=0o700, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
-        try:
-            with open(fd, "rb", closefd=False) as f:
-                existing = f.read()
-            if line.encode() in existing.splitlines(keepends=True):
-                return                           # a concurrent connect recorded it already
-            os.write(fd, (b"\n" if existing and not existing.endswith(b"\n") else b"")
-                     + line.encode())
-        finally:
-            os.close(fd)
-
-
-def _load_host_keys(ep: Endpoint, keys) -> None:
-    for path in ep.known_hosts:
-        path = os.path.expanduser(path)
-        if os.path.isfile(path):
-            try:
-                keys.load(path)
-            except OSError as e:
-                raise ep.error(f"cannot read known_hosts {path}: {e.strerror}") from None
 
 
 def _is_dropped(e: BaseException) -> bool:
@@ -114,6 +73,7 @@ class Connection:
 
     client: paramiko.SSHClient
     jumps: list[Connection]         # each jump hop's connection, kept open as long as this one
+    proxy: ProxyProcess | None = field(default=None)    # the ProxyCommand carrying it
 
     @property
     def transport(self) -> paramiko.Transport | None:
@@ -125,6 +85,8 @@ class Connection:
 
     def close(self) -> None:
         self.client.close()
+        if self.proxy:
+            self.proxy.close()
         for j in self.jumps:
             j.close()
 
@@ -139,13 +101,13 @@ def dial(ep: Endpoint, options: SshOptions, config: paramiko.SSHConfig,
     if ep.jump:
         if depth >= MAX_JUMPS:
             raise ep.error(f"more than {MAX_JUMPS} ProxyJump hops (a loop in ~/.ssh/config?)")
-        jep = jump_endpoint(ep, options, config)
         try:
-            jump = dial(jep, options, config, depth + 1)
+            jump = dial(jump_endpoint(ep, options, config), options, config, depth + 1)
         except ConnectError as e:
             raise ep.error(f"via {e.message}", e.hint) from None
     try:
-        return Connection(_handshake_retrying(ep, jump), [jump] if jump else [])
+        client, proxy = _handshake_retrying(ep, jump)
+        return Connection(client, [jump] if jump else [], proxy)
     except BaseException:
         if jump:
             jump.close()
@@ -171,12 +133,17 @@ def _handshake_retrying(ep: Endpoint, jump: Connection | None):
 
 
 def _open_sock(ep: Endpoint, jump: Connection | None):
+    """The byte stream to the host's sshd, and the ProxyCommand behind it (or None)."""
+    if ep.proxy_command:
+        from tfcluster.transport.ssh_proxy import ProxyProcess
+        proxy = ProxyProcess(ep)
+        return proxy.sock, proxy
     if jump is None:
-        return _tcp(ep)
+        return _tcp(ep), None
     import paramiko
     try:
         return jump.transport.open_channel("direct-tcpip", (ep.address, ep.port),
-                                           ("127.0.0.1", 0), timeout=ep.timeout)
+                                           ("127.0.0.1", 0), timeout=ep.timeout), None
     except paramiko.ChannelException as e:
         raise ep.error(f"jump host cannot reach it: {e.text}") from None
     except paramiko.SSHException as e:
@@ -190,58 +157,107 @@ WINDOW_SIZE = 16 * 1024 * 1024
 PREFERRED_CIPHERS = ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com")
 
 
-def _fast_transport(sock, **kwargs):
+def _fast_transport(sock, key_types: tuple[str, ...] = (), **kwargs):
+    """paramiko's Transport with a large window, AEAD ciphers first, and the host key
+    types known_hosts has for this host asked for first (as ssh(1) does)."""
     import paramiko
     transport = paramiko.Transport(sock, default_window_size=WINDOW_SIZE, **kwargs)
     options = transport.get_security_options()
     supported = tuple(options.ciphers)
     options.ciphers = tuple(c for c in PREFERRED_CIPHERS if c in supported) + tuple(
         c for c in supported if c not in PREFERRED_CIPHERS)
+    offered = tuple(options.key_types)
+    first = [t for k in key_types for t in RSA_TYPES.get(k, (k,)) if t in offered]
+    options.key_types = tuple(dict.fromkeys(first)) + tuple(t for t in offered if t not in first)
     return transport
 
 
-def _handshake(ep: Endpoint, jump: Connection | None):
+RSA_TYPES = {"ssh-rsa": ("rsa-sha2-512", "rsa-sha2-256", "ssh-rsa")}
+
+
+def _agent_keys(ep: Endpoint):
+    """The agent's keys among ep.key_files (by their .pub), for IdentitiesOnly: a key
+    file with a passphrase still works when the agent holds it. (agent, [keys])."""
     import paramiko
-    with _handshake_slot(f"{ep.address}:{ep.port}"):
-        sock = _open_sock(ep, jump)
-        client = paramiko.SSHClient()
-        _load_host_keys(ep, client.get_host_keys())
-        client.set_missing_host_key_policy(_HostKeyPolicy(ep))
-        started = time.monotonic()
+    wanted = set()
+    for path in ep.key_files:
         try:
-            client.connect(ep.address, port=ep.port, username=ep.user,
-                           key_filename=list(ep.key_files) or None,
-                           look_for_keys=ep.look_for_keys, allow_agent=True, sock=sock,
-                           timeout=ep.timeout, banner_timeout=ep.timeout,
-                           auth_timeout=ep.timeout, transport_factory=_fast_transport)
-        except BaseException as e:
-            client.close()
-            sock.close()
-            raise _map_handshake_error(ep, e, time.monotonic() - started) from None
+            with open(path + ".pub") as f:
+                wanted.add(f.read().split()[1])
+        except (OSError, IndexError):
+            continue
+    if not wanted or not os.environ.get("SSH_AUTH_SOCK"):
+        return None, []
+    try:
+        agent = paramiko.Agent()
+    except (paramiko.SSHException, OSError):
+        return None, []                          # ssh(1) goes on without the agent too
+    return agent, [k for k in agent.get_keys() if k.get_base64() in wanted]
+
+
+def _handshake(ep: Endpoint, jump: Connection | None):
+    with _handshake_slot(f"{ep.address}:{ep.port}"):
+        known = KnownHosts(ep)
+        agent, agent_keys = (None, []) if ep.allow_agent else _agent_keys(ep)
+        try:
+            client, proxy = _authenticate(ep, jump, known, agent_keys[0] if agent_keys else None)
+        finally:
+            if agent:
+                agent.close()                    # its keys have signed what they had to
     client.get_transport().set_keepalive(KEEPALIVE_S)
-    return client
+    return client, proxy
+
+
+def _authenticate(ep: Endpoint, jump: Connection | None, known: KnownHosts, pkey):
+    import paramiko
+    sock, proxy = _open_sock(ep, jump)
+    client = paramiko.SSHClient()                # no host keys of its own: the policy decides
+    client.set_missing_host_key_policy(HostKeyPolicy(ep, known))
+    started = time.monotonic()
+    try:
+        client.connect(ep.address, port=ep.port, username=ep.user, pkey=pkey,
+                       key_filename=list(ep.key_files) or None,
+                       look_for_keys=ep.look_for_keys, allow_agent=ep.allow_agent,
+                       sock=sock, timeout=ep.timeout, banner_timeout=ep.timeout,
+                       auth_timeout=ep.timeout, transport_factory=functools.partial(
+                           _fast_transport, key_types=tuple(known.key_types())))
+    except BaseException as e:
+        client.close()
+        sock.close()
+        error = _map_handshake_error(ep, e, time.monotonic() - started)
+        if proxy:
+            error = _proxy_exit(proxy, e) or error
+            proxy.close()
+        raise error from None
+    return client, proxy
+
+
+def _proxy_exit(proxy: ProxyProcess, e: BaseException) -> ConnectError | None:
+    """The ProxyCommand's exit, when that is why the handshake failed: the byte stream
+    ended or broke (never after a refusal of ours, a failed login or a Ctrl-C)."""
+    import paramiko
+    if not isinstance(e, Exception) or isinstance(e, (ConnectError,
+                                                      paramiko.AuthenticationException)):
+        return None
+    return proxy.exited(0 if isinstance(e, (socket.timeout, TimeoutError)) else None)
 
 
 def _map_handshake_error(ep: Endpoint, e: BaseException, elapsed: float) -> BaseException:
     import paramiko
     if isinstance(e, ConnectError):
         return e
-    if isinstance(e, paramiko.BadHostKeyException):
-        return ep.error(f"host key CHANGED ({e.key.get_name()} {e.key.fingerprint}, "
-                        f"known_hosts has {e.expected_key.fingerprint}): "
-                        "possible man-in-the-middle",
-                        hint="if the host was reinstalled, check the new fingerprint, then "
-                             f"`ssh-keygen -R '{ep.key_name}' -f {ep.known_hosts[0]}`")
     if isinstance(e, paramiko.AuthenticationException) or (
             isinstance(e, paramiko.SSHException) and "authentication methods" in str(e)):
-        keys = ", ".join(ep.key_files) or "the agent and ~/.ssh/id_*"
+        keys = ", ".join(ep.key_files + ("the agent",) * ep.allow_agent
+                         + ("~/.ssh/id_*",) * ep.look_for_keys) or "no key"
         return ep.error(f"authentication failed as user {ep.user} (tried {keys})",
                         hint="set ssh.identity_file (or IdentityFile in ~/.ssh/config) to a key "
                              f"authorised for {ep.user}, or ssh.user")
     if _is_dropped(e) and elapsed < ep.timeout * 0.9:
         return _Dropped(str(e) or type(e).__name__)
     if isinstance(e, (socket.timeout, TimeoutError)) or "banner" in str(e):
-        return ep.error(f"no SSH handshake within {ep.timeout:g}s")
+        via = f" through ProxyCommand `{ep.proxy_command}`" if ep.proxy_command else ""
+        return ep.error(f"no SSH handshake within {ep.timeout:g}s{via}")
     if isinstance(e, (paramiko.SSHException, OSError, EOFError)):
         return ep.error(f"SSH handshake failed: {e or type(e).__name__}")
     return e
