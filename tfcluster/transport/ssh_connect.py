@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import os
 import random
+import shlex
 import socket
 import threading
 import time
@@ -48,7 +49,8 @@ class _HostKeyPolicy:
     def missing_host_key(self, client, hostname: str, key) -> None:
         ep = self.ep
         if ep.policy != "accept-new":
-            scan = f"ssh-keyscan -p {ep.port} {ep.address} >> {ep.known_hosts[0]}"
+            scan = (shlex.join(["ssh-keyscan", "-p", str(ep.port), ep.address]) + " >> "
+                    + shlex.quote(os.path.expanduser(ep.known_hosts[0])))
             raise ep.error(f"unknown host key ({key.get_name()} {key.fingerprint})",
                            hint=f"run `{scan}` after checking the fingerprint, "
                                 "or set ssh.host_key_policy: accept-new")
@@ -231,7 +233,8 @@ def _map_handshake_error(ep: Endpoint, e: BaseException, elapsed: float) -> Base
                         f"known_hosts has {e.expected_key.fingerprint}): "
                         "possible man-in-the-middle",
                         hint="if the host was reinstalled, check the new fingerprint, then "
-                             f"`ssh-keygen -R '{ep.key_name}' -f {ep.known_hosts[0]}`")
+                             "`" + shlex.join(["ssh-keygen", "-R", ep.key_name, "-f",
+                                               os.path.expanduser(ep.known_hosts[0])]) + "`")
     if isinstance(e, paramiko.AuthenticationException) or (
             isinstance(e, paramiko.SSHException) and "authentication methods" in str(e)):
         keys = ", ".join(ep.key_files) or "the agent and ~/.ssh/id_*"
