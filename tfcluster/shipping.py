@@ -2,8 +2,8 @@
 in the run's directory on every host that runs a script (content-addressed, so an
 unchanged file crosses the network once per host).
 
-What ships is exactly the plan's file list, which check_train_files made (README, "Files
-a run ships"): every file is read, and must still be the regular file of the size listed,
+What ships is exactly the plan's file list, which check_train_files made (docs/ARCHITECTURE.md,
+"Spec safety"): every file is read, and must still be the regular file of the size listed,
 before the first byte goes to a host."""
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The spec's environment: `env`, `secret_env` and `public_env`, and the rule that no
 script argument carries a secret env value (arguments are visible in `ps` on every host).
 
-Which names are secret is model.is_secret (README, "Secrets").
+Which names are secret is model.is_secret (docs/ARCHITECTURE.md, "Spec safety").
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Every task's TF_CONFIG lists the whole cluster and a `{worker_hosts}` argument does too,
 so a plan grows with the square of the task count. These checks compute the sizes the
-plan *would* have, from the placed tasks, before anything is built (README, "Limits").
+plan *would* have, from the placed tasks, before anything is built (docs/ARCHITECTURE.md, "Spec safety").
 """
 from __future__ import annotations
 

@@ -16,7 +16,8 @@ MAX_TASKS = 10_000                # bounds the layout work whatever counts the f
 PLACEHOLDERS = ("job", "index", "ps_hosts", "worker_hosts", "chief_hosts", "workdir",
                 "num_workers")
 
-# Limits against blow-ups (README, "Limits"): a page of YAML must not become gigabytes.
+# Limits against blow-ups (docs/ARCHITECTURE.md, "Spec safety"): a page of YAML must not
+# become gigabytes.
 MAX_ENV_ENTRIES = 1_000
 MAX_ENV_BYTES = 256 * 1024        # all of env: together
 MAX_ARGS = 1_000
@@ -26,8 +27,8 @@ MAX_PLAN_BYTES = 64 << 20         # every task's together, as the plan holds the
 MAX_SHIP_FILES = 10_000
 MAX_SHIP_BYTES = 256 << 20        # train.script and train.files together
 
-# Env names shown as *** (README, "Secrets"): any name containing one of these, upper-cased,
-# plus the spec's secret_env, less its public_env.
+# Env names shown as *** (docs/ARCHITECTURE.md, "Spec safety"): any name containing one of
+# these, upper-cased, plus the spec's secret_env, less its public_env.
 SECRET_MARKERS = ("PASS", "PWD", "AUTH", "PRIVATE", "CREDENTIAL", "TOKEN", "SECRET", "KEY")
 MIN_SECRET_CHARS = 4              # a shorter secret value is not looked for in train.args
 
