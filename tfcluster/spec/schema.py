@@ -32,7 +32,8 @@ _SSH_KEYS = ("user", "port", "identity_file", "known_hosts", "host_key_policy", 
              "connect_timeout")
 _HOST_KEYS = ("name", "address", "gpus", "ssh")
 _JOB_KEYS = ("count", "per_gpu", "hosts", "port", "gpus", "tasks")
-_TRAIN_KEYS = ("mode", "script", "files", "allow_outside", "args", "restart", "timeout", "checks", "tensorboard")
+_TRAIN_KEYS = ("mode", "script", "files", "allow_outside", "args", "restart", "timeout", "checks",
+               "tensorboard")
 _CHECK_KEYS = ("placement", "reachability", "proxy_guard", "hang_after")
 
 
