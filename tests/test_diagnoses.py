@@ -19,6 +19,7 @@ from tfcluster import placement as pl
 from tfcluster import watchdog as wd
 
 SCRIPTS = Path(__file__).parent / "scripts"
+ALLOW_SCRIPTS = f"  allow_outside: [{SCRIPTS}]\n"   # the specs live in tmp, the scripts here
 PROBE_DIR = Path(pl.__file__).parent / "probe"
 
 
@@ -197,7 +198,8 @@ def test_probe_off_loads_nothing_and_still_chains(tmp_path):
 @pytest.mark.timeout(300)
 def test_variables_created_from_a_set_stop_the_run_with_exit_8_naming_variable_tasks_and_devices(work):
     tmp, home, cwd = work
-    spec = local_spec(tmp, script=str(SCRIPTS / "set_order.py"), ps=2, workers=2, name="setorder")
+    spec = local_spec(tmp, script=str(SCRIPTS / "set_order.py"), ps=2, workers=2, name="setorder",
+                      extra=ALLOW_SCRIPTS)
     out = tfcluster("train", str(spec), "--runs-dir", str(tmp / "runs"), home=home, cwd=cwd, timeout=240)
     assert out.returncode == 8, out.stdout + out.stderr
     error = [line for line in out.stderr.splitlines() if "placement mismatch" in line]
@@ -220,7 +222,7 @@ def test_variables_created_from_a_set_stop_the_run_with_exit_8_naming_variable_t
 def test_the_same_script_with_the_check_off_is_not_stopped_by_it(work):
     tmp, home, cwd = work
     spec = local_spec(tmp, script=str(SCRIPTS / "set_order.py"), ps=2, workers=2, name="setoff",
-                      extra="  timeout: 40s\n  checks: {placement: false, hang_after: off}\n")
+                      extra=ALLOW_SCRIPTS + "  timeout: 40s\n  checks: {placement: false, hang_after: off}\n")
     out = tfcluster("train", str(spec), "--runs-dir", str(tmp / "runs"), home=home, cwd=cwd, timeout=240)
     assert out.returncode == 6, out.stdout + out.stderr          # only train.timeout ends it
     assert "placement mismatch" not in out.stderr and "placement check: off" in out.stderr
@@ -232,7 +234,8 @@ def test_the_same_script_with_the_check_off_is_not_stopped_by_it(work):
 def test_a_late_worker_gets_a_diagnosis_naming_it_its_host_and_its_closed_port_and_the_run_goes_on(work):
     tmp, home, cwd = work
     go = tmp / "go"
-    spec = local_spec(tmp, mode="classic", script=str(SCRIPTS / "late_worker.py"), ps=1, workers=2, name="late")
+    spec = local_spec(tmp, mode="classic", script=str(SCRIPTS / "late_worker.py"), ps=1, workers=2, name="late",
+                      extra=ALLOW_SCRIPTS)
     spec.write_text(spec.read_text().replace("train:\n", f"env: {{LATE_WORKER_GO: '{go}'}}\ntrain:\n"))
     port = int(re.search(r"worker: \{tasks: \[\"local:\d+\", \"local:(\d+)\"", spec.read_text()).group(1))
     proc = start_tfcluster("train", str(spec), "--runs-dir", str(tmp / "runs"), home=home, cwd=cwd)

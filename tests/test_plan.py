@@ -9,18 +9,20 @@ import pytest
 
 import sys
 
+from tfcluster import scaffold
 from tfcluster.plan import (PACKAGE_DIR, HostPlan, Plan, Restart, TaskPlan, build_plan, interpreter,
                             plan_to_dict, redact_env)
 from tfcluster.transport.ssh_config import SshOptions
-from tfcluster.spec import load_spec
+from tfcluster.spec import check_train_files, load_spec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLES = os.path.join(ROOT, "sample_clusters")
-TEMPLATE = os.path.join(ROOT, "templates", "between_graph.py")
+TEMPLATE = scaffold.template_path("between_graph")   # the repository's templates/, installed
 
 
 def sample(name: str) -> Plan:
-    return build_plan(load_spec(os.path.join(SAMPLES, name)))
+    spec = load_spec(os.path.join(SAMPLES, name))
+    return build_plan(spec, files=check_train_files(spec))
 
 
 def _env(job, index, chief, master, tf_config, cluster="local", workers="2", gpus="", extra=()):
@@ -60,7 +62,8 @@ def test_local_sample_plan_is_exactly_one_ps_and_two_workers_on_this_machine():
         spec_digest=plan.spec_digest,
         all_hosts=(HostPlan(name="local", address="localhost", local=True, gpus=0,
                             python=sys.executable, bindir=PACKAGE_DIR, ssh=None),),
-        script=TEMPLATE, files=((TEMPLATE, "between_graph.py"),),
+        script=TEMPLATE,
+        files=((os.path.realpath(TEMPLATE), "between_graph.py", os.path.getsize(TEMPLATE)),),
         restart=Restart("never", 3), timeout=None,
     )
     assert len(plan.spec_digest) == 64

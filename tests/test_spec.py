@@ -60,7 +60,8 @@ REJECTIONS = [
     ("deep", "name: " + "[" * 40 + "]" * 40 + "\n", "1: yaml: nested more than 32 levels deep"),
     ("unknown-top", BASE + "nmae: x\n", "8: nmae: unknown key 'nmae'; did you mean 'name'?"),
     ("unknown-top-far", BASE + "zzz: x\n",
-     "8: zzz: unknown key 'zzz'; expected one of: name, python, workdir, env, ssh, hosts, jobs, train"),
+     "8: zzz: unknown key 'zzz'; expected one of: name, python, workdir, env, secret_env, public_env, "
+     "ssh, hosts, jobs, train"),
     ("duplicate-top", BASE + "name: u\n", "8: name: duplicate key (first on line 1)"),
     ("missing-name", "hosts: [{name: a, address: b}]\njobs: {}\n", "1: name: missing required key"),
     ("missing-jobs", HEAD, "1: jobs: missing required key"),
@@ -289,7 +290,7 @@ def test_alias_without_anchor_is_a_yaml_error(tmp_path):
 def test_error_messages_stay_on_one_line(tmp_path):
     path = write(tmp_path, BASE + '"bad\\nkey\\u2028": 1\n')
     assert str(error(path)) == f"{path}:8: bad\\nkey\\u2028: unknown key 'bad\\nkey\\u2028'; expected one of: " \
-                               "name, python, workdir, env, ssh, hosts, jobs, train"
+                               "name, python, workdir, env, secret_env, public_env, ssh, hosts, jobs, train"
 
 
 def test_errors_carry_hints(tmp_path):
@@ -446,7 +447,7 @@ def test_full_spec_loads_to_the_exact_spec(tmp_path):
         train=Train(mode="between-graph", script=str(tmp_path / "train.py"),
                     files=("model/", "data/small.csv"),
                     args=("--steps", "2000", "--model_dir", "{workdir}/ckpt", "{{literal}}", "no"),
-                    restart=Restart("on-failure", 3), timeout=1800.0, args_line=25,
+                    restart=Restart("on-failure", 3), timeout=1800.0, args_line=25, args_lines=(25,) * 6,
                     script_source="train.py", script_line=23, files_lines=(24, 24)),
         digest=hashlib.sha256(Path(path).read_bytes()).hexdigest(),
     )

@@ -62,12 +62,14 @@ def _root(
         _ui.color = False
 
 
-def _load(path: str):
+def _load(path: str, preview: bool = False):
+    """The spec and its plan; `preview`: with the files a train would ship (or why not)."""
     from tfcluster.plan import build_plan
-    from tfcluster.spec import load_spec
+    from tfcluster.spec import load_spec, preview_train_files
 
     spec = load_spec(path)
-    return spec, build_plan(spec)
+    files, problem = preview_train_files(spec) if preview else ((), None)
+    return spec, build_plan(spec, files=files, files_problem=problem)
 
 
 def _plan(path: str):
@@ -93,7 +95,7 @@ def plan(
     """
     from tfcluster.render import print_plan, plan_json
 
-    spec, p = _load(spec_path)
+    spec, p = _load(spec_path, preview=True)
     if json_:
         _ui.json(plan_json(p))
     else:
@@ -249,8 +251,7 @@ def train(
     if not spec.train.script:
         raise UsageError(f"{spec.path}: no training script: set train.script or pass --script",
                          hint="`tfcluster init` writes a template script to start from")
-    check_train_files(spec)
-    p = build_plan(spec)
+    p = build_plan(spec, files=check_train_files(spec))
     if dry_run:
         from tfcluster.render import print_plan
 
@@ -297,14 +298,13 @@ def init(
 
 # -- the error boundary ------------------------------------------------------------------
 
-def _click_exceptions() -> tuple[type, ...]:
-    """ClickException from whichever click typer uses (typer >= 0.2x vendors its own)."""
+def _click(cls: str) -> tuple[type, ...]:
+    """`cls` (ClickException, Abort) from whichever click typer uses (typer >= 0.2x vendors its own)."""
     found = []
     for name in ("typer._click.exceptions", "click.exceptions"):
         try:
-            module = __import__(name, fromlist=["ClickException"])
-            found.append(module.ClickException)
-        except ImportError:
+            found.append(getattr(__import__(name, fromlist=[cls]), cls))
+        except (ImportError, AttributeError):
             pass
     return tuple(found)
 
@@ -330,16 +330,6 @@ def _usage_hint(exc, argv: list[str]) -> str | None:
     return "see `tfcluster --help`"
 
 
-def _click_aborts() -> tuple[type, ...]:
-    found = []
-    for name in ("typer._click.exceptions", "click.exceptions"):
-        try:
-            found.append(__import__(name, fromlist=["Abort"]).Abort)
-        except (ImportError, AttributeError):
-            pass
-    return tuple(found)
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     _ui.debug = "--debug" in argv
@@ -353,12 +343,12 @@ def main(argv: list[str] | None = None) -> int:
         if _ui.debug:
             raise
         if exc.details:
-            _ui.stderr.write(exc.details.rstrip("\n") + "\n")
+            _ui.details(exc.details)
         _ui.error(exc.message, exc.hint)
         return int(exc.exit_code)
     except typer.Exit as exc:
         return exc.exit_code
-    except _click_exceptions() as exc:
+    except _click("ClickException") as exc:
         if type(exc).__name__ == "NoArgsIsHelpError":
             _ui.stdout.write(exc.format_message() + "\n")  # the help text itself
             return 0
@@ -367,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     except Terminated:
         _ui.error("terminated (SIGTERM)")
         return int(ExitCode.TERMINATED)
-    except (KeyboardInterrupt, typer.Abort) + _click_aborts():
+    except (KeyboardInterrupt, typer.Abort) + _click("Abort"):
         _ui.error("interrupted")
         return int(ExitCode.INTERRUPTED)
     except BrokenPipeError:

@@ -23,6 +23,7 @@ import time
 from typing import BinaryIO, Callable, Sequence
 
 from tfcluster.names import log_file
+from tfcluster.safetext import escape
 
 NOTE_MARK = "[tfcluster] "
 HISTORY = 100                 # recent display lines kept per task (tail, summary)
@@ -157,7 +158,7 @@ class LogMux:
     def note(self, key: str, text: str) -> None:
         """A line from tfcluster itself about `key`: shown marked (dimmed), saved, kept."""
         t = self._tasks[key]
-        lines = [f"{NOTE_MARK}{line}".encode("utf-8", "replace")
+        lines = [f"{NOTE_MARK}{escape(line)}".encode("utf-8", "replace")   # it may quote a host
                  for line in (text.splitlines() or [""])]
         with t.lock:
             if t.fd is not None:

@@ -5,6 +5,7 @@ and sends it to the host inside requests; the shim never derives a name itself.
 """
 from __future__ import annotations
 
+import re
 import secrets
 import time
 from dataclasses import dataclass
@@ -59,6 +60,12 @@ def new_run_id(prefix: str, now: float | None = None, token: str | None = None) 
     started in the same second apart."""
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
     return f"{prefix}-{stamp}-{token or secrets.token_hex(2)}"
+
+
+def is_run_of(prefix: str, run_id: str) -> bool:
+    """Whether `run_id` has new_run_id's form for `prefix`: `lab-x-20260101-000000-ab12`
+    is a run of `lab-x`, never of `lab`."""
+    return re.fullmatch(re.escape(prefix) + r"-[0-9]{8}-[0-9]{6}-[0-9a-f]{4}", run_id) is not None
 
 
 def log_name(key: str, role: str = "script") -> str:

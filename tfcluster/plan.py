@@ -15,14 +15,13 @@ import sys
 from dataclasses import dataclass, field, fields
 
 from tfcluster.names import task_key
-from tfcluster.spec import JOB_NAMES, Checks, Restart, Spec, layout_tasks
+from tfcluster.spec import JOB_NAMES, Checks, Restart, Spec, is_secret, layout_tasks
 from tfcluster.transport.ssh_config import SshOptions
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))   # where the shim and server ship from
 DEFAULT_PYTHON = Spec.python
 
-SECRET_MARKERS = ("TOKEN", "SECRET", "PASSWORD", "PASSWD", "KEY", "CREDENTIAL")
-REDACTED = "***"
+REDACTED = "***"                         # for env names is_secret picks (the rule lives in spec)
 
 # Which jobs get a tfcluster-started server, and which run the user's script, per mode.
 SERVER_JOBS = {
@@ -93,7 +92,12 @@ class Plan:
     spec_digest: str
     all_hosts: tuple[HostPlan, ...] = ()  # every host of the spec, by name
     script: str | None = None            # local path of the training script
-    files: tuple[tuple[str, str], ...] = ()  # (local path, path in the run dir); script first
+    # (local path, path in the run dir, bytes), script first, as check_train_files listed them;
+    # () when not checked (only `train` and `plan` check), with files_problem when refused
+    files: tuple[tuple[str, str, int], ...] = ()
+    files_problem: str | None = None
+    secret_env: tuple[str, ...] = ()     # the spec's explicit lists (is_secret)
+    public_env: tuple[str, ...] = ()
     restart: Restart = field(default_factory=Restart)
     timeout: float | None = None
     checks: Checks = field(default_factory=Checks)
@@ -143,14 +147,10 @@ class Plan:
         return tuple(t for t in self.tasks if t.host == host)
 
 
-def is_secret(name: str) -> bool:
-    upper = name.upper()
-    return any(marker in upper for marker in SECRET_MARKERS)
-
-
-def redact_env(env: tuple[tuple[str, str], ...] | dict[str, str]) -> dict[str, str]:
+def redact_env(env: tuple[tuple[str, str], ...] | dict[str, str], marked=(), public=()) -> dict[str, str]:
+    """`env` with every secret value (is_secret, with the spec's secret_env and public_env) as ***."""
     items = env.items() if isinstance(env, dict) else env
-    return {k: (REDACTED if is_secret(k) else v) for k, v in items}
+    return {k: (REDACTED if is_secret(k, marked, public) else v) for k, v in items}
 
 
 def interpreter(spec_python: str, local: bool, local_python: str) -> str:
@@ -172,8 +172,10 @@ def _host_plan(host, spec: Spec, cluster_dir: str, local_python: str) -> HostPla
                     python=python, bindir=PACKAGE_DIR if own else f"{cluster_dir}/bin", ssh=ssh)
 
 
-def build_plan(spec: Spec, local_python: str | None = None) -> Plan:
-    """`local_python`: the interpreter running tfcluster (default sys.executable)."""
+def build_plan(spec: Spec, local_python: str | None = None, *,
+               files: tuple[tuple[str, str, int], ...] = (), files_problem: str | None = None) -> Plan:
+    """`local_python`: the interpreter running tfcluster (default sys.executable). `files`:
+    what check_train_files listed (the plan of a command that ships nothing has none)."""
     local_python = local_python or sys.executable
     slots = layout_tasks(spec)
     addresses = {h.name: h.address for h in spec.hosts}
@@ -203,7 +205,10 @@ def build_plan(spec: Spec, local_python: str | None = None) -> Plan:
         all_hosts=tuple(_host_plan(h, spec, cluster_dir, local_python)
                         for h in sorted(spec.hosts, key=lambda h: h.name)),
         script=spec.train.script,
-        files=_files(spec),
+        files=files,
+        files_problem=files_problem,
+        secret_env=spec.secret_env,
+        public_env=spec.public_env,
         restart=spec.train.restart,
         timeout=spec.train.timeout,
         checks=spec.train.checks,
@@ -219,13 +224,6 @@ def _tensorboard(spec: Spec, slots, placeholders: dict[str, str]) -> str | None:
         (s for s in slots if s.job == "worker"), None)
     values = {**placeholders, "job": chief.job if chief else "", "index": str(chief.index) if chief else "0"}
     return spec.train.tensorboard.format(**values)
-
-
-def _files(spec: Spec) -> tuple[tuple[str, str], ...]:
-    if not spec.train.script:
-        return ()
-    script = (spec.train.script, os.path.basename(spec.train.script))
-    return (script, *((os.path.join(spec.base_dir, f), os.path.normpath(f)) for f in spec.train.files))
 
 
 def _join(workdir: str, name: str) -> str:
@@ -289,7 +287,7 @@ def plan_to_dict(plan: Plan, *, redact: bool = True) -> dict:
     hosts = {h.name: h for h in plan.all_hosts}
 
     def task(t: TaskPlan) -> dict:
-        env = redact_env(t.env) if redact else dict(t.env)
+        env = redact_env(t.env, plan.secret_env, plan.public_env) if redact else dict(t.env)
         del env["TF_CONFIG"]
         host = hosts[t.host]
         return {
@@ -310,6 +308,8 @@ def plan_to_dict(plan: Plan, *, redact: bool = True) -> dict:
         "checks": {"placement": plan.checks.placement, "reachability": plan.checks.reachability,
                    "proxy_guard": plan.checks.proxy_guard, "hang_after": plan.checks.hang_after},
         "tensorboard": plan.tensorboard,
+        "files": [{"path": path, "to": dest, "bytes": size} for path, dest, size in plan.files],
+        "files_problem": plan.files_problem,
         "hosts": [{"name": h.name, "address": h.address, "local": h.local, "gpus": h.gpus,
                    "python": h.python} for h in plan.all_hosts],
         "cluster": {job: list(addrs) for job, addrs in plan.cluster},

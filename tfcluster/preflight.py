@@ -7,6 +7,7 @@ from tfcluster import versions
 from tfcluster.errors import PreflightError
 from tfcluster.plan import TaskPlan
 from tfcluster.render import version_table
+from tfcluster.safetext import shell_join
 from tfcluster.session import Session, by_host, raise_first
 
 
@@ -20,8 +21,9 @@ def preflight(session: Session, tasks: list[TaskPlan], *, ports: bool = True,
         if not info.tf_version:
             raise PreflightError(
                 f"host {name}: tensorflow is not installed for {host.python}",
-                hint=f"install it there, e.g. `tfcluster exec SPEC --hosts {name} -- "
-                     f"{host.python} -m pip install tensorflow`, or set `python:` in the spec")
+                hint="install it there, e.g. `" + shell_join(
+                    ["tfcluster", "exec", "SPEC", "--hosts", name, "--", host.python, "-m", "pip",
+                     "install", "tensorflow"]) + "`, or set `python:` in the spec")
         if host.gpus and info.gpus < host.gpus:
             raise PreflightError(f"host {name}: the spec gives it {host.gpus} GPUs but it has {info.gpus}")
     if ports:

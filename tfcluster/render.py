@@ -1,11 +1,16 @@
-"""How plans and status look: tables for people, JSON for programs."""
+"""How plans and status look: tables for people, JSON for programs.
+
+Commands shown for copy and paste are quoted word by word (safetext.shell_join); the UI
+escapes every other control character (docs/ARCHITECTURE.md, "Spec safety")."""
 from __future__ import annotations
 
 import dataclasses
 import json
-import shlex
 
 from tfcluster.plan import Plan, TaskPlan, plan_to_dict, redact_env
+from tfcluster.safetext import escape, shell_join, shell_word
+
+FILES_SHOWN = 20      # files listed by `plan` without --commands (--json lists all)
 
 
 def plan_json(plan: Plan) -> dict:
@@ -28,19 +33,38 @@ def print_plan(ui, plan: Plan, *, commands: bool = False) -> None:
              f"{len(plan.hosts)} host(s)", ["task", "host", "address", "GPUs", "role"], rows)
     cluster = {job: list(addrs) for job, addrs in plan.cluster}
     ui.text("cluster spec: " + json.dumps(cluster))
+    print_files(ui, plan, FILES_SHOWN if not commands else len(plan.files))
     if not commands:
         ui.text("(--commands shows each task's command and environment)", style="dim")
         return
     for t in plan.tasks:
         ui.text(f"\n{t.key} on {t.host}", style="bold")
         if t.runs_server:
-            ui.text(f"  server:  {shlex.join(plan.command(t, 'server'))}")
+            ui.text(f"  server:  {shell_join(plan.command(t, 'server'))}")
         if t.runs_script:
-            ui.text(f"  script:  {shlex.join(plan.command(t))}  (in {plan.cluster_dir}/runs/<run id>)")
+            ui.text(f"  script:  {shell_join(plan.command(t))}  (in {plan.cluster_dir}/runs/<run id>)")
             for name, value in t.script_env:
-                ui.text(f"  script env: {name}={shlex.quote(value)}  (a client: its server owns the GPU)")
-        for name, value in redact_env(t.env).items():
-            ui.text(f"  {name}={shlex.quote(value)}")
+                ui.text(f"  script env: {name}={shell_word(value)}  (a client: its server owns the GPU)")
+        for name, value in redact_env(t.env, plan.secret_env, plan.public_env).items():
+            ui.text(f"  {name}={shell_word(value)}")
+
+
+def print_files(ui, plan: Plan, most: int) -> None:
+    """What a run ships (the first `most` files), or why train would refuse to."""
+    if plan.files_problem:
+        ui.warn(f"train would refuse this spec: {plan.files_problem}")
+    if not plan.files:
+        return
+    total = sum(size for _, _, size in plan.files)
+    ui.text(f"ships {len(plan.files)} file(s), {_size(total)}, into each script host's run directory:")
+    for path, dest, size in plan.files[:most]:
+        ui.text(f"  {path} → {dest} ({_size(size)})")
+    if len(plan.files) > most:
+        ui.text(f"  … and {len(plan.files) - most} more (--commands or --json lists them all)", style="dim")
+
+
+def _size(n: int) -> str:
+    return f"{n} B" if n < 1000 else f"{n / 1e3:.1f} kB" if n < 1e6 else f"{n / 1e6:.1f} MB"
 
 
 VERSION_COLUMNS = ("host", "python", "tensorflow", "cuda/cudnn", "driver", "GPUs")
@@ -98,7 +122,7 @@ def print_summary(ui, run_id: str, rows: list[tuple[str, ...]], outcome: tuple[i
     """The run's table (task, host, exit, restarts, duration, last loss line) and outcome."""
     if rows:
         ui.table(f"run {run_id}", ["task", "host", "exit", "restarts", "duration", "last loss line"],
-                 [(*row[:-1], clip(row[-1])) for row in rows], stderr=True)
+                 [(*row[:-1], clip(escape(row[-1]))) for row in rows], stderr=True)
     for name, result in (checks or {}).items():
         ui.info(f"{name} check: {result}")
     code, text = outcome

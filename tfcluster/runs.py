@@ -8,8 +8,8 @@ import time
 
 from tfcluster.errors import UsageError
 from tfcluster.fsutil import write_private
-from tfcluster.names import key_of_log, log_file
-from tfcluster.plan import Plan, plan_to_dict
+from tfcluster.names import is_run_of, key_of_log, log_file
+from tfcluster.plan import JOB_NAMES, Plan, plan_to_dict
 
 
 class Manifest:
@@ -40,12 +40,12 @@ class Manifest:
 
 
 def run_dirs(runs_dir: str, name: str) -> list[str]:
-    """This cluster's saved runs, oldest first."""
+    """This cluster's saved runs, oldest first (only its own: not those of `name-x`)."""
     try:
         entries = os.listdir(runs_dir)
     except FileNotFoundError:
         return []
-    runs = [e for e in entries if e.startswith(f"{name}-")
+    runs = [e for e in entries if is_run_of(name, e)
             and os.path.isfile(os.path.join(runs_dir, e, "manifest.json"))]
     return sorted(runs)
 
@@ -61,7 +61,9 @@ def show_logs(ui, name: str, runs_dir: str, run: str | None, task: str | None, o
     elif run not in runs:
         raise UsageError(f"no run {run!r} under {runs_dir}/ (latest: {runs[-1]})")
     directory = os.path.join(runs_dir, run)
-    keys = sorted(k for k in map(key_of_log, os.listdir(directory)) if k is not None)
+    # only task logs: another file's name would land in every line's prefix
+    keys = sorted(k for k in map(key_of_log, os.listdir(directory))
+                  if k is not None and k.split(":")[0] in JOB_NAMES)
     if task is not None:
         if task not in keys:
             raise UsageError(f"run {run} has no log for {task} (has: {', '.join(keys)})")

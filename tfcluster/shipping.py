@@ -1,40 +1,41 @@
 """The files a run ships: the training script and train.files, read here and placed
 in the run's directory on every host that runs a script (content-addressed, so an
-unchanged file crosses the network once per host)."""
+unchanged file crosses the network once per host).
+
+What ships is exactly the plan's file list, which check_train_files made (docs/ARCHITECTURE.md,
+"Spec safety"): every file is read, and must still be the regular file of the size listed,
+before the first byte goes to a host."""
 from __future__ import annotations
 
 import os
+import stat
 
 from tfcluster.errors import UsageError
 from tfcluster.plan import Plan, TaskPlan
 from tfcluster.session import Session, raise_first
 
-MAX_SHIPPED_BYTES = 256 * 1024 * 1024
-
 
 def collect_files(plan: Plan) -> list[tuple[str, bytes, int]]:
-    """(path relative to the run dir, content, mode) for every (source, destination) pair
-    of the plan; a directory brings every file under it."""
-    out = []
-    for source, dest in plan.files:
-        if os.path.isdir(source):
-            for root, _dirs, names in os.walk(source):
-                for name in sorted(names):
-                    full = os.path.join(root, name)
-                    out.append((os.path.join(dest, os.path.relpath(full, source)), _read(full), 0o600))
-        else:
-            out.append((dest, _read(source), 0o600))
-    if sum(len(d) for _, d, _ in out) > MAX_SHIPPED_BYTES:
-        raise UsageError("train.files add up to more than 256 MiB; put data on the hosts instead")
-    return out
+    """(path relative to the run dir, content, mode) for every file of the plan."""
+    if plan.script and not plan.files:
+        raise UsageError("the plan lists no files to ship: build it with check_train_files' list")
+    return [(dest, _read(source, size), 0o600) for source, dest, size in plan.files]
 
 
-def _read(path: str) -> bytes:
+def _read(path: str, size: int) -> bytes:
+    """The file's bytes, refused unless it is still a regular file of `size` bytes (a link
+    put in its place, a FIFO that would block, or a file that grew since the check)."""
     try:
-        with open(path, "rb") as f:
-            return f.read()
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as exc:
         raise UsageError(f"cannot read {path}: {exc.strerror}") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        data = f.read(size + 1) if stat.S_ISREG(st.st_mode) else b""
+    if not stat.S_ISREG(st.st_mode) or len(data) != size:
+        raise UsageError(f"{path} changed since it was checked ({size} bytes then); nothing was shipped",
+                         hint="run train again")
+    return data
 
 
 def ship(session: Session, tasks: list[TaskPlan], run_id: str) -> str:

@@ -3,6 +3,8 @@
 `UI` holds a stdout console (data: tables, JSON, task logs) and a stderr
 console (progress, notes, errors), so `--json` output stays clean and tests can
 swap both streams. Rich is imported lazily: `plan --json` never needs it.
+Everything printed here passes safetext.escape: no value from a spec or a host
+reaches the terminal with a raw control character (task output itself is LogMux's).
 """
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ import json
 import os
 import sys
 from typing import IO, Any, Iterable, Sequence
+
+from tfcluster.safetext import escape
 
 
 class UI:
@@ -45,25 +49,30 @@ class UI:
 
     # -- messages ------------------------------------------------------------------------
     def error(self, message: str, hint: str | None = None) -> None:
-        self.stderr.write(f"tfcluster: error: {message}\n")
+        self.stderr.write(f"tfcluster: error: {escape(message)}\n")
         if hint:
-            self.stderr.write(f"hint: {hint}\n")
+            self.stderr.write(f"hint: {escape(hint)}\n")
         self.stderr.flush()
 
+    def details(self, text: str) -> None:
+        """An error's multi-line context (a log tail, a table), printed before its line."""
+        self.stderr.write(escape(text.rstrip("\n"), newlines=True) + "\n")
+
     def warn(self, message: str) -> None:
-        self.stderr.write(f"tfcluster: warning: {message}\n")
+        self.stderr.write(f"tfcluster: warning: {escape(message)}\n")
         self.stderr.flush()
 
     def info(self, message: str) -> None:
         """A progress/status line on stderr (never parsed, never markup)."""
-        self.err.print(message, markup=False, highlight=False)
+        self.err.print(escape(message), markup=False, highlight=False)
 
     def ok(self, message: str) -> None:
-        self.err.print(f"✓ {message}", style="green", markup=False, highlight=False)
+        self.err.print(f"✓ {escape(message)}", style="green", markup=False, highlight=False)
 
     def json(self, document: Any) -> None:
         indent = 2 if self.stdout.isatty() else None  # pipes get compact JSON: 1,000 tasks stay fast
-        self.stdout.write(json.dumps(document, indent=indent) + "\n")
+        # json escapes every other control character (and all non-ASCII); DEL it leaves raw
+        self.stdout.write(json.dumps(document, indent=indent).replace("\x7f", "\\u007f") + "\n")
         self.stdout.flush()
 
     def table(self, title: str | None, columns: Sequence[str], rows: Iterable[Sequence[Any]],
@@ -78,18 +87,18 @@ class UI:
         return captured.get()
 
     def text(self, text: str, *, style: str | None = None) -> None:
-        self.out.print(text, style=style, markup=False, highlight=False)
+        self.out.print(escape(text, newlines=True), style=style, markup=False, highlight=False)
 
 
 def _table(title: str | None, columns: Sequence[str], rows: Iterable[Sequence[Any]]):
     from rich.table import Table
     from rich.text import Text
 
-    table = Table(title=title, title_justify="left", header_style="bold")
+    table = Table(title=escape(title) if title else title, title_justify="left", header_style="bold")
     for column in columns:
-        table.add_column(column)
+        table.add_column(escape(column))
     for row in rows:
-        table.add_row(*(c if not isinstance(c, str) else Text(c) for c in row))
+        table.add_row(*(c if not isinstance(c, str) else Text(escape(c)) for c in row))
     return table
 
 

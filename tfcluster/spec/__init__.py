@@ -3,25 +3,29 @@
 `load_spec(path)` returns a fully validated `Spec` or raises
 `SpecError("FILE:LINE: field.path: problem")`; `layout_tasks(spec)` places every
 task on a host, port and GPUs (the planner's input); `check_train_files(spec)` checks
-that the script and files a run ships exist; `with_train_overrides(spec, ...)` applies
-the command line's train settings. Nothing here touches the network or imports TensorFlow.
+and lists the script and files a run ships (`preview_train_files` for `plan`);
+`with_train_overrides(spec, ...)` applies the command line's train settings. Nothing here
+touches the network or imports TensorFlow.
 
 Modules: model (the dataclasses and constants), yamltree (file -> checked YAML nodes,
-typed scalars, the error model), addresses, schema (the sections), layout (placement
-and the checks that need it), loader (the entry points).
+typed scalars, the error model), addresses, schema (the sections), envs (env and which
+of it is secret), layout (placement and the checks that need it), limits (sizes against
+blow-ups), shipped (the files a run ships), loader (the entry points).
 """
 from __future__ import annotations
 
 from tfcluster.spec.layout import layout_tasks
-from tfcluster.spec.loader import check_train_files, load_spec, with_train_overrides
+from tfcluster.spec.loader import (check_train_files, load_spec, preview_train_files,
+                                   with_train_overrides)
 from tfcluster.spec.model import (HOST_KEY_POLICIES, JOB_NAMES, LOCAL_ADDRESSES, MAX_TASKS, MODES,
-                                  PLACEHOLDERS, RESTART_POLICIES, Checks, Host, Job, Restart, Slot, Spec,
-                                  SshSettings, Train)
+                                  PLACEHOLDERS, RESTART_POLICIES, SECRET_MARKERS, Checks, Host, Job,
+                                  Restart, Slot, Spec, SshSettings, Train, is_secret)
 from tfcluster.spec.yamltree import MAX_DEPTH, MAX_SPEC_BYTES, did_you_mean
 
 __all__ = [
     "HOST_KEY_POLICIES", "JOB_NAMES", "LOCAL_ADDRESSES", "MAX_DEPTH", "MAX_SPEC_BYTES",
-    "MAX_TASKS", "MODES", "PLACEHOLDERS", "RESTART_POLICIES",
+    "MAX_TASKS", "MODES", "PLACEHOLDERS", "RESTART_POLICIES", "SECRET_MARKERS",
     "Checks", "Host", "Job", "Restart", "Slot", "Spec", "SshSettings", "Train",
-    "check_train_files", "did_you_mean", "layout_tasks", "load_spec", "with_train_overrides",
+    "check_train_files", "did_you_mean", "is_secret", "layout_tasks", "load_spec",
+    "preview_train_files", "with_train_overrides",
 ]

@@ -6,11 +6,13 @@ import math
 import os
 from dataclasses import replace
 
-from tfcluster.errors import UsageError
+from tfcluster.errors import SpecError, UsageError
 from tfcluster.spec.layout import _check_conflicts, _check_loopback_mix, _check_mode, layout_tasks
+from tfcluster.spec.limits import check_args, check_plan_size
 from tfcluster.spec.model import Spec
 from tfcluster.spec.schema import _build, _check_placeholders
-from tfcluster.spec.yamltree import _Bad, _compose, _decode, _one_line, _read, _spec_error, _sub
+from tfcluster.spec.shipped import Shipped, ship_list
+from tfcluster.spec.yamltree import _Bad, _compose, _decode, _one_line, _read, _spec_error
 
 
 def load_spec(path: str) -> Spec:
@@ -21,37 +23,43 @@ def load_spec(path: str) -> Spec:
     """
     try:
         data = _read(path)
-        spec, jobs_line = _build(path, _compose(_decode(data)))
+        spec, lines = _build(path, _compose(_decode(data)))
+        check_args(spec)
     except _Bad as bad:
         raise _spec_error(path, bad.line, bad.field, bad.problem, bad.hint) from None
     spec = replace(spec, digest=hashlib.sha256(data).hexdigest())
     slots = layout_tasks(spec)
     _check_conflicts(spec, slots)
     _check_loopback_mix(spec, slots)
-    _check_mode(spec, slots, jobs_line)
+    _check_mode(spec, slots, lines["jobs"])
+    try:
+        check_plan_size(spec, slots, lines["jobs"], lines["env"])
+    except _Bad as bad:
+        raise _spec_error(path, bad.line, bad.field, bad.problem, bad.hint) from None
     return spec
 
 
-def check_train_files(spec: Spec) -> None:
-    """SpecError unless the spec's train.script and every train.files entry exist.
+def check_train_files(spec: Spec) -> Shipped:
+    """Every file a run of `spec` ships, script first, as (local path, path in the run
+    directory, bytes); SpecError (one line) for a file that is missing, outside the spec's
+    directory and train.allow_outside, not a regular file or directory, or over a limit.
 
-    For commands that ship them (train). A script given on the command line instead
-    (with_train_overrides) was checked there and is not checked again; a template
-    script ships inside the package and is not checked either.
+    For commands that ship them (train), before anything connects: load_spec does not look
+    at files, so commands that never ship them work after a script moved.
     """
-    train, base_dir = spec.train, spec.base_dir
-    source = train.script_source
-    if source is not None and not source.startswith("template:"):
-        full = os.path.join(base_dir, source)
-        if not os.path.isfile(full):
-            what = "is a directory, not a file" if os.path.isdir(full) else "file not found"
-            raise _spec_error(spec.path, train.script_line, "train.script", f"{what}: {full}",
-                              hint="script paths are relative to the spec's directory")
-    for i, (value, line) in enumerate(zip(train.files, train.files_lines)):
-        if not os.path.exists(os.path.join(base_dir, value)):
-            raise _spec_error(spec.path, line, _sub("train.files", i),
-                              f"not found: {os.path.join(base_dir, value)}",
-                              hint="file paths are relative to the spec's directory")
+    try:
+        return ship_list(spec)
+    except _Bad as bad:
+        raise _spec_error(spec.path, bad.line, bad.field, bad.problem, bad.hint) from None
+
+
+def preview_train_files(spec: Spec) -> tuple[Shipped, str | None]:
+    """check_train_files for `plan`, which shows what would ship and never fails on it:
+    (the files, None), or ((), why train would refuse them)."""
+    try:
+        return check_train_files(spec), None
+    except SpecError as exc:
+        return (), exc.message
 
 
 def with_train_overrides(spec: Spec, *, script: str | None = None, args: list[str] | None = None,
@@ -75,7 +83,7 @@ def with_train_overrides(spec: Spec, *, script: str | None = None, args: list[st
             except _Bad as bad:
                 raise UsageError(_one_line(f"script argument {i + 1} ({arg!r}): {bad.problem}"),
                                  hint=bad.hint) from None
-        changes.update(args=tuple(args), args_line=0)
+        changes.update(args=tuple(args), args_line=0, args_lines=())
     if timeout is not None:
         if not 0 < timeout < math.inf:   # also refuses NaN, which compares false to everything
             raise UsageError("--timeout must be a positive number of seconds")
@@ -93,4 +101,11 @@ def with_train_overrides(spec: Spec, *, script: str | None = None, args: list[st
         changes["tensorboard"] = tensorboard
     if not changes:
         return spec
-    return replace(spec, train=replace(spec.train, **changes))
+    spec = replace(spec, train=replace(spec.train, **changes))
+    if args:
+        try:
+            check_args(spec)
+            check_plan_size(spec, layout_tasks(spec), 0, 0)
+        except _Bad as bad:
+            raise UsageError(_one_line(f"{bad.field}: {bad.problem}"), hint=bad.hint) from None
+    return spec

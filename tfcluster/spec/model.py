@@ -16,6 +16,33 @@ MAX_TASKS = 10_000                # bounds the layout work whatever counts the f
 PLACEHOLDERS = ("job", "index", "ps_hosts", "worker_hosts", "chief_hosts", "workdir",
                 "num_workers")
 
+# Limits against blow-ups (docs/ARCHITECTURE.md, "Spec safety"): a page of YAML must not
+# become gigabytes.
+MAX_ENV_ENTRIES = 1_000
+MAX_ENV_BYTES = 256 * 1024        # all of env: together
+MAX_ARGS = 1_000
+MAX_ARG_BYTES = 128 * 1024        # execve's MAX_ARG_STRLEN: one argument or one NAME=value
+MAX_TASK_BYTES = 1 << 20          # a task's TF_CONFIG, env and args (execve's ARG_MAX is ~2 MiB)
+MAX_PLAN_BYTES = 64 << 20         # every task's together, as the plan holds them
+MAX_SHIP_FILES = 10_000
+MAX_SHIP_BYTES = 256 << 20        # train.script and train.files together
+
+# Env names shown as *** (docs/ARCHITECTURE.md, "Spec safety"): any name containing one of
+# these, upper-cased, plus the spec's secret_env, less its public_env.
+SECRET_MARKERS = ("PASS", "PWD", "AUTH", "PRIVATE", "CREDENTIAL", "TOKEN", "SECRET", "KEY")
+MIN_SECRET_CHARS = 4              # a shorter secret value is not looked for in train.args
+
+
+def is_secret(name: str, marked=(), public=()) -> bool:
+    """Whether env `name` is secret: listed in `marked` (secret_env), else not when listed
+    in `public` (public_env), else when it contains a marker."""
+    if name in marked:
+        return True
+    if name in public:
+        return False
+    upper = name.upper()
+    return any(marker in upper for marker in SECRET_MARKERS)
+
 
 @dataclass(frozen=True)
 class SshSettings:
@@ -81,6 +108,9 @@ class Train:
     checks: Checks = field(default_factory=Checks)
     tensorboard: str | None = None    # LOGDIR (unexpanded placeholders) for TensorBoard on the chief
     args_line: int = 0
+    args_lines: tuple[int, ...] = ()  # each argument's line (empty: from the command line)
+    allow_outside: tuple[str, ...] = ()   # directories, besides the spec's, files may come from
+    allow_outside_lines: tuple[int, ...] = ()
     # What check_train_files needs to report a missing file exactly as written, long after
     # loading: the script as the spec wrote it ("template:NAME" or a path; None when the
     # spec has none or the command line replaced it) and the lines of script and files.
@@ -96,6 +126,8 @@ class Spec:
     python: str = "python3"
     workdir: str = "~/.tfcluster"
     env: tuple[tuple[str, str], ...] = ()   # in file order; the planner sorts
+    secret_env: tuple[str, ...] = ()        # env names shown as *** whatever their name
+    public_env: tuple[str, ...] = ()        # env names shown although they contain a marker
     hosts: tuple[Host, ...] = ()
     jobs: tuple[Job, ...] = ()              # canonical JOB_NAMES order
     train: Train = field(default_factory=Train)
@@ -104,6 +136,10 @@ class Spec:
     @property
     def base_dir(self) -> str:
         return os.path.dirname(os.path.abspath(self.path))
+
+    def secrets(self) -> tuple[tuple[str, str], ...]:
+        """The env entries that are secret (is_secret), in file order."""
+        return tuple((k, v) for k, v in self.env if is_secret(k, self.secret_env, self.public_env))
 
     def host(self, name: str) -> Host:
         for h in self.hosts:

@@ -17,59 +17,52 @@ import yaml
 
 from tfcluster import scaffold
 from tfcluster.spec.addresses import _USER_RE, _address, _jump_host
+from tfcluster.spec.envs import parse_env, parse_names
 from tfcluster.spec.layout import _per_host, _task_count
 from tfcluster.spec.model import (HOST_KEY_POLICIES, JOB_NAMES, LOCAL_ADDRESSES, MAX_TASKS, MODES,
                                   PLACEHOLDERS, RESTART_POLICIES, Checks, Host, Job, Restart, Spec,
                                   SshSettings, Train)
 from tfcluster.spec.yamltree import (_AnyKey, _Bad, _bool, _choice, _duration, _fields, _int,
-                                     _is_null, _is_plain, _kind, _line, _list, _name, _path, _positive, _str,
-                                     _sub, _suggest, _word)
+                                     _is_plain, _line, _list, _name, _path, _positive, _str, _sub,
+                                     _suggest, _word)
 
-_ENV_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_TOP_KEYS = ("name", "python", "workdir", "env", "ssh", "hosts", "jobs", "train")
+_TOP_KEYS = ("name", "python", "workdir", "env", "secret_env", "public_env", "ssh", "hosts", "jobs",
+             "train")
 _SSH_KEYS = ("user", "port", "identity_file", "known_hosts", "host_key_policy", "jump_host",
              "connect_timeout")
 _HOST_KEYS = ("name", "address", "gpus", "ssh")
 _JOB_KEYS = ("count", "per_gpu", "hosts", "port", "gpus", "tasks")
-_TRAIN_KEYS = ("mode", "script", "files", "args", "restart", "timeout", "checks", "tensorboard")
+_TRAIN_KEYS = ("mode", "script", "files", "allow_outside", "args", "restart", "timeout", "checks",
+               "tensorboard")
 _CHECK_KEYS = ("placement", "reachability", "proxy_guard", "hang_after")
 
 
-def _build(path: str, root: yaml.Node) -> tuple[Spec, int]:
-    """The spec, and the line of its `jobs:` key (where a missing job is reported)."""
+def _build(path: str, root: yaml.Node) -> tuple[Spec, dict[str, int]]:
+    """The spec, and the lines of its `jobs:` key (where a missing job is reported) and its
+    `env:` key (0 without one)."""
     f = _fields(root, "", _TOP_KEYS, required=("name", "hosts", "jobs"))
     value = {k: v for k, (_, v) in f.items()}
     ssh = _parse_ssh(value["ssh"], "ssh") if "ssh" in f else {}
     hosts = _parse_hosts(value["hosts"], ssh)
     base_dir = os.path.dirname(os.path.abspath(path))
+    env = parse_env(value["env"], _line(f["env"][0])) if "env" in f else ()
+    secret = parse_names(value["secret_env"], "secret_env", env) if "secret_env" in f else ()
     spec = Spec(
         path=path,
         name=_name(value["name"], "name"),
         python=_word(value["python"], "python") if "python" in f else Spec.python,
         workdir=_word(value["workdir"], "workdir") if "workdir" in f else Spec.workdir,
-        env=_parse_env(value["env"]) if "env" in f else (),
+        env=env,
+        secret_env=secret,
+        public_env=parse_names(value["public_env"], "public_env", env, secret) if "public_env" in f else (),
         hosts=hosts,
         jobs=_parse_jobs(value["jobs"], {h.name: h for h in hosts}),
         train=_parse_train(value["train"], base_dir) if "train" in f else Train(),
     )
-    return spec, _line(f["jobs"][0])
+    return spec, {"jobs": _line(f["jobs"][0]), "env": _line(f["env"][0]) if "env" in f else 0}
 
 
-# --------------------------------------------------------------------------- env, ssh, hosts
-
-def _parse_env(node: yaml.Node) -> tuple[tuple[str, str], ...]:
-    pairs = []
-    for key, (key_node, value) in _fields(node, "env", _AnyKey()).items():
-        if not _ENV_RE.fullmatch(key):
-            raise _Bad(_line(key_node), _sub("env", key), "invalid variable name",
-                       hint="letters, digits and '_', not starting with a digit")
-        if not isinstance(value, yaml.ScalarNode) or _is_null(value):
-            raise _Bad(_line(value), _sub("env", key), f"value must be a string, got {_kind(value)}",
-                       hint=f'quote it: {key}: "..."')
-        if "\0" in value.value:
-            raise _Bad(_line(value), _sub("env", key), "value must not contain NUL")
-        pairs.append((key, value.value))
-    return tuple(pairs)
+# --------------------------------------------------------------------------- ssh, hosts
 
 
 def _parse_ssh(node: yaml.Node, field: str) -> dict[str, Any]:
@@ -254,16 +247,21 @@ def _parse_train(node: yaml.Node, base_dir: str) -> Train:
     source = _path(value["script"], "train.script") if "script" in f else None
     script = _script(value["script"], source, base_dir) if source is not None else None
     files = _files(value["files"], base_dir) if "files" in f else ()
+    outside = _outside(value["allow_outside"]) if "allow_outside" in f else ()
+    args = _args(value["args"]) if "args" in f else ()
     return Train(
         mode=mode,
         script=script,
         files=tuple(name for name, _ in files),
-        args=_args(value["args"]) if "args" in f else (),
+        args=tuple(a for a, _ in args),
         restart=_restart(value["restart"]) if "restart" in f else Restart(),
         timeout=_duration(value["timeout"], "train.timeout") if "timeout" in f else None,
         checks=_checks(value["checks"]) if "checks" in f else Checks(),
         tensorboard=_tensorboard(value["tensorboard"]) if "tensorboard" in f else None,
         args_line=_line(value["args"]) if "args" in f else 0,
+        args_lines=tuple(line for _, line in args),
+        allow_outside=tuple(d for d, _ in outside),
+        allow_outside_lines=tuple(line for _, line in outside),
         script_source=source,
         script_line=_line(value["script"]) if "script" in f else 0,
         files_lines=tuple(line for _, line in files),
@@ -297,13 +295,25 @@ def _files(node: yaml.Node, base_dir: str) -> list[tuple[str, int]]:
     return out
 
 
-def _args(node: yaml.Node) -> tuple[str, ...]:
+def _outside(node: yaml.Node) -> list[tuple[str, int]]:
+    """train.allow_outside: (directory as written, line) per entry; whether each is a
+    directory is check_train_files' business, like the files themselves."""
+    out = []
+    for i, item in enumerate(_list(node, "train.allow_outside")):
+        value = _path(item, _sub("train.allow_outside", i))
+        if not value:
+            raise _Bad(_line(item), _sub("train.allow_outside", i), "must name a directory, got an empty string")
+        out.append((value, _line(item)))
+    return out
+
+
+def _args(node: yaml.Node) -> list[tuple[str, int]]:
     out = []
     for i, item in enumerate(_list(node, "train.args")):
         value = _str(item, _sub("train.args", i))
         _check_placeholders(value, _line(item), _sub("train.args", i))
-        out.append(value)
-    return tuple(out)
+        out.append((value, _line(item)))
+    return out
 
 
 def _check_placeholders(value: str, line: int, field: str) -> None:

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 import yaml
 
 from tfcluster.errors import SpecError
+from tfcluster.safetext import escape
 
 MAX_SPEC_BYTES = 1 << 20          # a spec is a page of YAML; anything bigger is a mistake or an attack
 MAX_DEPTH = 32                    # the schema nests 5 deep; deeper is junk (and costs stack)
@@ -44,7 +45,7 @@ class _Bad(Exception):
 
 def _one_line(text: str) -> str:
     # user text (keys, values, paths) lands in the message; it must stay one line
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    return escape(text)
 
 
 def _spec_error(path: str, line: int | None, field: str, problem: str,

@@ -1,0 +1,84 @@
+"""The spec's environment: `env`, `secret_env` and `public_env`, and the rule that no
+script argument carries a secret env value (arguments are visible in `ps` on every host).
+
+Which names are secret is model.is_secret (docs/ARCHITECTURE.md, "Spec safety").
+"""
+from __future__ import annotations
+
+import re
+
+import yaml
+
+from tfcluster.spec.model import (MAX_ARG_BYTES, MAX_ENV_BYTES, MAX_ENV_ENTRIES, MIN_SECRET_CHARS,
+                                  SECRET_MARKERS)
+from tfcluster.spec.yamltree import (_AnyKey, _Bad, _fields, _is_null, _kind, _line, _list, _str, _sub,
+                                     did_you_mean)
+
+_ENV_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _size(text: str) -> int:
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+def parse_env(node: yaml.Node, line: int) -> tuple[tuple[str, str], ...]:
+    """env: (name, value) pairs in file order; `line`: the line of the `env:` key."""
+    found = _fields(node, "env", _AnyKey())
+    if len(found) > MAX_ENV_ENTRIES:
+        raise _Bad(line, "env", f"{len(found)} entries; at most {MAX_ENV_ENTRIES}")
+    pairs, total = [], 0
+    for key, (key_node, value) in found.items():
+        if not _ENV_RE.fullmatch(key):
+            raise _Bad(_line(key_node), _sub("env", key), "invalid variable name",
+                       hint="letters, digits and '_', not starting with a digit")
+        if not isinstance(value, yaml.ScalarNode) or _is_null(value):
+            raise _Bad(_line(value), _sub("env", key), f"value must be a string, got {_kind(value)}",
+                       hint=f'quote it: {key}: "..."')
+        if "\0" in value.value:
+            raise _Bad(_line(value), _sub("env", key), "value must not contain NUL")
+        size = _size(key) + 1 + _size(value.value)
+        if size > MAX_ARG_BYTES:
+            raise _Bad(_line(value), _sub("env", key),
+                       f"{key}=VALUE is {size} bytes; one environment string may be at most "
+                       f"{MAX_ARG_BYTES} (execve's MAX_ARG_STRLEN)")
+        total += size
+        pairs.append((key, value.value))
+    if total > MAX_ENV_BYTES:
+        raise _Bad(line, "env", f"{total} bytes in all; at most {MAX_ENV_BYTES}",
+                   hint="put large values in a file shipped with train.files")
+    return tuple(pairs)
+
+
+def parse_names(node: yaml.Node, field: str, env: tuple[tuple[str, str], ...],
+                other: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """secret_env / public_env: names set in env:. `other`: secret_env, when reading public_env."""
+    names = [k for k, _ in env]
+    out: list[str] = []
+    for i, item in enumerate(_list(node, field)):
+        name = _str(item, _sub(field, i))
+        if name not in names:
+            raise _Bad(_line(item), _sub(field, i), f"{name!r} is not set in env" + did_you_mean(name, names))
+        if name in other:
+            raise _Bad(_line(item), _sub(field, i), f"{name} is also listed in secret_env")
+        if field == "public_env" and not any(m in name.upper() for m in SECRET_MARKERS):
+            raise _Bad(_line(item), _sub(field, i),
+                       f"{name} is shown anyway: public_env only un-marks names containing "
+                       f"{', '.join(SECRET_MARKERS)}")
+        if name not in out:
+            out.append(name)
+    return tuple(out)
+
+
+def secret_in(arg: str, secrets: tuple[tuple[str, str], ...]) -> str | None:
+    """The name of the first secret env entry whose value (MIN_SECRET_CHARS or longer) `arg`
+    contains, or None."""
+    return next((name for name, value in secrets
+                 if len(value) >= MIN_SECRET_CHARS and value in arg), None)
+
+
+def secret_problem(name: str) -> tuple[str, str]:
+    """(problem, hint) for an argument that carries the value of secret env `name`."""
+    return (f"contains the value of secret env {name}; script arguments are visible in `ps` "
+            "on every host",
+            f"read it in the script from the environment (os.environ[{name!r}]); if {name} is "
+            "not secret, list it in public_env")

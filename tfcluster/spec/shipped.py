@@ -1,0 +1,159 @@
+"""What a run ships: train.script and train.files resolved, checked and listed before
+anything connects (docs/ARCHITECTURE.md, "Spec safety").
+
+A path from the spec must resolve (symbolic links followed) inside the spec's directory
+or a `train.allow_outside` directory; a template script ships from the package and a
+`--script` from the command line is the user's own choice, so neither is held to that.
+Only regular files and directories: a directory is walked without following links, and a
+link inside it is held to the same rule. Sizes come from stat, capped, before a byte is
+read. The result is the plan's file list: (local path, path in the run dir, bytes).
+"""
+from __future__ import annotations
+
+import os
+import stat
+
+from tfcluster.spec.model import MAX_SHIP_BYTES, MAX_SHIP_FILES, Spec
+from tfcluster.spec.yamltree import _Bad, _sub
+
+Shipped = tuple[tuple[str, str, int], ...]
+
+_OUTSIDE_HINT = ("list its directory in train.allow_outside to ship from there, or keep the "
+                 "files next to the spec")
+_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"))
+
+
+def _kind(mode: int) -> str:
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+class _Files:
+    """The files found so far, checked against each other and the limits."""
+
+    def __init__(self, spec: Spec) -> None:
+        self.base = os.path.realpath(spec.base_dir)
+        self.roots = [self.base] + [_allowed(spec, i) for i in range(len(spec.train.allow_outside))]
+        self.out: list[tuple[str, str, int]] = []
+        self.dests: dict[str, str] = {}
+        self.dirs: set[str] = set()
+        self.total = self.entries = 0
+
+    def inside(self, real: str) -> bool:
+        return any(os.path.commonpath([root, real]) == root for root in self.roots)
+
+    def resolve(self, path: str, line: int, field: str) -> str:
+        path, real = os.path.normpath(path), os.path.realpath(path)
+        if not self.inside(real):
+            where = "the spec's directory" + (" and train.allow_outside" if len(self.roots) > 1 else "")
+            shown = f"{path} is" if real == path else f"{path} resolves to {real},"
+            raise _Bad(line, field, f"{shown} outside {where} ({self.base})", hint=_OUTSIDE_HINT)
+        return real
+
+    def count(self, line: int, field: str, path: str) -> None:
+        self.entries += 1
+        if self.entries > MAX_SHIP_FILES:
+            raise _Bad(line, field, f"more than {MAX_SHIP_FILES} files and directories to ship "
+                                    f"(at {path})", hint="put data on the hosts instead")
+
+    def add(self, real: str, dest: str, size: int, line: int, field: str) -> None:
+        self.count(line, field, real)
+        if not os.access(real, os.R_OK):
+            raise _Bad(line, field, f"cannot read {real}: permission denied")
+        if dest in self.dests:
+            if self.dests[dest] == real:     # listed twice (a directory and a file in it)
+                return
+            raise _Bad(line, field, f"{real} and {self.dests[dest]} would both be {dest} in the "
+                                    "run directory")
+        parents = [os.path.dirname(dest)]
+        while parents[-1]:
+            parents.append(os.path.dirname(parents[-1]))
+        clash = dest if dest in self.dirs else next((p for p in parents if p in self.dests), None)
+        if clash:
+            raise _Bad(line, field, f"{clash} would be both a file and a directory in the run directory")
+        if size > MAX_SHIP_BYTES or self.total + size > MAX_SHIP_BYTES:
+            raise _Bad(line, field, f"{real} is {size} bytes and brings what a run ships to "
+                                    f"{self.total + size}; at most {MAX_SHIP_BYTES} (256 MiB)",
+                       hint="put data on the hosts instead")
+        self.total += size
+        self.dests[dest] = real
+        self.dirs.update(parents[:-1])
+        self.out.append((real, dest, size))
+
+    def walk(self, top: str, dest: str, line: int, field: str) -> None:
+        def refuse(exc: OSError) -> None:
+            raise _Bad(line, field, f"cannot read {exc.filename}: {exc.strerror}")
+
+        for root, dirs, names in os.walk(top, onerror=refuse):
+            dirs.sort()
+            for name in dirs:
+                path = os.path.join(root, name)
+                self.count(line, field, path)
+                if os.path.islink(path):
+                    self.resolve(path, line, field)
+                    raise _Bad(line, field, f"{path} is a symbolic link to a directory, which is "
+                                            "not followed", hint="list its target in train.files")
+            for name in sorted(names):
+                path = os.path.join(root, name)
+                real = self.resolve(path, line, field)
+                st = _stat(real, line, field)
+                if not stat.S_ISREG(st.st_mode):
+                    raise _Bad(line, field, f"{path} is {_kind(st.st_mode)}; only regular files and "
+                                            "directories are shipped")
+                self.add(real, os.path.normpath(os.path.join(dest, os.path.relpath(path, top))),
+                         st.st_size, line, field)
+
+
+def _stat(path: str, line: int, field: str) -> os.stat_result:
+    try:
+        return os.stat(path)
+    except OSError as exc:
+        raise _Bad(line, field, f"cannot read {path}: {exc.strerror}") from None
+
+
+def _allowed(spec: Spec, i: int) -> str:
+    train = spec.train
+    full = os.path.join(spec.base_dir, train.allow_outside[i])
+    if not os.path.isdir(full):
+        raise _Bad(train.allow_outside_lines[i], _sub("train.allow_outside", i), f"not a directory: {full}")
+    return os.path.realpath(full)
+
+
+def _dest(base: str, full: str) -> str:
+    """Where an entry lands in the run directory: its path relative to the spec's directory
+    as written (a link keeps its own name); an entry from elsewhere, under its own name."""
+    path = os.path.normpath(full)
+    if os.path.commonpath([base, path]) == base:
+        return os.path.relpath(path, base)
+    return os.path.basename(path)
+
+
+def ship_list(spec: Spec) -> Shipped:
+    """Every file a run ships, script first: (realpath, path in the run dir, bytes)."""
+    train, files = spec.train, _Files(spec)
+    base = os.path.abspath(spec.base_dir)
+    source = train.script_source
+    if train.script:
+        own = source is not None and not source.startswith("template:")
+        full = os.path.join(base, source) if own else train.script
+        if not os.path.isfile(full):
+            what = "is a directory, not a file" if os.path.isdir(full) else "file not found"
+            raise _Bad(train.script_line, "train.script", f"{what}: {full}",
+                       hint="script paths are relative to the spec's directory")
+        real = files.resolve(full, train.script_line, "train.script") if own else os.path.realpath(full)
+        files.add(real, os.path.basename(train.script), os.stat(real).st_size, train.script_line,
+                  "train.script")
+    for i, (value, line) in enumerate(zip(train.files, train.files_lines)):
+        field, full = _sub("train.files", i), os.path.join(base, value)
+        if not os.path.exists(full):
+            raise _Bad(line, field, f"not found: {full}", hint="file paths are relative to the spec's directory")
+        real = files.resolve(full, line, field)
+        st, dest = _stat(real, line, field), _dest(base, full)
+        if stat.S_ISDIR(st.st_mode):
+            files.walk(real, "" if dest == "." else dest, line, field)
+        elif stat.S_ISREG(st.st_mode):
+            files.add(real, dest, st.st_size, line, field)
+        else:
+            raise _Bad(line, field, f"{full} is {_kind(st.st_mode)}; only regular files and "
+                                    "directories are shipped")
+    return tuple(files.out)
