@@ -9,7 +9,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "tfcluster"
 MODULES = sorted(PACKAGE.rglob("*.py"))
-SHIPPED = ("shim.py", "shim_net.py", "shim_procs.py", "shim_protocol.py", "shim_tasks.py",
+SHIPPED = ("shim.py", "shim_fs.py", "shim_net.py", "shim_procs.py", "shim_protocol.py", "shim_tasks.py",
            "tfserver.py")
 
 

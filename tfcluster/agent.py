@@ -17,8 +17,9 @@ import threading
 from dataclasses import dataclass
 from typing import Iterator
 
+from tfcluster import shim_fs
 from tfcluster import shim_protocol as proto
-from tfcluster.bootstrap import BOOTSTRAP, PACKAGE_DIR, shipped
+from tfcluster.bootstrap import BOOTSTRAP, PACKAGE_DIR, cluster_tree, shipped
 from tfcluster.attached import AttachedTask, Heartbeats, handshake, tail_text
 from tfcluster.errors import HostError, PreflightError
 from tfcluster.names import ClusterPaths
@@ -111,6 +112,10 @@ class HostAgent:
             commands.update(self._survey_commands(*survey))
         if self._in_process:
             self._bindir = PACKAGE_DIR
+            try:
+                shim_fs.private_tree(cluster_tree(self.paths, self._wanted_bindir))
+            except (shim_fs.Refused, OSError) as e:
+                raise PreflightError(f"host {self.name}: {proto.describe_exception(e)}") from None
             answers = self._batch(commands)
         else:
             answers = self._bootstrap(commands)
@@ -127,7 +132,7 @@ class HostAgent:
         self._check_cancelled()
         self.transport.connect()
         files = shipped()
-        request = {"bindir": self._wanted_bindir,
+        request = {"bindir": self._wanted_bindir, "dirs": cluster_tree(self.paths, self._wanted_bindir),
                    "files": {n: hashlib.sha256(d).hexdigest() for n, d in files.items()}}
         then = {"commands": commands}
         result = self.transport.run([self.python, "-c", BOOTSTRAP], _line(request) + _line(then))
@@ -135,10 +140,11 @@ class HostAgent:
             raise PreflightError(f"host {self.name}: {self.python} not found",
                                  hint="set `python:` in the spec to an interpreter that has tensorflow")
         lines = [json.loads(x) for x in result.stdout.splitlines() if x.strip().startswith(b"{")]
-        if result.rc != 0 or not lines or proto.error_of(lines[0]) is not None:
-            why = proto.error_of(lines[0]) if lines else None
+        if lines and proto.error_of(lines[0]) is not None:   # too old, or the tree is not private
+            raise PreflightError(f"host {self.name}: {proto.error_of(lines[0])}")
+        if result.rc != 0 or not lines:
             raise PreflightError(f"host {self.name}: {self.python}: "
-                                 f"{why or tail_text(result.stderr) or f'exit status {result.rc}'}")
+                                 f"{tail_text(result.stderr) or f'exit status {result.rc}'}")
         boot = lines[0]
         self._bindir = boot["bindir"]
         if not boot["stale"] and len(lines) > 1 and "answers" in lines[1]:

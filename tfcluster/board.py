@@ -94,7 +94,7 @@ class Board:
 
     def _save_output(self) -> None:
         """TensorBoard's output goes to runs/<run id>/tensorboard.log, never the live view."""
-        fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
         partial = b""
         try:
             while chunk := self.handle.read():

@@ -2,44 +2,83 @@
 
 The shim and the TF server are plain files copied to `<cluster_dir>/bin/` once per
 content change. The bootstrap runs with `python -c` before they are known to be
-there: it answers which files are stale and, when none is, the next request too,
-so a warm host costs one remote execution.
+there: it makes the cluster tree private (shim_fs.py, which it carries inline),
+answers which files are stale and, when none is, the next request too, from the very
+bytes it hashed, so a warm host costs one remote execution. docs/ARCHITECTURE.md,
+"Files and directories on a host".
 """
 from __future__ import annotations
 
 import functools
 from pathlib import Path
 
-SHIPPED = ("shim.py", "shim_net.py", "shim_procs.py", "shim_protocol.py", "shim_tasks.py",
+SHIPPED = ("shim.py", "shim_fs.py", "shim_net.py", "shim_procs.py", "shim_protocol.py",
+           "shim_tasks.py",
            "tfserver.py", "probe/sitecustomize.py")
 PACKAGE_DIR = str(Path(__file__).parent)
 MIN_PYTHON = (3, 8)
 
-# Runs with `python -c` before the shim is known to be there: says which shipped files
-# are stale and, when none is, answers the `batch` on the next line in the same exec.
-BOOTSTRAP = r"""
-import hashlib, json, os, runpy, sys
+# After shim_fs.py's definitions: refuse an old Python, make the tree private, say which
+# shipped files are stale and, when none is, run the shim's `batch` on the next request
+# line from the bytes just hashed (the shim's siblings too: a finder serves them).
+_MAIN = r"""
+import json, sys
 if sys.version_info < %r:
-    print(json.dumps({"error": "python %%d.%%d is too old (tfcluster needs >= 3.8)" %% sys.version_info[:2]}))
+    print(json.dumps({"error": "%%s is python %%d.%%d; tfcluster needs >= 3.8" %% ((sys.executable,) + tuple(sys.version_info[:2]))}))
     sys.exit(3)
 req = json.loads(sys.stdin.buffer.readline())  # the binary reader: the shim reads line 2 from it
-bindir = os.path.expanduser(req["bindir"])
-stale = []
+try:
+    private_tree(req.get("dirs", ()))
+except (Refused, OSError) as e:
+    print(json.dumps({"error": str(e) if isinstance(e, Refused) else "%%s: %%s" %% (type(e).__name__, e)}))
+    sys.exit(3)
+bindir = expand(req["bindir"])
+blobs, stale = {}, []
 for name, digest in sorted(req["files"].items()):
-    try:
-        with open(os.path.join(bindir, name), "rb") as f:
-            fresh = hashlib.sha256(f.read()).hexdigest() == digest
-    except OSError:
-        fresh = False
-    if not fresh:
+    data = read_file(os.path.join(bindir, name))
+    if data is not None and hashlib.sha256(data).hexdigest() == digest:
+        blobs[name] = data
+    else:
         stale.append(name)
 print(json.dumps({"stale": stale, "bindir": bindir}), flush=True)
 if not stale:
-    sys.path.insert(0, bindir)
+    import importlib.util
+
+    class Hashed:
+        @staticmethod
+        def find_spec(name, path=None, target=None):
+            if path is None and name + ".py" in blobs:
+                return importlib.util.spec_from_loader(name, Hashed, origin=os.path.join(bindir, name + ".py"))
+            return None
+
+        @staticmethod
+        def create_module(spec):
+            return None
+
+        @staticmethod
+        def exec_module(module):
+            module.__file__ = module.__spec__.origin
+            exec(compile(blobs[module.__name__ + ".py"], module.__file__, "exec"), module.__dict__)
+
+    sys.meta_path.insert(0, Hashed)
     sys.argv = [os.path.join(bindir, "shim.py"), "batch"]
-    runpy.run_path(sys.argv[0], run_name="__main__")
+    shim = {"__name__": "__main__", "__file__": sys.argv[0], "__package__": None,
+            "__builtins__": __builtins__}
+    exec(compile(blobs["shim.py"], sys.argv[0], "exec"), shim)
 """ % (MIN_PYTHON,)
 
+BOOTSTRAP = (Path(PACKAGE_DIR) / "shim_fs.py").read_text() + _MAIN
+
+
+def cluster_tree(paths, bindir: str) -> list[str]:
+    """Every directory of the cluster tree (a names.ClusterPaths), parents first: made
+    private before anything is written into it. `bindir` is left out when it is not the
+    cluster's own (a local host running the shim from the package)."""
+    dirs = [paths.root, paths.cache, paths.piddir, paths.runs]
+    if bindir == paths.bindir:
+        subdirs = sorted({name.rpartition("/")[0] for name in SHIPPED if "/" in name})
+        dirs[1:1] = [paths.bindir] + [f"{paths.bindir}/{d}" for d in subdirs]
+    return dirs
 
 
 @functools.lru_cache(maxsize=None)

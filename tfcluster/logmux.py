@@ -22,6 +22,7 @@ import threading
 import time
 from typing import BinaryIO, Callable, Sequence
 
+from tfcluster.fsutil import NOFOLLOW, private_dir
 from tfcluster.names import log_file
 from tfcluster.safetext import escape
 
@@ -117,7 +118,7 @@ class LogMux:
         # Align on the tasks actually shown: a hidden long key must not widen every prefix.
         width = max((len(k) for k in keys if shown[k]), default=0)
         if save_dir is not None:
-            os.makedirs(save_dir, mode=0o700, exist_ok=True)
+            private_dir(save_dir, "runs", top=os.path.dirname(save_dir))
         self._tasks = {
             key: _Task(key, self._prefix(key, width, i), shown[key],
                        _open_log(save_dir, key) if save_dir is not None else None)
@@ -312,7 +313,7 @@ def _open_log(save_dir: str, key: str) -> int:
     if name == ".log" or "/" in name or name.startswith("."):
         raise ValueError(f"task key {key!r} cannot name a log file")
     fd = os.open(os.path.join(save_dir, name),
-                 os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+                 os.O_WRONLY | os.O_CREAT | os.O_TRUNC | NOFOLLOW, 0o600)
     os.fchmod(fd, 0o600)  # O_CREAT's mode does not apply to a file that already existed
     return fd
 

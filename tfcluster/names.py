@@ -114,8 +114,12 @@ class ClusterPaths:
     def cache(self) -> str:
         return f"{self.root}/cache"
 
+    @property
+    def runs(self) -> str:
+        return f"{self.root}/runs"
+
     def rundir(self, run_id: str) -> str:
-        return f"{self.root}/runs/{run_id}"
+        return f"{self.runs}/{run_id}"
 
     def log(self, run_id: str, key: str, role: str = "script") -> str:
         return f"{self.rundir(run_id)}/{log_name(key, role)}"

@@ -7,7 +7,7 @@ import os
 import time
 
 from tfcluster.errors import UsageError
-from tfcluster.fsutil import write_private
+from tfcluster.fsutil import private_dir, write_private
 from tfcluster.names import is_run_of, key_of_log, log_file
 from tfcluster.plan import JOB_NAMES, Plan, plan_to_dict
 
@@ -20,7 +20,7 @@ class Manifest:
         self.run_id = run_id
         self.path = os.path.join(directory, "manifest.json")
         self.started = time.time()
-        os.makedirs(directory, mode=0o700, exist_ok=True)
+        private_dir(directory, "runs", top=os.path.dirname(directory))
         self._write({"outcome": "running"})
 
     def finish(self, procs, outcome: tuple[int, str], checks: dict[str, str] | None = None) -> None:

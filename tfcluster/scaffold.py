@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib.resources
 import os
-import shutil
 from typing import Any
 
 from tfcluster.errors import UsageError
@@ -39,9 +38,17 @@ def copy_template(mode: str, dest: str | None) -> str:
         raise UsageError(f"unknown mode {mode!r}; choose one of: {', '.join(modes)}")
     name = mode.replace("-", "_") + ".py"
     dest = dest or f"train_{name}"
-    if os.path.exists(dest):
-        raise UsageError(f"{dest} already exists; pass another destination")
-    source = templates_root().joinpath(name)
-    with importlib.resources.as_file(source) as path:
-        shutil.copyfile(path, dest)
+    data = templates_root().joinpath(name).read_bytes()
+    # O_EXCL: never over an existing file, and (with O_NOFOLLOW) never through a link,
+    # dangling or not
+    try:
+        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    except FileExistsError:
+        raise UsageError(f"{dest} already exists; pass another destination") from None
+    except FileNotFoundError:
+        raise UsageError(f"cannot write {dest}: no directory {os.path.dirname(dest)}") from None
+    except OSError as e:
+        raise UsageError(f"cannot write {dest}: {e.strerror}") from None
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
     return dest

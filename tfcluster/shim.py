@@ -13,20 +13,22 @@ tasks (pid reuse, setsid escapees). Nothing is killed by name.
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import os
 import select
-import shutil
 import socket
 import sys
 import time
 
 if __package__:
+    from . import shim_fs as fs
     from . import shim_net as net
     from . import shim_procs as procs
     from . import shim_protocol as proto
     from . import shim_tasks as tasks
 else:  # shipped: this file's directory is first on sys.path
+    import shim_fs as fs
     import shim_net as net
     import shim_procs as procs
     import shim_protocol as proto
@@ -194,32 +196,45 @@ def cmd_files(req: dict) -> dict:
     The launcher uploads only the missing ones into the cache, then asks again, so an
     unchanged script or data file crosses the network once per host. Small payloads come
     inline (`inline`: sha256 -> base64), saving those two round trips; `added` names the
-    ones the cache did not have yet."""
-    cache = expand(req["cache"])
-    dest = expand(req["dest"])
-    added = []
+    ones the cache did not have yet. A cached file is used only if its content still has
+    its name's sha256 (else it counts as missing, and is sent again); every entry is
+    checked before anything is written."""
+    cache, dest = expand(req["cache"]), expand(req["dest"])
+    inline = {}
     for digest, encoded in sorted(req.get("inline", {}).items()):
-        path = os.path.join(cache, digest)
-        if digest.isalnum() and not os.path.isfile(path):
-            os.makedirs(cache, mode=0o700, exist_ok=True)
-            procs.atomic_write(path, base64.b64decode(encoded))
-            added.append(digest)
-    missing = []
+        try:
+            data = base64.b64decode(encoded, validate=True)
+        except (TypeError, ValueError):
+            data = None
+        if data is None or hashlib.sha256(data).hexdigest() != digest:
+            raise ShimError("bad inline file: %r does not match its content" % (digest,))
+        inline[digest] = data
     for entry in req["files"]:
-        digest, rel = entry["sha256"], entry["path"]
-        if not digest.isalnum() or rel.startswith("/") or ".." in rel.split("/"):
+        rel = entry.get("path")
+        if (not _is_digest(entry.get("sha256")) or not isinstance(rel, str) or not rel
+                or rel.startswith("/") or ".." in rel.split("/") or "\0" in rel):
             raise ShimError("bad file entry: %r" % (entry,))
-        cached = os.path.join(cache, digest)
-        if not os.path.isfile(cached):
-            missing.append(digest)
+    fs.private_dir(cache)
+    fs.private_dir(dest)
+    added, missing = [], set()
+    for entry in req["files"]:
+        digest, target = entry["sha256"], os.path.join(dest, entry["path"])
+        fs.private_dir(os.path.dirname(target))
+        mode = int(entry.get("mode", 0o600)) & 0o700
+        if fs.copy_verified(os.path.join(cache, digest), target, digest, mode):
             continue
-        target = os.path.join(dest, rel)
-        os.makedirs(os.path.dirname(target), mode=0o700, exist_ok=True)
-        tmp = "%s.tmp.%d" % (target, os.getpid())
-        shutil.copyfile(cached, tmp)  # a copy, not a link: a script editing its own dir stays local
-        os.chmod(tmp, entry.get("mode", 0o600))
-        os.replace(tmp, target)
-    return {"missing": sorted(set(missing)), "added": added}
+        if digest not in inline:
+            missing.add(digest)
+            continue
+        fs.write_new(os.path.join(cache, digest), inline[digest])
+        fs.write_new(target, inline[digest], mode)
+        if digest not in added:
+            added.append(digest)
+    return {"missing": sorted(missing), "added": added}
+
+
+def _is_digest(value) -> bool:
+    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
 
 
 def cmd_batch(req: dict) -> dict:

@@ -60,4 +60,6 @@ def error_of(answer) -> str | None:
 
 
 def describe_exception(exc: BaseException) -> str:
-    return str(exc) if isinstance(exc, ShimError) else "%s: %s" % (type(exc).__name__, exc)
+    # shim_fs.Refused (one line naming the path and the fix) cannot import ShimError
+    one_line = isinstance(exc, ShimError) or getattr(exc, "one_line", False)
+    return str(exc) if one_line else "%s: %s" % (type(exc).__name__, exc)

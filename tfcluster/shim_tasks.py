@@ -15,10 +15,12 @@ import threading
 import time
 
 if __package__:
+    from . import shim_fs as fs
     from . import shim_net as net
     from . import shim_procs as procs
     from . import shim_protocol as proto
 else:  # shipped: the shim's directory is first on sys.path
+    import shim_fs as fs
     import shim_net as net
     import shim_procs as procs
     import shim_protocol as proto
@@ -34,8 +36,9 @@ def _line(obj) -> bytes:
 
 
 def open_private(path: str) -> int:
-    os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    """The task's log, appended to; its directory private, a link in its place refused."""
+    fs.private_dir(os.path.dirname(path) or ".")
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
 
 
 def spawn(req: dict) -> tuple[subprocess.Popen, str, int]:
@@ -44,8 +47,8 @@ def spawn(req: dict) -> tuple[subprocess.Popen, str, int]:
     argv = [expand(a) if a.startswith("~/") else a for a in req["argv"]]
     cwd = expand(req.get("cwd") or "~")
     log, pidfile = expand(req["log"]), expand(req["pidfile"])
-    os.makedirs(cwd, mode=0o700, exist_ok=True)
-    os.makedirs(os.path.dirname(pidfile), mode=0o700, exist_ok=True)
+    fs.private_dir(cwd)
+    fs.private_dir(os.path.dirname(pidfile))
     env = dict(os.environ)
     env.update({str(k): str(v) for k, v in (req.get("env") or {}).items()})
     env.update(net.guard_env(env, req.get("no_proxy") or ()))  # the cluster's addresses

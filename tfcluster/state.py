@@ -11,20 +11,24 @@ import json
 import os
 from dataclasses import dataclass
 
-from tfcluster.errors import LockedError
-from tfcluster.fsutil import write_private  # noqa: F401 - also imported from here
+from tfcluster.errors import LockedError, PreflightError
+from tfcluster.fsutil import NOFOLLOW, private_dir, write_private  # noqa: F401 - also imported from here
 
 
 def state_dir(name: str) -> str:
+    """The cluster's state directory: every level created 0700, and refused (exit 4) when
+    someone else could change it or a level above it (docs/ARCHITECTURE.md, "Files and
+    directories on a host")."""
     base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
     path = os.path.join(base, "tfcluster", name)
-    os.makedirs(path, mode=0o700, exist_ok=True)
+    private_dir(path, "local state")
     return path
 
 
 def load(name: str) -> dict | None:
     try:
-        with open(os.path.join(state_dir(name), "state.json"), "rb") as f:
+        fd = os.open(os.path.join(state_dir(name), "state.json"), os.O_RDONLY | NOFOLLOW)
+        with os.fdopen(fd, "rb") as f:
             return json.loads(f.read())
     except (OSError, ValueError):
         return None
@@ -52,7 +56,10 @@ class ClusterLock:
 
     def __enter__(self) -> "ClusterLock":
         path = os.path.join(state_dir(self.name), "lock")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | NOFOLLOW, 0o600)
+        except OSError as e:
+            raise PreflightError(f"local state: cannot open {path}: {e.strerror}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

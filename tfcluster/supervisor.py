@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from tfcluster import names, policy, state
 from tfcluster.diagnoses import RunChecks
 from tfcluster.errors import DeadlineError, ExitCode, TaskError, Terminated, TfclusterError, UsageError
+from tfcluster.fsutil import private_dir
 from tfcluster.plan import Plan, TaskPlan
 from tfcluster.preflight import check_versions, preflight
 from tfcluster.reach import check_reachability
@@ -130,7 +131,8 @@ def _make_mux(plan: Plan, ui, options: Options, run_id: str, checks: RunChecks):
         return not options.show or key in options.show
 
     save_dir = os.path.join(options.runs_dir, run_id)
-    os.makedirs(save_dir, mode=0o700, exist_ok=True)
+    # runs/ and this run's dir are judged; the levels above are the user's choice
+    private_dir(save_dir, "runs", top=options.runs_dir)
     return LogMux(ui.byte_stdout, keys, color=ui.color, show=show, save_dir=save_dir,
                   hide_noise=not options.verbose,
                   watch=(checks.markers, checks.on_line) if checks.markers else None)

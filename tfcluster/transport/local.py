@@ -12,8 +12,9 @@ import subprocess
 import threading
 from typing import Sequence
 
-from tfcluster.errors import DeadlineError
+from tfcluster.errors import DeadlineError, PreflightError
 from tfcluster.fsutil import write_private
+from tfcluster.shim_fs import Refused, private_dir
 from tfcluster.transport.base import Forward, Proc, Result, Transport, home_relative
 
 
@@ -110,7 +111,10 @@ class LocalTransport(Transport):
 
     def put(self, data: bytes, path: str, mode: int = 0o600) -> None:
         path = _expand(path)
-        os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
+        try:
+            private_dir(os.path.dirname(path) or ".")
+        except Refused as e:
+            raise PreflightError(f"host {self.name}: {e}") from None
         write_private(path, data, mode)
 
     def tunnel(self, port: int):

@@ -10,11 +10,12 @@ import os
 import random
 import select
 import shlex
+import stat
 import threading
 import time
 from typing import Callable, Sequence
 
-from tfcluster.errors import ConnectError, DeadlineError
+from tfcluster.errors import ConnectError, DeadlineError, PreflightError
 from tfcluster.transport.base import Forward, Proc, Result, Transport, home_relative
 from tfcluster.transport.ssh_config import (USER_CONFIG, Endpoint, SshOptions, load_ssh_config,
                                             resolve)
@@ -154,6 +155,8 @@ class SshTransport(Transport):
                 _sftp_put(sftp, data, path, mode)
             finally:
                 sftp.close()
+        except _Unsafe as e:
+            raise PreflightError(f"host {self.label}: {e}") from None
         except (OSError, paramiko.SSHException) as e:
             raise ConnectError(f"host {self.label}: cannot write {path}: {e}") from None
         finally:
@@ -239,19 +242,31 @@ def _sftp_put(sftp, data: bytes, path: str, mode: int) -> None:
         raise
 
 
+class _Unsafe(Exception):
+    """The directory a put writes into is not private."""
+
+
 def _sftp_makedirs(sftp, parent: str) -> None:
+    """Create the missing levels 0700 (chmod after mkdir: the server's umask applies).
+
+    The bootstrap has made the cluster tree private before any put (docs/ARCHITECTURE.md,
+    "Files and directories on a host"); a parent others could write to is refused here
+    as well."""
     if not parent or parent == "/":
         return
     try:
-        sftp.stat(parent)
-        return
+        st = sftp.stat(parent)
     except FileNotFoundError:
-        pass
-    _sftp_makedirs(sftp, os.path.dirname(parent))
-    try:
-        sftp.mkdir(parent, 0o700)
-    except OSError:
-        sftp.stat(parent)                        # created meanwhile by a concurrent put
+        _sftp_makedirs(sftp, os.path.dirname(parent))
+        try:
+            sftp.mkdir(parent, 0o700)
+            sftp.chmod(parent, 0o700)
+            return
+        except OSError:
+            st = sftp.stat(parent)               # created meanwhile by a concurrent put
+    if not stat.S_ISDIR(st.st_mode or 0) or (st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX):
+        raise _Unsafe(f"{parent} is not a directory only you can write to "
+                      f"(mode {stat.S_IMODE(st.st_mode or 0):04o}): refusing to write into it")
 
 
 class SshProc(Proc):
