@@ -217,7 +217,7 @@ class HostAgent:
         return {proto.STATUS: self._status_request(tag_prefix), proto.PORTS: {"ports": list(ports)}}
 
     def _status_request(self, tag_prefix: str) -> dict:
-        return {"piddir": self.paths.piddir, "tag_prefix": tag_prefix}
+        return {"piddir": self.paths.piddir, "tag_prefix": tag_prefix, "cluster_dir": self.paths.root}
 
     def tail(self, path: str, lines: int = 20) -> str:
         return self._call(proto.TAIL, {"path": path, "lines": lines})["text"]
@@ -249,8 +249,8 @@ class HostAgent:
                        grace: float = proto.DEFAULT_GRACE) -> AttachedTask:
         """Start a task that dies with this agent (scripts): its shim stays connected."""
         self._check_cancelled()
-        request = {**_start_request(t), "attached": True, "heartbeat_timeout": heartbeat_timeout,
-                   "grace": grace}
+        request = {**_start_request(t, self.paths.root), "attached": True,
+                   "heartbeat_timeout": heartbeat_timeout, "grace": grace}
         try:
             proc = self.transport.spawn(self._shim_argv(proto.START))
         except OSError as e:
@@ -266,25 +266,28 @@ class HostAgent:
         self._heartbeats.add(task)
         return task
 
-    def wait_ready(self, items: list[tuple[str, int, int]], timeout: float) -> Iterator[tuple[str, str]]:
-        """(key, port, pid) -> yields (key, "ready" | "exited" | "timeout") as each is decided."""
+    def wait_ready(self, items: list[tuple[str, int, int]],
+                   timeout: float) -> Iterator[tuple[str, str, str | None]]:
+        """(key, port, pid) -> yields (key, "ready" | "exited" | "timeout", None) as each is
+        decided, or (key, "taken", holder) when someone else listens on the port."""
         request = {"items": [{"key": k, "port": p, "pid": pid} for k, p, pid in items],
                    "timeout": timeout}
         for answer in self._stream(proto.WAIT, request, {key for key, _, _ in items}):
-            yield answer["key"], answer["state"]
+            yield answer["key"], answer["state"], answer.get("holder")
 
     def launch(self, servers: list[tuple[str, int, TaskLaunch]],
                timeout: float) -> Iterator[tuple[str, str, int | None]]:
         """Start detached servers (key, port, launch) and wait for them, in one round trip:
-        yields (key, "started", pid) for each, then (key, "ready"|"exited"|"timeout", None)."""
+        yields (key, "started", pid) for each, then wait_ready's (key, state, holder)."""
         self._check_cancelled()
-        request = {"starts": [{"key": k, "port": p, "req": _start_request(t)} for k, p, t in servers],
+        request = {"starts": [{"key": k, "port": p, "req": _start_request(t, self.paths.root)}
+                              for k, p, t in servers],
                    "timeout": timeout, "watch_stdin": True}
         for answer in self._stream(proto.LAUNCH, request, {key for key, _, _ in servers}, keep_stdin=True):
             if "pid" in answer:
                 yield answer["key"], "started", int(answer["pid"])
             else:
-                yield answer["key"], answer["state"], None
+                yield answer["key"], answer["state"], answer.get("holder")
 
     def _stream(self, command: str, request: dict, keys: set[str], keep_stdin: bool = False) -> Iterator[dict]:
         """A shim command answering one JSON line per event, until every key has a state."""
@@ -341,8 +344,8 @@ class HostAgent:
         """Kill every task whose tag starts with tag_prefix (pid files + tag sweep)."""
         if not tag_prefix:
             raise ValueError("stop needs a tag prefix (an empty one would match every cluster)")
-        answer = self._call(proto.STOP, {"piddir": self.paths.piddir, "tag_prefix": tag_prefix,
-                                         "grace": grace}, timeout=grace + 60.0)
+        answer = self._call(proto.STOP, {**self._status_request(tag_prefix), "grace": grace},
+                            timeout=grace + 60.0)
         return StopReport(stopped=tuple((s["tag"], int(s["pid"])) for s in answer["stopped"]),
                           survivors=tuple((s["tag"], int(s["pid"])) for s in answer["survivors"]))
 
@@ -382,6 +385,7 @@ def _line(obj) -> bytes:
     return (json.dumps(obj) + "\n").encode()
 
 
-def _start_request(t: TaskLaunch) -> dict:
+def _start_request(t: TaskLaunch, cluster_dir: str) -> dict:
+    """The host adds the identity of `cluster_dir` to the tag (docs/ARCHITECTURE.md, "Naming")."""
     return {"tag": t.tag, "argv": list(t.argv), "env": dict(t.env), "cwd": t.cwd, "log": t.log,
-            "pidfile": t.pidfile}
+            "pidfile": t.pidfile, "cluster_dir": cluster_dir}

@@ -59,7 +59,7 @@ def spawn(req: dict) -> tuple[subprocess.Popen, str, int]:
     finally:
         os.close(log_fd)
     stat = proc_stat(proc.pid)
-    record = {"pid": proc.pid, "pgid": proc.pid, "start_time": stat[1] if stat else None,
+    record = {"pid": proc.pid, "start_time": stat[1] if stat else None,
               "started_at": time.time(), "tag": tag, "argv": argv, "log": log}
     if req.get("port") is not None:
         record["port"] = req["port"]
@@ -155,7 +155,9 @@ class Attached:
     def stop(self, tailer: threading.Thread) -> int:
         if self.reason != "stop":
             self.quiet.set()  # nobody is listening (or the reader stalled): never block on stdout
-        kill_tasks([self.proc.pid], lambda t: t == self.tag, grace=self.grace)
+        kill_tasks([self.proc.pid], lambda t: t == self.tag, grace=self.grace)  # our unreaped child
+        if self.proc.poll() is None:  # alive yet untagged (its environment replaced): still our child
+            procs.signal_quietly(self.proc.pid, signal.SIGKILL, group=True)
         try:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
