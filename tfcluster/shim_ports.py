@@ -113,7 +113,8 @@ def describe(pid: int) -> str:
     except OSError:
         argv = []
     words = [os.path.basename(a) if i == 0 else a for i, a in enumerate(argv)]
-    text = " ".join(words)
+    # another user chose these bytes: no newline or escape sequence reaches a terminal
+    text = " ".join("".join(c if c.isprintable() else " " for c in " ".join(words)).split())
     return "pid %d (%s)" % (pid, text[:80]) if text else "pid %d" % pid
 
 
