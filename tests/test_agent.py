@@ -309,7 +309,7 @@ def test_prepare_ships_files_only_when_they_changed(home):
     info = HostAgent("c", LocalTransport(), sys.executable, CLUSTER_DIR, in_process=False).prepare()
 
     assert shim.read_bytes() == (REPO / "tfcluster/shim.py").read_bytes()
-    for name in ("shim_procs.py", "shim_protocol.py", "shim_tasks.py", "tfserver.py"):
+    for name in ("shim_ports.py", "shim_procs.py", "shim_protocol.py", "shim_tasks.py", "tfserver.py"):
         assert (shim.parent / name).read_bytes() == (REPO / "tfcluster" / name).read_bytes()
     assert info.tf_version and info.python_version.count(".") == 2
     assert oct(shim.stat().st_mode & 0o777) == "0o700"

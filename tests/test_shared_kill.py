@@ -143,6 +143,23 @@ def kill_quietly(*pids: int) -> None:
             pass
 
 
+def test_the_host_adds_the_clusters_identity_and_tags_still_parse(tmp_path, home):
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    ident = shim_procs.instance_id
+    assert ident(f"{tmp_path}/a/lab") != ident(f"{tmp_path}/b/lab")          # same name, two workdirs
+    assert ident("~/.tfcluster/lab") == ident(f"{home}/.tfcluster/lab")      # as the host resolves it
+    assert ident(f"{tmp_path}/link/lab") == ident(f"{tmp_path}/real/lab")    # one directory, one cluster
+    text = shim_procs.qualify(str(Tag("lab", RUN, "worker", 3, "server")), "~/.tfcluster/lab")
+    tag = Tag.parse(text)
+    assert (tag.cluster, tag.instance, tag.key) == ("lab", ident("~/.tfcluster/lab"), "worker:3")
+    assert str(tag) == text and text.startswith(shim_procs.qualify("lab:", "~/.tfcluster/lab"))
+    assert not text.startswith(shim_procs.qualify("lab:", f"{tmp_path}/a/lab"))
+    for bad in ("", "lab", ":run:", text):
+        with pytest.raises(shim_procs.ShimError):
+            shim_procs.qualify(bad, "~/.tfcluster/lab")
+
+
 # ------------------------------------------------------------------ (1) another user
 
 def test_roots_down_of_a_cluster_named_like_anothers_leaves_the_other_users_tasks(
