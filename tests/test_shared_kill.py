@@ -296,6 +296,9 @@ def test_forged_pid_records_kill_nothing_untagged(agent, home, guard):
         for name, record in forged.items():
             (piddir / f"{name}.pid").write_text(json.dumps(record))
         (piddir / "list.pid").write_text(json.dumps([1, 2]))
+        (piddir / "started.pid").write_text(json.dumps({**real, "started_at": "x"}))
+        statuses = agent.status("lab:")
+        assert {(s.pid, s.alive) for s in statuses} == {(task, True), (victim.pid, False)}
 
         report = agent.stop("lab:", grace=2)
 

@@ -103,9 +103,12 @@ def cmd_status(req: dict) -> list:
     prefix = req.get("tag_prefix", "")
     prefix = procs.qualify(prefix, req["cluster_dir"]) if prefix else ""
     for _, r in procs.read_pidfiles(req["piddir"], prefix):
+        if procs.as_pid(r.get("pid")) is None:
+            continue  # not a record the shim wrote
         alive = procs.verified(r)
         started = r.get("started_at")
-        out.append({"tag": r.get("tag"), "pid": r.get("pid"), "alive": alive, "log": r.get("log"),
+        started = started if isinstance(started, (int, float)) and not isinstance(started, bool) else None
+        out.append({"tag": r.get("tag"), "pid": r["pid"], "alive": alive, "log": r.get("log"),
                     "uptime_s": round(time.time() - started, 3) if alive and started else None})
     return out
 
