@@ -1,4 +1,4 @@
-"""Starting the cluster's TF servers and waiting until each accepts connections.
+"""Starting the cluster's TF servers and waiting until each listens on its port.
 
 `up` starts detached servers (they outlive it) with one `launch` round trip per host;
 `train` starts attached ones through the supervisor and waits here. Both report each
@@ -65,7 +65,8 @@ def start_detached(session: Session, tasks: list[TaskPlan], run_id: str,
 
 
 def wait_ready(session: Session, started: list[Started], timeout: float = READY_TIMEOUT) -> None:
-    """Block until every started server accepts connections; raise naming the first that did not."""
+    """Block until every started server listens on its port (its own socket); raise naming
+    the first that did not."""
     grouped = by_host(started, lambda s: s.task.host)
     progress = _Progress(session, [s.task.key for s in started])
 
