@@ -16,6 +16,7 @@ import psutil
 import pytest
 
 from tests.conftest import tagged_processes, wait_for
+from tfcluster import shim_procs
 from tfcluster.agent import HostAgent, TaskLaunch
 from tfcluster.errors import HostError
 from tfcluster.names import ClusterPaths
@@ -86,8 +87,13 @@ def gone(pid: int) -> bool:
         return True
 
 
+def q(text: str) -> str:
+    """A tag or prefix as the host writes it: with the identity of CLUSTER_DIR (under this HOME)."""
+    return shim_procs.qualify(text, CLUSTER_DIR)
+
+
 def with_tag(prefix: str) -> dict[int, str]:
-    return {p: t for p, t in tagged_processes().items() if t.startswith(prefix)}
+    return {p: t for p, t in tagged_processes().items() if t.startswith(q(prefix))}
 
 
 def read_all(task) -> bytes:
@@ -114,18 +120,19 @@ def test_tfservers_start_become_ready_and_stop_leaving_ports_free(home, capsys):
         events = list(agent.launch(launches, 60))
         pids = {key: pid for key, state, pid in events if state == "started"}
         outcomes = {key: state for key, state, _ in events if state != "started"}
-        assert dict(agent.wait_ready([(job, ports[job], pids[job]) for job in ports], 60)) == outcomes
+        waited = agent.wait_ready([(job, ports[job], pids[job]) for job in ports], 60)
+        assert {key: state for key, state, _holder in waited} == outcomes
         with capsys.disabled():
             print(f"\n[prepare + start + ready of 2 tfservers: {time.monotonic() - t0:.1f}s]")
         assert outcomes == {"ps": "ready", "worker": "ready"}
         assert {(s.tag, s.pid, s.alive) for s in agent.status(f"{C}:")} == {
-            (f"{C}:r1:ps:0", pids["ps"], True), (f"{C}:r1:worker:0", pids["worker"], True)}
+            (q(f"{C}:r1:ps:0"), pids["ps"], True), (q(f"{C}:r1:worker:0"), pids["worker"], True)}
         assert "tfcluster: server ps:0 listening on localhost:" in agent.tail(
             f"{CLUSTER_DIR}/logs/{C}_r1_ps_0.log", 50)
 
         report = agent.stop(f"{C}:", grace=5)
 
-        assert sorted(report.stopped) == sorted((f"{C}:r1:" + j + ":0", p) for j, p in pids.items())
+        assert sorted(report.stopped) == sorted((q(f"{C}:r1:{j}:0"), p) for j, p in pids.items())
         assert report.survivors == ()
         assert with_tag(f"{C}:") == {}
         assert agent.status(f"{C}:") == []
@@ -148,7 +155,7 @@ def test_stop_kills_a_term_ignoring_task_and_its_setsid_grandchild(agent):
 
     report = agent.stop(f"{C}:", grace=0.5)
 
-    assert sorted(report.stopped) == sorted((f"{C}:r2:worker:0", p) for p in procs)
+    assert sorted(report.stopped) == sorted((q(f"{C}:r2:worker:0"), p) for p in procs)
     assert report.survivors == ()
     assert with_tag(f"{C}:") == {}
     assert gone(pid) and gone(grandchild)
@@ -259,10 +266,10 @@ def test_stop_spares_an_unrelated_process_named_by_a_stale_pidfile(agent, home):
     try:
         with open(f"/proc/{bystander.pid}/stat") as f:
             start_time = int(f.read().rsplit(")", 1)[1].split()[19])
-        tag = f"{C}:r10:ps:0"  # a task that died long ago; its pid now belongs to `sleep`
+        tag = q(f"{C}:r10:ps:0")  # a task that died long ago; its pid now belongs to `sleep`
         record = {"pid": bystander.pid, "pgid": bystander.pid, "start_time": start_time, "tag": tag,
                   "argv": ["old"], "log": "x.log", "started_at": time.time()}
-        agent.transport.put(json.dumps(record).encode(), PATHS.pidfile(tag))
+        agent.transport.put(json.dumps(record).encode(), PATHS.pidfile(f"{C}:r10:ps:0"))
         assert [(s.tag, s.alive) for s in agent.status(f"{C}:")] == [(tag, False)]
 
         report = agent.stop(f"{C}:", grace=0.5)
@@ -302,7 +309,7 @@ def test_prepare_ships_files_only_when_they_changed(home):
     info = HostAgent("c", LocalTransport(), sys.executable, CLUSTER_DIR, in_process=False).prepare()
 
     assert shim.read_bytes() == (REPO / "tfcluster/shim.py").read_bytes()
-    for name in ("shim_procs.py", "shim_protocol.py", "shim_tasks.py", "tfserver.py"):
+    for name in ("shim_ports.py", "shim_procs.py", "shim_protocol.py", "shim_tasks.py", "tfserver.py"):
         assert (shim.parent / name).read_bytes() == (REPO / "tfcluster" / name).read_bytes()
     assert info.tf_version and info.python_version.count(".") == 2
     assert oct(shim.stat().st_mode & 0o777) == "0o700"

@@ -135,7 +135,7 @@ class HostAgent:
         request = {"bindir": self._wanted_bindir, "dirs": cluster_tree(self.paths, self._wanted_bindir),
                    "files": {n: hashlib.sha256(d).hexdigest() for n, d in files.items()}}
         then = {"commands": commands}
-        result = self.transport.run([self.python, "-c", BOOTSTRAP], _line(request) + _line(then))
+        result = self.transport.run([self.python, "-c", BOOTSTRAP], proto.json_line(request) + proto.json_line(then))
         if result.rc == 127 or (result.rc != 0 and b"not found" in result.stderr):
             raise PreflightError(f"host {self.name}: {self.python} not found",
                                  hint="set `python:` in the spec to an interpreter that has tensorflow")
@@ -165,7 +165,7 @@ class HostAgent:
         if self._in_process and command in proto.IN_PROCESS:
             answer = _call_here(command, request)
         else:
-            result = self.transport.run(self._shim_argv(command), _line(request), timeout=timeout)
+            result = self.transport.run(self._shim_argv(command), proto.json_line(request), timeout=timeout)
             answer = _last_json(result.stdout)
             if answer is None or (result.rc != 0 and proto.error_of(answer) is None):
                 why = tail_text(result.stderr) or f"exit status {result.rc}"
@@ -226,7 +226,7 @@ class HostAgent:
         return {proto.STATUS: self._status_request(tag_prefix), proto.PORTS: {"ports": list(ports)}}
 
     def _status_request(self, tag_prefix: str) -> dict:
-        return {"piddir": self.paths.piddir, "tag_prefix": tag_prefix}
+        return {"piddir": self.paths.piddir, "tag_prefix": tag_prefix, "cluster_dir": self.paths.root}
 
     def tail(self, path: str, lines: int = 20) -> str:
         return self._call(proto.TAIL, {"path": path, "lines": lines})["text"]
@@ -258,15 +258,15 @@ class HostAgent:
                        grace: float = proto.DEFAULT_GRACE) -> AttachedTask:
         """Start a task that dies with this agent (scripts): its shim stays connected."""
         self._check_cancelled()
-        request = {**_start_request(t), "attached": True, "heartbeat_timeout": heartbeat_timeout,
-                   "grace": grace}
+        request = {**_start_request(t, self.paths.root), "attached": True,
+                   "heartbeat_timeout": heartbeat_timeout, "grace": grace}
         try:
             proc = self.transport.spawn(self._shim_argv(proto.START))
         except OSError as e:
             raise PreflightError(f"host {self.name}: cannot run {self.python}: {e}") from None
         with self._tracked(proc):
             try:
-                proc.write(_line(request))
+                proc.write(proto.json_line(request))
                 pid = handshake(proc, f"host {self.name}: {t.tag}")
             except BaseException:
                 proc.kill()
@@ -275,25 +275,28 @@ class HostAgent:
         self._heartbeats.add(task)
         return task
 
-    def wait_ready(self, items: list[tuple[str, int, int]], timeout: float) -> Iterator[tuple[str, str]]:
-        """(key, port, pid) -> yields (key, "ready" | "exited" | "timeout") as each is decided."""
+    def wait_ready(self, items: list[tuple[str, int, int]],
+                   timeout: float) -> Iterator[tuple[str, str, str | None]]:
+        """(key, port, pid) -> yields (key, "ready" | "exited" | "timeout", None) as each is
+        decided, or (key, "taken", holder) when someone else listens on the port."""
         request = {"items": [{"key": k, "port": p, "pid": pid} for k, p, pid in items],
                    "timeout": timeout}
         for answer in self._stream(proto.WAIT, request, {key for key, _, _ in items}):
-            yield answer["key"], answer["state"]
+            yield answer["key"], answer["state"], answer.get("holder")
 
     def launch(self, servers: list[tuple[str, int, TaskLaunch]],
                timeout: float) -> Iterator[tuple[str, str, int | None]]:
         """Start detached servers (key, port, launch) and wait for them, in one round trip:
-        yields (key, "started", pid) for each, then (key, "ready"|"exited"|"timeout", None)."""
+        yields (key, "started", pid) for each, then wait_ready's (key, state, holder)."""
         self._check_cancelled()
-        request = {"starts": [{"key": k, "port": p, "req": _start_request(t)} for k, p, t in servers],
+        request = {"starts": [{"key": k, "port": p, "req": _start_request(t, self.paths.root)}
+                              for k, p, t in servers],
                    "timeout": timeout, "watch_stdin": True}
         for answer in self._stream(proto.LAUNCH, request, {key for key, _, _ in servers}, keep_stdin=True):
             if "pid" in answer:
                 yield answer["key"], "started", int(answer["pid"])
             else:
-                yield answer["key"], answer["state"], None
+                yield answer["key"], answer["state"], answer.get("holder")
 
     def _stream(self, command: str, request: dict, keys: set[str], keep_stdin: bool = False) -> Iterator[dict]:
         """A shim command answering one JSON line per event, until every key has a state."""
@@ -303,7 +306,7 @@ class HostAgent:
         pending = set(keys)
         with self._tracked(proc):
             try:
-                proc.write(_line(request))
+                proc.write(proto.json_line(request))
                 if not keep_stdin:
                     proc.close_stdin()
                 buf = b""
@@ -350,8 +353,8 @@ class HostAgent:
         """Kill every task whose tag starts with tag_prefix (pid files + tag sweep)."""
         if not tag_prefix:
             raise ValueError("stop needs a tag prefix (an empty one would match every cluster)")
-        answer = self._call(proto.STOP, {"piddir": self.paths.piddir, "tag_prefix": tag_prefix,
-                                         "grace": grace}, timeout=grace + 60.0)
+        answer = self._call(proto.STOP, {**self._status_request(tag_prefix), "grace": grace},
+                            timeout=grace + 60.0)
         return StopReport(stopped=tuple((s["tag"], int(s["pid"])) for s in answer["stopped"]),
                           survivors=tuple((s["tag"], int(s["pid"])) for s in answer["survivors"]))
 
@@ -387,10 +390,8 @@ def _last_json(out: bytes):
         return None
 
 
-def _line(obj) -> bytes:
-    return (json.dumps(obj) + "\n").encode()
 
-
-def _start_request(t: TaskLaunch) -> dict:
+def _start_request(t: TaskLaunch, cluster_dir: str) -> dict:
+    """The host adds the identity of `cluster_dir` to the tag (docs/ARCHITECTURE.md, "Naming")."""
     return {"tag": t.tag, "argv": list(t.argv), "env": dict(t.env), "cwd": t.cwd, "log": t.log,
-            "pidfile": t.pidfile, "no_proxy": list(t.no_proxy)}
+            "pidfile": t.pidfile, "no_proxy": list(t.no_proxy), "cluster_dir": cluster_dir}

@@ -116,7 +116,7 @@ def up(
     timeout: float = typer.Option(120.0, "--timeout", help="Seconds to wait for every server."),
     allow_skew: bool = typer.Option(False, "--allow-skew", help=SKEW_HELP + "."),
 ) -> int:
-    """Start the cluster's TF servers and wait until each accepts connections.
+    """Start the cluster's TF servers and wait until each listens on its port.
 
     Runs preflight first (reachable, python + tensorflow, GPUs, ports free); if any
     server fails, everything this `up` started is stopped again. Running `up` on a

@@ -20,16 +20,20 @@ class Tag:
 
     Text form `cluster:run:job:index:role`; a prefix of it selects a whole cluster
     (`cluster:`) or one run (`cluster:run:`). Cluster names and run ids never hold a
-    colon (the spec loader refuses one), so the form parses back unambiguously."""
+    colon or an `@` (the spec loader refuses them), so the form parses back unambiguously.
+    The host adds the cluster's identity (`cluster@instance:...`, docs/ARCHITECTURE.md
+    "Naming") to every tag and prefix it receives; the package never builds one with it."""
 
     cluster: str
     run: str
     job: str
     index: int
     role: str
+    instance: str = ""          # set only on tags read back from a host
 
     def __str__(self) -> str:
-        return f"{self.cluster}:{self.run}:{self.job}:{self.index}:{self.role}"
+        cluster = f"{self.cluster}@{self.instance}" if self.instance else self.cluster
+        return f"{cluster}:{self.run}:{self.job}:{self.index}:{self.role}"
 
     @property
     def key(self) -> str:
@@ -40,7 +44,8 @@ class Tag:
         parts = text.split(":")
         if len(parts) != 5 or not parts[3].isdigit() or parts[4] not in ROLES:
             return None
-        return cls(parts[0], parts[1], parts[2], int(parts[3]), parts[4])
+        cluster, _, instance = parts[0].partition("@")
+        return cls(cluster, parts[1], parts[2], int(parts[3]), parts[4], instance)
 
 
 def task_key(job: str, index: int) -> str:

@@ -79,7 +79,7 @@ def can_connect(session, from_host: str, targets, timeout: float = CONNECT_TIMEO
     request = {"targets": [[a, int(p)] for a, p in targets], "timeout": timeout}
     proc = agent.transport.spawn(agent._shim_argv(proto.REACH))   # noqa: SLF001 - a streaming shim command
     with _Killer([proc], START_TIMEOUT + probe_all_bound(len(request["targets"]), timeout)) as killer:
-        proc.write(_line(request))
+        proc.write(proto.json_line(request))
         proc.close_stdin()
         return _Lines(proc, agent.name, killer).next("results")["results"]
 
@@ -102,12 +102,12 @@ def _exchange(session, hosts: list[str], listen: dict, targets: list, timeout: f
         proc = agent.transport.spawn(agent._shim_argv(proto.REACH))   # noqa: SLF001
         procs[host] = proc
         killer.add(proc)
-        proc.write(_line({"listen": listen[host], "lifetime": lifetime}))
+        proc.write(proto.json_line({"listen": listen[host], "lifetime": lifetime}))
         readers[host] = _Lines(proc, host, killer)
         return readers[host].next("listening")
 
     def go(host: str) -> dict:
-        procs[host].write(_line({"targets": targets, "timeout": timeout}))
+        procs[host].write(proto.json_line({"targets": targets, "timeout": timeout}))
         return readers[host].next("results")
 
     with killer:
@@ -245,5 +245,3 @@ def _hint(f: Failure, plan: Plan) -> str:
     return f"check the routes and firewalls between {f.host} and {owner}; {off}"
 
 
-def _line(obj) -> bytes:
-    return (json.dumps(obj) + "\n").encode()

@@ -1,8 +1,10 @@
-"""Starting the cluster's TF servers and waiting until each accepts connections.
+"""Starting the cluster's TF servers and waiting until each listens on its port.
 
 `up` starts detached servers (they outlive it) with one `launch` round trip per host;
 `train` starts attached ones through the supervisor and waits here. Both report each
-server as it becomes ready, and name the first that did not, with its log's tail.
+server as it becomes ready, and name the first that did not, with its log's tail. Ready
+means the listening socket on the port is the started process's own: a port someone else
+took after the preflight is reported with its holder.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import time
 from dataclasses import dataclass
 
 from tfcluster import names
-from tfcluster.errors import DeadlineError, HostError, TfclusterError
+from tfcluster.errors import DeadlineError, HostError, PreflightError, TfclusterError
 from tfcluster.plan import TaskPlan
 from tfcluster.session import Session, by_host, raise_first
 from tfcluster.shim_protocol import DEFAULT_GRACE
@@ -35,17 +37,17 @@ def start_detached(session: Session, tasks: list[TaskPlan], run_id: str,
     started: dict[str, Started] = {}
     progress = _Progress(session, [t.key for t in tasks])
 
-    def run_host(host: str) -> list[tuple[str, str]]:
+    def run_host(host: str) -> list[tuple[str, str, str | None]]:
         agent = session.agents[host]
         launches = {t.key: (t, session.launch_for(t, run_id, "server", agent.server_argv()))
                     for t in grouped[host]}
         decided = []
-        for key, state, pid in agent.launch([(k, t.port, l) for k, (t, l) in launches.items()], timeout):
+        for key, state, value in agent.launch([(k, t.port, l) for k, (t, l) in launches.items()], timeout):
             task, launch = launches[key]
             if state == "started":
-                started[key] = Started(task, launch.tag, pid, launch.log)
+                started[key] = Started(task, launch.tag, value, launch.log)
                 continue
-            decided.append((key, state))
+            decided.append((key, state, value))
             if state == "ready":
                 progress.ready(key)
         return decided
@@ -63,15 +65,16 @@ def start_detached(session: Session, tasks: list[TaskPlan], run_id: str,
 
 
 def wait_ready(session: Session, started: list[Started], timeout: float = READY_TIMEOUT) -> None:
-    """Block until every started server accepts connections; raise naming the first that did not."""
+    """Block until every started server listens on its port (its own socket); raise naming
+    the first that did not."""
     grouped = by_host(started, lambda s: s.task.host)
     progress = _Progress(session, [s.task.key for s in started])
 
-    def wait_host(host: str) -> list[tuple[str, str]]:
+    def wait_host(host: str) -> list[tuple[str, str, str | None]]:
         items = [(s.task.key, s.task.port, s.pid) for s in grouped[host]]
         decided = []
-        for key, outcome in session.agents[host].wait_ready(items, timeout):
-            decided.append((key, outcome))
+        for key, outcome, holder in session.agents[host].wait_ready(items, timeout):
+            decided.append((key, outcome, holder))
             if outcome == "ready":
                 progress.ready(key)
         return decided
@@ -86,7 +89,12 @@ def wait_ready(session: Session, started: list[Started], timeout: float = READY_
 def _raise_unready(session: Session, results: dict, started: dict[str, Started], timeout: float) -> None:
     raise_first(results, "host")
     for decided in results.values():
-        for key, outcome in decided:
+        for key, outcome, holder in decided:
+            if outcome == "taken":
+                task = started[key].task
+                raise PreflightError(f"host {task.host}: port {task.port} for {key} was taken by "
+                                     f"{holder} before the server could listen on it",
+                                     hint="choose another port in the spec, or stop that process")
             if outcome != "ready":
                 _raise_not_ready(session, started[key], outcome, timeout)
 

@@ -7,8 +7,9 @@ Python >= 3.8, no imports from an installed tfcluster (the host may have another
 version): its siblings come from its own directory.
 
 Every task runs in its own session with its tag in its environment; that tag, read
-back from /proc/<pid>/environ with the start time, is how the shim recognises its
-tasks (pid reuse, setsid escapees). Nothing is killed by name.
+back from /proc/<pid>/environ with the start time and the process's owner, is how the
+shim recognises its tasks (pid reuse, setsid escapees, other users). Nothing is killed
+by name. Tags arrive without the cluster's identity; the shim adds it (qualify).
 """
 from __future__ import annotations
 
@@ -17,19 +18,20 @@ import hashlib
 import json
 import os
 import select
-import socket
 import sys
 import time
 
 if __package__:
     from . import shim_fs as fs
     from . import shim_net as net
+    from . import shim_ports as ports
     from . import shim_procs as procs
     from . import shim_protocol as proto
     from . import shim_tasks as tasks
 else:  # shipped: this file's directory is first on sys.path
     import shim_fs as fs
     import shim_net as net
+    import shim_ports as ports
     import shim_procs as procs
     import shim_protocol as proto
     import shim_tasks as tasks
@@ -39,9 +41,6 @@ remove_quietly, write_all = procs.remove_quietly, procs.write_all
 spawn, Attached = tasks.spawn, tasks.Attached
 ShimError = proto.ShimError
 
-
-def _line(obj) -> bytes:
-    return (json.dumps(obj) + "\n").encode()
 
 
 def cmd_info(req: dict) -> dict:
@@ -55,11 +54,17 @@ def cmd_info(req: dict) -> dict:
 
 
 def cmd_ports(req: dict) -> dict:
-    return {str(p): (None if procs.port_free(int(p)) else procs.port_holder(int(p)))
+    return {str(p): (None if ports.port_free(int(p)) else ports.port_holder(int(p)))
             for p in req["ports"]}
 
 
+def qualified(req: dict) -> dict:
+    """A start request with the cluster's identity added to its tag."""
+    return dict(req, tag=procs.qualify(req["tag"], req["cluster_dir"]))
+
+
 def cmd_start(req: dict):
+    req = qualified(req)
     if req.get("attached") and launcher_gone():
         raise ShimError("the launcher went away before the task started")
     proc, log, offset = spawn(req)
@@ -73,20 +78,23 @@ def cmd_start(req: dict):
 # ---------------------------------------------------------------- stop / status
 
 def cmd_stop(req: dict) -> dict:
-    prefix = req["tag_prefix"]
-    if not prefix:
+    """Stop this cluster's processes of this prefix: only our own (uid), tagged ones; a
+    group is read from a verified live process, never from a pid file."""
+    if not req["tag_prefix"]:
         raise ShimError("stop needs a tag prefix (an empty one would match every cluster)")
+    prefix = procs.qualify(req["tag_prefix"], req["cluster_dir"])
+    match = lambda t: t.startswith(prefix)  # noqa: E731
     records = procs.read_pidfiles(req["piddir"], prefix)
-    live = [(path, r) for path, r in records if procs.verified(r)]
-    before = procs.tagged(lambda t: t.startswith(prefix))
-    left = kill_tasks([int(r.get("pgid") or r["pid"]) for _, r in live],
-                      lambda t: t.startswith(prefix), float(req.get("grace", proto.DEFAULT_GRACE)))
-    stopped = {int(r["pid"]): r["tag"] for _, r in live}
+    live = [r for _, r in records if procs.verified(r)]
+    before = procs.tagged(match)
+    groups = [procs.group_of(r["pid"], match) for r in live]
+    left = kill_tasks([g for g in groups if g], match, float(req.get("grace", proto.DEFAULT_GRACE)))
+    stopped = {r["pid"]: r["tag"] for r in live}
     stopped.update(before)
     for pid in left:
         stopped.pop(pid, None)
     for path, record in records:
-        if int(record["pid"]) not in left:
+        if procs.as_pid(record.get("pid")) not in left:
             remove_quietly(path)
     return {"stopped": [{"tag": t, "pid": p} for p, t in sorted(stopped.items())],
             "survivors": [{"tag": t, "pid": p} for p, t in sorted(left.items())]}
@@ -94,47 +102,43 @@ def cmd_stop(req: dict) -> dict:
 
 def cmd_status(req: dict) -> list:
     out = []
-    for _, r in procs.read_pidfiles(req["piddir"], req.get("tag_prefix", "")):
+    prefix = req.get("tag_prefix", "")
+    prefix = procs.qualify(prefix, req["cluster_dir"]) if prefix else ""
+    for _, r in procs.read_pidfiles(req["piddir"], prefix):
+        if procs.as_pid(r.get("pid")) is None:
+            continue  # not a record the shim wrote
         alive = procs.verified(r)
         started = r.get("started_at")
-        out.append({"tag": r.get("tag"), "pid": r.get("pid"), "alive": alive, "log": r.get("log"),
+        started = started if isinstance(started, (int, float)) and not isinstance(started, bool) else None
+        out.append({"tag": r.get("tag"), "pid": r["pid"], "alive": alive, "log": r.get("log"),
                     "uptime_s": round(time.time() - started, 3) if alive and started else None})
     return out
 
 
 # ---------------------------------------------------------------- wait / launch / tail
 
-def accepts(port: int) -> bool:
-    for family, host in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")):
-        s = socket.socket(family, socket.SOCK_STREAM)
-        s.settimeout(0.5)
-        try:
-            s.connect((host, port))
-            return True
-        except OSError:
-            continue
-        finally:
-            s.close()
-    return False
-
-
 def cmd_wait(req: dict) -> None:
+    """A line per server: ready (the listening socket on its port is the started process's
+    or a descendant's), taken (someone else listens there: `holder`), exited or timeout."""
     pending = list(req["items"])
     deadline = time.monotonic() + float(req.get("timeout", 60))
     while pending:
         if req.get("watch_stdin") and launcher_gone():
             raise ShimError("the launcher went away before the servers were ready")
+        table = ports.listeners()
         for item in list(pending):
-            state = None
-            if accepts(int(item["port"])):
-                state = "ready"
-            elif not is_alive(int(item["pid"])):
+            pid = int(item["pid"])
+            state, holder = ports.readiness(pid, int(item["port"]), table)
+            if state is None and not is_alive(pid):
                 state = "exited"
-            elif time.monotonic() > deadline:
+            elif state is None and time.monotonic() > deadline:
                 state = "timeout"
             if state:
                 pending.remove(item)
-                write_all(1, _line({"key": item["key"], "state": state}))
+                answer = {"key": item["key"], "state": state}
+                if holder:
+                    answer["holder"] = holder
+                write_all(1, proto.json_line(answer))
         if pending:
             time.sleep(0.1)
     return None
@@ -164,15 +168,18 @@ def cmd_launch(req: dict) -> None:
         for start in req["starts"]:
             if watch and launcher_gone():
                 raise ShimError("the launcher went away; no more servers started")
-            proc, _log, _offset = spawn(start["req"])
-            started[proc.pid] = start["req"]["tag"]
-            write_all(1, _line({"key": start["key"], "pid": proc.pid}))
+            start_req = qualified(start["req"])
+            proc, _log, _offset = spawn(start_req)
+            started[proc.pid] = start_req["tag"]
+            write_all(1, proto.json_line({"key": start["key"], "pid": proc.pid}))
             items.append({"key": start["key"], "port": start["port"], "pid": proc.pid})
         cmd_wait({"items": items, "timeout": req.get("timeout", 60), "watch_stdin": watch})
     except BaseException:
         if watch and started:
             tags = set(started.values())
-            kill_tasks(list(started), lambda t: t in tags, proto.DEFAULT_GRACE)
+            match = lambda t: t in tags  # noqa: E731
+            groups = [procs.group_of(pid, match) for pid in started]
+            kill_tasks([g for g in groups if g], match, proto.DEFAULT_GRACE)
         raise
 
 
@@ -270,10 +277,10 @@ def main(argv: list) -> int:
         answer = COMMANDS[argv[1]](req)
     except (ShimError, OSError, KeyError, ValueError) as e:
         fd = 2 if req.get("attached") else 1
-        write_all(fd, _line(proto.error_answer(proto.describe_exception(e))))
+        write_all(fd, proto.json_line(proto.error_answer(proto.describe_exception(e))))
         return proto.EXIT_ERROR
     if answer is not None:
-        write_all(1, _line(answer))
+        write_all(1, proto.json_line(answer))
     return 0
 
 

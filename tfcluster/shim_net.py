@@ -28,9 +28,13 @@ import threading
 import time
 
 if __package__:
+    from . import shim_ports
     from . import shim_procs as procs
+    from .shim_protocol import json_line as _line
 else:  # shipped: the shim's directory is first on sys.path
+    import shim_ports
     import shim_procs as procs
+    from shim_protocol import json_line as _line
 
 CONNECT_TIMEOUT = 5.0    # per target: one SYN retransmit (1 s) and then some
 LIFETIME = 120.0         # a reach whose launcher went silent closes its listeners by then
@@ -45,9 +49,6 @@ NO_PROXY_VARS = ("no_proxy", "NO_PROXY")
 GRPC_NO_PROXY = "no_grpc_proxy"   # when set, gRPC ignores no_proxy: extended too
 
 
-def _line(obj) -> bytes:
-    return (json.dumps(obj) + "\n").encode()
-
 
 # ---------------------------------------------------------------- listen / connect
 
@@ -59,7 +60,7 @@ def listen(ports) -> tuple[dict, dict]:
         try:
             sockets[int(port)] = _listener(int(port))
         except OSError as e:
-            busy[str(port)] = (procs.port_holder(int(port)) if e.errno == errno.EADDRINUSE
+            busy[str(port)] = (shim_ports.port_holder(int(port)) if e.errno == errno.EADDRINUSE
                                else "cannot listen: %s" % (e.strerror or e))
     return sockets, busy
 

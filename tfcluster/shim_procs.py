@@ -1,21 +1,22 @@
-"""The host's side of process ownership: /proc, pid files, killing by tag, ports.
+"""The host's side of process ownership: /proc, pid files, killing by tag, host facts.
 
-Shipped beside shim.py (standard library only, Python >= 3.8). A task is recognised
-by the tag in its environment plus its start time, never by its name or pid alone.
+Shipped beside shim.py (standard library only, Python >= 3.8). A task is recognised by
+its owner (our uid), the tag in its environment and its start time, never by its name or
+pid alone; see docs/ARCHITECTURE.md, "The remote process model" and "Naming".
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 
 if __package__:
-    from .shim_protocol import TAG_VAR
+    from .shim_protocol import TAG_VAR, ShimError
 else:  # shipped: the shim's directory is first on sys.path
-    from shim_protocol import TAG_VAR
+    from shim_protocol import TAG_VAR, ShimError
 
 TF_DISTRIBUTIONS = ("tensorflow", "tensorflow-cpu", "tensorflow-gpu", "tf-nightly",
                     "tf-nightly-cpu", "tf-nightly-gpu", "tensorflow-intel", "tensorflow-macos")
@@ -43,15 +44,61 @@ def expand(path: str) -> str:
     return os.path.expanduser(path) if path == "~" or path.startswith("~/") else path
 
 
-def proc_stat(pid: int) -> tuple[str, int] | None:
-    """(state, start_time in clock ticks) of a pid, or None if it is gone."""
+def as_pid(value) -> int | None:
+    """A pid from a record, or None for anything that is not a plain integer > 1."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        return None
+    return value if value > 1 else None
+
+
+def _stat_fields(pid: int) -> list[str] | None:
     try:
         with open("/proc/%d/stat" % pid, "rb") as f:
             data = f.read().decode(errors="replace")
     except OSError:
         return None
-    fields = data[data.rindex(")") + 2:].split()
-    return fields[0], int(fields[19])
+    return data[data.rindex(")") + 2:].split()
+
+
+def proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state, start_time in clock ticks) of a pid, or None if it is gone."""
+    fields = _stat_fields(pid)
+    return (fields[0], int(fields[19])) if fields else None
+
+
+def parent_of(pid: int) -> int | None:
+    fields = _stat_fields(pid)
+    return int(fields[1]) if fields else None
+
+
+def owned(pid: int) -> bool:
+    """The process's real and effective uid are ours: only our own processes are ever
+    stopped or counted, also when the shim runs as root."""
+    try:
+        with open("/proc/%d/status" % pid) as f:
+            for line in f:
+                if line.startswith("Uid:"):
+                    real, effective = (int(x) for x in line.split()[1:3])
+                    return real == effective == os.geteuid()
+    except (OSError, ValueError):
+        pass
+    return False
+
+
+def instance_id(cluster_dir: str) -> str:
+    """This cluster's identity on this host: a hash of its directory as the host resolves
+    it (docs/ARCHITECTURE.md, "Naming")."""
+    path = os.path.realpath(expand(cluster_dir))
+    return hashlib.sha256(path.encode("utf-8", "surrogateescape")).hexdigest()[:12]
+
+
+def qualify(text: str, cluster_dir: str) -> str:
+    """A tag or tag prefix from the package (`lab:run:...`) with this cluster's identity
+    added to its cluster field (`lab@<id>:run:...`)."""
+    cluster, sep, rest = str(text).partition(":")
+    if not cluster or not sep or "@" in cluster:
+        raise ShimError("bad tag or tag prefix: %r" % (text,))
+    return "%s@%s:%s" % (cluster, instance_id(cluster_dir), rest)
 
 
 def is_alive(pid: int) -> bool:
@@ -78,16 +125,38 @@ def all_pids() -> list[int]:
 
 
 def tagged(match) -> dict[int, str]:
-    """pid -> tag of every live process (not this shim) whose tag satisfies `match`."""
+    """pid -> tag of every live process of ours (not this shim) whose tag satisfies `match`."""
     me = os.getpid()
     found = {}
     for pid in all_pids():
-        if pid == me:
+        if pid == me or pid <= 1:
             continue
         tag = tag_of(pid)
-        if tag is not None and match(tag) and is_alive(pid):
+        if tag is not None and match(tag) and owned(pid) and is_alive(pid):
             found[pid] = tag
     return found
+
+
+def group_of(pid, match) -> int | None:
+    """The process group to signal for a task, read from the live process, never from a
+    record: only for a process of ours with a matching tag that leads its own group
+    (every task starts in a session of its own), so never 0, 1 or negative."""
+    pid = as_pid(pid)
+    tag = tag_of(pid) if pid else None
+    if tag is None or not match(tag) or not owned(pid) or not is_alive(pid):
+        return None
+    try:
+        pgid = os.getpgid(pid)
+    except OSError:
+        return None
+    return pgid if pgid == pid else None
+
+
+def pgid_of(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
 
 
 def signal_quietly(pid: int, sig: int, group: bool = False) -> None:
@@ -107,9 +176,11 @@ def exit_code(returncode: int) -> int:
 # ---------------------------------------------------------------- killing
 
 def kill_tasks(groups: list[int], match, grace: float) -> dict[int, str]:
-    """TERM the groups and every matching process, wait up to `grace`, KILL, sweep.
+    """TERM the groups (each one the caller verified: group_of, or its own unreaped child)
+    and every matching process of ours, wait up to `grace`, KILL, sweep.
 
     Returns the processes still alive at the end (pid -> tag)."""
+    groups = [g for g in groups if as_pid(g)]
     for pgid in groups:
         signal_quietly(pgid, signal.SIGTERM, group=True)
     for pid in tagged(match):
@@ -117,10 +188,12 @@ def kill_tasks(groups: list[int], match, grace: float) -> dict[int, str]:
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline and tagged(match):
         time.sleep(POLL)
-    # A group whose leader is gone may still hold untagged members; its pgid cannot
-    # be reused while any member lives, so KILLing it is safe.
+    # A group is KILLed only while a verified member (ours, matching tag) is alive in it:
+    # a live member keeps the pgid from being reused, so the KILL reaches the group TERMed.
+    members = {pgid_of(pid) for pid in tagged(match)}
     for pgid in groups:
-        signal_quietly(pgid, signal.SIGKILL, group=True)
+        if pgid in members:
+            signal_quietly(pgid, signal.SIGKILL, group=True)
     deadline = time.monotonic() + 2.0
     while True:
         left = tagged(match)
@@ -160,17 +233,17 @@ def read_pidfiles(piddir: str, tag_prefix: str) -> list[tuple[str, dict]]:
                 record = json.load(f)
         except (OSError, ValueError):
             continue
-        if str(record.get("tag", "")).startswith(tag_prefix):
+        if isinstance(record, dict) and str(record.get("tag", "")).startswith(tag_prefix):
             found.append((path, record))
     return found
 
 
 def verified(record: dict) -> bool:
-    """The pid in a pid file is still that task: same tag, same start time."""
-    pid = int(record.get("pid", 0))
-    stat = proc_stat(pid) if pid > 0 else None
-    return (stat is not None and stat[0] not in ("Z", "X")
-            and stat[1] == record.get("start_time") and tag_of(pid) == record.get("tag"))
+    """The pid in a pid file is still that task: ours, same tag, same start time."""
+    pid = as_pid(record.get("pid"))
+    stat = proc_stat(pid) if pid else None
+    return (stat is not None and stat[0] not in ("Z", "X") and stat[1] == record.get("start_time")
+            and tag_of(pid) == record.get("tag") and owned(pid))
 
 
 def tf_version() -> str | None:
@@ -249,57 +322,3 @@ def machine_id() -> str:
         except OSError:
             continue
     return ""
-
-
-def port_free(port: int) -> bool:
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("0.0.0.0", port))
-        return True
-    except OSError:
-        return False
-    finally:
-        s.close()
-
-
-def socket_inodes(port: int) -> set[str]:
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as f:
-                rows = f.read().splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            cols = row.split()
-            if len(cols) > 9 and int(cols[1].rsplit(":", 1)[1], 16) == port and cols[9] != "0":
-                inodes.add(cols[9])
-    return inodes
-
-
-def describe(pid: int) -> str:
-    try:
-        with open("/proc/%d/cmdline" % pid, "rb") as f:
-            argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
-    except OSError:
-        argv = []
-    words = [os.path.basename(a) if i == 0 else a for i, a in enumerate(argv)]
-    text = " ".join(words)
-    return "pid %d (%s)" % (pid, text[:80]) if text else "pid %d" % pid
-
-
-def port_holder(port: int) -> str:
-    wanted = {"socket:[%s]" % inode for inode in socket_inodes(port)}
-    for pid in all_pids() if wanted else []:
-        try:
-            fds = os.listdir("/proc/%d/fd" % pid)
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                if os.readlink("/proc/%d/fd/%s" % (pid, fd)) in wanted:
-                    return describe(pid)
-            except OSError:
-                continue
-    return "in use"

@@ -11,6 +11,8 @@ stdout while reading control lines from stdin. Any failure is the envelope
 """
 from __future__ import annotations
 
+import json
+
 # Commands
 INFO = "info"            # python/TF versions, TF build (CUDA/cuDNN), GPUs + driver, machine id
 PORTS = "ports"          # port -> null (free) or who holds it
@@ -63,3 +65,8 @@ def describe_exception(exc: BaseException) -> str:
     # shim_fs.Refused (one line naming the path and the fix) cannot import ShimError
     one_line = isinstance(exc, ShimError) or getattr(exc, "one_line", False)
     return str(exc) if one_line else "%s: %s" % (type(exc).__name__, exc)
+
+
+def json_line(obj) -> bytes:
+    """One protocol line: compact JSON and a newline."""
+    return (json.dumps(obj) + "\n").encode()

@@ -6,7 +6,6 @@ Shipped beside shim.py (standard library only, Python >= 3.8).
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -30,9 +29,6 @@ exit_code, remove_quietly, write_pidfile = procs.exit_code, procs.remove_quietly
 write_all, POLL = procs.write_all, procs.POLL
 ShimError, TAG_VAR = proto.ShimError, proto.TAG_VAR
 
-
-def _line(obj) -> bytes:
-    return (json.dumps(obj) + "\n").encode()
 
 
 def open_private(path: str) -> int:
@@ -65,7 +61,7 @@ def spawn(req: dict) -> tuple[subprocess.Popen, str, int]:
     finally:
         os.close(log_fd)
     stat = proc_stat(proc.pid)
-    record = {"pid": proc.pid, "pgid": proc.pid, "start_time": stat[1] if stat else None,
+    record = {"pid": proc.pid, "start_time": stat[1] if stat else None,
               "started_at": time.time(), "tag": tag, "argv": argv, "log": log}
     if req.get("port") is not None:
         record["port"] = req["port"]
@@ -99,7 +95,7 @@ class Attached:
         for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self.on_signal)   # a handler, not SIG_IGN: the task must not inherit it
         try:
-            write_all(2, _line({"pid": self.proc.pid}))
+            write_all(2, proto.json_line({"pid": self.proc.pid}))
         except OSError:           # the launcher left between our start and the handshake
             self.reason = "eof"
         tailer = threading.Thread(target=self.tail, daemon=True)
@@ -161,7 +157,9 @@ class Attached:
     def stop(self, tailer: threading.Thread) -> int:
         if self.reason != "stop":
             self.quiet.set()  # nobody is listening (or the reader stalled): never block on stdout
-        kill_tasks([self.proc.pid], lambda t: t == self.tag, grace=self.grace)
+        kill_tasks([self.proc.pid], lambda t: t == self.tag, grace=self.grace)  # our unreaped child
+        if self.proc.poll() is None:  # alive yet untagged (its environment replaced): still our child
+            procs.signal_quietly(self.proc.pid, signal.SIGKILL, group=True)
         try:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:

@@ -1,0 +1,138 @@
+"""The host's side of ports: who holds one, and whether a started server is listening.
+
+Shipped beside shim.py (standard library only, Python >= 3.8). Sockets are read from
+/proc/net/tcp{,6} (which names the owning uid of each) and matched to processes through
+/proc/PID/fd. A server is ready only when the listening socket on its port belongs to
+the process the shim started (or one of its descendants); see docs/ARCHITECTURE.md,
+"The remote process model".
+"""
+from __future__ import annotations
+
+import os
+import socket
+
+if __package__:
+    from . import shim_procs as procs
+else:  # shipped: the shim's directory is first on sys.path
+    import shim_procs as procs
+
+LISTEN = "0A"      # the TCP state column of a listening socket in /proc/net/tcp
+
+
+def port_free(port: int) -> bool:
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("0.0.0.0", port))
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+def sockets() -> list[tuple[int, str, int, str]]:
+    """(local port, state, owner uid, inode) of every TCP socket in this network namespace."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            cols = row.split()
+            if len(cols) > 9 and cols[9] != "0":
+                found.append((int(cols[1].rsplit(":", 1)[1], 16), cols[3], int(cols[7]), cols[9]))
+    return found
+
+
+def listeners() -> dict[int, dict[str, int]]:
+    """port -> {inode: owner uid} of the listening sockets."""
+    found: dict[int, dict[str, int]] = {}
+    for port, state, uid, inode in sockets():
+        if state == LISTEN:
+            found.setdefault(port, {})[inode] = uid
+    return found
+
+
+def holding(pid: int, inodes) -> bool:
+    """Whether `pid` has one of these sockets open (False when its fds are not ours to read)."""
+    wanted = {"socket:[%s]" % inode for inode in inodes}
+    try:
+        fds = os.listdir("/proc/%d/fd" % pid)
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink("/proc/%d/fd/%s" % (pid, fd)) in wanted:
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of pid, from /proc/*/stat's parent field."""
+    children: dict[int, list[int]] = {}
+    for p in procs.all_pids():
+        parent = procs.parent_of(p)
+        if parent is not None:
+            children.setdefault(parent, []).append(p)
+    found, todo = [], list(children.get(pid, []))
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        todo.extend(children.get(p, []))
+    return found
+
+
+def readiness(pid: int, port: int, table: dict[int, dict[str, int]]) -> tuple[str | None, str | None]:
+    """("ready", None) when pid or a descendant listens on port; ("taken", holder) when
+    only someone else does; (None, None) while nobody listens. `table`: listeners()."""
+    inodes = table.get(port)
+    if not inodes:
+        return None, None
+    if holding(pid, inodes) or any(holding(p, inodes) for p in descendants(pid)):
+        return "ready", None
+    return "taken", describe_holder(inodes)
+
+
+def user_name(uid: int) -> str:
+    try:
+        import pwd
+        return pwd.getpwuid(uid).pw_name
+    except (ImportError, KeyError):
+        return "uid %d" % uid
+
+
+def describe(pid: int) -> str:
+    try:
+        with open("/proc/%d/cmdline" % pid, "rb") as f:
+            argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        argv = []
+    words = [os.path.basename(a) if i == 0 else a for i, a in enumerate(argv)]
+    # another user chose these bytes: no newline or escape sequence reaches a terminal
+    text = " ".join("".join(c if c.isprintable() else " " for c in " ".join(words)).split())
+    return "pid %d (%s)" % (pid, text[:80]) if text else "pid %d" % pid
+
+
+def describe_holder(inodes: dict[str, int], always_user: bool = True) -> str:
+    """Who holds these sockets: `pid N (argv), user U`; only the user when the process
+    cannot be seen (another user's fds are unreadable unless we are root)."""
+    uids = set(inodes.values())
+    foreign = sorted(u for u in uids if u != os.geteuid())
+    user = user_name((foreign or sorted(uids))[0]) if uids else None
+    suffix = ", user %s" % user if user and (always_user or foreign) else ""
+    for pid in procs.all_pids():
+        if holding(pid, inodes):
+            return describe(pid) + suffix
+    return "a process of user %s" % user if user else "in use"
+
+
+def port_holder(port: int) -> str:
+    """Who holds a port that cannot be bound (any socket state); the user is named when
+    it is not ours."""
+    inodes = {inode: uid for p, _state, uid, inode in sockets() if p == port}
+    return describe_holder(inodes, always_user=False) if inodes else "in use"
