@@ -270,7 +270,8 @@ def test_the_bootstrap_runs_the_shim_from_the_bytes_it_hashed(local_agent, tmp_p
     bindir = agent.paths.bindir
     request = {"bindir": bindir, "dirs": [], "files": {n: hashlib.sha256(d).hexdigest()
                                                        for n, d in shipped().items()}}
-    then = {"commands": {"info": {}, "status": {"piddir": agent.paths.piddir, "tag_prefix": "sd:"}}}
+    then = {"commands": {"info": {}, "status": {"piddir": agent.paths.piddir, "tag_prefix": "sd:",
+                                                "cluster_dir": agent.paths.root}}}
 
     done = subprocess.run([sys.executable, "-c", AUDITED, bindir, BOOTSTRAP], capture_output=True,
                           input=(json.dumps(request) + "\n" + json.dumps(then) + "\n").encode(),
