@@ -48,6 +48,8 @@ def _ensure(name: str) -> User:
         subprocess.run(["useradd", "--create-home", "--shell", "/bin/sh", name], check=True,
                        capture_output=True, timeout=30)
         entry = pwd.getpwnam(name)
+    # Unlock the account (no password works: "*"), so sshd lets it log in with a key.
+    subprocess.run(["usermod", "-p", "*", name], check=True, capture_output=True, timeout=30)
     os.makedirs(entry.pw_dir, mode=0o700, exist_ok=True)
     os.chown(entry.pw_dir, entry.pw_uid, entry.pw_gid)
     return User(name, entry.pw_uid, entry.pw_gid, entry.pw_dir)
