@@ -66,6 +66,8 @@ def test_a_world_writable_workdir_made_by_another_user_is_refused_over_ssh(tmp_p
         assert error and "shared" in error[0] and str(shared) in error[0], result.stderr
         assert f"writable by others (mode 0777): refusing to use it (chmod go-w {shared}" in error[0]
         assert list(shared.iterdir()) == []           # nothing was written into it
+        down = tfcluster("down", str(spec), home=home, cwd=tmp_path, timeout=90)
+        assert down.returncode == 4 and error[0] in down.stderr, down.stderr   # the same refusal
     finally:
         shutil.rmtree(shared, ignore_errors=True)
 

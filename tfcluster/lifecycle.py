@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 
 from tfcluster import names, proxy, state
-from tfcluster.errors import ExitCode, TfclusterError
+from tfcluster.errors import ConnectError, ExitCode, TfclusterError
 from tfcluster.plan import Plan, TaskPlan
 from tfcluster.preflight import check_versions, preflight
 from tfcluster.reach import check_reachability
@@ -69,6 +69,9 @@ def down(plan: Plan, ui, grace: float = DEFAULT_GRACE) -> int:
         reports = session.stop_run(names.cluster_prefix(plan.name), grace)
         survivors = _report_down(ui, reports)
         ports_busy = _ports_still_busy(session)
+        refused = [e for e in unreachable.values() if not isinstance(e, ConnectError)]
+        if refused and not survivors and not ports_busy and len(refused) == len(unreachable):
+            raise refused[0]        # reached but refused (e.g. a directory not ours): its own error
         problems = [f"unreachable: {', '.join(f'{h} ({e})' for h, e in unreachable.items())}"] \
             if unreachable else []
         problems += [f"survivors: {', '.join(survivors)}"] if survivors else []
