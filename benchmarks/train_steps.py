@@ -76,7 +76,7 @@ def main(argv=None) -> int:
         cluster = {"ps": [f"127.0.0.1:{ports[0]}"], "worker": [f"127.0.0.1:{x}" for x in ports[1:]]}
         spec = write_spec(b.tmp / "train.yaml", name="benchtrain", hosts=[("local", "127.0.0.1")],
                           jobs={"ps": [f"local:{ports[0]}"], "worker": [f"local:{x}" for x in ports[1:]]},
-                          train=f"train:\n  mode: between-graph\n  script: {script}\n")
+                          train=f"train:\n  mode: between-graph\n  script: template:between_graph\n")
         first = {"hand": [], "tfc": []}
         wall = {"hand": [], "tfc": []}
         nrun = [0]
