@@ -222,7 +222,7 @@ def test_variables_created_from_a_set_stop_the_run_with_exit_8_naming_variable_t
 def test_the_same_script_with_the_check_off_is_not_stopped_by_it(work):
     tmp, home, cwd = work
     spec = local_spec(tmp, script=str(SCRIPTS / "set_order.py"), ps=2, workers=2, name="setoff",
-                      extra=ALLOW_SCRIPTS + "  timeout: 40s\n  checks: {placement: false, hang_after: off}\n")
+                      extra=ALLOW_SCRIPTS + "  timeout: 25s\n  checks: {placement: false, hang_after: off}\n")
     out = tfcluster("train", str(spec), "--runs-dir", str(tmp / "runs"), home=home, cwd=cwd, timeout=240)
     assert out.returncode == 6, out.stdout + out.stderr          # only train.timeout ends it
     assert "placement mismatch" not in out.stderr and "placement check: off" in out.stderr

@@ -152,12 +152,12 @@ def test_without_the_guard_the_same_run_hangs_until_its_timeout(tmp_path, home, 
     cwd = tmp_path / "cwd"
     cwd.mkdir()
     spec = local_spec(tmp_path, script=wrapper(tmp_path), args=["--steps", "30", "--log_every", "10"],
-                      name="unguarded", extra="  checks: {proxy_guard: false}\n  timeout: 45\n")
+                      name="unguarded", extra="  checks: {proxy_guard: false}\n  timeout: 30\n")
     check = run_cli("plan", str(spec), "--check", home=home, cwd=cwd, env_extra={"https_proxy": dead_proxy})
     assert "local: https_proxy set for its tasks and train.checks.proxy_guard is off" in check.stderr
     result = run_cli("train", str(spec), home=home, cwd=cwd, env_extra={"https_proxy": dead_proxy})
     assert result.returncode == 6, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "hit its timeout (45s)" in result.stderr
+    assert "hit its timeout (30s)" in result.stderr
     log = (only_run(cwd / "runs") / "worker-1.log").read_text()
     assert json.loads(log.split("proxy-env ", 1)[1].splitlines()[0])["no_proxy"] is None
     assert "step=" not in log and "tfcluster-result" not in log   # not one step went through
