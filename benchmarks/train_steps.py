@@ -27,6 +27,7 @@ from _common import (ROOT, SERVER_PROGRAM, TFCLUSTER, Bench, alternate, cluster_
                      hand_env, parser, report, tf_config, wait_ports, wait_ports_free, write_spec)
 
 TARGET = 0.98
+OFF = "  checks: {placement: false, reachability: false, proxy_guard: false, hang_after: off}\n"
 STEP = re.compile(r"(?:^|│ )step=(\d+) loss=")
 
 
@@ -65,6 +66,11 @@ def main(argv=None) -> int:
     p = parser(__doc__, reps=3)
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--log-every", type=int, default=50)
+    p.add_argument("--checks", choices=("on", "off"), default="on",
+                   help="tfcluster's run checks (train.checks: placement, reachability, proxy guard, "
+                        "hang watchdog): on (the default) or all off")
+    p.add_argument("--tf-log-level", default=None,
+                   help="TF_CPP_MIN_LOG_LEVEL for tfcluster's tasks (default: tfcluster's own, 0)")
     a = p.parse_args(argv)
     steps, every = (100, 10) if a.smoke else (a.steps, a.log_every)
     nw = 1 if a.smoke else 2          # smoke: 1 ps + 1 worker
@@ -76,7 +82,9 @@ def main(argv=None) -> int:
         cluster = {"ps": [f"127.0.0.1:{ports[0]}"], "worker": [f"127.0.0.1:{x}" for x in ports[1:]]}
         spec = write_spec(b.tmp / "train.yaml", name="benchtrain", hosts=[("local", "127.0.0.1")],
                           jobs={"ps": [f"local:{ports[0]}"], "worker": [f"local:{x}" for x in ports[1:]]},
-                          train=f"train:\n  mode: between-graph\n  script: template:between_graph\n")
+                          train=f"train:\n  mode: between-graph\n  script: template:between_graph\n"
+                          + (OFF if a.checks == "off" else ""),
+                          env={"TF_CPP_MIN_LOG_LEVEL": a.tf_log_level} if a.tf_log_level else None)
         first = {"hand": [], "tfc": []}
         wall = {"hand": [], "tfc": []}
         nrun = [0]
