@@ -10,18 +10,17 @@ supervisor's loop (a port check over SSH may take a second). docs/ARCHITECTURE.m
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import time
 from typing import Callable
 
 from tfcluster import placement as pl
+from tfcluster import shim_net
 from tfcluster import watchdog as wd
 from tfcluster.errors import InconsistentError
 from tfcluster.names import log_file
 from tfcluster.plan import Plan
 
-PROXY_VARS = ("http_proxy", "https_proxy", "grpc_proxy", "all_proxy")
 PORT_CHECK_TIMEOUT = 3.0
 
 
@@ -97,9 +96,12 @@ class RunChecks:
             self._diagnosing.release()
 
     def port_check(self, from_host: str, address: str, port: int) -> str | None:
-        """None when address:port accepts a connection from `from_host`, else why not."""
-        if self.plan.host(from_host).local or self.session is None:
-            return _connect_from_here(address, port) if self.plan.host(from_host).local else "unchecked"
+        """None when address:port accepts a connection from `from_host`, else why not (the
+        reach check's own probe: here for a local host, through its shim for a remote one)."""
+        if self.plan.host(from_host).local:
+            return shim_net.probe(address, port, PORT_CHECK_TIMEOUT)
+        if self.session is None:
+            return "unchecked"
         from tfcluster.reach import can_connect
 
         answer = can_connect(self.session, from_host, [(address, port)], timeout=PORT_CHECK_TIMEOUT)
@@ -109,9 +111,7 @@ class RunChecks:
         return wd.Facts(proxy=self._proxy(wait.waiter))
 
     def _proxy(self, key: str) -> str | None:
-        env = dict(self.plan.task(key).env)
-        names = [k for k in env if k.lower() in PROXY_VARS and env[k]]
-        return ", ".join(names) or None
+        return ", ".join(shim_net.proxies_set(dict(self.plan.task(key).env))) or None
 
     def _facts(self, wait: wd.Wait, procs, mux) -> wd.Facts:
         target = self.plan.task(wait.target)
@@ -133,16 +133,3 @@ class RunChecks:
         return wd.Facts(host=target.host, address=target.target, state=state, exit_code=code, pid=pid,
                         port=port, quiet_for=time.monotonic() - last if last else None,
                         last_line=tail[-1] if tail else "", proxy=self._proxy(wait.waiter))
-
-
-def _connect_from_here(address: str, port: int) -> str | None:
-    """Whether address:port accepts a TCP connection from this machine (None: it does)."""
-    try:
-        with socket.create_connection((address, port), timeout=PORT_CHECK_TIMEOUT):
-            return None
-    except socket.gaierror:
-        return f"{address} does not resolve"
-    except ConnectionRefusedError:
-        return "connection refused"
-    except OSError as exc:
-        return "timed out" if isinstance(exc, TimeoutError) else (exc.strerror or str(exc))
