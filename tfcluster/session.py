@@ -15,13 +15,14 @@ from tfcluster import names
 from tfcluster.agent import HostAgent, HostInfo, Survey, TaskLaunch
 from tfcluster.errors import Terminated, TfclusterError
 from tfcluster.plan import HostPlan, Plan, TaskPlan
-from tfcluster.shim_protocol import PROBE_VAR
+from tfcluster.shim_protocol import FLUSH_VAR, PROBE_VAR
 from tfcluster.proxy import no_proxy_for
 
 T = TypeVar("T")
 R = TypeVar("R")
 
 SETTLE_AFTER_INTERRUPT = 2.0   # seconds the host threads get to notice a Ctrl-C
+STDOUT_FLUSH = "0.01"          # a script's stdout reaches its log at least this often (seconds)
 
 
 def parallel(fn: Callable[[T], R], items: Iterable[T], limit: int = 32,
@@ -203,6 +204,7 @@ class Session:
             probe = self.plan.probes()
             if probe:
                 env[PROBE_VAR] = probe
+            env.setdefault(FLUSH_VAR, STDOUT_FLUSH)   # the spec's `env:` may set "0": unbuffered
         env["TFCLUSTER_RUN_ID"] = run_id
         env.update(extra_env or {})
         return TaskLaunch(tag=str(tag), argv=tuple(argv), env=env, cwd=self.paths.rundir(run_id),

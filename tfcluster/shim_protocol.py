@@ -51,6 +51,7 @@ TAG_VAR = "TFCLUSTER_JOB_ID"     # the environment variable that carries a task'
 HOLD_VAR = "TFCLUSTER_HOLD"      # "1": a warm TF server; it binds its port only after a GO line
 GO_LINE = b"GO\n"
 PROBE_VAR = "TFCLUSTER_PROBE"    # "placement,waits": run the start-up probe (probe/) in this task
+FLUSH_VAR = "TFCLUSTER_STDOUT_FLUSH"  # seconds: the probe buffers the script's stdout, flushed this often
 EXIT_ERROR = 3                   # the shim's exit status after an error envelope
 
 

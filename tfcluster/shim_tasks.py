@@ -52,7 +52,7 @@ def spawn(req: dict) -> tuple[subprocess.Popen, str, int]:
     env[TAG_VAR] = tag
     if req.get("hold"):      # a warm server: imports TF, then waits for GO on its stdin (shim_up.py)
         env[proto.HOLD_VAR] = "1"
-    if env.get(proto.PROBE_VAR):
+    if env.get(proto.PROBE_VAR) or env.get(proto.FLUSH_VAR, "0") not in ("", "0"):
         _add_probe(env)
     log_fd = open_private(log)
     offset = os.fstat(log_fd).st_size

@@ -9,13 +9,19 @@ so that the first session created with global variables in its graph prints one 
 
 to stderr (the task's log), which the launcher compares across workers. It also reports
 when `SessionManager` finds the model not ready (variables not initialised), a wait that
-TensorFlow logs only at INFO level. Any `sitecustomize` the user has runs afterwards,
+TensorFlow logs only at INFO level.
+
+With TFCLUSTER_STDOUT_FLUSH=<seconds> (tfcluster's default for scripts: 0.01) it makes the
+script's stdout block-buffered with a thread that flushes it that often, instead of the
+one `write` per line that PYTHONUNBUFFERED costs: lines reach the log within that time,
+and a Python write to stderr (warnings, logging, a traceback) flushes stdout first. Any `sitecustomize` the user has runs afterwards,
 exactly as it would have; this directory is taken back off PYTHONPATH so the script's
 own child processes are not probed.
 """
 import importlib.machinery
 import importlib.util
 import json
+import io
 import os
 import sys
 
@@ -142,6 +148,92 @@ def _chain_user_sitecustomize():
     spec.loader.exec_module(module)   # its errors surface exactly as site.py shows them
 
 
+def _timed_stdout(interval):
+    """Replace an unbuffered (or line-buffered) stdout on a file or pipe by a buffered one
+    that a daemon thread flushes every `interval` seconds; stderr stays as it is."""
+    import threading
+    import time
+
+    old = sys.stdout
+    try:
+        fd = old.fileno()
+        if old.isatty():
+            return
+        raw = io.FileIO(fd, "w", closefd=False)
+    except (AttributeError, OSError, ValueError):
+        return
+    new = io.TextIOWrapper(io.BufferedWriter(raw, 1 << 16), encoding=old.encoding, errors=old.errors,
+                           line_buffering=False, write_through=False)
+    _kept.append(old)                 # its FileIO owns fd 1: collected, it would close it
+    lock = threading.Lock()           # held while flushing; a fork waits for it (see below)
+
+    def flush():
+        with lock:
+            new.flush()
+
+    def loop():
+        while True:
+            time.sleep(interval)
+            try:
+                flush()
+            except ValueError:        # closed by the script
+                return
+            except OSError:           # a full disk or a closed pipe: the script's own writes say so
+                pass
+
+    def start():
+        threading.Thread(target=loop, name="tfcluster-stdout-flush", daemon=True).start()
+
+    def before_fork():
+        lock.acquire()                # no child inherits the buffer's lock taken by the flusher
+        try:
+            new.flush()               # nor a copy of what is pending (it would be written twice)
+        except (OSError, ValueError):
+            pass
+
+    def in_child():
+        lock.release()
+        start()
+
+    if sys.__stdout__ is old:
+        sys.__stdout__ = new
+    sys.stdout = new
+    _stderr_flushes_first(new)
+    os.register_at_fork(before=before_fork, after_in_parent=lock.release, after_in_child=in_child)
+    start()
+
+
+def _stderr_flushes_first(out):
+    """When stderr is the same file (tfcluster's logs), every Python write to it flushes
+    stdout first: a warning, a log line or a traceback lands after the prints before it."""
+    err = sys.stderr
+    try:
+        if not os.path.samestat(os.fstat(out.fileno()), os.fstat(err.fileno())):
+            return
+        write = err.write
+    except (AttributeError, OSError, ValueError):
+        return
+
+    def flushing_write(text):
+        try:
+            out.flush()
+        except (OSError, ValueError):
+            pass
+        return write(text)
+
+    err.write = flushing_write        # the instance attribute shadows the method
+
+
+_kept = []
+try:
+    _FLUSH = float(os.environ.get("TFCLUSTER_STDOUT_FLUSH") or 0)
+except ValueError:
+    _FLUSH = 0
+if _FLUSH > 0:
+    try:
+        _timed_stdout(_FLUSH)
+    except Exception:  # noqa: BLE001 - the probe must never break the user's script
+        pass
 _WANTED = set(os.environ.get("TFCLUSTER_PROBE", "").split(","))
 if "placement" not in _WANTED:
     del _TARGETS["tensorflow.python.client.session"]
