@@ -22,6 +22,9 @@ from tfcluster.transport.ssh_config import (USER_CONFIG, Endpoint, SshOptions, l
 from tfcluster.transport.ssh_connect import Connection, dial
 
 MAX_CHANNEL_DIALS = 3       # fresh connections one channel request may open (MaxSessions)
+# Reads take all that paramiko holds for a channel: a partial read moves the rest of its
+# buffer down (`del buf[:n]`), which made streaming quadratic in the backlog (issue 12).
+WHOLE = 1 << 24
 
 
 def _command(argv: Sequence[str]) -> str:
@@ -118,7 +121,7 @@ class SshTransport(Transport):
             out, err = bytearray(), bytearray()
             drain = lambda: _recv_stderr(chan, err)  # noqa: E731
             try:
-                while chunk := _read_stdout(chan, 65536, drain, deadline):
+                while chunk := _read_stdout(chan, WHOLE, drain, deadline):
                     out += chunk
             except TimeoutError:
                 raise self._deadline(cmd, timeout) from None
@@ -199,7 +202,7 @@ def _send_and_close(chan, data: bytes) -> None:
 
 def _recv_stderr(chan, into: bytearray) -> None:
     while chan.recv_stderr_ready():
-        into += chan.recv_stderr(65536)
+        into += chan.recv_stderr(WHOLE)
 
 
 def _read_stdout(chan, n: int, drain_stderr: Callable[[], None],
@@ -290,7 +293,7 @@ class SshProc(Proc):
         if not self.chan.closed:
             self.chan.shutdown_write()
 
-    def read(self, n: int = 65536) -> bytes:
+    def read(self, n: int = WHOLE) -> bytes:
         return _read_stdout(self.chan, n, self._drain_stderr)
 
     def _drain_stderr(self) -> None:
