@@ -351,3 +351,49 @@ def test_sync_files_above_the_inline_limit_uses_the_upload_path(agent, home, mon
     assert agent.sync_files(files, "~/.tfcluster/runs/big1") == 256 * 40
     assert agent.sync_files(files, "~/.tfcluster/runs/big2") == 0
     assert (home / ".tfcluster" / "runs" / "big2" / "big.bin").read_bytes() == bytes(range(256)) * 40
+
+
+def test_warm_bootstraps_reuse_compiled_code_keyed_by_the_source(home):
+    """The bootstrap caches each shipped module's compiled code in the private bindir,
+    under the source's sha256: a changed file is compiled again, a corrupt entry is
+    recompiled (and replaced), and the answers do not change."""
+    bindir = home / ".tfcluster/lab/bin"
+
+    def prepare(name):
+        return HostAgent(name, LocalTransport(), sys.executable, CLUSTER_DIR, in_process=False).prepare()
+
+    first = prepare("a")                        # ships, then runs the shim: nothing cached yet
+    prepare("b")                                # warm: runs from the hashed bytes, caches code
+    cached = sorted(p.name for p in bindir.glob(".*.code"))
+    assert {c.split(".")[1] for c in cached} >= {"shim", "shim_fs", "shim_net", "shim_procs"}
+    assert all(oct((bindir / c).stat().st_mode & 0o777) == "0o600" for c in cached)
+    shim_entry = next(bindir / c for c in cached if c.startswith(".shim.py."))
+    shim_entry.write_bytes(b"not marshal data")
+    assert prepare("c") == first                # corrupt: compiled again, same answers
+    assert shim_entry.read_bytes() != b"not marshal data"
+    (bindir / "shim_protocol.py").write_text("# tampered\n")
+    assert prepare("d") == first                # stale: shipped again; then cached anew
+    prepare("e")
+    assert len(list(bindir.glob(".shim_protocol.py.*.code"))) == 1   # same source, same key
+
+
+def test_installed_version_reads_dist_info_in_path_order_as_importlib_metadata_does(tmp_path):
+    from importlib import metadata
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    for where, version in ((first, "1.2.3"), (second, "9.9.9")):
+        info = where / f"My_Dist-{version}.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: My-Dist\nVersion: {version}\n")
+    assert shim_procs._dist_infos([str(first), str(second)])["my_dist"] == "1.2.3"
+
+    def by_metadata(dists):
+        for dist in dists:
+            try:
+                return metadata.version(dist)
+            except metadata.PackageNotFoundError:
+                continue
+
+    for dists in (shim_procs.TF_DISTRIBUTIONS, shim_procs.TB_DISTRIBUTIONS, ("tensorflow-cpu", "tensorflow")):
+        assert shim_procs.installed_version(dists) == by_metadata(dists) is not None
+    assert shim_procs.installed_version(("no-such-dist",)) is None

@@ -42,6 +42,26 @@ for name, digest in sorted(req["files"].items()):
 print(json.dumps({"stale": stale, "bindir": bindir}), flush=True)
 if not stale:
     import importlib.util
+    import marshal
+
+    # The compiled module, from bindir's cache of compiled code when it is that source's
+    # (the key: the source's sha256 and this interpreter's bytecode magic), else compiled
+    # and cached. bindir is private: only this user could have written the cache.
+    def code_of(name):
+        key = "%%s.%%s" %% (req["files"][name][:32], importlib.util.MAGIC_NUMBER.hex())
+        path = os.path.join(bindir, ".%%s.%%s.code" %% (name.replace("/", "_"), key))
+        data = read_file(path)
+        if data is not None:
+            try:
+                return marshal.loads(data)
+            except Exception:
+                pass
+        code = compile(blobs[name], os.path.join(bindir, name), "exec")
+        try:
+            write_new(path, marshal.dumps(code))
+        except OSError:
+            pass
+        return code
 
     class Hashed:
         @staticmethod
@@ -57,13 +77,13 @@ if not stale:
         @staticmethod
         def exec_module(module):
             module.__file__ = module.__spec__.origin
-            exec(compile(blobs[module.__name__ + ".py"], module.__file__, "exec"), module.__dict__)
+            exec(code_of(module.__name__ + ".py"), module.__dict__)
 
     sys.meta_path.insert(0, Hashed)
     sys.argv = [os.path.join(bindir, "shim.py"), req.get("command", "batch")]
     shim = {"__name__": "__main__", "__file__": sys.argv[0], "__package__": None,
             "__builtins__": __builtins__}
-    exec(compile(blobs["shim.py"], sys.argv[0], "exec"), shim)
+    exec(code_of("shim.py"), shim)
 """ % (MIN_PYTHON,)
 
 BOOTSTRAP = (Path(PACKAGE_DIR) / "shim_fs.py").read_text() + _MAIN
