@@ -46,11 +46,13 @@ if not stale:
 
     # The compiled module, from bindir's cache of compiled code when it is that source's
     # (the key: the source's sha256 and this interpreter's bytecode magic), else compiled
-    # and cached. bindir is private: only this user could have written the cache.
+    # and cached. Only in a bindir made private above: only this user could have written it.
+    cache = bindir in [expand(d) for d in req.get("dirs", ())]
+
     def code_of(name):
         key = "%%s.%%s" %% (req["files"][name][:32], importlib.util.MAGIC_NUMBER.hex())
         path = os.path.join(bindir, ".%%s.%%s.code" %% (name.replace("/", "_"), key))
-        data = read_file(path)
+        data = read_file(path) if cache else None
         if data is not None:
             try:
                 return marshal.loads(data)
@@ -58,7 +60,8 @@ if not stale:
                 pass
         code = compile(blobs[name], os.path.join(bindir, name), "exec")
         try:
-            write_new(path, marshal.dumps(code))
+            if cache:
+                write_new(path, marshal.dumps(code))
         except OSError:
             pass
         return code
