@@ -42,6 +42,7 @@ class HostAgent:
         self._bindir: str | None = None       # absolute, once prepared
         self._info: HostInfo | None = None
         self._surveyed: tuple | None = None   # a survey prepare() answered, used once
+        self.more_answers: dict = {}          # prepare()'s `more` commands, answered
         self._prepare_lock = threading.Lock()
         self._heartbeats = Heartbeats(name)
         self.cancelled = threading.Event()    # set on Ctrl-C: start nothing new
@@ -50,29 +51,37 @@ class HostAgent:
 
     # ------------------------------------------------------------ setup
 
-    def prepare(self, survey: tuple[str, list[int]] | None = None) -> HostInfo:
+    def prepare(self, survey: tuple[str, list[int]] | None = None, more: dict | None = None,
+                timeout: float = 60.0) -> HostInfo:
         """Connect, ship the shim when its hashes changed, describe the host.
 
         `survey` = (tag prefix, ports): answered in the same round trip; survey() with
-        the same arguments then returns that answer without asking again."""
+        the same arguments then returns that answer without asking again. `more`: other
+        batchable commands (name -> request) for that round trip, run after info; their
+        answers, error envelopes included, land in `more_answers` (`down`). `timeout`:
+        seconds the round trip may take."""
         with self._prepare_lock:
             if self._info is None:
-                self._info = self._prepare(survey)
+                self._info = self._prepare(survey, more or {}, timeout)
+            elif more:
+                self.more_answers = self._batch(more, unchecked=more, timeout=timeout)
             return self._info
 
-    def _prepare(self, survey: tuple[str, list[int]] | None) -> HostInfo:
+    def _prepare(self, survey: tuple[str, list[int]] | None, more: dict, timeout: float) -> HostInfo:
         commands = {proto.INFO: {}}
         if survey is not None:
             commands.update(self._survey_commands(*survey))
+        commands.update(more)
         if self._in_process:
             self._bindir = PACKAGE_DIR
             try:
                 shim_fs.private_tree(cluster_tree(self.paths, self._wanted_bindir))
             except (shim_fs.Refused, OSError) as e:
                 raise PreflightError(f"host {self.name}: {proto.describe_exception(e)}") from None
-            answers = self._batch(commands)
+            answers = self._batch(commands, unchecked=more)
         else:
-            answers = self._bootstrap(commands)
+            answers = self._bootstrap(commands, more, timeout)
+        self.more_answers = {name: answers[name] for name in more}
         return self.adopt(answers, survey)
 
     def adopt(self, answers: dict, survey: tuple[str, list[int]] | None = None) -> HostInfo:
@@ -82,16 +91,17 @@ class HostAgent:
         self._info = host_info(answers[proto.INFO])
         return self._info
 
-    def _bootstrap(self, commands: dict) -> dict:
+    def _bootstrap(self, commands: dict, unchecked=(), timeout: float = 60.0) -> dict:
         request, files = self.bootstrap_request()
         then = {"commands": commands}
-        result = self.transport.run([self.python, "-c", BOOTSTRAP], proto.json_line(request) + proto.json_line(then))
+        result = self.transport.run([self.python, "-c", BOOTSTRAP], proto.json_line(request) + proto.json_line(then),
+                                    timeout=timeout)
         lines = [json.loads(x) for x in result.stdout.splitlines() if x.strip().startswith(b"{")]
         boot = self.check_boot(result.rc, lines[:1], result.stderr)
         if not boot["stale"] and len(lines) > 1 and "answers" in lines[1]:
-            return self._checked_answers(lines[1]["answers"])
+            return self._checked_answers(lines[1]["answers"], unchecked)
         self.ship_stale(boot["stale"], files)
-        return self._batch(commands)
+        return self._batch(commands, unchecked, timeout)
 
     def bootstrap_request(self, command: str = proto.BATCH) -> tuple[dict, dict[str, bytes]]:
         """Connect; the bootstrap's request line (it then runs the shim's `command`), and
@@ -143,14 +153,16 @@ class HostAgent:
             raise HostError(f"host {self.name}: {command}: {problem}")
         return answer
 
-    def _batch(self, commands: dict[str, dict]) -> dict:
-        """Several one-shot commands in one round trip; answers keyed by command."""
-        return self._checked_answers(self._call(proto.BATCH, {"commands": commands})["answers"])
+    def _batch(self, commands: dict[str, dict], unchecked=(), timeout: float = 60.0) -> dict:
+        """Several one-shot commands in one round trip; answers keyed by command. An error
+        answer of a command in `unchecked` is left to the caller."""
+        answers = self._call(proto.BATCH, {"commands": commands}, timeout)["answers"]
+        return self._checked_answers(answers, unchecked)
 
-    def _checked_answers(self, answers: dict) -> dict:
+    def _checked_answers(self, answers: dict, unchecked=()) -> dict:
         for command, answer in answers.items():
             problem = proto.error_of(answer)
-            if problem is not None:
+            if problem is not None and command not in unchecked:
                 raise HostError(f"host {self.name}: {command}: {problem}")
         return answers
 

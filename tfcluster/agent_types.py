@@ -46,6 +46,7 @@ class TaskStatus:
 class StopReport:
     stopped: tuple[tuple[str, int], ...]
     survivors: tuple[tuple[str, int], ...]
+    busy: tuple[tuple[int, str], ...] = ()    # `down`: (port, holder) still not bindable
 
 
 @dataclass(frozen=True)

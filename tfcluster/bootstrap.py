@@ -12,8 +12,8 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-SHIPPED = ("shim.py", "shim_fs.py", "shim_net.py", "shim_ports.py", "shim_procs.py", "shim_protocol.py",
-           "shim_tasks.py", "shim_up.py", "tfserver.py", "probe/sitecustomize.py")
+SHIPPED = ("shim.py", "shim_down.py", "shim_fs.py", "shim_net.py", "shim_ports.py", "shim_procs.py",
+           "shim_protocol.py", "shim_tasks.py", "shim_up.py", "tfserver.py", "probe/sitecustomize.py")
 PACKAGE_DIR = str(Path(__file__).parent)
 MIN_PYTHON = (3, 8)
 

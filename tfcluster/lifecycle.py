@@ -8,16 +8,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from tfcluster import names, proxy, state, upexec
+from tfcluster import downexec, names, proxy, state, upexec
 from tfcluster.errors import ConnectError, ExitCode, TfclusterError
 from tfcluster.plan import Plan, TaskPlan
 from tfcluster.preflight import check_versions, preflight
 from tfcluster.reach import check_reachability
 from tfcluster.servers import READY_TIMEOUT, Started, start_detached
 from tfcluster.session import Session, server_tasks
-from tfcluster.shim_protocol import DEFAULT_GRACE
-
-PORT_SETTLE = 5.0     # a just-killed server's socket may take a moment to go
+from tfcluster.shim_protocol import DEFAULT_GRACE, PORT_SETTLE
 
 
 def up(plan: Plan, ui, timeout: float = READY_TIMEOUT, allow_skew: bool = False) -> int:
@@ -68,12 +66,14 @@ def down(plan: Plan, ui, grace: float = DEFAULT_GRACE) -> int:
     """Stop everything of this cluster on every host; name hosts that could not be reached."""
     hosts = [h.name for h in plan.all_hosts if h.name in plan.hosts]
     with state.ClusterLock(plan.name, "down"), Session(plan, ui, hosts) as session:
-        opened = session.open(strict=False)
+        # One exec per warm host (downexec.py): info, the stop, and the wait, on the host,
+        # until its ports of the cluster bind again (up to PORT_SETTLE).
+        opened, reports = downexec.stop_all(session, names.cluster_prefix(plan.name), grace, PORT_SETTLE)
         unreachable = {h: e for h, e in opened.items() if isinstance(e, BaseException)}
         session.drop(unreachable)
-        reports = session.stop_run(names.cluster_prefix(plan.name), grace)
         survivors = _report_down(ui, reports)
-        ports_busy = _ports_still_busy(session)
+        ports_busy = [f"{h}:{port}" for h, r in reports.items() if not isinstance(r, BaseException)
+                      for port, _holder in r.busy]
         refused = [e for e in unreachable.values() if not isinstance(e, ConnectError)]
         if refused and not survivors and not ports_busy and len(refused) == len(unreachable):
             raise refused[0]        # reached but refused (e.g. a directory not ours): its own error
@@ -99,23 +99,6 @@ def _report_down(ui, reports: dict) -> list[str]:
         ui.info(f"  {host}: {'stopped ' + str(n) + ' process(es)' if n else 'nothing running'}")
         survivors += [f"{host} pid {pid} ({tag})" for tag, pid in report.survivors]
     return survivors
-
-
-def _ports_still_busy(session: Session) -> list[str]:
-    """Ports of the cluster that cannot be bound again, re-checked for up to PORT_SETTLE
-    seconds before calling one busy."""
-    def check(host: str) -> list[str]:
-        ports = [t.port for t in session.plan.tasks_on(host)]
-        busy = session.agents[host].check_ports(ports)
-        return [f"{host}:{p}" for p, holder in busy.items() if holder]
-
-    deadline = time.monotonic() + PORT_SETTLE
-    while True:
-        results = session.parallel(check, list(session.agents))
-        busy = [item for r in results.values() if not isinstance(r, BaseException) for item in r]
-        if not busy or time.monotonic() > deadline:
-            return busy
-        time.sleep(0.25)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ import sys
 import time
 
 if __package__:
+    from . import shim_down as down
     from . import shim_fs as fs
     from . import shim_net as net
     from . import shim_ports as ports
@@ -30,6 +31,7 @@ if __package__:
     from . import shim_tasks as tasks
     from . import shim_up as up
 else:  # shipped: this file's directory is first on sys.path
+    import shim_down as down
     import shim_fs as fs
     import shim_net as net
     import shim_ports as ports
@@ -253,7 +255,8 @@ def _is_digest(value) -> bool:
 def cmd_batch(req: dict) -> dict:
     """Several one-shot commands in one exec, answers keyed by command (an error envelope
     in place of a failed one). Every exec costs a login shell and an interpreter start on
-    the host (about 0.2 s with a pyenv .bashrc), so `up` asks info + status + ports at once."""
+    the host (about 0.2 s with a pyenv .bashrc), so `up` asks info + status + ports at once,
+    and `down` info + down. Commands run in the request's order."""
     answers = {}
     for name, sub in req["commands"].items():
         if name not in proto.BATCHABLE:
@@ -271,7 +274,8 @@ COMMANDS = {proto.INFO: cmd_info, proto.PORTS: cmd_ports, proto.START: cmd_start
             proto.STOP: cmd_stop, proto.STATUS: cmd_status, proto.WAIT: cmd_wait,
             proto.TAIL: cmd_tail, proto.FILES: cmd_files, proto.BATCH: cmd_batch,
             proto.LAUNCH: cmd_launch, proto.REACH: net.cmd_reach,
-            proto.UP: lambda req: up.cmd_up(req, cmd_batch, cmd_wait)}
+            proto.UP: lambda req: up.cmd_up(req, cmd_batch, cmd_wait),
+            proto.DOWN: lambda req: down.cmd_down(req, cmd_stop)}
 
 
 def main(argv: list) -> int:

@@ -26,9 +26,10 @@ WAIT = "wait"            # stream: each server's readiness
 LAUNCH = "launch"        # stream: start detached servers, then wait for them
 REACH = "reach"          # stream: listen on task ports, connect to every task address
 UP = "up"                # stream: batch, warm the servers, reach, then launch on GO (shim_up.py)
+DOWN = "down"            # stop, then wait until the ports can be bound again (shim_down.py)
 
-ONE_SHOT = (INFO, PORTS, STATUS, STOP, TAIL, FILES, BATCH)
-BATCHABLE = (INFO, PORTS, STATUS, STOP, TAIL)
+ONE_SHOT = (INFO, PORTS, STATUS, STOP, TAIL, FILES, BATCH, DOWN)
+BATCHABLE = (INFO, PORTS, STATUS, STOP, TAIL, DOWN)
 # Safe to run inside the launcher's own process (a local host on tfcluster's own
 # interpreter): they neither write to fd 1/2 nor end the process.
 IN_PROCESS = ONE_SHOT
@@ -44,6 +45,7 @@ SWEPT = "swept"
 
 # Defaults both sides share.
 DEFAULT_GRACE = 5.0              # seconds between TERM and KILL
+PORT_SETTLE = 5.0                # seconds `down` waits for a just-killed server's socket to go
 DEFAULT_HEARTBEAT_TIMEOUT = 30.0  # an attached task whose launcher is silent this long is stopped
 HEARTBEATS_PER_TIMEOUT = 3       # the launcher beats three times per timeout
 

@@ -1,0 +1,194 @@
+"""`down` in one remote execution per warm host (downexec.py + shim_down.py), counted on a
+real OpenSSH sshd's own log, and a port that a surviving process holds still reported.
+
+The tasks are a stand-in for tfserver.py (no TensorFlow: this is about down's round trips):
+the spec's `python:` is a wrapper that runs STANDIN for tfserver.py and the real
+interpreter for everything else, as benchmarks/scale_up.py does."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.conftest import tagged_processes, wait_for
+from tests.test_lifecycle import bindable
+from tests.tf_launch import free_ports
+from tests.train_helpers import tfcluster
+
+pytestmark = [pytest.mark.timeout(180)]
+
+ADDRESSES = ("127.0.0.8", "127.0.0.9")
+
+# tfserver.py's hold protocol, then a listener on the task's port. The task whose port is
+# ESCAPE_PORT first forks a child that leaves its session and its tag behind (its
+# environment without TFCLUSTER_JOB_ID) and keeps the listening socket: nothing of the
+# cluster by tag, ours by uid, a survivor down must not stop and must report.
+STANDIN = '''
+import json, os, signal, socket, sys
+c = json.loads(os.environ["TF_CONFIG"])
+port = int(c["cluster"][c["task"]["type"]][c["task"]["index"]].rsplit(":", 1)[1])
+if os.environ.pop("TFCLUSTER_HOLD", None) == "1" and sys.stdin.readline() != "GO\\n":
+    raise SystemExit(0)
+s = socket.create_server(("", port))
+if str(port) == os.environ.get("ESCAPE_PORT"):
+    s.set_inheritable(True)
+    pid = os.fork()
+    if pid == 0:
+        os.setsid()
+        env = {k: v for k, v in os.environ.items() if k != "TFCLUSTER_JOB_ID"}
+        os.execve(sys.executable, [sys.executable, "-c", "import signal; signal.pause()", "escapee"], env)
+    with open(os.environ["ESCAPE_PIDFILE"] + ".tmp", "w") as f:
+        f.write(str(pid))
+    os.rename(os.environ["ESCAPE_PIDFILE"] + ".tmp", os.environ["ESCAPE_PIDFILE"])
+while True:
+    signal.pause()
+'''
+
+PYWRAP = '''#!/bin/sh
+case "$1" in */tfserver.py) shift; exec {python} {standin} "$@";; esac
+exec {python} "$@"
+'''
+
+
+@pytest.fixture(scope="module")
+def verbose_sshd(sshd_factory):
+    """Its own sshd, LogLevel VERBOSE: one line per connection and one per session."""
+    return sshd_factory(ADDRESSES, LogLevel="VERBOSE")
+
+
+@pytest.fixture
+def cwd(tmp_path):
+    d = tmp_path / "cwd"
+    d.mkdir()
+    return d
+
+
+def spec_on(tmp: Path, sshd, name: str, env: str = "") -> tuple[Path, list[int]]:
+    """Two hosts, 1 ps + 3 workers (two tasks each), stand-in servers."""
+    standin = tmp / "standin.py"
+    standin.write_text(STANDIN)
+    wrapper = tmp / "pywrap"
+    wrapper.write_text(PYWRAP.format(python=sys.executable, standin=standin))
+    wrapper.chmod(0o755)
+    p = free_ports(4)
+    h8, h9 = (f"h{a.rsplit('.', 1)[1]}" for a in ADDRESSES)
+    path = tmp / f"{name}.yaml"
+    path.write_text(
+        f"name: {name}\npython: {wrapper}\nworkdir: {tmp / 'remote'}\n{env}"
+        f"ssh:\n  port: {sshd.port}\n  connect_timeout: 5\n"
+        f"hosts:\n  - {{name: {h8}, address: {ADDRESSES[0]}}}\n  - {{name: {h9}, address: {ADDRESSES[1]}}}\n"
+        f"jobs:\n  ps: {{tasks: ['{h8}:{p[0]}']}}\n"
+        f"  worker: {{tasks: ['{h8}:{p[1]}', '{h9}:{p[2]}', '{h9}:{p[3]}']}}\n")
+    return path, p
+
+
+def sessions_per_host(log: str, since: int) -> dict[str, list[str]]:
+    """listen address -> the kinds of sessions (`command`, `subsystem 'sftp'`) opened on it
+    after byte `since` of an sshd's VERBOSE log."""
+    text = Path(log).read_bytes()[since:].decode(errors="replace")
+    on = dict(re.findall(r"Connection from \S+ port (\d+) on (\S+) port \d+", text))
+    found: dict[str, list[str]] = {}
+    for kind, client_port in re.findall(r"Starting session: (command|subsystem '\w+'|shell) .*? port (\d+)", text):
+        found.setdefault(on.get(client_port, "?"), []).append(kind)
+    return found
+
+
+def log_size(sshd) -> int:
+    return os.path.getsize(sshd.log)
+
+
+def run_down(spec: Path, home: Path, cwd: Path, sshd):
+    since = log_size(sshd)
+    down = tfcluster("down", str(spec), home=home, cwd=cwd)
+    return down, sessions_per_host(sshd.log, since)
+
+
+def test_down_is_one_exec_per_warm_host(tmp_path, home, ssh_home, verbose_sshd, cwd):
+    verbose_sshd.write_known_hosts(ssh_home / "known_hosts", mode="a")
+    spec, ports = spec_on(tmp_path, verbose_sshd, "onex")
+    up = tfcluster("up", str(spec), home=home, cwd=cwd)
+    assert up.returncode == 0, up.stderr
+    assert len(tagged_processes()) == 4 and not any(bindable(p) for p in ports)
+
+    down, sessions = run_down(spec, home, cwd, verbose_sshd)
+
+    assert down.returncode == 0, down.stderr
+    assert sessions == {a: ["command"] for a in ADDRESSES}, sessions   # no SFTP, no second exec
+    # the two "hosts" are one machine: whichever stop runs first may sweep all four
+    assert sum(int(n) for n in re.findall(r"stopped (\d+) process", down.stderr)) == 4, down.stderr
+    assert "is down" in down.stderr
+    assert not tagged_processes() and all(bindable(p) for p in ports)
+
+    again, sessions = run_down(spec, home, cwd, verbose_sshd)
+    assert again.returncode == 0 and again.stderr.count("nothing running") == 2, again.stderr
+    assert sessions == {a: ["command"] for a in ADDRESSES}, sessions
+
+
+def test_a_port_a_surviving_process_holds_is_reported_busy_and_state_kept(
+        tmp_path, home, ssh_home, verbose_sshd, cwd):
+    verbose_sshd.write_known_hosts(ssh_home / "known_hosts", mode="a")
+    escape_pidfile = tmp_path / "escapee.pid"
+    spec, ports = spec_on(tmp_path, verbose_sshd, "survivor")
+    held = ports[3]                                      # worker:2 on h9
+    spec.write_text(spec.read_text().replace(
+        "ssh:\n", f"env:\n  ESCAPE_PORT: '{held}'\n  ESCAPE_PIDFILE: {escape_pidfile}\nssh:\n", 1))
+    escapee = None
+    try:
+        up = tfcluster("up", str(spec), home=home, cwd=cwd)
+        assert up.returncode == 0, up.stderr
+        escapee = int(wait_for(lambda: escape_pidfile.exists() and escape_pidfile.read_text(), timeout=30,
+                               what="the escaped child's pid"))
+        assert escapee not in tagged_processes() and psutil.pid_exists(escapee)
+        state = home / ".local" / "state" / "tfcluster" / "survivor" / "state.json"
+        assert state.exists()
+
+        t0 = time.monotonic()
+        down, sessions = run_down(spec, home, cwd, verbose_sshd)
+        took = time.monotonic() - t0
+
+        assert down.returncode == 1, down.stderr
+        assert f"ports still busy: h9:{held})" in down.stderr, down.stderr
+        assert "survivors" not in down.stderr and "unreachable" not in down.stderr
+        assert sessions == {a: ["command"] for a in ADDRESSES}, sessions   # the wait ran on the host
+        assert took < 60, took                                          # bounded by the settle time
+        assert not tagged_processes() and psutil.pid_exists(escapee)    # the tagged ones stopped
+        assert all(bindable(p) for p in ports if p != held) and not bindable(held)
+        assert state.exists()                                           # not fully down: kept
+    finally:
+        if escapee is not None:
+            try:
+                os.kill(escapee, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            wait_for(lambda: not _alive(escapee), timeout=15, what="the escaped child to go")
+    wait_for(lambda: bindable(held), timeout=15, what="the held port to be free")
+    final = tfcluster("down", str(spec), home=home, cwd=cwd)
+    assert final.returncode == 0, final.stderr
+    assert not state.exists() and not tagged_processes()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_a_cold_host_ships_its_files_then_takes_one_more_exec(tmp_path, home, ssh_home, verbose_sshd, cwd):
+    verbose_sshd.write_known_hosts(ssh_home / "known_hosts", mode="a")
+    spec, _ports = spec_on(tmp_path, verbose_sshd, "cold")       # a fresh workdir: nothing shipped yet
+    down, sessions = run_down(spec, home, cwd, verbose_sshd)
+    assert down.returncode == 0 and down.stderr.count("nothing running") == 2, down.stderr
+    for address in ADDRESSES:       # the bootstrap, an SFTP session per shipped file, the batch
+        kinds = sessions[address]
+        assert kinds[0] == kinds[-1] == "command" and kinds.count("command") == 2, sessions
+        assert set(kinds[1:-1]) == {"subsystem 'sftp'"}, sessions
+    _again, sessions = run_down(spec, home, cwd, verbose_sshd)
+    assert sessions == {a: ["command"] for a in ADDRESSES}, sessions
