@@ -121,8 +121,10 @@ def test_down_is_one_exec_per_warm_host(tmp_path, home, ssh_home, verbose_sshd, 
 
     assert down.returncode == 0, down.stderr
     assert sessions == {a: ["command"] for a in ADDRESSES}, sessions   # no SFTP, no second exec
-    # the two "hosts" are one machine: whichever stop runs first may sweep all four
-    assert sum(int(n) for n in re.findall(r"stopped (\d+) process", down.stderr)) == 4, down.stderr
+    # the two "hosts" are one machine: whichever stop runs first may sweep all four, and two
+    # stops running at once may both count a process they both signalled
+    counts = [int(n) for n in re.findall(r"stopped (\d+) process", down.stderr)]
+    assert sum(counts) >= 4 and all(n <= 4 for n in counts), down.stderr
     assert "is down" in down.stderr
     assert not tagged_processes() and all(bindable(p) for p in ports)
 
