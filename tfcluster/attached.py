@@ -78,13 +78,15 @@ class AttachedTask:
         return self._next is not None
 
     def resume(self) -> bool:
-        """Confirm the restart in place: its output follows. False when there is none."""
+        """Confirm the restart in place: its output follows. False when there is none.
+        True even when the shim is gone by now: the pump then reports that attempt lost."""
         with self._ctl:
             said, self._next = self._next, None
         if said is None:
             return False
         self.pid = int(said["pid"])
-        return self._send(proto.CONTINUE_LINE)
+        self._send(proto.CONTINUE_LINE)
+        return True
 
     def _heard(self) -> None:
         with self._ctl:
