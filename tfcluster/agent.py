@@ -235,12 +235,17 @@ class HostAgent:
     # ------------------------------------------------------------ tasks
 
     def start_attached(self, t: TaskLaunch, heartbeat_timeout: float = proto.DEFAULT_HEARTBEAT_TIMEOUT,
-                       grace: float = proto.DEFAULT_GRACE, hold: bool = False) -> AttachedTask:
+                       grace: float = proto.DEFAULT_GRACE, hold: bool = False,
+                       restart: dict | None = None) -> AttachedTask:
         """Start a task that dies with this agent (scripts): its shim stays connected.
-        `hold`: a warm server, which binds its port only after AttachedTask.go()."""
+        `hold`: a warm server, which binds its port only after AttachedTask.go().
+        `restart`: {"policy", "max_restarts", "done", "zero_ends"}: the shim restarts the
+        task in place (shim_protocol.py)."""
         self._check_cancelled()
         request = {**start_request(t, self.paths.root), "attached": True,
                    "heartbeat_timeout": heartbeat_timeout, "grace": grace, "hold": hold}
+        if restart:
+            request["restart"] = restart
         try:
             proc = self.transport.spawn(self._shim_argv(proto.START))
         except OSError as e:
@@ -248,11 +253,11 @@ class HostAgent:
         with self._tracked(proc):
             try:
                 proc.write(proto.json_line(request))
-                pid = handshake(proc, f"host {self.name}: {t.tag}")
+                pid, err = handshake(proc, f"host {self.name}: {t.tag}")
             except BaseException:
                 proc.kill()
                 raise
-        task = AttachedTask(proc, pid, heartbeat_timeout / proto.HEARTBEATS_PER_TIMEOUT)
+        task = AttachedTask(proc, pid, heartbeat_timeout / proto.HEARTBEATS_PER_TIMEOUT, err)
         self._heartbeats.add(task)
         return task
 

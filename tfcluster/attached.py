@@ -3,9 +3,12 @@
 The shim copies the task's log to its stdout, reads control lines (heartbeats,
 STOP) from its stdin, and stops the task when they end: a launcher that dies or
 stops beating takes its tasks with it. One thread per host sends the heartbeats.
+With a restart policy the shim restarts its task in place; this side sees where one
+attempt's output ends and confirms the next (docs/ARCHITECTURE.md, "Restarts").
 """
 from __future__ import annotations
 
+import collections
 import json
 import threading
 import time
@@ -18,39 +21,109 @@ HANDSHAKE_TIMEOUT = 60.0
 
 
 class AttachedTask:
-    """Output, exit code, STOP and heartbeats of one attached task."""
+    """Output, exit code, STOP and heartbeats of one attached task.
 
-    def __init__(self, proc: Proc, pid: int, heartbeat_interval: float) -> None:
+    A task the shim restarts in place is one stream of attempts: `on_restart(rc)` is
+    called (from whichever thread notices) once an attempt has ended and every byte it
+    wrote has been read and handed on (the reader is back in read()); the next attempt's
+    output follows only after resume(), or never, after stop()."""
+
+    def __init__(self, proc: Proc, pid: int, heartbeat_interval: float, err: bytes = b"") -> None:
         self.pid = pid
         self._proc = proc          # keep it: a collected paramiko stdin closes the channel
         self._interval = heartbeat_interval
         self._next_beat = time.monotonic() + heartbeat_interval
         self._lock = threading.Lock()
         self._dropped = False
-        self._err = b""             # the shim's stderr after the handshake
+        self._ctl = threading.Lock()    # the fields below
+        self._err = err             # the shim's stderr after the handshake, not yet a whole line
+        self._swept = False
+        self._out = 0               # stdout bytes read() returned
+        self._fed = 0               # ... of which the reader is done with (it asked for more)
+        self._restarts: collections.deque = collections.deque()   # restarts whose boundary is ahead
+        self._next: dict | None = None  # the restart passed, waiting for resume() or stop()
+        self.on_restart = None          # callable(rc), set by the reader before its first read()
+        proc.on_stderr = self._heard
+        self._heard()
 
     def read(self) -> bytes:
         """Next chunk of the task's output; b"" at EOF."""
-        return self._proc.read()
+        with self._ctl:
+            self._fed = self._out
+            ended = self._pass_boundary()
+        self._tell(ended)
+        chunk = self._proc.read()
+        with self._ctl:
+            self._out += len(chunk)
+        return chunk
 
     def wait(self, timeout: float | None = None) -> int | None:
         """The task's exit code (128+N when killed by signal N), None if still running."""
-        return self._proc.wait(timeout)
+        rc = self._proc.wait(timeout)
+        if rc is not None:       # an attempt's end said on stderr as the shim exited
+            self._heard()
+        return rc
 
     def swept(self) -> bool:
         """The shim has exited and said its own sweep left nothing of the task's tag
         (its last stderr line); False while it runs, or when it could not say so."""
         if self._proc.wait(0) is None:
             return False
+        with self._ctl:
+            self._take(final=True)
+            return self._swept
+
+    def restarted(self) -> bool:
+        """The shim restarted the task in place; that attempt waits for resume() or stop()."""
+        return self._next is not None
+
+    def resume(self) -> bool:
+        """Confirm the restart in place: its output follows. False when there is none.
+        True even when the shim is gone by now: the pump then reports that attempt lost."""
+        with self._ctl:
+            said, self._next = self._next, None
+        if said is None:
+            return False
+        self.pid = int(said["pid"])
+        self._send(proto.CONTINUE_LINE)
+        return True
+
+    def _heard(self) -> None:
+        with self._ctl:
+            self._take()
+            ended = self._pass_boundary()
+        self._tell(ended)
+
+    def _tell(self, ended: int | None) -> None:
+        if ended is not None:
+            self.on_restart(ended)
+
+    def _take(self, final: bool = False) -> None:
+        """Parse the shim's stderr lines (under _ctl): restarts in place, its last word."""
         self._err += self._proc.read_stderr()
-        for line in self._err.splitlines():
+        *lines, self._err = self._err.split(b"\n")
+        if final and self._err:
+            lines, self._err = lines + [self._err], b""
+        for line in lines:
             try:
                 said = json.loads(line)
             except ValueError:
                 continue
-            if isinstance(said, dict) and said.get(proto.SWEPT) is True:
-                return True
-        return False
+            if not isinstance(said, dict):
+                continue
+            if said.get(proto.SWEPT) is True:
+                self._swept = True
+            if proto.RESTARTED in said and all(type(said.get(k)) is int for k in ("exit", "pid", "at")):
+                self._restarts.append(said)
+
+    def _pass_boundary(self) -> int | None:
+        """(under _ctl) The exit code of an attempt that ended with all of its output
+        handed on, once; None while there is none. The next needs resume() first."""
+        if (self._restarts and self._next is None and self.on_restart is not None
+                and self._fed >= int(self._restarts[0]["at"])):
+            self._next = self._restarts.popleft()
+            return int(self._next["exit"])
+        return None
 
     def stop(self) -> None:
         """Ask the shim to stop the task: TERM, grace, KILL, tag sweep."""
@@ -85,8 +158,9 @@ class AttachedTask:
         return self._send(proto.HEARTBEAT_LINE)
 
 
-def handshake(proc: Proc, where: str) -> int:
-    """The shim's first stderr line: {"pid": N}, or the error envelope. Returns the pid."""
+def handshake(proc: Proc, where: str) -> tuple[int, bytes]:
+    """The shim's first stderr line: {"pid": N}, or the error envelope. Returns the pid
+    and what followed that line (a restart in place may already be said)."""
     buf = b""
     deadline = time.monotonic() + HANDSHAKE_TIMEOUT
     while b"\n" not in buf:
@@ -106,7 +180,7 @@ def handshake(proc: Proc, where: str) -> int:
     problem = proto.error_of(control)
     if problem is not None:
         raise HostError(f"{where}: {problem}")
-    return int(control["pid"])
+    return int(control["pid"]), buf.split(b"\n", 1)[1]
 
 
 class Heartbeats:

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
+from tfcluster import shim_protocol as proto
+
 
 class Restart(Protocol):
     """train.restart as the plan carries it."""
@@ -14,10 +16,8 @@ class Restart(Protocol):
     policy: str            # never | on-failure | exit-code
     max_restarts: int
 
-NEVER, ON_FAILURE, EXIT_CODE = "never", "on-failure", "exit-code"
-# `exit-code` retries what a restart can fix: a task killed by a signal (128+N, OOM
-# killer, a lost host) or an infrastructure failure; exits 1-127 are the script's own.
-RETRYABLE = range(128, 256)
+NEVER, ON_FAILURE, EXIT_CODE = "never", proto.ON_FAILURE, proto.EXIT_CODE
+RETRYABLE = proto.RETRYABLE     # exit-code's retries: killed by a signal, lost host (128-255)
 CHIEF_ENDS_RUN = ("between-graph", "coordinator")   # other modes need every worker
 TRAINING_JOBS = ("chief", "worker")
 STOP_ORDER = ("script", "server")                    # scripts first: a last checkpoint
@@ -33,11 +33,12 @@ class ScriptState:
 
 def retryable(restart: Restart, rc: int) -> bool:
     """Whether the policy restarts a process that exited with `rc` at all."""
-    return restart.policy == ON_FAILURE or (restart.policy == EXIT_CODE and rc in RETRYABLE)
+    return proto.retryable(restart.policy, rc)
 
 
 def should_restart(restart: Restart, rc: int, restarts_done: int) -> bool:
-    return retryable(restart, rc) and restarts_done < restart.max_restarts
+    """Defined once, in shim_protocol: an attached shim applies it to restart in place."""
+    return proto.should_restart(restart.policy, restart.max_restarts, rc, restarts_done)
 
 
 def run_succeeded(mode: str, scripts: Sequence[ScriptState]) -> bool:

@@ -37,6 +37,31 @@ IN_PROCESS = ONE_SHOT
 # Control lines the launcher sends to an attached start's stdin.
 STOP_LINE = b"STOP\n"
 HEARTBEAT_LINE = b"HB\n"
+CONTINUE_LINE = b"CONT\n"       # the launcher took note of a restart in place: its output may follow
+
+# Restarts in place (docs/ARCHITECTURE.md, "Restarts"). A start request may carry
+# {"restart": {"policy", "max_restarts", "done", "zero_ends"}}; the shim then restarts its
+# task itself when should_restart says so (never an exit 0 with zero_ends, a script's
+# success) while its launcher is there, with RESTART_VAR set to the
+# count, and says on stderr {"restarted": n, "exit": N, "pid": P, "at": K}: K is the number
+# of stdout bytes before the new attempt's first. Those follow only after CONTINUE_LINE; a
+# launcher that does not want the restart sends STOP_LINE instead.
+RESTARTED = "restarted"
+RESTART_VAR = "TFCLUSTER_RESTART"   # in the task's environment: how many restarts came before it
+ON_FAILURE, EXIT_CODE = "on-failure", "exit-code"
+# `exit-code` retries what a restart can fix: a task killed by a signal (128+N, OOM
+# killer, a lost host) or an infrastructure failure; exits 1-127 are the script's own.
+RETRYABLE = range(128, 256)
+
+
+def retryable(policy: str, rc: int) -> bool:
+    """Whether the policy restarts a process that exited with `rc` at all."""
+    return policy == ON_FAILURE or (policy == EXIT_CODE and rc in RETRYABLE)
+
+
+def should_restart(policy: str, max_restarts: int, rc: int, restarts_done: int) -> bool:
+    """The one restart decision: the supervisor's (policy.py) and the shim's."""
+    return retryable(policy, rc) and restarts_done < max_restarts
 
 # An attached start's last stderr line, once its own sweep left nothing of the task's tag:
 # {"exit": N, "swept": true}. A launcher that got it from every shim of a run skips the

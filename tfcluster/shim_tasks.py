@@ -29,6 +29,9 @@ expand, proc_stat, kill_tasks = procs.expand, procs.proc_stat, procs.kill_tasks
 exit_code, remove_quietly, write_pidfile = procs.exit_code, procs.remove_quietly, procs.write_pidfile
 write_all, POLL = procs.write_all, procs.POLL
 ShimError, TAG_VAR = proto.ShimError, proto.TAG_VAR
+# A fresh attempt's first bytes should not wait a whole POLL: the tailer polls every
+# FAST_POLL for the first FAST_WINDOW seconds of each attempt (a Python start is ~50 ms).
+FAST_POLL, FAST_WINDOW = 0.005, 1.0
 
 
 
@@ -103,10 +106,20 @@ def _add_probe(env: dict) -> None:
 
 
 class Attached:
-    """An attached task: log bytes to stdout, heartbeats/STOP on stdin, watchdog."""
+    """An attached task: log bytes to stdout, heartbeats/STOP on stdin, watchdog; with
+    a restart policy in its request it restarts the task in place (shim_protocol.py)."""
 
     def __init__(self, proc: subprocess.Popen, req: dict, log: str, offset: int) -> None:
         self.proc, self.req, self.log, self.offset = proc, req, log, offset
+        restart = req.get("restart") or {}
+        self.policy, self.max_restarts = restart.get("policy"), int(restart.get("max_restarts") or 0)
+        self.restarts = int(restart.get("done") or 0)
+        self.zero_ends = bool(restart.get("zero_ends"))   # a script's exit 0 is its success
+        self.limit = None                # a log offset the tailer must not pass yet (an unconfirmed attempt)
+        self.confirmed = threading.Event()   # set: the launcher confirmed every restart so far
+        self.confirmed.set()
+        self.tail_wake = threading.Event()
+        self.attempt_started = time.monotonic()
         self.tag = req["tag"]
         self.hb_timeout = float(req.get("heartbeat_timeout") or proto.DEFAULT_HEARTBEAT_TIMEOUT)
         self.grace = float(req.get("grace") if req.get("grace") is not None else proto.DEFAULT_GRACE)
@@ -128,10 +141,12 @@ class Attached:
         tailer.start()
         threading.Thread(target=self.read_stdin, daemon=True).start()
         # the task's exit wakes the loop at once (a restart waits on this), not the next tick
-        threading.Thread(target=self.watch_exit, daemon=True).start()
+        threading.Thread(target=self.watch_exit, args=(self.proc,), daemon=True).start()
         while True:
             self.wake.clear()          # before the poll: an exit after it still wakes the wait
-            if self.proc.poll() is not None:
+            if self.proc.poll() is not None and self.confirmed.is_set():
+                if self.restart():
+                    continue
                 break
             if self.reason is None and time.monotonic() - self.last_beat > self.hb_timeout:
                 self.reason = "heartbeat"
@@ -142,11 +157,11 @@ class Attached:
         tailer.join()
         return self.last_word(exit_code(self.proc.returncode))
 
-    def watch_exit(self) -> None:
+    def watch_exit(self, proc: subprocess.Popen) -> None:
         """Wake the loop when the task exits, without reaping it (WNOWAIT): only the loop
         reaps, so the task's pid and group stay ours until stop() is done with them."""
         try:
-            os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOWAIT)
+            os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
         except (OSError, AttributeError):  # already reaped; no waitid: the 0.1 s tick remains
             pass
         self.wake.set()
@@ -168,25 +183,84 @@ class Attached:
             self.last_beat = time.monotonic()
             if line == proto.GO_LINE:
                 release(self.proc, self.req["pidfile"])
+            elif line == proto.CONTINUE_LINE:
+                self.limit = None          # the new attempt's output may follow
+                self.confirmed.set()
+                self.tail_wake.set()
+                self.wake.set()
             elif line.strip() == proto.STOP_LINE.strip():
                 self.reason = self.reason or "stop"
                 break
         self.wake.set()
 
+    def restart(self) -> bool:
+        """The task exited: start its next attempt in place when the policy says so and
+        the launcher is there. Its output is held back until the launcher says CONT."""
+        rc = exit_code(self.proc.returncode)
+        if (self.reason is not None or not self.policy or (rc == 0 and self.zero_ends)
+                or not proto.should_restart(self.policy, self.max_restarts, rc, self.restarts)):
+            return False
+        self.limit = os.path.getsize(self.log)   # hold before the next attempt can write
+        env = dict(self.req.get("env") or {}, **{proto.RESTART_VAR: str(self.restarts + 1)})
+        try:
+            proc, _log, offset = spawn(dict(self.req, env=env, hold=False))
+        except (ShimError, OSError):
+            self.limit = None
+            return False                 # the launcher's own restart says why
+        self.restarts += 1
+        self.confirmed.clear()
+        self.proc, self.limit, self.attempt_started = proc, offset, time.monotonic()
+        threading.Thread(target=self.watch_exit, args=(proc,), daemon=True).start()
+        said = {proto.RESTARTED: self.restarts, "exit": rc, "pid": proc.pid, "at": offset - self.offset}
+        try:
+            write_all(2, proto.json_line(said))
+        except OSError:
+            self.reason = self.reason or "eof"   # nobody to confirm it: stop() ends it
+        self.sweep_before(proc.pid)      # while the new attempt starts, not before it
+        return True
+
+    def sweep_before(self, new_pid: int) -> None:
+        """What earlier attempts left behind, swept as finish() sweeps (TERM, then KILL,
+        for at most 2 s): processes of the task's tag outside the new attempt, i.e. not in
+        its session and without its RESTART_VAR. One /proc scan when nothing is left."""
+        mark = ("%s=%d" % (proto.RESTART_VAR, self.restarts)).encode()
+
+        def older(pid: int) -> bool:
+            try:
+                if os.getsid(pid) == new_pid:
+                    return False
+                with open("/proc/%d/environ" % pid, "rb") as f:
+                    return mark not in f.read().split(b"\0")
+            except OSError:
+                return False             # gone already
+        sig, deadline = signal.SIGTERM, time.monotonic() + 2.0
+        while True:
+            left = [pid for pid in procs.tagged(lambda t: t == self.tag) if older(pid)]
+            if not left or time.monotonic() > deadline:
+                return
+            for pid in left:
+                procs.signal_quietly(pid, sig)
+            sig = signal.SIGKILL
+            time.sleep(POLL)
+
     def tail(self) -> None:
         """Copy the log file to stdout as it grows; the task never sees our pipe."""
         try:
             with open(self.log, "rb") as f:
-                f.seek(self.offset)
+                pos = f.seek(self.offset)
                 while not self.quiet.is_set():
                     finished = self.task_done.is_set()
-                    chunk = f.read(65536)
+                    limit = self.limit
+                    chunk = f.read(65536 if limit is None else max(0, min(65536, limit - pos)))
                     if chunk:
                         write_all(1, chunk)
+                        pos += len(chunk)
                     elif finished:
-                        return
+                        return               # an attempt never confirmed is not shown
                     else:
-                        self.task_done.wait(POLL)   # finish() wakes us for the last bytes
+                        fresh = time.monotonic() - self.attempt_started < FAST_WINDOW
+                        self.tail_wake.wait(FAST_POLL if fresh else POLL)   # finish() wakes us
+                        self.tail_wake.clear()
         except OSError:  # reader gone (EPIPE) or log removed: nothing more to say
             self.quiet.set()
 
@@ -196,11 +270,14 @@ class Attached:
         self.swept = not left
         remove_quietly(expand(self.req["pidfile"]))
         self.task_done.set()
+        self.tail_wake.set()
 
     def stop(self, tailer: threading.Thread) -> int:
         if self.reason != "stop":
             self.quiet.set()  # nobody is listening (or the reader stalled): never block on stdout
-        left = kill_tasks([self.proc.pid], lambda t: t == self.tag, grace=self.grace)  # our unreaped child
+        # our unreaped child's group; a restarted attempt that exited unconfirmed is reaped
+        group = [self.proc.pid] if self.proc.returncode is None else []
+        left = kill_tasks(group, lambda t: t == self.tag, grace=self.grace)
         if self.proc.poll() is None:  # alive yet untagged (its environment replaced): still our child
             procs.signal_quietly(self.proc.pid, signal.SIGKILL, group=True)
         try:
@@ -209,6 +286,7 @@ class Attached:
             pass
         remove_quietly(expand(self.req["pidfile"]))
         self.task_done.set()
+        self.tail_wake.set()
         if not self.quiet.is_set():
             tailer.join(timeout=5)  # a live reader asked to STOP: give it the last output
         rc = self.proc.returncode

@@ -19,9 +19,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from tfcluster import footer, names, policy, state
+from tfcluster import attempts, footer, names, policy, state
 from tfcluster.diagnoses import RunChecks
-from tfcluster.errors import DeadlineError, ExitCode, TaskError, Terminated, TfclusterError, UsageError
+from tfcluster.errors import DeadlineError, ExitCode, Terminated, TfclusterError, UsageError
 from tfcluster.fsutil import private_dir
 from tfcluster.plan import Plan, TaskPlan
 from tfcluster.preflight import check_versions, preflight
@@ -29,7 +29,7 @@ from tfcluster.reach import check_reachability
 from tfcluster.render import print_summary
 from tfcluster.runs import Manifest, ProgressLog
 from tfcluster.servers import Started, wait_ready
-from tfcluster.session import Background, Session, raise_first, server_tasks
+from tfcluster.session import Background, Session, server_tasks
 from tfcluster.shim_protocol import DEFAULT_HEARTBEAT_TIMEOUT
 from tfcluster.shipping import ship
 
@@ -165,7 +165,7 @@ def _run(run: Run) -> tuple[int, str]:
     ui.info(shipping.result())
     ui.info(f"Starting the script on {len(script_tasks)} task(s): "
             f"{', '.join(t.key for t in script_tasks)}")
-    _start_all(run, [Supervised(task, "script", task.key) for task in script_tasks])
+    attempts.start_all(run, [Supervised(task, "script", task.key) for task in script_tasks])
     if footer.wanted(ui.stdout, run.options.quiet):
         run.footer = footer.LiveFooter(run.mux, run.progress, plan.restart.max_restarts)
         ui.pause = run.mux.pause_footer
@@ -200,7 +200,7 @@ def _warm_servers(run: Run, servers: list[TaskPlan], hold: bool) -> list[Supervi
         return []
     run.owns_servers = True
     procs = [Supervised(t, "server", names.mux_key(t.key, "server", t.runs_script)) for t in servers]
-    _start_all(run, procs, hold=hold)
+    attempts.start_all(run, procs, hold=hold)
     return procs
 
 
@@ -211,49 +211,6 @@ def _release_servers(run: Run, procs: list[Supervised]) -> None:
     for p in procs:
         p.handle.go()
     wait_ready(run.session, [Started(p.task, p.launch.tag, p.handle.pid, p.launch.log) for p in procs])
-
-
-def _start_all(run: Run, procs: list[Supervised], hold: bool = False) -> None:
-    """Start processes in parallel: each start is a round trip (a handshake with its shim),
-    and 32 workers one after another would take seconds before the last one runs."""
-    run.procs.extend(p for p in procs if p not in run.procs)  # summary order = plan order
-    results = run.session.parallel(lambda i: _start(run, procs[i], hold), range(len(procs)))
-    raise_first({procs[i].key: r for i, r in results.items()}, "task")
-
-
-def _start(run: Run, proc: Supervised, hold: bool = False) -> None:
-    agent = run.session.agents[proc.task.host]
-    argv = agent.server_argv() if proc.role == "server" else run.plan.command(proc.task)
-    extra = {"TFCLUSTER_RESTART": str(proc.restarts)}
-    launch = proc.launch = run.session.launch_for(proc.task, run.run_id, proc.role, argv, extra)
-    slot = [None]
-    run.starts.append(slot)
-    proc.handle = slot[0] = agent.start_attached(launch, heartbeat_timeout=run.options.heartbeat,
-                                                 grace=run.options.grace, hold=hold)
-    proc.started = time.time()
-    proc.ended = proc.exit_code = None
-    proc.attempt += 1
-    if proc not in run.procs:
-        run.procs.append(proc)
-    threading.Thread(target=_pump, args=(run, proc, proc.handle, proc.attempt),
-                     name=f"pump-{proc.key}", daemon=True).start()
-
-
-def _pump(run: Run, proc: Supervised, handle, attempt: int) -> None:
-    """Feed one process's output to the mux; report its exit on the event queue."""
-    try:
-        while chunk := handle.read():
-            run.mux.feed(proc.key, chunk)
-        rc = handle.wait(30)
-    except Exception as exc:  # noqa: BLE001 - a lost channel is an exit like any other
-        run.mux.note(proc.key, f"lost contact with {proc.task.host}: {exc}")
-        rc = None
-    if rc is None or rc < 0:  # the channel closed with no exit status: connection lost
-        if not proc.stopping:
-            run.mux.note(proc.key, f"lost contact with {proc.task.host} (connection dropped); "
-                                   f"its shim stops the task")
-        rc = 255
-    run.events.put((proc, attempt, rc))
 
 
 def _supervise(run: Run) -> tuple[int, str]:
@@ -289,33 +246,15 @@ def _supervise(run: Run) -> tuple[int, str]:
                 chief_done_at = time.monotonic()
             continue
         if chief_done_at and proc.role == "script":
+            attempts.refuse(proc)
             run.ui.warn(f"{proc.task.key} exited with code {rc} after the chief had finished")
             continue
-        _on_failure(run, proc, rc)
+        attempts.on_failure(run, proc, rc)
 
 
 def _script_states(run: Run) -> list[policy.ScriptState]:
     return [policy.ScriptState(p.task.job, p.task.is_chief, p.exit_code)
             for p in run.procs if p.role == "script"]
-
-
-def _on_failure(run: Run, proc: Supervised, rc: int) -> None:
-    restart = run.plan.restart
-    what = f"{proc.task.key}{' server' if proc.role == 'server' else ''} on {proc.task.host}"
-    if policy.should_restart(restart, rc, proc.restarts):
-        proc.restarts += 1
-        count = f"{proc.restarts}/{restart.max_restarts}"
-        run.mux.note(proc.key, f"exited with code {rc}; restarting ({count})")
-        run.ui.warn(f"{what} exited with code {rc}; restarting ({count})")
-        if proc.role == "server" and proc.task.job == "ps":
-            run.ui.warn(f"{proc.task.key} lost the variables it held; training resumes from the last "
-                        f"checkpoint only if the script restores one (the templates do with --model_dir)")
-        _start(run, proc)
-        return
-    tail = "\n".join(run.mux.tail(proc.key, 15))
-    hint = policy.known_failure(run.plan.mode, tail) or policy.restart_hint(restart, proc.restarts, rc)
-    raise TaskError(f"{what} failed with exit code {rc}", hint=hint,
-                    details=f"last lines of {proc.task.key}:\n{tail}" if tail else None)
 
 
 # -- shutdown --------------------------------------------------------------------------------
@@ -359,6 +298,9 @@ def _swept_by_shims(run: Run) -> bool:
 
 def _stop_role(run: Run, role: str, fast: threading.Event) -> None:
     live = [p for p in run.procs if p.role == role and p.exit_code is None and p.handle is not None]
+    for proc in run.procs:      # restarted in place, not confirmed: nothing to wait for
+        if proc.role == role and proc not in live:
+            attempts.refuse(proc)
     for proc in live:
         proc.stopping = True
         try:

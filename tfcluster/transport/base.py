@@ -22,6 +22,11 @@ class Result:
 class Proc(abc.ABC):
     """A spawned process (local subprocess or SSH channel) with three pipes."""
 
+    #: Called with no argument, from whichever thread notices, once stderr data has
+    #: arrived (while stdout is being read: a reader blocked in read() still hears it);
+    #: the callee collects it with read_stderr(). None: nobody needs to know at once.
+    on_stderr = None
+
     @abc.abstractmethod
     def write(self, data: bytes) -> None:
         """Write to stdin; raises BrokenPipeError/OSError once the other side is gone."""

@@ -37,6 +37,8 @@ class LocalProc(Proc):
             while chunk := self._popen.stderr.read(65536):
                 with self._stderr_lock:
                     self._stderr += chunk
+                if self.on_stderr is not None:
+                    self.on_stderr()
         except (OSError, ValueError):  # pipe closed by kill()
             pass
 

@@ -295,11 +295,17 @@ class SshProc(Proc):
             self.chan.shutdown_write()
 
     def read(self, n: int = WHOLE) -> bytes:
-        return _read_stdout(self.chan, n, self._drain_stderr)
+        return _read_stdout(self.chan, n, self._drain_and_tell)
 
-    def _drain_stderr(self) -> None:
+    def _drain_stderr(self) -> int:
         with self._err_lock:
+            before = len(self._err)
             _recv_stderr(self.chan, self._err)
+            return len(self._err) - before
+
+    def _drain_and_tell(self) -> None:
+        if self._drain_stderr() and self.on_stderr is not None:
+            self.on_stderr()
 
     def read_stderr(self) -> bytes:
         """Stderr received since the last call (never blocks)."""

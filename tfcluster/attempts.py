@@ -1,0 +1,106 @@
+"""Each supervised process's attempts: start one, stream its output, restart it.
+
+A restart happens in place when the shim can (docs/ARCHITECTURE.md, "Restarts"): the
+attached shim of the attempt that failed has already started the next one, with the
+same policy and count as policy.should_restart here, and holds its output back; the
+supervisor says and counts the restart exactly as for a fresh start, then confirms it
+(AttachedTask.resume). The pump of that shim goes on; its attempts are numbered as the
+supervisor's. Any other restart (a lost connection, a shim that did not restart) is a
+fresh attached start, as before.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+from tfcluster import policy
+from tfcluster.errors import TaskError
+from tfcluster.session import raise_first
+from tfcluster.shim_protocol import RESTART_VAR
+
+
+def start_all(run, procs: list, hold: bool = False) -> None:
+    """Start processes in parallel: each start is a round trip (a handshake with its shim),
+    and 32 workers one after another would take seconds before the last one runs."""
+    run.procs.extend(p for p in procs if p not in run.procs)  # summary order = plan order
+    results = run.session.parallel(lambda i: start(run, procs[i], hold), range(len(procs)))
+    raise_first({procs[i].key: r for i, r in results.items()}, "task")
+
+
+def start(run, proc, hold: bool = False) -> None:
+    if proc.handle is not None and proc.handle.resume():   # its shim restarted it in place
+        _begin(run, proc)
+        return
+    agent = run.session.agents[proc.task.host]
+    argv = agent.server_argv() if proc.role == "server" else run.plan.command(proc.task)
+    extra = {RESTART_VAR: str(proc.restarts)}
+    launch = proc.launch = run.session.launch_for(proc.task, run.run_id, proc.role, argv, extra)
+    slot = [None]
+    run.starts.append(slot)
+    restart = run.plan.restart
+    in_place = None if restart.policy == policy.NEVER else \
+        {"policy": restart.policy, "max_restarts": restart.max_restarts, "done": proc.restarts,
+         "zero_ends": proc.role == "script"}     # a script's exit 0 is its success, never restarted
+    proc.handle = slot[0] = agent.start_attached(launch, heartbeat_timeout=run.options.heartbeat,
+                                                 grace=run.options.grace, hold=hold, restart=in_place)
+    _begin(run, proc)
+    threading.Thread(target=pump, args=(run, proc, proc.handle, proc.attempt),
+                     name=f"pump-{proc.key}", daemon=True).start()
+
+
+def _begin(run, proc) -> None:
+    proc.started = time.time()
+    proc.ended = proc.exit_code = None
+    proc.attempt += 1
+    if proc not in run.procs:
+        run.procs.append(proc)
+
+
+def pump(run, proc, handle, attempt: int) -> None:
+    """Feed one shim's output to the mux; report each attempt's exit on the event queue."""
+    ended = [attempt]          # the attempt whose end is reported next
+
+    def restarted(rc: int) -> None:   # an attempt the shim restarted in place; its output all fed
+        run.events.put((proc, ended[0], rc))
+        ended[0] += 1
+
+    handle.on_restart = restarted
+    try:
+        while chunk := handle.read():
+            run.mux.feed(proc.key, chunk)
+        rc = handle.wait(30)
+    except Exception as exc:  # noqa: BLE001 - a lost channel is an exit like any other
+        run.mux.note(proc.key, f"lost contact with {proc.task.host}: {exc}")
+        rc = None
+    if rc is None or rc < 0:  # the channel closed with no exit status: connection lost
+        if not proc.stopping:
+            run.mux.note(proc.key, f"lost contact with {proc.task.host} (connection dropped); "
+                                   f"its shim stops the task")
+        rc = 255
+    run.events.put((proc, ended[0], rc))
+
+
+def refuse(proc) -> None:
+    """The shim restarted a task the supervisor does not restart: stop that attempt."""
+    if proc.handle is not None and proc.handle.restarted():
+        proc.handle.stop()
+
+
+def on_failure(run, proc, rc: int) -> None:
+    restart = run.plan.restart
+    what = f"{proc.task.key}{' server' if proc.role == 'server' else ''} on {proc.task.host}"
+    if policy.should_restart(restart, rc, proc.restarts):
+        proc.restarts += 1
+        count = f"{proc.restarts}/{restart.max_restarts}"
+        run.mux.note(proc.key, f"exited with code {rc}; restarting ({count})")
+        run.ui.warn(f"{what} exited with code {rc}; restarting ({count})")
+        if proc.role == "server" and proc.task.job == "ps":
+            run.ui.warn(f"{proc.task.key} lost the variables it held; training resumes from the last "
+                        f"checkpoint only if the script restores one (the templates do with --model_dir)")
+        start(run, proc)
+        return
+    refuse(proc)
+    tail = "\n".join(run.mux.tail(proc.key, 15))
+    hint = policy.known_failure(run.plan.mode, tail) or policy.restart_hint(restart, proc.restarts, rc)
+    raise TaskError(f"{what} failed with exit code {rc}", hint=hint,
+                    details=f"last lines of {proc.task.key}:\n{tail}" if tail else None)
