@@ -160,11 +160,15 @@ class Session:
             self.agents[name] = make_agent(self.plan.host(name), self.plan.cluster_dir)
         return self.agents[name]
 
-    def open(self, *, strict: bool = True, survey: list[TaskPlan] | None = None) -> dict:
+    def open(self, *, strict: bool = True, survey: list[TaskPlan] | None = None,
+             ship: tuple[list, str, set[str]] | None = None, then: Callable[[str], None] | None = None) -> dict:
         """Connect and prepare every host; returns name -> HostInfo | exception.
 
         `survey`: tasks whose ports (and this cluster's processes) the same round trip
-        should look at, for a survey() that follows."""
+        should look at, for a survey() that follows. `ship` = (files, run dir, hosts): the
+        same round trip places those files from each host's cache (shipping.ship then
+        sends only what a cache lacked). `then(name)`: run on the host's thread once it is
+        prepared (train starts its held scripts there, startup.py)."""
         for name in self.host_names:
             self.agent(name)
         ports = by_host(survey or [])
@@ -172,7 +176,12 @@ class Session:
 
         def prepare(name: str) -> HostInfo:
             wanted = (prefix, [t.port for t in ports.get(name, [])]) if survey is not None else None
-            return self.agents[name].prepare(wanted)
+            agent = self.agents[name]
+            files = agent.files_request(ship[0], ship[1]) if ship and name in ship[2] and ship[0] else None
+            info = agent.prepare(wanted, files)
+            if then is not None:
+                then(name)
+            return info
 
         results = self.parallel(prepare, self.host_names)
         for name, result in results.items():

@@ -28,7 +28,7 @@ REACH = "reach"          # stream: listen on task ports, connect to every task a
 UP = "up"                # stream: batch, warm the servers, reach, then launch on GO (shim_up.py)
 
 ONE_SHOT = (INFO, PORTS, STATUS, STOP, TAIL, FILES, BATCH)
-BATCHABLE = (INFO, PORTS, STATUS, STOP, TAIL)
+BATCHABLE = (INFO, PORTS, STATUS, STOP, TAIL, FILES)
 # Safe to run inside the launcher's own process (a local host on tfcluster's own
 # interpreter): they neither write to fd 1/2 nor end the process.
 IN_PROCESS = ONE_SHOT
