@@ -51,6 +51,11 @@ class HostAgent:
 
     # ------------------------------------------------------------ setup
 
+    @property
+    def in_process(self) -> bool:
+        """A local host on tfcluster's own interpreter: one-shot commands need no process."""
+        return self._in_process
+
     def prepare(self, survey: tuple[str, list[int]] | None = None, files: dict | None = None) -> HostInfo:
         """Connect, ship the shim when its hashes changed, describe the host.
 
@@ -63,12 +68,17 @@ class HostAgent:
                 self._info = self._prepare(survey, files)
             return self._info
 
-    def _prepare(self, survey: tuple[str, list[int]] | None, files: dict | None = None) -> HostInfo:
+    def prepare_commands(self, survey: tuple[str, list[int]] | None, files: dict | None) -> dict:
+        """The batch prepare() asks: info, and the survey and files when given."""
         commands = {proto.INFO: {}}
         if survey is not None:
             commands.update(self._survey_commands(*survey))
         if files is not None:
             commands[proto.FILES] = files
+        return commands
+
+    def _prepare(self, survey: tuple[str, list[int]] | None, files: dict | None = None) -> HostInfo:
+        commands = self.prepare_commands(survey, files)
         if self._in_process:
             self._bindir = PACKAGE_DIR
             try:
@@ -78,14 +88,15 @@ class HostAgent:
             answers = self._batch(commands)
         else:
             answers = self._bootstrap(commands)
-        if files is not None:
-            self._placed = (files, tuple(answers[proto.FILES]["missing"]))
-        return self.adopt(answers, survey)
+        return self.adopt(answers, survey, files)
 
-    def adopt(self, answers: dict, survey: tuple[str, list[int]] | None = None) -> HostInfo:
-        """Take a batch's answers (info, and the survey asked with it) as prepare() would."""
+    def adopt(self, answers: dict, survey: tuple[str, list[int]] | None = None,
+              files: dict | None = None) -> HostInfo:
+        """Take a batch's answers (info, and the survey and files asked with it) as prepare() would."""
         if survey is not None:
             self._surveyed = (survey[0], tuple(survey[1]), answers)
+        if files is not None:
+            self._placed = (files, tuple(answers[proto.FILES]["missing"]))
         self._info = host_info(answers[proto.INFO])
         return self._info
 

@@ -10,14 +10,19 @@ exits, having started nothing. docs/ARCHITECTURE.md, "Checks before a run".
 """
 from __future__ import annotations
 
+import json
 import threading
 
 from tfcluster import shim_protocol as proto
 from tfcluster.agent import HostAgent
-from tfcluster.agent_types import TaskLaunch, start_request
-from tfcluster.attached import AttachedTask, handshake
+from tfcluster.agent_types import HostInfo, TaskLaunch, start_request
+from tfcluster.attached import AttachedTask, handshake, tail_text
+from tfcluster.bootstrap import BOOTSTRAP
 from tfcluster.errors import HostError, PreflightError
 from tfcluster.transport.base import Proc
+
+
+ANSWER_TIMEOUT = 60.0     # the bootstrap's and the batch's answers (HostAgent's run() waits as long)
 
 
 class _Locked:
@@ -37,30 +42,86 @@ class _Locked:
 
 
 class HeldStart:
-    """One deferred start: spawned at once, beaten from the start, started by go()."""
+    """One deferred start: spawned at once, beaten from the start, started by go().
 
-    closes = True            # reach.py: its listeners close on a line of their own, not at exit
+    With `batch` (prepare_holding) the exec is also the host's bootstrap: it checks the
+    shipped files, answers the batch, then holds, so a host with a script costs one exec
+    before its first task byte."""
+
+    closes = True            # reach.py: its listeners close on a line of its own, not at exit
 
     def __init__(self, agent: HostAgent, launch: TaskLaunch, heartbeat_timeout: float,
-                 grace: float) -> None:
+                 grace: float, batch: dict | None = None) -> None:
         agent._check_cancelled()   # noqa: SLF001
-        self.agent, self.launch = agent, launch
-        self.buf = b""           # reach's unread bytes of stdout
-        request = {**start_request(launch, agent.paths.root), "attached": True, "defer": True,
-                   "heartbeat_timeout": heartbeat_timeout, "grace": grace}
+        self.agent, self.launch, self._timeout = agent, launch, heartbeat_timeout
+        self.buf = b""           # unread bytes of stdout (reach's lines, the batch's answer)
+        self.request = {**start_request(launch, agent.paths.root), "attached": True, "defer": True,
+                        "heartbeat_timeout": heartbeat_timeout, "grace": grace}
+        if batch is None:
+            self._spawn(agent._shim_argv(proto.START), proto.json_line(self.request))   # noqa: SLF001
+            self.beat()
+            return
+        self.request["batch"] = {"commands": batch}
+        boot, self._shipped = agent.bootstrap_request(proto.START)
+        self._spawn([agent.python, "-c", BOOTSTRAP], proto.json_line(boot) + proto.json_line(self.request))
+
+    def _spawn(self, argv: list[str], data: bytes) -> None:
         try:
-            self._raw = agent.transport.spawn(agent._shim_argv(proto.START))   # noqa: SLF001
+            self._raw = self.agent.transport.spawn(argv)
         except OSError as e:
-            raise PreflightError(f"host {agent.name}: cannot run {agent.python}: {e}") from None
-        agent.track(self._raw)
+            raise PreflightError(f"host {self.agent.name}: cannot run {self.agent.python}: {e}") from None
+        self.agent.track(self._raw)
         self.proc = _Locked(self._raw)
-        self.task = AttachedTask(self.proc, 0, heartbeat_timeout / proto.HEARTBEATS_PER_TIMEOUT)
+        self.task = AttachedTask(self.proc, 0, self._timeout / proto.HEARTBEATS_PER_TIMEOUT)
         try:
-            self.proc.write(proto.json_line(request))
+            self.proc.write(data)
         except BaseException:
             self.drop()
             raise
-        agent._heartbeats.add(self.task)   # noqa: SLF001 - silence before GO stops the shim too
+
+    def beat(self) -> None:
+        self.agent._heartbeats.add(self.task)   # noqa: SLF001 - silence before GO stops the shim too
+
+    def answers(self) -> dict:
+        """The bootstrap's verdict and the batch's answers. Stale shim files are shipped
+        and the held start runs again by path (a second exec, as for any stale host)."""
+        a = self.agent
+        first = self._next_line(ANSWER_TIMEOUT)
+        if first is None:
+            rc = self._raw.wait(10.0)
+            a.check_boot(rc if rc is not None else 1, [], self._raw.read_stderr())
+        boot = a.check_boot(None, [first], b"")
+        if boot["stale"]:
+            self._raw.wait(10.0)
+            self.drop()
+            a.ship_stale(boot["stale"], self._shipped)
+            self._spawn(a._shim_argv(proto.START), proto.json_line(self.request))   # noqa: SLF001
+        answer = self._next_line(ANSWER_TIMEOUT)
+        if answer is None or "answers" not in answer:
+            why = proto.error_of(answer) or tail_text(self._raw.read_stderr()) or "no output"
+            raise HostError(f"host {a.name}: shim start ended early: {why}")
+        return a._checked_answers(answer["answers"])   # noqa: SLF001
+
+    def _next_line(self, timeout: float) -> dict | None:
+        """The next JSON line on stdout (noise such as a login banner is skipped); None at EOF,
+        or when `timeout` seconds passed (the process is then dropped)."""
+        timer = threading.Timer(timeout, self._raw.kill)
+        timer.daemon = True
+        timer.start()
+        try:
+            while True:
+                while b"\n" not in self.buf:
+                    chunk = self._raw.read()
+                    if not chunk:
+                        if not timer.is_alive():
+                            raise HostError(f"host {self.agent.name}: no answer within {timeout:g}s")
+                        return None
+                    self.buf += chunk
+                line, self.buf = self.buf.split(b"\n", 1)
+                if line.strip().startswith(b"{"):
+                    return json.loads(line)
+        finally:
+            timer.cancel()
 
     def go(self) -> AttachedTask:
         """GO: the shim starts the task and answers its pid."""
@@ -82,5 +143,23 @@ class HeldStart:
     def drop(self) -> None:
         """Close the channel: the shim reads EOF and exits, having started nothing (after
         GO: it stops the task, as for any attached task)."""
-        self.task.detach_kill() if hasattr(self, "task") else self._raw.kill()
-        self.agent.untrack(self._raw)
+        if hasattr(self, "task"):
+            self.task.detach_kill()
+        elif hasattr(self, "_raw"):
+            self._raw.kill()
+        if hasattr(self, "_raw"):
+            self.agent.untrack(self._raw)
+
+
+def prepare_holding(agent: HostAgent, survey, files: dict | None, launch: TaskLaunch,
+                    heartbeat_timeout: float, grace: float) -> tuple[HostInfo, HeldStart]:
+    """HostAgent.prepare() and the host's first held start in one exec (not for a host
+    answered in-process)."""
+    held = HeldStart(agent, launch, heartbeat_timeout, grace, batch=agent.prepare_commands(survey, files))
+    try:
+        info = agent.adopt(held.answers(), survey, files)
+    except BaseException:
+        held.drop()
+        raise
+    held.beat()
+    return info, held

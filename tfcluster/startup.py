@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 
 from tfcluster import names
 from tfcluster.errors import TfclusterError
-from tfcluster.held import HeldStart
+from tfcluster.agent_types import HostInfo
+from tfcluster.held import HeldStart, prepare_holding
 from tfcluster.plan import Plan, TaskPlan
 from tfcluster.preflight import check_versions, preflight
 from tfcluster.reach import check_reachability
@@ -66,21 +67,31 @@ class Run:
 
 
 class Holder:
-    """The scripts' held starts (held.py), each host's spawned on that host's thread as
-    soon as its bootstrap answered (Session.open's `then`): their shims start while the
-    other hosts are prepared and the checks run. Nothing of a script runs before GO."""
+    """The scripts' held starts (held.py), made on each host's thread by Session.open's
+    `prepare`: a host's first one is its bootstrap's exec too, the others follow it, and
+    they start while the other hosts are prepared and the checks run. Nothing of a script
+    runs before GO."""
 
     def __init__(self, session: Session, run_id: str, options) -> None:
         self.session, self.run_id, self.options = session, run_id, options
         self.procs = [Supervised(t, "script", t.key) for t in session.plan.tasks if t.runs_script]
         self.held: dict[str, HeldStart] = {}
 
-    def host_ready(self, host: str) -> None:
-        for p in self.procs:
-            if p.task.host == host:
-                self.held[p.key] = HeldStart(self.session.agents[host],
-                                             _launch(self.session, self.run_id, p),
-                                             self.options.heartbeat, self.options.grace)
+    def prepare(self, host: str, survey, files: dict | None) -> HostInfo:
+        """Session.open's preparation of one host: with a script there, the bootstrap's exec
+        is that script's held start (one exec for both); the host's other scripts follow."""
+        agent = self.session.agents[host]
+        mine = [p for p in self.procs if p.task.host == host]
+        hb, grace = self.options.heartbeat, self.options.grace
+        if mine and not agent.in_process:
+            info, self.held[mine[0].key] = prepare_holding(agent, survey, files,
+                                                           _launch(self.session, self.run_id, mine[0]), hb, grace)
+            mine = mine[1:]
+        else:
+            info = agent.prepare(survey, files)
+        for p in mine:
+            self.held[p.key] = HeldStart(agent, _launch(self.session, self.run_id, p), hb, grace)
+        return info
 
     def first_per_host(self) -> dict[str, HeldStart]:
         first: dict[str, HeldStart] = {}

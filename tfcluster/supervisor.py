@@ -55,7 +55,7 @@ def train(plan: Plan, ui, options: Options) -> int:
         ui.info(f"run {run_id}: connecting to {len(plan.hosts)} host(s)…")
         # the bootstrap's round trip also places the files from each host's cache
         holder = Holder(session, run_id, options)     # the scripts' shims start held, per host
-        session.open(survey=server_tasks(plan), then=holder.host_ready,
+        session.open(survey=server_tasks(plan), prepare=holder.prepare,
                      ship=(files, session.paths.rundir(run_id), {t.host for t in plan.tasks if t.runs_script}))
         events: queue.Queue = queue.Queue()
         checks = RunChecks(plan, ui, os.path.join(options.runs_dir, run_id), lambda: events.put(None),
