@@ -130,8 +130,7 @@ class HeldStart:
             self.agent._check_cancelled()   # noqa: SLF001
             if self.buf.strip():
                 raise HostError(f"{where}: shim said {self.buf[:200]!r} before the task started")
-            if not self.task.go():
-                raise HostError(f"{where}: the shim went away before GO")
+            self.task.go()      # a shim already gone: the handshake reads why (its stderr)
             self.task.pid = handshake(self.proc, where)
         except BaseException:
             self.drop()
