@@ -43,6 +43,7 @@ class HostAgent:
         self._info: HostInfo | None = None
         self._surveyed: tuple | None = None   # a survey prepare() answered, used once
         self.more_answers: dict = {}          # prepare()'s `more` commands, answered
+        self._placed: tuple | None = None     # (files request, what the cache lacked) from prepare()
         self._prepare_lock = threading.Lock()
         self._heartbeats = Heartbeats(name)
         self.cancelled = threading.Event()    # set on Ctrl-C: start nothing new
@@ -51,27 +52,43 @@ class HostAgent:
 
     # ------------------------------------------------------------ setup
 
-    def prepare(self, survey: tuple[str, list[int]] | None = None, more: dict | None = None,
-                timeout: float = 60.0) -> HostInfo:
+    @property
+    def in_process(self) -> bool:
+        """A local host on tfcluster's own interpreter: one-shot commands need no process."""
+        return self._in_process
+
+    def prepare(self, survey: tuple[str, list[int]] | None = None, files: dict | None = None,
+                more: dict | None = None, timeout: float = 60.0) -> HostInfo:
         """Connect, ship the shim when its hashes changed, describe the host.
 
         `survey` = (tag prefix, ports): answered in the same round trip; survey() with
-        the same arguments then returns that answer without asking again. `more`: other
+        the same arguments then returns that answer without asking again. `files`: a
+        files_request() placed from the host's cache in the same round trip; sync_files()
+        with the same files then sends only what the cache lacked. `more`: other
         batchable commands (name -> request) for that round trip, run after info; their
         answers, error envelopes included, land in `more_answers` (`down`). `timeout`:
         seconds the round trip may take."""
         with self._prepare_lock:
             if self._info is None:
-                self._info = self._prepare(survey, more or {}, timeout)
+                self._info = self._prepare(survey, files, more or {}, timeout)
             elif more:
                 self.more_answers = self._batch(more, unchecked=more, timeout=timeout)
             return self._info
 
-    def _prepare(self, survey: tuple[str, list[int]] | None, more: dict, timeout: float) -> HostInfo:
+    def prepare_commands(self, survey: tuple[str, list[int]] | None, files: dict | None,
+                         more: dict | None = None) -> dict:
+        """The batch prepare() asks: info, and the survey, files and `more` when given."""
         commands = {proto.INFO: {}}
         if survey is not None:
             commands.update(self._survey_commands(*survey))
-        commands.update(more)
+        if files is not None:
+            commands[proto.FILES] = files
+        commands.update(more or {})
+        return commands
+
+    def _prepare(self, survey: tuple[str, list[int]] | None, files: dict | None, more: dict,
+                 timeout: float) -> HostInfo:
+        commands = self.prepare_commands(survey, files, more)
         if self._in_process:
             self._bindir = PACKAGE_DIR
             try:
@@ -82,12 +99,15 @@ class HostAgent:
         else:
             answers = self._bootstrap(commands, more, timeout)
         self.more_answers = {name: answers[name] for name in more}
-        return self.adopt(answers, survey)
+        return self.adopt(answers, survey, files)
 
-    def adopt(self, answers: dict, survey: tuple[str, list[int]] | None = None) -> HostInfo:
-        """Take a batch's answers (info, and the survey asked with it) as prepare() would."""
+    def adopt(self, answers: dict, survey: tuple[str, list[int]] | None = None,
+              files: dict | None = None) -> HostInfo:
+        """Take a batch's answers (info, and the survey and files asked with it) as prepare() would."""
         if survey is not None:
             self._surveyed = (survey[0], tuple(survey[1]), answers)
+        if files is not None:
+            self._placed = (files, tuple(answers[proto.FILES]["missing"]))
         self._info = host_info(answers[proto.INFO])
         return self._info
 
@@ -211,21 +231,29 @@ class HostAgent:
     def tail(self, path: str, lines: int = 20) -> str:
         return self._call(proto.TAIL, {"path": path, "lines": lines})["text"]
 
+    def files_request(self, files: list[tuple[str, bytes, int]], dest: str) -> dict:
+        """The `files` request placing (relative path, content, mode) files under `dest`
+        from the host's cache, by sha256 (no content in it)."""
+        entries = [{"path": rel, "sha256": hashlib.sha256(data).hexdigest(), "mode": mode}
+                   for rel, data, mode in files]
+        return {"cache": self.paths.cache, "dest": dest, "files": entries}
+
     def sync_files(self, files: list[tuple[str, bytes, int]], dest: str) -> int:
         """Place (relative path, content, mode) files under `dest`, uploading only content
-        the host's cache lacks (by sha256). Returns the number of bytes uploaded."""
+        the host's cache lacks (by sha256). Returns the number of bytes uploaded. When
+        prepare() already placed these files from the cache, nothing is asked again."""
         self._check_cancelled()
-        entries, by_digest = [], {}
-        for rel, data, mode in files:
-            digest = hashlib.sha256(data).hexdigest()
-            by_digest[digest] = data
-            entries.append({"path": rel, "sha256": digest, "mode": mode})
-        request = {"cache": self.paths.cache, "dest": dest, "files": entries}
+        request = self.files_request(files, dest)
+        placed, self._placed = self._placed, None
+        if placed is not None and placed[0] == request and not placed[1]:
+            return 0            # the bootstrap's round trip placed every one of them
+        by_digest = {e["sha256"]: data for e, (_, data, _) in zip(request["files"], files)}
         if sum(len(d) for d in by_digest.values()) <= INLINE_LIMIT:
             # Resending a small script costs less than the two round trips that avoid it.
             request["inline"] = {d: base64.b64encode(data).decode() for d, data in by_digest.items()}
             return sum(len(by_digest[d]) for d in self._call(proto.FILES, request)["added"])
-        missing = self._call(proto.FILES, request)["missing"]
+        known = placed is not None and placed[0] == request    # the bootstrap named what lacks
+        missing = list(placed[1]) if known else self._call(proto.FILES, request)["missing"]
         for digest in missing:
             self.transport.put(by_digest[digest], f"{self.paths.cache}/{digest}")
         if missing and self._call(proto.FILES, request)["missing"]:

@@ -32,20 +32,37 @@ def start(run, proc, hold: bool = False) -> None:
         _begin(run, proc)
         return
     agent = run.session.agents[proc.task.host]
-    argv = agent.server_argv() if proc.role == "server" else run.plan.command(proc.task)
-    extra = {RESTART_VAR: str(proc.restarts)}
-    launch = proc.launch = run.session.launch_for(proc.task, run.run_id, proc.role, argv, extra)
+    launch = launch_of(run.session, run.run_id, proc)
     slot = [None]
     run.starts.append(slot)
-    restart = run.plan.restart
-    in_place = None if restart.policy == policy.NEVER else \
-        {"policy": restart.policy, "max_restarts": restart.max_restarts, "done": proc.restarts,
-         "zero_ends": proc.role == "script"}     # a script's exit 0 is its success, never restarted
     proc.handle = slot[0] = agent.start_attached(launch, heartbeat_timeout=run.options.heartbeat,
-                                                 grace=run.options.grace, hold=hold, restart=in_place)
+                                                 grace=run.options.grace, hold=hold,
+                                                 restart=in_place(run.plan, proc))
+    attach(run, proc)
+
+
+def attach(run, proc) -> None:
+    """proc.handle is its new attempt's shim: count the attempt, pump its output."""
     _begin(run, proc)
     threading.Thread(target=pump, args=(run, proc, proc.handle, proc.attempt),
                      name=f"pump-{proc.key}", daemon=True).start()
+
+
+def launch_of(session, run_id: str, proc):
+    """proc's TaskLaunch for its next attempt (kept in proc.launch)."""
+    agent = session.agents[proc.task.host]
+    argv = agent.server_argv() if proc.role == "server" else session.plan.command(proc.task)
+    proc.launch = session.launch_for(proc.task, run_id, proc.role, argv, {RESTART_VAR: str(proc.restarts)})
+    return proc.launch
+
+
+def in_place(plan, proc) -> dict | None:
+    """The restart policy an attached shim applies itself (None: it never restarts)."""
+    restart = plan.restart
+    if restart.policy == policy.NEVER:
+        return None
+    return {"policy": restart.policy, "max_restarts": restart.max_restarts, "done": proc.restarts,
+            "zero_ends": proc.role == "script"}     # a script's exit 0 is its success, never restarted
 
 
 def _begin(run, proc) -> None:

@@ -49,7 +49,8 @@ def check_reachability(session, tasks: list[TaskPlan] | None = None, served=froz
                        timeout: float = CONNECT_TIMEOUT, execs: dict | None = None) -> float:
     """Every host that runs tasks connects to every task of `tasks` (default: the cluster).
     `served`: keys of tasks whose live server answers already (no listener there). `execs`:
-    `up`'s open conversations (upexec.py), which speak these lines too: no exec of its own.
+    host -> an open conversation that speaks these lines too (`up`'s, upexec.py; a held
+    script start, held.py): no exec of its own there.
     Raises PreflightError for a failing pair; returns the seconds it took."""
     plan, ui = session.plan, session.ui
     tasks = cluster_tasks(plan) if tasks is None else list(tasks)
@@ -121,6 +122,13 @@ def _exchange(session, hosts: list[str], listen: dict, targets: list, timeout: f
             execs[host].buf = readers[host].buf
         return answer
 
+    def close_held(host: str) -> None:
+        """A held start (held.py) closes its listeners on a line of its own, once every
+        host is done connecting, and says so before anything binds."""
+        readers[host].proc.write(proto.json_line({"close": True}))
+        readers[host].next("closed")
+        execs[host].buf = readers[host].buf
+
     with killer:
         opened = session.parallel(open_host, hosts)
         raise_first(opened, "host")
@@ -128,6 +136,8 @@ def _exchange(session, hosts: list[str], listen: dict, targets: list, timeout: f
         results = session.parallel(go, hosts)
         raise_first(results, "host")
         _close(procs)
+        raise_first(session.parallel(close_held, [h for h in hosts if getattr(execs.get(h), "closes", False)]),
+                    "host")
     return {h: {**opened[h], **results[h]} for h in hosts}
 
 

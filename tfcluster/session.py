@@ -160,21 +160,27 @@ class Session:
             self.agents[name] = make_agent(self.plan.host(name), self.plan.cluster_dir)
         return self.agents[name]
 
-    def open(self, *, strict: bool = True, survey: list[TaskPlan] | None = None) -> dict:
+    def open(self, *, strict: bool = True, survey: list[TaskPlan] | None = None,
+             ship: tuple[list, str, set[str]] | None = None, prepare: Callable | None = None) -> dict:
         """Connect and prepare every host; returns name -> HostInfo | exception.
 
         `survey`: tasks whose ports (and this cluster's processes) the same round trip
-        should look at, for a survey() that follows."""
+        should look at, for a survey() that follows. `ship` = (files, run dir, hosts): the
+        same round trip places those files from each host's cache (shipping.ship then
+        sends only what a cache lacked). `prepare(name, survey, files)`: prepares the host
+        in place of HostAgent.prepare (train also starts its held scripts, startup.py)."""
         for name in self.host_names:
             self.agent(name)
         ports = by_host(survey or [])
         prefix = names.cluster_prefix(self.plan.name)
 
-        def prepare(name: str) -> HostInfo:
+        def one(name: str) -> HostInfo:
             wanted = (prefix, [t.port for t in ports.get(name, [])]) if survey is not None else None
-            return self.agents[name].prepare(wanted)
+            agent = self.agents[name]
+            files = agent.files_request(ship[0], ship[1]) if ship and name in ship[2] and ship[0] else None
+            return prepare(name, wanted, files) if prepare is not None else agent.prepare(wanted, files)
 
-        results = self.parallel(prepare, self.host_names)
+        results = self.parallel(one, self.host_names)
         for name, result in results.items():
             if not isinstance(result, BaseException):
                 self.infos[name] = result

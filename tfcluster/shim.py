@@ -69,12 +69,15 @@ def qualified(req: dict) -> dict:
 
 def cmd_start(req: dict):
     req = qualified(req)
-    if req.get("attached") and launcher_gone():
+    if req.get("batch"):          # a held start that is also the bootstrap's command (held.py)
+        write_all(1, proto.json_line(cmd_batch(req["batch"])))
+    lines = tasks.held(req) if req.get("attached") and req.get("defer") else None   # until GO
+    if req.get("attached") and (up._eof(lines) if lines is not None else launcher_gone()):
         raise ShimError("the launcher went away before the task started")
     proc, log, offset = spawn(req)
     if not req.get("attached"):
         return {"pid": proc.pid}
-    code = Attached(proc, req, log, offset).run()
+    code = Attached(proc, req, log, offset, lines).run()
     # Threads may still block on the pipes; nothing is left to clean up.
     os._exit(code)
 

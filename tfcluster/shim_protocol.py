@@ -29,7 +29,7 @@ UP = "up"                # stream: batch, warm the servers, reach, then launch o
 DOWN = "down"            # stop, then wait until the ports can be bound again (shim_down.py)
 
 ONE_SHOT = (INFO, PORTS, STATUS, STOP, TAIL, FILES, BATCH, DOWN)
-BATCHABLE = (INFO, PORTS, STATUS, STOP, TAIL, DOWN)
+BATCHABLE = (INFO, PORTS, STATUS, STOP, TAIL, FILES, DOWN)
 # Safe to run inside the launcher's own process (a local host on tfcluster's own
 # interpreter): they neither write to fd 1/2 nor end the process.
 IN_PROCESS = ONE_SHOT

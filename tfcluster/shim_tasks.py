@@ -105,11 +105,49 @@ def _add_probe(env: dict) -> None:
     env["PYTHONPATH"] = probe + (os.pathsep + rest if rest else "")
 
 
+def held(req: dict):
+    """A deferred attached start (`defer`): nothing is spawned before the launcher's GO line.
+    Until then the launcher may hold reach's conversation here (docs/ARCHITECTURE.md, "Checks
+    before a run"): `{"listen"}` -> `{"listening", "busy"}`, `{"targets"}` -> `{"results"}`,
+    `{"close"}` -> `{"closed"}` once the listeners are gone, answers on stdout (the task's
+    output comes only after GO). EOF, STOP, or silence (heartbeats included) longer than the
+    heartbeat timeout: exit at once, nothing started. Returns stdin's line queue at GO."""
+    lines = net._stdin_lines()   # noqa: SLF001 - the one reader of stdin from here on
+    silence = float(req.get("heartbeat_timeout") or proto.DEFAULT_HEARTBEAT_TIMEOUT)
+    acceptor = None
+    try:
+        while True:
+            line = net._next_line(lines, time.monotonic() + silence)   # noqa: SLF001
+            if line is None or line.strip() == proto.STOP_LINE.strip():
+                os._exit(0)          # nothing was started; the listeners die with the process
+            if line == proto.GO_LINE:
+                return lines
+            if line == proto.HEARTBEAT_LINE:
+                continue
+            msg = json.loads(line)
+            if acceptor is not None and "targets" not in msg:
+                acceptor.close()
+                acceptor = None
+            if "listen" in msg:
+                sockets, busy = net.listen(msg["listen"] or [])
+                acceptor = net.Acceptor(sockets.values())
+                write_all(1, proto.json_line({"listening": sorted(sockets), "busy": busy}))
+            elif "targets" in msg:
+                results = net.probe_all(msg["targets"], float(msg.get("timeout", net.CONNECT_TIMEOUT)))
+                write_all(1, proto.json_line({"results": results}))   # listeners kept up
+            else:
+                write_all(1, proto.json_line({"closed": True}))
+    finally:
+        if acceptor is not None:
+            acceptor.close()
+
+
 class Attached:
     """An attached task: log bytes to stdout, heartbeats/STOP on stdin, watchdog; with
-    a restart policy in its request it restarts the task in place (shim_protocol.py)."""
+    a restart policy in its request it restarts the task in place (shim_protocol.py).
+    `lines`: stdin's line queue when a reader already owns stdin (a deferred start)."""
 
-    def __init__(self, proc: subprocess.Popen, req: dict, log: str, offset: int) -> None:
+    def __init__(self, proc: subprocess.Popen, req: dict, log: str, offset: int, lines=None) -> None:
         self.proc, self.req, self.log, self.offset = proc, req, log, offset
         restart = req.get("restart") or {}
         self.policy, self.max_restarts = restart.get("policy"), int(restart.get("max_restarts") or 0)
@@ -120,6 +158,7 @@ class Attached:
         self.confirmed.set()
         self.tail_wake = threading.Event()
         self.attempt_started = time.monotonic()
+        self.lines = lines
         self.tag = req["tag"]
         self.hb_timeout = float(req.get("heartbeat_timeout") or proto.DEFAULT_HEARTBEAT_TIMEOUT)
         self.grace = float(req.get("grace") if req.get("grace") is not None else proto.DEFAULT_GRACE)
@@ -173,10 +212,13 @@ class Attached:
     def read_stdin(self) -> None:
         stdin = sys.stdin.buffer
         while True:
-            try:
-                line = stdin.readline()
-            except (OSError, ValueError):
-                line = b""
+            if self.lines is not None:
+                line = self.lines.get() or b""
+            else:
+                try:
+                    line = stdin.readline()
+                except (OSError, ValueError):
+                    line = b""
             if not line:
                 self.reason = self.reason or "eof"
                 break

@@ -38,10 +38,13 @@ def _read(path: str, size: int) -> bytes:
     return data
 
 
-def ship(session: Session, tasks: list[TaskPlan], run_id: str) -> str:
-    """Copy the files into this run's directory on each host that runs one of `tasks`;
-    returns a one-line account of what crossed the network."""
-    files = collect_files(session.plan)
+def ship(session: Session, tasks: list[TaskPlan], run_id: str,
+         files: list[tuple[str, bytes, int]] | None = None) -> str:
+    """Copy the files (default: collect_files) into this run's directory on each host
+    that runs one of `tasks`; returns a one-line account of what crossed the network.
+    A host whose bootstrap already placed them from its cache (Session.open's `ship`)
+    costs nothing more."""
+    files = collect_files(session.plan) if files is None else files
     rundir = session.paths.rundir(run_id)
     hosts = list(dict.fromkeys(t.host for t in tasks))
     results = session.parallel(lambda h: session.agents[h].sync_files(files, rundir), hosts)

@@ -17,21 +17,19 @@ import re
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tfcluster import attempts, footer, names, policy, state
 from tfcluster.diagnoses import RunChecks
 from tfcluster.errors import DeadlineError, ExitCode, Terminated, TfclusterError, UsageError
 from tfcluster.fsutil import private_dir
-from tfcluster.plan import Plan, TaskPlan
-from tfcluster.preflight import check_versions, preflight
-from tfcluster.reach import check_reachability
+from tfcluster.plan import Plan
 from tfcluster.render import print_summary
 from tfcluster.runs import Manifest, ProgressLog
-from tfcluster.servers import Started, wait_ready
-from tfcluster.session import Background, Session, server_tasks
+from tfcluster.session import Session, server_tasks
 from tfcluster.shim_protocol import DEFAULT_HEARTBEAT_TIMEOUT
-from tfcluster.shipping import ship
+from tfcluster.shipping import collect_files
+from tfcluster.startup import Holder, Run, begin
 
 LOSS_LINE = re.compile(r"loss\s*[=:]")
 SCRIPT_GRACE = 10.0         # a script's last checkpoint after Ctrl-C, before KILL
@@ -49,56 +47,26 @@ class Options:
     allow_skew: bool = False        # hosts on other Python/TF minor versions: warn, go on
 
 
-@dataclass
-class Supervised:
-    """One supervised process: a script, or a server this run owns."""
-
-    task: TaskPlan
-    role: str                       # "script" | "server"
-    key: str                        # LogMux key
-    handle: object = None           # AttachedTask
-    launch: object = None           # TaskLaunch of the current attempt
-    started: float = 0.0
-    ended: float | None = None
-    exit_code: int | None = None
-    restarts: int = 0
-    attempt: int = 0
-    stopping: bool = False
-
-
-@dataclass
-class Run:
-    plan: Plan
-    ui: object
-    options: Options
-    run_id: str
-    session: Session
-    mux: object
-    events: "queue.Queue[tuple[Supervised, int, int]]" = field(default_factory=queue.Queue)
-    procs: list[Supervised] = field(default_factory=list)
-    owns_servers: bool = False
-    checks: RunChecks | None = None
-    board: object = None            # board.Board: TensorBoard on the chief's host, if asked for
-    progress: ProgressLog | None = None   # each script's step, loss and rate (progress.tsv)
-    footer: object = None           # footer.LiveFooter on a terminal, from the scripts' start
-    starts: list = field(default_factory=list)   # per attached start: [its AttachedTask or None]
-
-
 def train(plan: Plan, ui, options: Options) -> int:
     _check_task_filter(plan, options.show)
     run_id = names.new_run_id(plan.name)
     with state.ClusterLock(plan.name, "train"), Session(plan, ui) as session:
+        files = collect_files(plan)     # read (and refused if changed) before connecting
         ui.info(f"run {run_id}: connecting to {len(plan.hosts)} host(s)…")
-        session.open(survey=server_tasks(plan))
+        # the bootstrap's round trip also places the files from each host's cache
+        holder = Holder(session, run_id, options)     # the scripts' shims start held, per host
+        session.open(survey=server_tasks(plan), prepare=holder.prepare,
+                     ship=(files, session.paths.rundir(run_id), {t.host for t in plan.tasks if t.runs_script}))
         events: queue.Queue = queue.Queue()
         checks = RunChecks(plan, ui, os.path.join(options.runs_dir, run_id), lambda: events.put(None),
                            session)
         mux, progress = _make_mux(plan, ui, options, run_id, checks)
-        run = Run(plan, ui, options, run_id, session, mux, events, checks=checks, progress=progress)
+        run = Run(plan, ui, options, run_id, session, mux, events, checks=checks, progress=progress,
+                  files=files)
         manifest = Manifest(plan, run_id, os.path.join(options.runs_dir, run_id))
         outcome: tuple[int, str] = (int(ExitCode.ERROR), "did not start")
         try:
-            outcome = _run(run)
+            outcome = _run(run, holder)
             return outcome[0]
         except (KeyboardInterrupt, Terminated) as exc:
             outcome = (int(ExitCode.TERMINATED if isinstance(exc, Terminated) else ExitCode.INTERRUPTED),
@@ -149,23 +117,9 @@ def _make_mux(plan: Plan, ui, options: Options, run_id: str, checks: RunChecks):
 
 # -- the run ---------------------------------------------------------------------------------
 
-def _run(run: Run) -> tuple[int, str]:
+def _run(run: Run, holder: Holder) -> tuple[int, str]:
     plan, ui = run.plan, run.ui
-    script_tasks = [t for t in plan.tasks if t.runs_script]
-    check_versions(run.session, allow_skew=run.options.allow_skew)
-    servers, live = _prepare_servers(run)
-    # In classic mode the scripts build their own servers: their ports must be free too.
-    preflight(run.session, script_tasks, ports=plan.mode == "classic")
-    # The servers start warm (TF imported, port not bound) while reachability runs.
-    warm = _warm_servers(run, servers, hold=plan.checks.reachability)
-    if plan.checks.reachability:   # live servers are dialled; other ports get a rehearsal
-        check_reachability(run.session, served=live)
-    shipping = Background(ship, run.session, script_tasks, run.run_id)   # while servers start
-    _release_servers(run, warm)      # on failure the shipping thread is left to end (a daemon)
-    ui.info(shipping.result())
-    ui.info(f"Starting the script on {len(script_tasks)} task(s): "
-            f"{', '.join(t.key for t in script_tasks)}")
-    attempts.start_all(run, [Supervised(task, "script", task.key) for task in script_tasks])
+    begin(run, holder)          # checks, servers, files, scripts (startup.py)
     if footer.wanted(ui.stdout, run.options.quiet):
         run.footer = footer.LiveFooter(run.mux, run.progress, plan.restart.max_restarts)
         ui.pause = run.mux.pause_footer
@@ -175,42 +129,6 @@ def _run(run: Run) -> tuple[int, str]:
         run.board = board.start(run.session, plan, run.run_id, ui,
                                 os.path.join(run.options.runs_dir, run.run_id), run.options.heartbeat)
     return _supervise(run)
-
-
-def _prepare_servers(run: Run) -> tuple[list[TaskPlan], set[str]]:
-    """(servers this run starts, keys of the live `up` servers it reuses instead)."""
-    servers = server_tasks(run.plan)
-    if not servers:
-        return [], set()
-    live, busy = run.session.survey(servers)
-    if live and len(live) == len(servers):
-        run.ui.info(f"Using the running cluster ({len(live)} servers from `tfcluster up`)")
-        return [], set(live)
-    if live:
-        raise TfclusterError(
-            f"cluster {run.plan.name!r} is partly up ({len(live)} of {len(servers)} servers running)",
-            hint="run `tfcluster up SPEC` to start the missing servers, or `tfcluster down SPEC`")
-    preflight(run.session, servers, busy=busy)
-    return servers, set()
-
-
-def _warm_servers(run: Run, servers: list[TaskPlan], hold: bool) -> list[Supervised]:
-    """Start the servers attached; with `hold` they import TF and wait for GO unbound."""
-    if not servers:
-        return []
-    run.owns_servers = True
-    procs = [Supervised(t, "server", names.mux_key(t.key, "server", t.runs_script)) for t in servers]
-    attempts.start_all(run, procs, hold=hold)
-    return procs
-
-
-def _release_servers(run: Run, procs: list[Supervised]) -> None:
-    if not procs:
-        return
-    run.ui.info(f"Starting {len(procs)} server(s)…")
-    for p in procs:
-        p.handle.go()
-    wait_ready(run.session, [Started(p.task, p.launch.tag, p.handle.pid, p.launch.log) for p in procs])
 
 
 def _supervise(run: Run) -> tuple[int, str]:
