@@ -134,6 +134,8 @@ class HeldStart:
                 raise HostError(f"{where}: shim said {self.buf[:200]!r} before the task started")
             self.task.go()      # a shim already gone: the handshake reads why (its stderr)
             self.task.pid, self.task._err = handshake(self.proc, where)   # noqa: SLF001 - what followed it
+            self._raw.on_stderr = self.task._heard   # noqa: SLF001 - from now on its stderr is the task's:
+            self.task._heard()                       # noqa: SLF001 - restarts in place, its last word
         except BaseException:
             self.drop()
             raise
