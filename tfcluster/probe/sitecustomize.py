@@ -151,6 +151,7 @@ def _chain_user_sitecustomize():
 def _timed_stdout(interval):
     """Replace an unbuffered (or line-buffered) stdout on a file or pipe by a buffered one
     that a daemon thread flushes every `interval` seconds; stderr stays as it is."""
+    import atexit
     import threading
     import time
 
@@ -195,11 +196,22 @@ def _timed_stdout(interval):
         lock.release()
         start()
 
+    def at_exit():
+        # The flusher must not be inside the buffer's flush when the interpreter finalizes:
+        # a daemon thread frozen there keeps the buffer's lock and the last flush aborts
+        # ("could not acquire lock ... at interpreter shutdown"). Take our lock and keep it.
+        if lock.acquire(timeout=10):
+            try:
+                new.flush()
+            except (OSError, ValueError):
+                pass
+
     if sys.__stdout__ is old:
         sys.__stdout__ = new
     sys.stdout = new
     _stderr_flushes_first(new)
     os.register_at_fork(before=before_fork, after_in_parent=lock.release, after_in_child=in_child)
+    atexit.register(at_exit)
     start()
 
 
