@@ -133,6 +133,12 @@ class HostAgent:
                 "files": {n: hashlib.sha256(d).hexdigest() for n, d in files.items()},
                 "command": command}, files
 
+    def boot_verdict(self, first: dict | None, proc: Proc) -> dict:
+        """check_boot on a running bootstrap's first line; none: why, from its exit and stderr."""
+        if first is None:
+            self.check_boot(1 if (rc := proc.wait(10.0)) is None else rc, [], proc.read_stderr())
+        return self.check_boot(None, [first], b"")
+
     def check_boot(self, rc: int | None, lines: list[dict], stderr: bytes) -> dict:
         """The bootstrap's first answer (bindir and stale files), or the PreflightError
         that says why there is none. `rc`: None while the bootstrap still runs."""

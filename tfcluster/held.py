@@ -88,11 +88,7 @@ class HeldStart:
         """The bootstrap's verdict and the batch's answers. Stale shim files are shipped
         and the held start runs again by path (a second exec, as for any stale host)."""
         a = self.agent
-        first = self._next_line(ANSWER_TIMEOUT)
-        if first is None:
-            rc = self._raw.wait(10.0)
-            a.check_boot(rc if rc is not None else 1, [], self._raw.read_stderr())
-        boot = a.check_boot(None, [first], b"")
+        boot = a.boot_verdict(self._next_line(ANSWER_TIMEOUT), self._raw)
         if boot["stale"]:
             self._raw.wait(10.0)
             self.drop()

@@ -21,7 +21,6 @@ conversation on stdin/stdout, one JSON line each way:
 from __future__ import annotations
 
 import json
-import os
 import time
 
 if __package__:

@@ -62,11 +62,7 @@ class UpExec:
         else:
             boot, files = a.bootstrap_request(proto.UP)
             self._spawn([a.python, "-c", BOOTSTRAP], proto.json_line(boot) + proto.json_line(request))
-            first = self.next_line()
-            if first is None:
-                rc = self.proc.wait(10.0)
-                a.check_boot(rc if rc is not None else 1, [], self.proc.read_stderr())
-            boot = a.check_boot(None, [first], b"")
+            boot = a.boot_verdict(self.next_line(), self.proc)
             if boot["stale"]:
                 self.proc.wait(10.0)
                 self._drop()
