@@ -13,7 +13,10 @@ benchmark as it arrives on the pipe (tfcluster: its live stdout, `worker:N │ `
   * time to first step = launch -> first `step=` line (includes TF import, servers, connect);
   * end-to-end wall time of the whole launch (informative).
 
-    python benchmarks/train_steps.py [--steps 2000] [--log-every 50] [--reps 3] [--smoke]
+tfcluster's servers import TensorFlow lean (docs/ARCHITECTURE.md, "The servers' import");
+`--server-import full` gives them the baseline's full `import tensorflow`.
+
+    python benchmarks/train_steps.py [--steps 2000] [--log-every 50] [--reps 3] [--server-import full] [--smoke]
 """
 from __future__ import annotations
 
@@ -71,6 +74,8 @@ def main(argv=None) -> int:
                         "hang watchdog): on (the default) or all off")
     p.add_argument("--tf-log-level", default=None,
                    help="TF_CPP_MIN_LOG_LEVEL for tfcluster's tasks (default: tfcluster's own, 0)")
+    p.add_argument("--server-import", choices=("lean", "full"), default="lean",
+                   help="tfcluster's servers: lean import (the default) or the full `import tensorflow`")
     a = p.parse_args(argv)
     steps, every = (100, 10) if a.smoke else (a.steps, a.log_every)
     nw = 1 if a.smoke else 2          # smoke: 1 ps + 1 worker
@@ -84,7 +89,8 @@ def main(argv=None) -> int:
                           jobs={"ps": [f"local:{ports[0]}"], "worker": [f"local:{x}" for x in ports[1:]]},
                           train=f"train:\n  mode: between-graph\n  script: template:between_graph\n"
                           + (OFF if a.checks == "off" else ""),
-                          env={"TF_CPP_MIN_LOG_LEVEL": a.tf_log_level} if a.tf_log_level else None)
+                          env={**({"TF_CPP_MIN_LOG_LEVEL": a.tf_log_level} if a.tf_log_level else {}),
+                               **({"TFCLUSTER_SERVER_IMPORT": "full"} if a.server_import == "full" else {})} or None)
         first = {"hand": [], "tfc": []}
         wall = {"hand": [], "tfc": []}
         nrun = [0]

@@ -8,7 +8,11 @@ Baseline: 4 OpenSSH `ssh -p P -i KEY -o UserKnownHostsFile=... HOST 'cd DIR && T
 setsid nohup PYTHON -c SERVER >log 2>&1 </dev/null &'` run in parallel, then ports polled
 every 50 ms from here until all 4 accept; timed from the first ssh spawn. Killed after, untimed.
 
-    python benchmarks/up_ssh.py [--reps 3] [--smoke]
+tfcluster's servers import TensorFlow lean (server_lib only: docs/ARCHITECTURE.md, "The servers'
+import"); `--server-import full` gives them the full `import tensorflow` the baseline does, so
+the ratio is the orchestration alone.
+
+    python benchmarks/up_ssh.py [--reps 3] [--server-import lean|full] [--smoke]
 """
 from __future__ import annotations
 
@@ -24,7 +28,10 @@ TARGET = 1.0
 
 
 def main(argv=None) -> int:
-    a = parser(__doc__, reps=3).parse_args(argv)
+    p = parser(__doc__, reps=3)
+    p.add_argument("--server-import", choices=("lean", "full"), default="lean",
+                   help="tfcluster's servers: lean import (the default) or the full `import tensorflow`")
+    a = p.parse_args(argv)
     reps = 1 if a.smoke else a.reps
     with Bench("up_ssh") as b:
         addrs = loopback(2 if a.smoke else 4)   # smoke: 1 ps + 1 worker
@@ -39,7 +46,8 @@ def main(argv=None) -> int:
         hand_dir = b.tmp / "hand"
         hand_dir.mkdir()
         spec = write_spec(b.tmp / "ssh.yaml", name="benchssh", hosts=hosts, jobs=jobs,
-                          ssh_port=sshd.port, workdir=remote)
+                          ssh_port=sshd.port, workdir=remote,
+                          env={"TFCLUSTER_SERVER_IMPORT": "full"} if a.server_import == "full" else None)
         downs, phases = [], []
 
         def hand() -> float:
@@ -75,7 +83,7 @@ def main(argv=None) -> int:
         print(f"  (untimed) tfcluster down took median {sorted(downs)[len(downs) // 2]:.2f} s")
         print_phases(phases)
         report(f"up_ssh ({len(addrs)} hosts, 1 ps + {len(addrs) - 1} workers)", f"{len(addrs)}x parallel ssh 'setsid nohup ...' + poll", ra,
-               "tfcluster up", rb, "s", TARGET)
+               f"tfcluster up ({a.server_import} import)", rb, "s", TARGET)
     return 0
 
 
