@@ -373,3 +373,22 @@ def test_collapsing_only_drops_superseded_progress_updates(a, b, order):
 def test_importing_logmux_does_not_import_rich():
     code = "import sys, tfcluster.logmux; sys.exit('rich' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
+
+
+def test_marker_search_agrees_with_the_plain_search():
+    """logscan._AnyOf (a memchr pass per rarest byte first) finds exactly what
+    `any(m in block ...)` and a line-by-line filter find, in the same order."""
+    import random
+
+    from tfcluster.logscan import PROBE_MARKS, TF_NOISE, _AnyOf
+    rng = random.Random(12)
+    markers = (b"step=", b"loss=", b"tfcluster-hang: ", *PROBE_MARKS, *TF_NOISE)
+    words = [b"x" * 40, b"12345", b"a=b", b"step", b"loss:", b"]", b"I1123", *markers, b"\xc3\xa9"]
+    for sets in (markers, markers[:2], (b"=",), (b"",)):
+        find = _AnyOf(sets)
+        for _ in range(300):
+            block = b"\n".join(b" ".join(rng.choice(words) for _ in range(rng.randint(0, 4)))
+                               for _ in range(rng.randint(1, 8)))
+            assert find(block) == any(m in block for m in sets), (sets, block)
+            assert find.lines(block) == [line for line in block.split(b"\n")
+                                         if any(m in line for m in sets)], (sets, block)

@@ -14,7 +14,6 @@ overwritten the others); the latest state is always shown, never spliced.
 """
 from __future__ import annotations
 
-import codecs
 import collections
 import os
 import re
@@ -23,54 +22,17 @@ import time
 from typing import BinaryIO, Callable, Sequence
 
 from tfcluster.fsutil import NOFOLLOW, private_dir
+from tfcluster.logscan import (PROBE_MARKS, TF_INFO_LINE, TF_NOISE, _AnyOf, _has_tf_log_line,
+                               _last_lines, _PROBE, _PROBE_OR_NOISE, _utf8_split)
 from tfcluster.names import log_file
 from tfcluster.safetext import escape
 
 NOTE_MARK = "[tfcluster] "
 HISTORY = 100                 # recent display lines kept per task (tail, summary)
 MAX_PARTIAL = 1 << 20         # an unterminated line longer than this is shown as is
+JOIN_BELOW = 1 << 16          # a batch smaller than this is one write with its prefix
 _PALETTE = (36, 33, 32, 35, 34, 96, 93, 92, 95, 94)
 _DIM, _RESET = b"\x1b[2m", b"\x1b[0m"
-
-
-def _utf8_split(data: bytes, final: bool = False) -> tuple[bytes, bytes]:
-    """(complete valid UTF-8, incomplete trailing character held back).
-
-    Same rule as `codecs.getincrementaldecoder("utf-8")(errors="replace")`, but
-    bytes stay bytes unless something had to be replaced.
-    """
-    if data.isascii():
-        return data, b""
-    try:
-        _, n = codecs.utf_8_decode(data, "strict", final)
-    except UnicodeDecodeError:
-        text, n = codecs.utf_8_decode(data, "replace", final)
-        return text.encode(), data[n:]
-    return (data, b"") if n == len(data) else (data[:n], data[n:])
-
-
-# TensorFlow's start-up chatter that TF_CPP_MIN_LOG_LEVEL cannot silence (absl prints it
-# before logging is initialised). Hidden from the live view with hide_noise=True; always saved.
-TF_NOISE = (
-    b"All log messages before absl::InitializeLog() is called are written to STDERR",
-    b"oneDNN custom operations are on",
-    b"cpu_feature_guard.cc",
-    b"To enable the following instructions:",
-    b"rebuild TensorFlow with the appropriate compiler flags",
-    b"Unable to register cuDNN factory",
-    b"Unable to register cuBLAS factory",
-    b"Unable to register cuFFT factory",
-    b"computation placer already registered",
-    b"Could not find cuda drivers on your machine",
-)
-
-
-# TensorFlow's C++ INFO and WARNING lines (`I1123 04:50:00.123456  1234 master.cc:278] ...`):
-# the tasks run with TF_CPP_MIN_LOG_LEVEL=0 so that they reach the saved logs and the hang
-# watchdog; the live view hides them with hide_noise=True (errors are always shown).
-TF_INFO_LINE = re.compile(rb"^[IW]\d{4} \d\d:\d\d:\d+(?:\.\d+)? +\d+ [^ \]]+:\d+\] ", re.M)
-# Lines tfcluster's start-up probe writes for tfcluster itself: saved, never shown live.
-PROBE_MARKS = (b"tfcluster-placement: ", b"tfcluster-not-ready: ")
 
 
 class _Task:
@@ -111,6 +73,7 @@ class LogMux:
         self._collapse = collapse
         self._hide_noise = hide_noise
         self._watch = watch
+        self._watching = _AnyOf(watch[0]) if watch is not None else None
         self._out_lock = threading.Lock()
         self._broken = False      # the reader of `out` went away (e.g. `| head`)
         self._closed = False
@@ -306,32 +269,37 @@ class LogMux:
     def _emit(self, t: _Task, block: bytes | None) -> None:
         if block is None:
             return
-        if self._watch is not None and any(m in block for m in self._watch[0]):
-            for line in block.split(b"\n"):
-                if any(m in line for m in self._watch[0]):
-                    self._watch[1](t.key, line)
-        if any(m in block for m in PROBE_MARKS) or (self._hide_noise and (
-                any(m in block for m in TF_NOISE) or _has_tf_log_line(block))):
+        if self._watch is not None and self._watching(block):
+            for line in self._watching.lines(block):
+                self._watch[1](t.key, line)
+        if (_PROBE_OR_NOISE(block) or _has_tf_log_line(block)) if self._hide_noise else _PROBE(block):
             block = b"\n".join(line for line in block.split(b"\n") if not self._hidden(line))
             if not block:
                 return
-        t.ring.extend(block.rsplit(b"\n", HISTORY)[-HISTORY:])
+        t.ring.extend(_last_lines(block, HISTORY))
         if t.show:
-            self._write(t.prefix + block.replace(b"\n", t.sep) + b"\n")
+            body = block.replace(b"\n", t.sep)
+            if len(body) < JOIN_BELOW:       # one write: whole lines, never torn by another writer
+                self._write(t.prefix + body + b"\n")
+            else:                            # not atomic anyway (a pipe's is PIPE_BUF): no copies
+                self._write(t.prefix, body, b"\n")
 
     def _hidden(self, line: bytes) -> bool:
         if any(m in line for m in PROBE_MARKS):
             return True
         return self._hide_noise and (any(m in line for m in TF_NOISE) or bool(TF_INFO_LINE.match(line)))
 
-    def _write(self, buf: bytes) -> None:
+    def _write(self, *parts: bytes) -> None:
+        """Write `parts` in order under the output lock, then flush. The parts are not joined
+        (a megabyte block would be copied twice more) except around the footer."""
         with self._out_lock:
             if self._broken:
                 return
             if self._footer_rows:    # lines go above the footer, in one write with it
-                buf = self._clear_footer() + buf + self._footer
+                parts = (self._clear_footer() + b"".join(parts) + self._footer,)
             try:
-                self._out.write(buf)
+                for part in parts:
+                    self._out.write(part)
                 self._out.flush()  # live view: nothing else would flush a quiet task's last lines
             except BrokenPipeError:
                 self._broken = True  # keep saving and remembering; stop showing
@@ -350,14 +318,6 @@ class _FooterPause:
             self._mux._emit_raw(self._mux._footer)
         finally:
             self._mux._out_lock.release()
-
-
-def _has_tf_log_line(block: bytes) -> bool:
-    """TF_INFO_LINE.search, with the regex run only when a line starts with I or W (and
-    the block has the `] ` every such line has: one fast scan for most output)."""
-    if b"] " not in block or not (block[:1] in (b"I", b"W") or b"\nI" in block or b"\nW" in block):
-        return False
-    return TF_INFO_LINE.search(block) is not None
 
 
 def _open_log(save_dir: str, key: str) -> int:
