@@ -88,7 +88,7 @@ def test_a_failed_lean_import_becomes_the_full_one_in_the_same_process(tmp_path)
         def ready():
             assert proc.poll() is None, log.read_text()[-2000:]
             state, _ = shim_ports.readiness(proc.pid, port, shim_ports.listeners())
-            return state == "ready"
+            return state == "ready" and "listening on" in log.read_text()   # it binds, then says so
         wait_for(ready, 120, what="the re-executed server listening")
         text = log.read_text()
         assert "lean TensorFlow import failed (ImportError: refused by the test)" in text
