@@ -6,6 +6,7 @@ Shipped beside shim.py (standard library only, Python >= 3.8).
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -28,6 +29,33 @@ else:  # shipped: the shim's directory is first on sys.path
 expand, proc_stat, kill_tasks = procs.expand, procs.proc_stat, procs.kill_tasks
 exit_code, remove_quietly, write_pidfile = procs.exit_code, procs.remove_quietly, procs.write_pidfile
 write_all, POLL = procs.write_all, procs.POLL
+TAIL_CHUNK = 1 << 20     # at most this much of a log per copy to the channel
+
+
+class _NoSendfile(Exception):
+    pass
+
+
+def _sendfile(f, pos: int, want: int) -> int:
+    """Bytes of `f` from `pos` (at most `want`) put on stdout by the kernel; 0 at its end."""
+    if not want:
+        return 0
+    try:
+        return os.sendfile(1, f.fileno(), pos, want)
+    except OSError as e:
+        if e.errno in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ESPIPE):
+            raise _NoSendfile() from None
+        raise
+    except AttributeError:       # no os.sendfile here
+        raise _NoSendfile() from None
+
+
+def _read_write(f, pos: int, want: int) -> int:
+    f.seek(pos)
+    chunk = f.read(min(want, 65536))
+    if chunk:
+        write_all(1, chunk)
+    return len(chunk)
 ShimError, TAG_VAR = proto.ShimError, proto.TAG_VAR
 # A fresh attempt's first bytes should not wait a whole POLL: the tailer polls every
 # FAST_POLL for the first FAST_WINDOW seconds of each attempt (a Python start is ~50 ms).
@@ -286,17 +314,24 @@ class Attached:
             time.sleep(POLL)
 
     def tail(self) -> None:
-        """Copy the log file to stdout as it grows; the task never sees our pipe."""
+        """Copy the log file to stdout as it grows; the task never sees our pipe. The kernel
+        copies (sendfile: a file to a pipe, Linux >= 2.6.33) where it can; read and write
+        where it cannot."""
         try:
             with open(self.log, "rb") as f:
-                pos = f.seek(self.offset)
+                pos = self.offset
+                copy = _sendfile
                 while not self.quiet.is_set():
                     finished = self.task_done.is_set()
                     limit = self.limit
-                    chunk = f.read(65536 if limit is None else max(0, min(65536, limit - pos)))
-                    if chunk:
-                        write_all(1, chunk)
-                        pos += len(chunk)
+                    want = TAIL_CHUNK if limit is None else max(0, min(TAIL_CHUNK, limit - pos))
+                    try:
+                        sent = copy(f, pos, want)
+                    except _NoSendfile:
+                        copy = _read_write
+                        sent = copy(f, pos, want)
+                    if sent:
+                        pos += sent
                     elif finished:
                         return               # an attempt never confirmed is not shown
                     else:
