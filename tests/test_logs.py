@@ -392,3 +392,14 @@ def test_marker_search_agrees_with_the_plain_search():
             assert find(block) == any(m in block for m in sets), (sets, block)
             assert find.lines(block) == [line for line in block.split(b"\n")
                                          if any(m in line for m in sets)], (sets, block)
+
+
+def test_the_history_is_the_last_lines_of_each_batch():
+    import random
+
+    from tfcluster.logscan import _last_lines
+    rng = random.Random(3)
+    for _ in range(2000):
+        block = b"\n".join(b"x" * rng.choice([0, 1, 5, 60, 300, 5000]) for _ in range(rng.randint(1, 400)))
+        n = rng.choice([1, 5, 100])
+        assert _last_lines(block, n) == block.split(b"\n")[-n:], (len(block), n)

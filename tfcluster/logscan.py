@@ -103,14 +103,16 @@ _PROBE = _AnyOf(PROBE_MARKS)
 
 
 def _last_lines(block: bytes, n: int) -> list[bytes]:
-    """block.split(b"\n")[-n:], reading only the end of the block (an rsplit's first item
-    is a copy of all the rest)."""
-    cut = len(block)
-    for _ in range(n):
-        cut = block.rfind(b"\n", 0, cut)
-        if cut < 0:
-            return block.split(b"\n")
-    return block[cut + 1:].split(b"\n")
+    """block.split(b"\n")[-n:], splitting only the end of the block: a tail long enough to
+    hold n newlines (an rsplit's first item is a copy of all the rest; n rfinds cost more
+    than one count over a few kilobytes)."""
+    span = n * 128
+    while span < len(block):
+        tail = block[-span:]
+        if tail.count(b"\n") >= n:
+            return tail.split(b"\n")[-n:]
+        span *= 8
+    return block.split(b"\n")[-n:]
 
 
 def _has_tf_log_line(block: bytes) -> bool:
