@@ -104,6 +104,9 @@ class Acceptor:
         self.selector = selectors.DefaultSelector()     # epoll: no FD_SETSIZE limit
         for s in self.listeners:
             self.selector.register(s, selectors.EVENT_READ)
+        # close() wakes the select at once (a timeout there cost every check its length)
+        self.wake_r, self.wake_w = os.pipe()
+        self.selector.register(self.wake_r, selectors.EVENT_READ)
         self.thread = threading.Thread(target=self.run, daemon=True)
         if self.listeners:
             self.thread.start()
@@ -111,10 +114,12 @@ class Acceptor:
     def run(self) -> None:
         while not self.stop.is_set():
             try:
-                ready = self.selector.select(0.1)
+                ready = self.selector.select(1.0)
             except (OSError, ValueError):
                 return
             for key, _ in ready:
+                if key.fileobj == self.wake_r:
+                    return
                 try:
                     self.accepted.append(key.fileobj.accept()[0])
                 except OSError:
@@ -122,9 +127,18 @@ class Acceptor:
 
     def close(self) -> None:
         self.stop.set()
+        try:
+            os.write(self.wake_w, b"x")
+        except OSError:
+            pass
         if self.thread.is_alive():
             self.thread.join(1.0)
         self.selector.close()
+        for fd in (self.wake_r, self.wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
         for s in self.accepted + self.listeners:
             try:
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
