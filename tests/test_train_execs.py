@@ -11,6 +11,7 @@ from collections import Counter
 import pytest
 
 from tests.conftest import tagged_processes
+from tests.sshd import SFTP_SERVER
 from tests.train_helpers import ssh_spec, tfcluster
 
 pytestmark = [pytest.mark.ssh, pytest.mark.timeout(240)]
@@ -72,3 +73,28 @@ def test_a_warm_host_runs_the_script_in_one_exec_and_a_changed_script_still_ship
         assert sum(stale[address].values()) == sum(warm[address].values()) + 1
     assert not tagged_processes()
     assert not [p for p in os.listdir(tmp_path / "remote" / "execs" / "pids")]
+
+
+def test_a_cold_host_gets_its_shim_files_in_one_sftp_session(tmp_path, home, ssh_home, sshd_factory):
+    """Every SFTP session is a subsystem the host starts through the login shell: a cold
+    host's stale shim files go in one session, not one each (the sshd's sftp-server is a
+    wrapper that notes each start)."""
+    log = tmp_path / "sftp.log"
+    wrapper = tmp_path / "sftp-server"
+    wrapper.write_text(f"#!/bin/sh\necho \"$(echo \"$SSH_CONNECTION\" | cut -d' ' -f3)\" >> {log}\n"
+                       f"exec {SFTP_SERVER} \"$@\"\n")
+    wrapper.chmod(stat.S_IRWXU)
+    server = sshd_factory(Subsystem=f"sftp {wrapper}")
+    server.write_known_hosts(ssh_home / "known_hosts", mode="a")
+    script = tmp_path / "hello.py"
+    script.write_text("print('hello')\n")
+    spec = ssh_spec(tmp_path, server, name="coldsftp", train=f"train:\n  mode: mirrored\n  script: {script}\n")
+    spec.write_text(spec.read_text().replace("  ps: {tasks: ['h2:", "  # ps: {tasks: ['h2:"))
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    result = tfcluster("train", str(spec), home=home, cwd=cwd, timeout=120)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    sessions = Counter(log.read_text().split())
+    assert sessions == Counter({"127.0.0.3": 1, "127.0.0.4": 1}), sessions   # one per cold host
+    assert (tmp_path / "remote" / "coldsftp" / "bin" / "shim.py").exists()
+    assert not tagged_processes()

@@ -154,8 +154,7 @@ class HostAgent:
         return lines[0]
 
     def ship_stale(self, stale: list[str], files: dict[str, bytes]) -> None:
-        for name in stale:
-            self.transport.put(files[name], f"{self._bindir}/{name}", 0o700)
+        self.transport.put_many([(files[name], f"{self._bindir}/{name}", 0o700) for name in stale])
 
     def _shim_argv(self, command: str) -> list[str]:
         if self._bindir is None:
@@ -260,8 +259,7 @@ class HostAgent:
             return sum(len(by_digest[d]) for d in self._call(proto.FILES, request)["added"])
         known = placed is not None and placed[0] == request    # the bootstrap named what lacks
         missing = list(placed[1]) if known else self._call(proto.FILES, request)["missing"]
-        for digest in missing:
-            self.transport.put(by_digest[digest], f"{self.paths.cache}/{digest}")
+        self.transport.put_many([(by_digest[d], f"{self.paths.cache}/{d}", 0o600) for d in missing])
         if missing and self._call(proto.FILES, request)["missing"]:
             raise HostError(f"host {self.name}: uploaded files did not appear in {dest}")
         return sum(len(by_digest[d]) for d in missing)

@@ -99,6 +99,12 @@ class Transport(abc.ABC):
 
         `path` may be "~" or start with "~/" (the login user's home; see `home_relative`)."""
 
+    def put_many(self, items: Sequence[tuple[bytes, str, int]]) -> None:
+        """put() of each (data, path, mode), in order (over SSH: one SFTP session for all,
+        each session costing the host a login shell)."""
+        for data, path, mode in items:
+            self.put(data, path, mode)
+
     @abc.abstractmethod
     def tunnel(self, port: int):
         """A byte stream (settimeout, sendall, recv, close) to 127.0.0.1:`port` on the host:
