@@ -118,6 +118,8 @@ def _last_lines(block: bytes, n: int) -> list[bytes]:
 def _has_tf_log_line(block: bytes) -> bool:
     """TF_INFO_LINE.search, with the regex run only when a line starts with I or W (and
     the block has the `] ` every such line has: one fast scan for most output)."""
-    if b"]" not in block or b"] " not in block or not (block[:1] in (b"I", b"W") or b"\nI" in block or b"\nW" in block):
+    if b"]" not in block or b"] " not in block:        # a memchr first: most output has no "]"
+        return False
+    if not (block[:1] in (b"I", b"W") or b"\nI" in block or b"\nW" in block):
         return False
     return TF_INFO_LINE.search(block) is not None
