@@ -376,16 +376,16 @@ def test_importing_logmux_does_not_import_rich():
 
 
 def test_marker_search_agrees_with_the_plain_search():
-    """logscan._AnyOf (a memchr pass per rarest byte first) finds exactly what
+    """logscan.AnyOf (a memchr pass per rarest byte first) finds exactly what
     `any(m in block ...)` and a line-by-line filter find, in the same order."""
     import random
 
-    from tfcluster.logscan import PROBE_MARKS, TF_NOISE, _AnyOf
+    from tfcluster.logscan import PROBE_MARKS, TF_NOISE, AnyOf
     rng = random.Random(12)
     markers = (b"step=", b"loss=", b"tfcluster-hang: ", *PROBE_MARKS, *TF_NOISE)
     words = [b"x" * 40, b"12345", b"a=b", b"step", b"loss:", b"]", b"I1123", *markers, b"\xc3\xa9"]
     for sets in (markers, markers[:2], (b"=",), (b"",)):
-        find = _AnyOf(sets)
+        find = AnyOf(sets)
         for _ in range(300):
             block = b"\n".join(b" ".join(rng.choice(words) for _ in range(rng.randint(0, 4)))
                                for _ in range(rng.randint(1, 8)))
@@ -397,9 +397,9 @@ def test_marker_search_agrees_with_the_plain_search():
 def test_the_history_is_the_last_lines_of_each_batch():
     import random
 
-    from tfcluster.logscan import _last_lines
+    from tfcluster.logscan import last_lines
     rng = random.Random(3)
     for _ in range(2000):
         block = b"\n".join(b"x" * rng.choice([0, 1, 5, 60, 300, 5000]) for _ in range(rng.randint(1, 400)))
         n = rng.choice([1, 5, 100])
-        assert _last_lines(block, n) == block.split(b"\n")[-n:], (len(block), n)
+        assert last_lines(block, n) == block.split(b"\n")[-n:], (len(block), n)

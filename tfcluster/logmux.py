@@ -22,8 +22,8 @@ import time
 from typing import BinaryIO, Callable, Sequence
 
 from tfcluster.fsutil import NOFOLLOW, private_dir
-from tfcluster.logscan import (PROBE_MARKS, TF_INFO_LINE, TF_NOISE, _AnyOf, _has_tf_log_line,
-                               _last_lines, _PROBE, _PROBE_OR_NOISE, _utf8_split)
+from tfcluster.logscan import (PROBE_MARKS, TF_INFO_LINE, TF_NOISE, AnyOf, has_tf_log_line,
+                               last_lines, PROBE, PROBE_OR_NOISE, utf8_split)
 from tfcluster.names import log_file
 from tfcluster.safetext import escape
 
@@ -73,7 +73,7 @@ class LogMux:
         self._collapse = collapse
         self._hide_noise = hide_noise
         self._watch = watch
-        self._watching = _AnyOf(watch[0]) if watch is not None else None
+        self._watching = AnyOf(watch[0]) if watch is not None else None
         self._out_lock = threading.Lock()
         self._broken = False      # the reader of `out` went away (e.g. `| head`)
         self._closed = False
@@ -105,7 +105,7 @@ class LogMux:
         with t.lock:
             t.last_output = time.monotonic()
             self._save(t, chunk)
-            body, t.carry = _utf8_split(t.carry + chunk if t.carry else chunk)
+            body, t.carry = utf8_split(t.carry + chunk if t.carry else chunk)
             if body:
                 self._emit(t, self._block(t, body))
 
@@ -116,7 +116,7 @@ class LogMux:
         """
         t = self._tasks[key]
         with t.lock:
-            body, t.carry = _utf8_split(t.carry, final=True)
+            body, t.carry = utf8_split(t.carry, final=True)
             if t.partial or body:
                 self._emit(t, self._block(t, body + b"\n"))
             t.shown = False
@@ -272,11 +272,11 @@ class LogMux:
         if self._watch is not None and self._watching(block):
             for line in self._watching.lines(block):
                 self._watch[1](t.key, line)
-        if (_PROBE_OR_NOISE(block) or _has_tf_log_line(block)) if self._hide_noise else _PROBE(block):
+        if (PROBE_OR_NOISE(block) or has_tf_log_line(block)) if self._hide_noise else PROBE(block):
             block = b"\n".join(line for line in block.split(b"\n") if not self._hidden(line))
             if not block:
                 return
-        t.ring.extend(_last_lines(block, HISTORY))
+        t.ring.extend(last_lines(block, HISTORY))
         if t.show:
             body = block.replace(b"\n", t.sep)
             if len(body) < JOIN_BELOW:       # one write: whole lines, never torn by another writer

@@ -11,7 +11,7 @@ import re
 from typing import Sequence
 
 
-def _utf8_split(data: bytes, final: bool = False) -> tuple[bytes, bytes]:
+def utf8_split(data: bytes, final: bool = False) -> tuple[bytes, bytes]:
     """(complete valid UTF-8, incomplete trailing character held back).
 
     Same rule as `codecs.getincrementaldecoder("utf-8")(errors="replace")`, but
@@ -56,7 +56,7 @@ PROBE_MARKS = (b"tfcluster-placement: ", b"tfcluster-not-ready: ")
 _FREQUENT = b" e0t1a2o3i4n5s6r7h8l9dcumfpgwybvkxjqz\nETAOINSRHLDCUMFPGWYBVKXJQZ_.,-"
 
 
-class _AnyOf:
+class AnyOf:
     """`any(m in block for m in markers)` in fewer passes: each distinct rarest byte of the
     markers is looked for once (a single byte is a memchr), and only the markers holding a
     byte the block has are searched for. An empty marker matches every block."""
@@ -98,11 +98,11 @@ class _AnyOf:
         return found
 
 
-_PROBE_OR_NOISE = _AnyOf(PROBE_MARKS + TF_NOISE)
-_PROBE = _AnyOf(PROBE_MARKS)
+PROBE_OR_NOISE = AnyOf(PROBE_MARKS + TF_NOISE)
+PROBE = AnyOf(PROBE_MARKS)
 
 
-def _last_lines(block: bytes, n: int) -> list[bytes]:
+def last_lines(block: bytes, n: int) -> list[bytes]:
     """block.split(b"\n")[-n:], splitting only the end of the block: a tail long enough to
     hold n newlines (an rsplit's first item is a copy of all the rest; n rfinds cost more
     than one count over a few kilobytes)."""
@@ -115,7 +115,7 @@ def _last_lines(block: bytes, n: int) -> list[bytes]:
     return block.split(b"\n")[-n:]
 
 
-def _has_tf_log_line(block: bytes) -> bool:
+def has_tf_log_line(block: bytes) -> bool:
     """TF_INFO_LINE.search, with the regex run only when a line starts with I or W (and
     the block has the `] ` every such line has: one fast scan for most output)."""
     if b"]" not in block or b"] " not in block:        # a memchr first: most output has no "]"

@@ -29,6 +29,11 @@ else:  # shipped: the shim's directory is first on sys.path
 expand, proc_stat, kill_tasks = procs.expand, procs.proc_stat, procs.kill_tasks
 exit_code, remove_quietly, write_pidfile = procs.exit_code, procs.remove_quietly, procs.write_pidfile
 write_all, POLL = procs.write_all, procs.POLL
+ShimError, TAG_VAR = proto.ShimError, proto.TAG_VAR
+# A fresh attempt's first bytes should not wait a whole POLL: the tailer polls every
+# FAST_POLL for the first FAST_WINDOW seconds of each attempt (a Python start is ~50 ms;
+# 500 reads of an idle file cost ~5 ms of CPU).
+FAST_POLL, FAST_WINDOW = 0.002, 1.0
 TAIL_CHUNK = 1 << 20     # at most this much of a log per copy to the channel
 
 
@@ -46,8 +51,6 @@ def _sendfile(f, pos: int, want: int) -> int:
         if e.errno in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ESPIPE):
             raise _NoSendfile() from None
         raise
-    except AttributeError:       # no os.sendfile here
-        raise _NoSendfile() from None
 
 
 def _read_write(f, pos: int, want: int) -> int:
@@ -56,11 +59,6 @@ def _read_write(f, pos: int, want: int) -> int:
     if chunk:
         write_all(1, chunk)
     return len(chunk)
-ShimError, TAG_VAR = proto.ShimError, proto.TAG_VAR
-# A fresh attempt's first bytes should not wait a whole POLL: the tailer polls every
-# FAST_POLL for the first FAST_WINDOW seconds of each attempt (a Python start is ~50 ms; 500 reads of an idle file cost ~5 ms of CPU).
-FAST_POLL, FAST_WINDOW = 0.002, 1.0
-
 
 
 def open_private(path: str) -> int:

@@ -24,11 +24,11 @@ import types
 IMPORT_VAR = "TFCLUSTER_SERVER_IMPORT"   # "lean" (the default) or "full"
 
 
-def plugin_dirs() -> list[str]:
+def plugin_dirs(spec=None) -> list[str]:
     """Libraries `tensorflow/__init__.py` would load and the lean import would not:
     pluggable devices and kernels in `tensorflow-plugins` beside any site directory, and
-    custom kernels in `tensorflow/core/kernels`."""
-    spec = importlib.util.find_spec("tensorflow")
+    custom kernels in `tensorflow/core/kernels`. `spec`: tensorflow's, when found already."""
+    spec = spec or importlib.util.find_spec("tensorflow")
     if spec is None or not spec.submodule_search_locations:
         return []
     here = list(spec.submodule_search_locations)
@@ -43,9 +43,9 @@ def plugin_dirs() -> list[str]:
     return sorted(d for d in found if os.path.isdir(d) and os.listdir(d))
 
 
-def lean_server_lib():
-    """tensorflow.python.training.server_lib under a bare `tensorflow` package."""
-    spec = importlib.util.find_spec("tensorflow")
+def lean_server_lib(spec):
+    """tensorflow.python.training.server_lib under a bare `tensorflow` package (`spec`:
+    tensorflow's)."""
     package = types.ModuleType("tensorflow")
     package.__path__ = list(spec.submodule_search_locations)
     package.__spec__ = spec
@@ -59,9 +59,10 @@ def server_classes():
     failed lean import leaves half-registered extension modules behind, so the fallback is
     this program again, full (the same pid: the shim's records stay true)."""
     lean = os.environ.get(IMPORT_VAR, "lean") != "full"
-    if lean and importlib.util.find_spec("tensorflow") is not None and not plugin_dirs():
+    spec = importlib.util.find_spec("tensorflow") if lean else None
+    if spec is not None and not plugin_dirs(spec):
         try:
-            return lean_server_lib()
+            return lean_server_lib(spec)
         except Exception as e:  # noqa: BLE001 - any failure of the shortcut: the full import
             print(f"tfcluster: lean TensorFlow import failed ({type(e).__name__}: {e}); "
                   f"importing all of tensorflow", file=sys.stderr, flush=True)
