@@ -37,12 +37,15 @@ SERVER_PROGRAM = (
 
 
 def free_ports(n: int, host: str = HOST) -> list[int]:
-    """`n` distinct ports free right now (held open together so none repeats)."""
+    """`n` distinct ports free right now (held open together so none repeats), on every
+    address: a TF server binds all of them, and a test sshd listening on 127.0.0.2 would
+    leave a port bindable on 127.0.0.1 yet taken for the task (seen once in CI). `host`
+    is where the tasks will be addressed; the check does not depend on it."""
     socks = []
     try:
         for _ in range(n):
             s = socket.socket()
-            s.bind((host, 0))
+            s.bind(("0.0.0.0", 0))
             socks.append(s)
         return [s.getsockname()[1] for s in socks]
     finally:
