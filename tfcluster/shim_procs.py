@@ -185,23 +185,14 @@ def kill_tasks(groups: list[int], match, grace: float) -> dict[int, str]:
     groups = [g for g in groups if as_pid(g)]
     for pgid in groups:
         signal_quietly(pgid, signal.SIGTERM, group=True)
-    termed = tagged(match)
-    for pid in termed:
+    for pid in tagged(match):
         signal_quietly(pid, signal.SIGTERM)
-    # The grace waits on those TERMed (a look at each, not a scan of every process's
-    # environment: on a busy host that scan is the cost of `down`), checked soon after the
-    # signal and less often as it goes on. The group KILL looks at them again; the sweep
-    # scans (whatever appeared meanwhile is found there).
-    def left() -> list[int]:
-        return [p for p, t in termed.items() if is_alive(p) and tag_of(p) == t and owned(p)]
-    deadline, pause = time.monotonic() + grace, 0.005
-    while time.monotonic() < deadline and left():
-        time.sleep(pause)
-        pause = min(POLL, pause * 2)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and tagged(match):
+        time.sleep(POLL)
     # A group is KILLed only while a verified member (ours, matching tag) is alive in it:
     # a live member keeps the pgid from being reused, so the KILL reaches the group TERMed.
-    # (A member born during the grace is KILLed by the sweep, one by one.)
-    members = {pgid_of(p) for p in left()}
+    members = {pgid_of(pid) for pid in tagged(match)}
     for pgid in groups:
         if pgid in members:
             signal_quietly(pgid, signal.SIGKILL, group=True)
