@@ -10,6 +10,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,6 +22,7 @@ from tests.conftest import tagged_processes, wait_for
 from tests.test_lifecycle import bindable
 from tests.tf_launch import free_ports
 from tests.train_helpers import tfcluster
+from tfcluster import shim_procs
 
 pytestmark = [pytest.mark.timeout(180)]
 
@@ -121,10 +123,10 @@ def test_down_is_one_exec_per_warm_host(tmp_path, home, ssh_home, verbose_sshd, 
 
     assert down.returncode == 0, down.stderr
     assert sessions == {a: ["command"] for a in ADDRESSES}, sessions   # no SFTP, no second exec
-    # the two "hosts" are one machine: whichever stop runs first may sweep all four, and two
-    # stops running at once may both count a process they both signalled
+    # the two "hosts" are one machine: whichever stop runs first sweeps all four, and the
+    # other, waiting on the stop lock, finds nothing left to count
     counts = [int(n) for n in re.findall(r"stopped (\d+) process", down.stderr)]
-    assert sum(counts) >= 4 and all(n <= 4 for n in counts), down.stderr
+    assert sum(counts) == 4, down.stderr
     assert "is down" in down.stderr
     assert not tagged_processes() and all(bindable(p) for p in ports)
 
@@ -194,3 +196,73 @@ def test_a_cold_host_ships_its_files_then_takes_one_more_exec(tmp_path, home, ss
         assert set(kinds[1:-1]) == {"subsystem 'sftp'"}, sessions
     _again, sessions = run_down(spec, home, cwd, verbose_sshd)
     assert sessions == {a: ["command"] for a in ADDRESSES}, sessions
+
+
+# Leaves TERM pending for LINGER seconds, as a server finishing a step does; says when it
+# has its handler and when it was TERMed.
+SLOW_TO_STOP = """
+import os, signal, sys, time
+def termed(*_):
+    open(sys.argv[1] + ".termed", "w").close()
+    time.sleep(float(sys.argv[2]))
+    raise SystemExit(0)
+signal.signal(signal.SIGTERM, termed)
+open(sys.argv[1] + ".ready", "w").close()
+while True:
+    signal.pause()
+"""
+
+
+def test_two_stops_at_once_on_one_machine_count_each_process_once(tmp_path, home):
+    """Two `hosts` of a spec on one machine stop the same processes: the second stop, run
+    while the first's TERMed tasks still linger, waits on the stop lock and counts none."""
+    from tfcluster import shim_fs
+    from tfcluster.names import ClusterPaths, Tag
+
+    shim = str(Path(shim_fs.__file__).with_name("shim.py"))
+    paths = ClusterPaths(str(tmp_path / "work" / "lab"))
+    shim_fs.private_tree([paths.root, paths.piddir, paths.runs])
+    script = tmp_path / "slow.py"
+    script.write_text(SLOW_TO_STOP)
+
+    def call(command: str, request: dict) -> dict:
+        done = subprocess.run([sys.executable, shim, command], input=json.dumps(request) + "\n",
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return json.loads(done.stdout.splitlines()[-1])
+
+    pids = []
+    try:
+        for i in range(3):
+            tag = str(Tag("lab", "r1", "worker", i, "server"))
+            marker = tmp_path / f"w{i}"
+            pids.append(int(call("start", {
+                "tag": tag, "argv": [sys.executable, str(script), str(marker), "2"], "env": {},
+                "cwd": str(tmp_path), "log": str(tmp_path / f"w{i}.log"),
+                "pidfile": paths.pidfile(tag), "cluster_dir": paths.root})["pid"]))
+        markers = [tmp_path / f"w{i}" for i in range(3)]
+        wait_for(lambda: all(Path(f"{m}.ready").exists() for m in markers), 30, what="handlers set")
+        request = tmp_path / "stop.json"
+        request.write_text(json.dumps({"piddir": paths.piddir, "tag_prefix": "lab:",
+                                       "cluster_dir": paths.root, "grace": 10}) + "\n")
+        stops = []
+        for _ in range(2):
+            with open(request) as stdin:
+                stops.append(subprocess.Popen([sys.executable, shim, "stop"], stdin=stdin,
+                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+            # the second starts only once the first has TERMed all three (they linger 2 s)
+            wait_for(lambda: all(Path(f"{m}.termed").exists() for m in markers), 30, what="TERMs")
+        answers = []
+        for stop in stops:
+            out, err = stop.communicate(timeout=60)
+            assert stop.returncode == 0, out + err
+            answers.append(json.loads(out.splitlines()[-1]))
+    finally:
+        for pid in pids:
+            shim_procs.signal_quietly(pid, signal.SIGKILL)
+    first, second = ([s["pid"] for s in a["stopped"]] for a in answers)
+    assert sorted(first) == sorted(pids) and second == [], answers
+    assert all(a["survivors"] == [] for a in answers)
+    assert not any(shim_procs.is_alive(pid) for pid in pids)
+    assert not any(Path(paths.pidfile(str(Tag("lab", "r1", "worker", i, "server")))).exists()
+                   for i in range(3))

@@ -6,6 +6,8 @@ pid alone; see docs/ARCHITECTURE.md, "The remote process model" and "Naming".
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -204,6 +206,36 @@ def kill_tasks(groups: list[int], match, grace: float) -> dict[int, str]:
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(POLL)
+
+
+@contextlib.contextmanager
+def stop_lock(piddir: str, wait: float):
+    """Held while one stop of this cluster runs on this machine and account.
+
+    Two "hosts" of a spec can be one machine (127.0.0.x, or two names of one box): their
+    stops, run at once, would TERM the same processes and each count them. Under this
+    lock the second one finds what the first left. Not had within `wait` seconds (a stop
+    that hangs), or no pid directory: the stop goes ahead unlocked, as it did before."""
+    fd = None
+    try:
+        fd = os.open(os.path.join(expand(piddir), ".stop.lock"),
+                     os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError:
+        pass
+    deadline = time.monotonic() + max(0.0, wait)
+    while fd is not None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except OSError:
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(POLL / 5)
+    try:
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # closing releases the flock
 
 
 # ---------------------------------------------------------------- pid files
