@@ -210,12 +210,8 @@ def kill_tasks(groups: list[int], match, grace: float) -> dict[int, str]:
 
 @contextlib.contextmanager
 def stop_lock(piddir: str, wait: float):
-    """Held while one stop of this cluster runs on this machine and account.
-
-    Two "hosts" of a spec can be one machine (127.0.0.x, or two names of one box): their
-    stops, run at once, would TERM the same processes and each count them. Under this
-    lock the second one finds what the first left. Not had within `wait` seconds (a stop
-    that hangs), or no pid directory: the stop goes ahead unlocked, as it did before."""
+    """One stop of a cluster at a time on this machine and account (docs/ARCHITECTURE.md,
+    "The remote process model"); after `wait` seconds, or with no pid dir, none."""
     fd = None
     try:
         fd = os.open(os.path.join(expand(piddir), ".stop.lock"),
