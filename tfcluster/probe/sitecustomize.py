@@ -19,8 +19,6 @@ exactly as it would have; this directory is taken back off PYTHONPATH so the scr
 own child processes are not probed.
 """
 import importlib.machinery
-import importlib.util
-import json
 import io
 import os
 import sys
@@ -58,6 +56,7 @@ def _report(session):
         dtype = getattr(getattr(v, "dtype", None), "base_dtype", None)
         rows.append([v.name, v.device or "", shape, getattr(dtype, "name", str(dtype))])
     task = "%s:%s" % (os.environ.get("TFCLUSTER_JOB", "?"), os.environ.get("TFCLUSTER_TASK_INDEX", "?"))
+    import json   # here, not at start-up: 2 ms of every script's start (and every restart's)
     _emit(_MARK + json.dumps({"task": task, "pid": os.getpid(), "vars": rows,
                               "truncated": len(variables) > _MAX_VARS}, separators=(",", ":")))
 
@@ -143,7 +142,8 @@ def _chain_user_sitecustomize():
     spec = importlib.machinery.PathFinder.find_spec("sitecustomize", path)
     if spec is None or spec.loader is None:
         return
-    module = importlib.util.module_from_spec(spec)
+    from importlib.util import module_from_spec   # only with a user's sitecustomize to run
+    module = module_from_spec(spec)
     sys.modules["sitecustomize"] = module
     spec.loader.exec_module(module)   # its errors surface exactly as site.py shows them
 
