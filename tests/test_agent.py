@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from tests.conftest import tagged_processes, wait_for
-from tfcluster import shim_procs
+from tfcluster import shim_facts, shim_procs
 from tfcluster.agent import HostAgent, TaskLaunch
 from tfcluster.errors import HostError
 from tfcluster.names import ClusterPaths
@@ -385,7 +385,7 @@ def test_installed_version_reads_dist_info_in_path_order_as_importlib_metadata_d
         info = where / f"My_Dist-{version}.dist-info"
         info.mkdir(parents=True)
         (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: My-Dist\nVersion: {version}\n")
-    assert shim_procs._dist_infos([str(first), str(second)])["my_dist"] == "1.2.3"
+    assert shim_facts._dist_infos([str(first), str(second)])["my_dist"] == "1.2.3"
 
     def by_metadata(dists):
         for dist in dists:
@@ -394,6 +394,6 @@ def test_installed_version_reads_dist_info_in_path_order_as_importlib_metadata_d
             except metadata.PackageNotFoundError:
                 continue
 
-    for dists in (shim_procs.TF_DISTRIBUTIONS, shim_procs.TB_DISTRIBUTIONS, ("tensorflow-cpu", "tensorflow")):
-        assert shim_procs.installed_version(dists) == by_metadata(dists) is not None
-    assert shim_procs.installed_version(("no-such-dist",)) is None
+    for dists in (shim_facts.TF_DISTRIBUTIONS, shim_facts.TB_DISTRIBUTIONS, ("tensorflow-cpu", "tensorflow")):
+        assert shim_facts.installed_version(dists) == by_metadata(dists) is not None
+    assert shim_facts.installed_version(("no-such-dist",)) is None

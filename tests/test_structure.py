@@ -9,8 +9,8 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "tfcluster"
 MODULES = sorted(PACKAGE.rglob("*.py"))
-SHIPPED = ("shim.py", "shim_down.py", "shim_fs.py", "shim_net.py", "shim_ports.py", "shim_procs.py",
-           "shim_protocol.py", "shim_tasks.py", "shim_up.py", "tfserver.py")
+SHIPPED = ("shim.py", "shim_down.py", "shim_facts.py", "shim_fs.py", "shim_net.py", "shim_ports.py",
+           "shim_procs.py", "shim_protocol.py", "shim_tasks.py", "shim_up.py", "tfserver.py")
 
 
 def imports_of(path: Path) -> set[str]:

@@ -18,7 +18,7 @@ from tests.conftest import tagged_processes
 from tests.tf_launch import free_ports
 from tests.train_helpers import tfcluster
 from tfcluster.agent import HostInfo
-from tfcluster.shim_procs import _build_info, tf_version
+from tfcluster.shim_facts import _build_info, tf_version
 from tfcluster.versions import find_skew, find_skews, message, odd_fields
 
 SHIM = Path(__file__).resolve().parent.parent / "tfcluster" / "shim.py"

@@ -12,9 +12,13 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-SHIPPED = ("shim.py", "shim_down.py", "shim_fs.py", "shim_net.py", "shim_ports.py", "shim_procs.py",
-           "shim_protocol.py", "shim_tasks.py", "shim_up.py", "tfserver.py", "probe/sitecustomize.py")
+SHIPPED = ("shim.py", "shim_down.py", "shim_facts.py", "shim_fs.py", "shim_net.py", "shim_ports.py",
+           "shim_procs.py", "shim_protocol.py", "shim_tasks.py", "shim_up.py", "tfserver.py", "probe/sitecustomize.py")
 PACKAGE_DIR = str(Path(__file__).parent)
+# Every shim runs without `site` (`python -S`): .pth files and sitecustomize are a third to a
+# half of a remote execution's CPU, for nothing the shim imports (docs/ARCHITECTURE.md,
+# "Files and directories on a host"). shim_facts.site_path() finds what `site` would add.
+NO_SITE = "-S"
 MIN_PYTHON = (3, 8)
 
 # After shim_fs.py's definitions: refuse an old Python, make the tree private, say which

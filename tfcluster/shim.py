@@ -23,6 +23,7 @@ import time
 
 if __package__:
     from . import shim_down as down
+    from . import shim_facts as facts
     from . import shim_fs as fs
     from . import shim_net as net
     from . import shim_ports as ports
@@ -32,6 +33,7 @@ if __package__:
     from . import shim_up as up
 else:  # shipped: this file's directory is first on sys.path
     import shim_down as down
+    import shim_facts as facts
     import shim_fs as fs
     import shim_net as net
     import shim_ports as ports
@@ -53,12 +55,12 @@ ShimError = proto.ShimError
 
 
 def cmd_info(req: dict) -> dict:
-    gpus, driver = procs.nvidia()
-    answer = {"python_version": "%d.%d.%d" % sys.version_info[:3], "tf_version": procs.tf_version(),
-              "machine_id": procs.machine_id(), "gpus": gpus, "driver_version": driver,
-              "tensorboard_version": procs.installed_version(procs.TB_DISTRIBUTIONS),
+    gpus, driver = facts.nvidia()
+    answer = {"python_version": "%d.%d.%d" % sys.version_info[:3], "tf_version": facts.tf_version(),
+              "machine_id": facts.machine_id(), "gpus": gpus, "driver_version": driver,
+              "tensorboard_version": facts.installed_version(facts.TB_DISTRIBUTIONS),
               "proxy": net.proxy_report(os.environ)}
-    answer.update(procs.tf_build())
+    answer.update(facts.tf_build())
     return answer
 
 

@@ -1,4 +1,4 @@
-"""The host's side of process ownership: /proc, pid files, killing by tag, host facts.
+"""The host's side of process ownership: /proc, pid files, killing by tag.
 
 Shipped beside shim.py (standard library only, Python >= 3.8). A task is recognised by
 its owner (our uid), the tag in its environment and its start time, never by its name or
@@ -11,10 +11,7 @@ import fcntl
 import hashlib
 import json
 import os
-import re
 import signal
-import subprocess
-import sys
 import time
 
 if __package__:
@@ -22,9 +19,6 @@ if __package__:
 else:  # shipped: the shim's directory is first on sys.path
     from shim_protocol import TAG_VAR, ShimError
 
-TF_DISTRIBUTIONS = ("tensorflow", "tensorflow-cpu", "tensorflow-gpu", "tf-nightly",
-                    "tf-nightly-cpu", "tf-nightly-gpu", "tensorflow-intel", "tensorflow-macos")
-TB_DISTRIBUTIONS = ("tensorboard", "tb-nightly")
 POLL = 0.05
 
 
@@ -274,126 +268,3 @@ def verified(record: dict) -> bool:
     stat = proc_stat(pid) if pid else None
     return (stat is not None and stat[0] not in ("Z", "X") and stat[1] == record.get("start_time")
             and tag_of(pid) == record.get("tag") and owned(pid))
-
-
-def tf_version() -> str | None:
-    return installed_version(TF_DISTRIBUTIONS)
-
-
-def installed_version(distributions) -> str | None:
-    """The version of the first of these distributions installed here, else None.
-
-    The `*.dist-info` folders on sys.path first (what importlib.metadata finds, in its
-    order, without its imports and scans: a third of a remote execution's CPU); then
-    importlib.metadata itself, for other kinds of installs."""
-    found = _dist_infos(sys.path)
-    for dist in distributions:
-        version = found.get(_normalized(dist))
-        if version:
-            return version
-    try:
-        from importlib import metadata
-    except ImportError:  # pragma: no cover - Python < 3.8
-        return None
-    for dist in distributions:
-        try:
-            return metadata.version(dist)
-        except Exception:
-            continue
-    return None
-
-
-def _normalized(name: str) -> str:
-    return re.sub(r"[-_.]+", "_", name).lower()
-
-
-def _dist_infos(path) -> dict:
-    """normalized distribution name -> the Version of its first dist-info on `path`."""
-    found = {}
-    for entry in path:
-        try:
-            names = os.listdir(entry or ".")
-        except OSError:
-            continue
-        for name in names:
-            if not name.endswith(".dist-info"):
-                continue
-            key = _normalized(name[:-len(".dist-info")].partition("-")[0])
-            if key in found:
-                continue
-            try:
-                with open(os.path.join(entry or ".", name, "METADATA"), "rb") as f:
-                    head = f.read(4096)
-            except OSError:
-                continue
-            match = re.search(rb"^Version: *(\S+)", head, re.M)
-            if match:
-                found[key] = match.group(1).decode("ascii", "replace")
-    return found
-
-
-def tf_build() -> dict:
-    """The CUDA and cuDNN versions TensorFlow was built with (None for a CPU build, or
-    when unknown), read from its build_info.py as text: importing TF costs seconds."""
-    found = {"cuda_version": None, "cudnn_version": None}
-    try:
-        import importlib.util
-        spec = importlib.util.find_spec("tensorflow")  # locates, runs nothing
-        for folder in (spec.submodule_search_locations or []) if spec else []:
-            path = os.path.join(folder, "python", "platform", "build_info.py")
-            if os.path.isfile(path):
-                with open(path, "rb") as f:
-                    info = _build_info(f.read())
-                for key in found:
-                    found[key] = str(info[key]) if info.get(key) else None
-                break
-    except Exception:  # a broken install is reported by the TF-missing check, not here
-        pass
-    return found
-
-
-def _build_info(source: bytes) -> dict:
-    """`build_info = {...}` or `collections.OrderedDict([(k, v), ...])`, never executed."""
-    import ast
-    for node in ast.parse(source).body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "build_info"
-                                                for t in node.targets):
-            value = node.value
-            if isinstance(value, ast.Call) and value.args:
-                value = value.args[0]
-            return dict(ast.literal_eval(value))
-    return {}
-
-
-def nvidia() -> tuple[int, str | None]:
-    """(GPU count, driver version or None) from one nvidia-smi call: it answers a line per GPU."""
-    try:
-        if not _on_path("nvidia-smi"):
-            raise FileNotFoundError("nvidia-smi")      # no fork for a command that is not there
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, timeout=20)
-        words = out.stdout.decode(errors="replace").split() if out.returncode == 0 else []
-        drivers = [w for w in words if w[:1].isdigit()]
-        if drivers:
-            return len(drivers), drivers[0]
-    except (OSError, subprocess.SubprocessError):
-        pass
-    try:
-        return len(os.listdir("/proc/driver/nvidia/gpus")), None
-    except OSError:
-        return 0, None
-
-
-def _on_path(command: str) -> bool:
-    return any(os.access(os.path.join(d or ".", command), os.X_OK)
-               for d in os.environ.get("PATH", os.defpath).split(os.pathsep))
-
-
-def machine_id() -> str:
-    for path in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
-        try:
-            with open(path) as f:
-                return f.read().strip()
-        except OSError:
-            continue
-    return ""

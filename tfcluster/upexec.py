@@ -18,7 +18,7 @@ from tfcluster import shim_protocol as proto
 from tfcluster.agent import HostAgent
 from tfcluster.agent_types import TaskLaunch, start_request
 from tfcluster.attached import tail_text
-from tfcluster.bootstrap import BOOTSTRAP, PACKAGE_DIR, cluster_tree
+from tfcluster.bootstrap import BOOTSTRAP, NO_SITE, PACKAGE_DIR, cluster_tree
 from tfcluster.errors import HostError, PreflightError
 from tfcluster.transport.base import Proc
 
@@ -58,16 +58,16 @@ class UpExec:
             except (shim_fs.Refused, OSError) as e:
                 raise PreflightError(f"host {a.name}: {proto.describe_exception(e)}") from None
             a._bindir = PACKAGE_DIR   # noqa: SLF001
-            self._spawn([a.python, f"{PACKAGE_DIR}/shim.py", proto.UP], proto.json_line(request))
+            self._spawn([a.python, NO_SITE, f"{PACKAGE_DIR}/shim.py", proto.UP], proto.json_line(request))
         else:
             boot, files = a.bootstrap_request(proto.UP)
-            self._spawn([a.python, "-c", BOOTSTRAP], proto.json_line(boot) + proto.json_line(request))
+            self._spawn([a.python, NO_SITE, "-c", BOOTSTRAP], proto.json_line(boot) + proto.json_line(request))
             boot = a.boot_verdict(self.next_line(), self.proc)
             if boot["stale"]:
                 self.proc.wait(10.0)
                 self._drop()
                 a.ship_stale(boot["stale"], files)
-                self._spawn([a.python, f"{a._bindir}/shim.py", proto.UP], proto.json_line(request))   # noqa: SLF001
+                self._spawn([a.python, NO_SITE, f"{a._bindir}/shim.py", proto.UP], proto.json_line(request))   # noqa: SLF001
         answer = self.next_line()
         if answer is None or "answers" not in answer:
             raise self._ended(answer)

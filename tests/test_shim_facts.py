@@ -1,0 +1,78 @@
+"""The shim runs under `python -S` (bootstrap.NO_SITE): `info` must still find TensorFlow
+and TensorBoard where `site` would have put them. Real interpreters: this one, and venvs
+made here with `python -m venv` (a fake `tensorflow` dist-info tells them apart)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tfcluster import shim_facts
+from tfcluster.bootstrap import NO_SITE
+
+SHIM = str(Path(shim_facts.__file__).with_name("shim.py"))
+KEYS = ("tf_version", "tensorboard_version", "cuda_version", "cudnn_version", "python_version")
+
+pytestmark = [pytest.mark.timeout(120)]
+
+
+def info(python: str, *flags: str) -> dict:
+    done = subprocess.run([python, *flags, SHIM, "info"], input="{}\n", capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    answer = json.loads(done.stdout.splitlines()[-1])
+    return {k: answer[k] for k in KEYS}
+
+
+def venv(path: Path, system: bool = False) -> tuple[str, Path]:
+    """A venv (no pip: nothing is downloaded); its python and its site-packages."""
+    argv = [sys.executable, "-m", "venv", "--without-pip", str(path)]
+    subprocess.run(argv + (["--system-site-packages"] if system else []), check=True, timeout=60)
+    python = str(path / "bin" / "python")
+    site = subprocess.run([python, "-c", "import site; print(site.getsitepackages()[0])"],
+                          capture_output=True, text=True, check=True, timeout=30).stdout.strip()
+    return python, Path(site)
+
+
+def fake_dist(where: Path, name: str, version: str) -> None:
+    info = where / f"{name}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+
+
+def test_info_under_dash_s_answers_as_with_site():
+    with_site = info(sys.executable)
+    assert with_site["tf_version"]                      # this machine's TensorFlow (the CPU wheel)
+    assert info(sys.executable, NO_SITE) == with_site
+
+
+def test_a_venvs_own_tensorflow_is_found_not_the_base_interpreters(tmp_path):
+    python, site = venv(tmp_path / "v")
+    fake_dist(site, "tensorflow", "9.8.7")
+    ran = tmp_path / "pth-ran"      # a .pth line that imports runs: it shows whether `site` ran
+    (site / "probe.pth").write_text(f"import os; open({str(ran)!r}, 'w').close()\n")
+    assert info(python, NO_SITE)["tf_version"] == "9.8.7"
+    assert not ran.exists()         # found without running `site` (the point of -S)
+    assert info(python)["tf_version"] == "9.8.7" and ran.exists()
+
+
+def test_a_venv_with_system_site_packages_sees_the_base_tensorflow(tmp_path):
+    python, _ = venv(tmp_path / "v", system=True)
+    base = info(sys.executable)["tf_version"]
+    assert info(python, NO_SITE)["tf_version"] == info(python)["tf_version"] == base
+
+
+def test_a_venv_without_them_has_no_tensorflow(tmp_path):
+    python, _ = venv(tmp_path / "v")
+    assert info(python, NO_SITE)["tf_version"] is None and info(python)["tf_version"] is None
+
+
+def test_tensorflow_put_on_the_path_by_a_pth_file_is_found(tmp_path):
+    python, site = venv(tmp_path / "v")
+    elsewhere = tmp_path / "elsewhere"
+    fake_dist(elsewhere, "tensorflow_cpu", "7.6.5")
+    (site / "extra.pth").write_text(f"{elsewhere}\n")   # only `site` reads it: full_site()
+    assert info(python, NO_SITE)["tf_version"] == info(python)["tf_version"] == "7.6.5"

@@ -1,0 +1,191 @@
+"""The host's facts for `info`: Python, TensorFlow and TensorBoard versions, TF's CUDA
+build, GPUs, machine id; and the site directories the shim runs without.
+
+Shipped beside shim.py (standard library only, Python >= 3.8). The shim runs under
+`python -S` (bootstrap.NO_SITE): site_path() finds the directories `site` would add,
+without running its .pth files, and full_site() runs `site` when TensorFlow is not found
+there. docs/ARCHITECTURE.md, "Files and directories on a host".
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+TF_DISTRIBUTIONS = ("tensorflow", "tensorflow-cpu", "tensorflow-gpu", "tf-nightly",
+                    "tf-nightly-cpu", "tf-nightly-gpu", "tensorflow-intel", "tensorflow-macos")
+TB_DISTRIBUTIONS = ("tensorboard", "tb-nightly")
+
+
+def tf_version() -> str | None:
+    version = installed_version(TF_DISTRIBUTIONS)
+    if version is None and full_site():   # installed where only a .pth file says
+        version = installed_version(TF_DISTRIBUTIONS)
+    return version
+
+
+def site_path() -> list:
+    """sys.path with the directories `site` adds: the shim runs under `python -S`
+    (bootstrap.NO_SITE). A venv's site-packages first, then the user's and the system's,
+    as `site` orders them; no .pth file is run (full_site() does that)."""
+    if not sys.flags.no_site or _SITE:
+        return sys.path
+    import site
+    exe_dir = os.path.dirname(os.path.abspath(sys.executable))
+    prefixes, user = [sys.prefix, sys.exec_prefix], True
+    for folder in (exe_dir, os.path.dirname(exe_dir)):
+        conf = _venv_conf(os.path.join(folder, "pyvenv.cfg"))
+        if conf is not None:
+            system = conf.get("include-system-site-packages", "").lower() == "true"
+            prefixes, user = [os.path.dirname(exe_dir)] + (prefixes if system else []), system
+            break
+    dirs = ([site.getusersitepackages()] if user and site.check_enableusersite() else [])
+    dirs += site.getsitepackages(prefixes)
+    _SITE.extend(d for d in dirs if d not in sys.path and os.path.isdir(d))
+    sys.path.extend(_SITE)     # only searched: the shim imports the standard library alone
+    return sys.path
+
+
+def _venv_conf(path: str) -> dict | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            pairs = (line.partition("=") for line in f)
+            return {k.strip().lower(): v.strip() for k, sep, v in pairs if sep}
+    except OSError:
+        return None
+
+
+def full_site() -> bool:
+    """Run `site` as Python would have (its .pth files too), once; False when it ran."""
+    if not sys.flags.no_site or _FULL_SITE:
+        return False
+    _FULL_SITE.append(True)
+    import site
+    site.main()
+    return True
+
+
+_SITE: list = []
+_FULL_SITE: list = []
+
+
+def installed_version(distributions) -> str | None:
+    """The version of the first of these distributions installed here, else None.
+
+    The `*.dist-info` folders on sys.path first (what importlib.metadata finds, in its
+    order, without its imports and scans: a third of a remote execution's CPU); then
+    importlib.metadata itself, for other kinds of installs."""
+    found = _dist_infos(site_path(), {_normalized(d) for d in distributions})
+    for dist in distributions:
+        version = found.get(_normalized(dist))
+        if version:
+            return version
+    try:
+        from importlib import metadata
+    except ImportError:  # pragma: no cover - Python < 3.8
+        return None
+    for dist in distributions:
+        try:
+            return metadata.version(dist)
+        except Exception:
+            continue
+    return None
+
+
+def _normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "_", name).lower()
+
+
+def _dist_infos(path, wanted=None) -> dict:
+    """normalized distribution name -> the Version of its first dist-info on `path`; only
+    the `wanted` names' METADATA is read (a TF environment has hundreds of others)."""
+    found = {}
+    for entry in path:
+        try:
+            names = os.listdir(entry or ".")
+        except OSError:
+            continue
+        for name in names:
+            if not name.endswith(".dist-info"):
+                continue
+            key = _normalized(name[:-len(".dist-info")].partition("-")[0])
+            if key in found or (wanted is not None and key not in wanted):
+                continue
+            try:
+                with open(os.path.join(entry or ".", name, "METADATA"), "rb") as f:
+                    head = f.read(4096)
+            except OSError:
+                continue
+            match = re.search(rb"^Version: *(\S+)", head, re.M)
+            if match:
+                found[key] = match.group(1).decode("ascii", "replace")
+    return found
+
+
+def tf_build() -> dict:
+    """The CUDA and cuDNN versions TensorFlow was built with (None for a CPU build, or
+    when unknown), read from its build_info.py as text: importing TF costs seconds."""
+    found = {"cuda_version": None, "cudnn_version": None}
+    try:
+        import importlib.util
+        site_path()
+        spec = importlib.util.find_spec("tensorflow")  # locates, runs nothing
+        for folder in (spec.submodule_search_locations or []) if spec else []:
+            path = os.path.join(folder, "python", "platform", "build_info.py")
+            if os.path.isfile(path):
+                with open(path, "rb") as f:
+                    info = _build_info(f.read())
+                for key in found:
+                    found[key] = str(info[key]) if info.get(key) else None
+                break
+    except Exception:  # a broken install is reported by the TF-missing check, not here
+        pass
+    return found
+
+
+def _build_info(source: bytes) -> dict:
+    """`build_info = {...}` or `collections.OrderedDict([(k, v), ...])`, never executed."""
+    import ast
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "build_info"
+                                                for t in node.targets):
+            value = node.value
+            if isinstance(value, ast.Call) and value.args:
+                value = value.args[0]
+            return dict(ast.literal_eval(value))
+    return {}
+
+
+def nvidia() -> tuple[int, str | None]:
+    """(GPU count, driver version or None) from one nvidia-smi call: it answers a line per GPU."""
+    try:
+        if not _on_path("nvidia-smi"):
+            raise FileNotFoundError("nvidia-smi")      # no fork for a command that is not there
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, timeout=20)
+        words = out.stdout.decode(errors="replace").split() if out.returncode == 0 else []
+        drivers = [w for w in words if w[:1].isdigit()]
+        if drivers:
+            return len(drivers), drivers[0]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    try:
+        return len(os.listdir("/proc/driver/nvidia/gpus")), None
+    except OSError:
+        return 0, None
+
+
+def _on_path(command: str) -> bool:
+    return any(os.access(os.path.join(d or ".", command), os.X_OK)
+               for d in os.environ.get("PATH", os.defpath).split(os.pathsep))
+
+
+def machine_id() -> str:
+    for path in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
+        try:
+            with open(path) as f:
+                return f.read().strip()
+        except OSError:
+            continue
+    return ""
