@@ -106,6 +106,43 @@ def test_probe_all_answers_every_target_in_parallel(refused_port, full_port):
     assert took < 3.0, took     # one timeout, not the sum of them
 
 
+def test_probe_all_opens_more_connections_than_it_holds_at_once_and_frees_them(refused_port):
+    """More targets than MAX_INFLIGHT, on several loopback addresses, half of them refused:
+    every answer right, and no socket left open afterwards."""
+    listeners = []
+    try:
+        for address in ("127.0.0.1", "127.0.0.2", "127.0.0.3"):
+            for _ in range(2):
+                s = socket.socket()
+                s.bind((address, 0))
+                s.listen(1024)
+                listeners.append(s)
+        open_targets = [[s.getsockname()[0], s.getsockname()[1]] for s in listeners]
+        targets = (open_targets * 60)[:shim_net.MAX_INFLIGHT + 100]
+        targets += [["127.0.0.1", refused_port], ["127.0.0.2", refused_port]] * 50
+        fds = len(os.listdir("/proc/self/fd"))
+        results = shim_net.probe_all(targets, 5.0)
+        assert len(os.listdir("/proc/self/fd")) == fds
+    finally:
+        for s in listeners:
+            s.close()
+    want = {f"{a}:{p}": None for a, p in open_targets}
+    want.update({f"127.0.0.{i}:{refused_port}": "connection refused" for i in (1, 2)})
+    assert results == want
+
+
+def test_a_target_whose_first_address_refuses_is_tried_on_the_next():
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        port = listener.getsockname()[1]
+        results = {}
+        inet = (socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        shim_net._connect_all([("k", [(*inet, ("127.0.0.7", port)), (*inet, ("127.0.0.1", port))]),
+                               ("r", [(*inet, ("127.0.0.7", port))])], results, 2.0)
+    assert results == {"k": None, "r": "connection refused"}
+
+
 def test_a_busy_port_is_reported_with_its_holder_not_fatal():
     with socket.socket() as mine:
         mine.bind(("0.0.0.0", 0))

@@ -376,3 +376,17 @@ def test_up_reports_a_port_taken_by_another_user_with_its_holder(tmp_path, home,
     assert message.startswith(f"host local: port {port} for worker:0 was taken by pid {holder.pid} (")
     assert f", user {other_user.name} before the server could listen on it" in message
     assert not tagged_processes()     # the server it started was stopped again
+
+
+def test_a_tag_is_read_wherever_it_sits_in_the_environment():
+    """tag_of scans /proc/PID/environ for the first TFCLUSTER_JOB_ID= entry: first, middle,
+    last, empty, absent, or only inside another variable's value (not a tag)."""
+    var = shim_procs.TAG_VAR
+    cases = [({var: "lab@1:a", "X": "1"}, "lab@1:a"), ({"X": "1", var: "lab@1:b", "Y": "2"}, "lab@1:b"),
+             ({"X": "1", var: "lab@1:c"}, "lab@1:c"), ({"X": "1", var: ""}, ""),
+             ({"X": f"{var}=lab@1:forged"}, None), ({"X": "1"}, None)]
+    procs = [subprocess.Popen(["sleep", "60"], env=env) for env, _ in cases]
+    try:
+        assert [shim_procs.tag_of(p.pid) for p in procs] == [want for _, want in cases]
+    finally:
+        reap(*procs)

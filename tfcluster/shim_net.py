@@ -38,7 +38,8 @@ else:  # shipped: the shim's directory is first on sys.path
 
 CONNECT_TIMEOUT = 5.0    # per target: one SYN retransmit (1 s) and then some
 LIFETIME = 120.0         # a reach whose launcher went silent closes its listeners by then
-MAX_THREADS = 64         # connections tried at once
+MAX_THREADS = 64         # names resolved at once
+MAX_INFLIGHT = 256       # connections opened at once (one file descriptor each)
 RESOLVE_SLACK = 10.0     # a hung resolver may hold a probe this much past its timeout
 
 # Variables that send a process's HTTP (and gRPC) connections through a proxy, in any case.
@@ -149,69 +150,140 @@ class Acceptor:
 
 def probe(address: str, port: int, timeout: float = CONNECT_TIMEOUT) -> str | None:
     """None when a TCP connection to address:port opens within `timeout`, else why not."""
-    deadline = time.monotonic() + timeout
+    return probe_all([(address, port)], timeout)["%s:%s" % (address, port)]
+
+
+def _resolve(address: str):
+    """[(family, kind, proto, sockaddr without its port)] or the one-line reason it failed."""
     try:
-        infos = socket.getaddrinfo(address, port, 0, socket.SOCK_STREAM)
+        infos = socket.getaddrinfo(address, None, 0, socket.SOCK_STREAM)
     except socket.gaierror as e:
         if e.errno in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)):
             return "name does not resolve"
         return "name does not resolve (%s)" % (e.strerror or e)
-    reason = "name does not resolve (no address)"
-    for family, kind, proto, _, sockaddr in infos:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return "timed out after %gs" % timeout
-        s = socket.socket(family, kind, proto)
-        s.settimeout(left)
+    return [(f, k, p, a) for f, k, p, _, a in infos] or "name does not resolve (no address)"
+
+
+def _resolve_all(addresses, deadline: float) -> dict:
+    """address -> _resolve(address); a literal IP at once, names in threads (a resolver can
+    hang: a name not answered by `deadline` is left out)."""
+    found, names = {}, []
+    for a in addresses:
         try:
-            s.connect(sockaddr)
-            return None
-        except socket.timeout:
-            reason = "timed out after %gs" % timeout
-        except ConnectionRefusedError:
-            reason = "connection refused"
-        except OSError as e:
-            reason = (e.strerror or str(e)).lower()
-        finally:
-            s.close()
-    return reason
+            socket.inet_pton(socket.AF_INET6 if ":" in a else socket.AF_INET, a)
+            found[a] = _resolve(a)
+        except (OSError, ValueError):
+            names.append(a)
+    lock = threading.Lock()
+
+    def worker(a: str) -> None:
+        answer = _resolve(a)
+        with lock:
+            found[a] = answer
+
+    threads = [threading.Thread(target=worker, args=(a,), daemon=True) for a in names[:MAX_THREADS]]
+    for t in threads:
+        t.start()
+    for a in names[MAX_THREADS:]:          # more names than threads: the rest one by one
+        worker(a)
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    with lock:
+        return dict(found)
 
 
 def probe_all_bound(count: int, timeout: float) -> float:
-    """How long probe_all may take for `count` targets (rounds of MAX_THREADS)."""
-    return timeout * ((count - 1) // MAX_THREADS + 1) + RESOLVE_SLACK
+    """How long probe_all may take for `count` targets: names resolved (a timeout, and
+    the slack a hung resolver gets), then rounds of MAX_INFLIGHT connections."""
+    return timeout * ((count - 1) // MAX_INFLIGHT + 2) + RESOLVE_SLACK
 
 
 def probe_all(targets, timeout: float = CONNECT_TIMEOUT) -> dict:
-    """"address:port" -> None | reason for every target, tried in parallel (bounded)."""
+    """"address:port" -> None | reason for every target: each name resolved once, then
+    every connection opened at once (non-blocking, one selector, MAX_INFLIGHT at a time),
+    each within `timeout` of its start; a target's addresses are tried in order."""
     keys = ["%s:%s" % (a, p) for a, p in targets]
-    results = {}
-    work = queue.Queue()
-    for (address, port), key in zip(targets, keys):
-        work.put((address, int(port), key))
-    done = threading.Event()
-    lock = threading.Lock()
-
-    def worker() -> None:
-        while True:
-            try:
-                address, port, key = work.get_nowait()
-            except queue.Empty:
-                return
-            reason = probe(address, port, timeout)
-            with lock:
-                results[key] = reason
-                if len(results) == len(set(keys)):
-                    done.set()
-
     if not keys:
         return {}
-    for _ in range(min(MAX_THREADS, len(keys))):
-        threading.Thread(target=worker, daemon=True).start()
-    done.wait(probe_all_bound(len(keys), timeout))
-    with lock:
-        return {k: results.get(k, "no answer within %gs (name resolution hung?)" % timeout)
-                for k in keys}
+    start = time.monotonic()
+    resolved = _resolve_all({a for a, _ in targets}, start + timeout + RESOLVE_SLACK)
+    results, todo = {}, []
+    for (address, port), key in zip(targets, keys):
+        found = resolved.get(address, "no answer within %gs (name resolution hung?)" % timeout)
+        if isinstance(found, str):
+            results[key] = found
+        elif key not in results:
+            results[key] = "timed out after %gs" % timeout     # until a connection says otherwise
+            todo.append((key, [(f, k, p, (a[0], int(port)) + tuple(a[2:])) for f, k, p, a in found]))
+    _connect_all(todo, results, timeout)
+    return {k: results[k] for k in keys}
+
+
+def _connect_all(todo: list, results: dict, timeout: float) -> None:
+    """Set results[key] to None or the reason for each (key, addresses) of `todo`."""
+    sel = selectors.DefaultSelector()
+    waiting = {}                                   # socket -> (key, addresses left, deadline)
+    queue_ = list(reversed(todo))
+
+    def attempt(key: str, addrs: list, deadline: float) -> None:
+        while addrs:
+            if time.monotonic() >= deadline:
+                results[key] = "timed out after %gs" % timeout
+                return
+            family, kind, proto, sockaddr = addrs[0]
+            try:
+                s = socket.socket(family, kind, proto)
+            except OSError as e:
+                results[key], addrs = (e.strerror or str(e)).lower(), addrs[1:]
+                continue
+            s.setblocking(False)
+            code = s.connect_ex(sockaddr)
+            if code in (errno.EINPROGRESS, errno.EALREADY):
+                sel.register(s, selectors.EVENT_WRITE)
+                waiting[s] = (key, addrs[1:], deadline)
+                return
+            s.close()
+            if code == 0:
+                results[key] = None
+                return
+            results[key], addrs = _reason(code), addrs[1:]
+
+    try:
+        while queue_ or waiting:
+            while queue_ and len(waiting) < MAX_INFLIGHT:
+                key, addrs = queue_.pop()
+                attempt(key, addrs, time.monotonic() + timeout)
+            if not waiting:
+                continue
+            wait = min(d for _, _, d in waiting.values()) - time.monotonic()
+            for sk, _ in sel.select(max(0.0, wait)):
+                s = sk.fileobj
+                key, rest, deadline = waiting.pop(s)
+                sel.unregister(s)
+                code = s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                s.close()
+                if code == 0:
+                    results[key] = None
+                else:
+                    results[key] = _reason(code)
+                    attempt(key, rest, deadline)
+            now = time.monotonic()
+            for s, (key, _, deadline) in list(waiting.items()):
+                if now >= deadline:
+                    waiting.pop(s)
+                    sel.unregister(s)
+                    s.close()
+                    results[key] = "timed out after %gs" % timeout
+    finally:
+        for s in waiting:
+            s.close()
+        sel.close()
+
+
+def _reason(code: int) -> str:
+    if code == errno.ECONNREFUSED:
+        return "connection refused"
+    return os.strerror(code).lower()
 
 
 # ---------------------------------------------------------------- the command

@@ -20,6 +20,7 @@ else:  # shipped: the shim's directory is first on sys.path
     from shim_protocol import TAG_VAR, ShimError
 
 POLL = 0.05
+_TAG_KEY = (TAG_VAR + "=").encode()
 
 
 def atomic_write(path: str, data: bytes, mode: int = 0o600) -> None:
@@ -111,11 +112,17 @@ def tag_of(pid: int) -> str | None:
             environ = f.read()
     except OSError:  # gone, or not ours to read
         return None
-    prefix = (TAG_VAR + "=").encode()
-    for item in environ.split(b"\0"):
-        if item.startswith(prefix):
-            return item[len(prefix):].decode(errors="replace")
-    return None
+    # the first TAG_VAR= entry, found by one C-level scan (splitting the environment into
+    # items was most of `down`'s CPU on a machine with many processes)
+    if environ.startswith(_TAG_KEY):
+        start = len(_TAG_KEY)
+    else:
+        start = environ.find(b"\0" + _TAG_KEY)
+        if start < 0:
+            return None
+        start += 1 + len(_TAG_KEY)
+    end = environ.find(b"\0", start)
+    return environ[start:end if end >= 0 else len(environ)].decode(errors="replace")
 
 
 def all_pids() -> list[int]:
