@@ -6,11 +6,9 @@ the spec's `python:` is a wrapper that runs STANDIN for tfserver.py and the real
 interpreter for everything else, as benchmarks/scale_up.py does."""
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -22,7 +20,6 @@ from tests.conftest import tagged_processes, wait_for
 from tests.test_lifecycle import bindable
 from tests.tf_launch import free_ports
 from tests.train_helpers import tfcluster
-from tfcluster import shim_procs
 
 pytestmark = [pytest.mark.timeout(180)]
 
@@ -33,11 +30,16 @@ ADDRESSES = ("127.0.0.8", "127.0.0.9")
 # environment without TFCLUSTER_JOB_ID) and keeps the listening socket: nothing of the
 # cluster by tag, ours by uid, a survivor down must not stop and must report.
 STANDIN = '''
-import json, os, signal, socket, sys
+import json, os, signal, socket, sys, time
 c = json.loads(os.environ["TF_CONFIG"])
 port = int(c["cluster"][c["task"]["type"]][c["task"]["index"]].rsplit(":", 1)[1])
 if os.environ.pop("TFCLUSTER_HOLD", None) == "1" and sys.stdin.readline() != "GO\\n":
     raise SystemExit(0)
+if os.environ.get("LINGER"):   # a server slow to stop: TERM, then LINGER seconds before it exits
+    def linger(*_):
+        time.sleep(float(os.environ["LINGER"]))
+        os._exit(0)
+    signal.signal(signal.SIGTERM, linger)
 s = socket.create_server(("", port))
 if str(port) == os.environ.get("ESCAPE_PORT"):
     s.set_inheritable(True)
@@ -123,8 +125,7 @@ def test_down_is_one_exec_per_warm_host(tmp_path, home, ssh_home, verbose_sshd, 
 
     assert down.returncode == 0, down.stderr
     assert sessions == {a: ["command"] for a in ADDRESSES}, sessions   # no SFTP, no second exec
-    # the two "hosts" are one machine: whichever stop runs first sweeps all four, and the
-    # other, waiting on the stop lock, finds nothing left to count
+    # the two "hosts" are one machine: each process is counted once, whichever stop saw it
     counts = [int(n) for n in re.findall(r"stopped (\d+) process", down.stderr)]
     assert sum(counts) == 4, down.stderr
     assert "is down" in down.stderr
@@ -198,71 +199,19 @@ def test_a_cold_host_ships_its_files_then_takes_one_more_exec(tmp_path, home, ss
     assert sessions == {a: ["command"] for a in ADDRESSES}, sessions
 
 
-# Leaves TERM pending for LINGER seconds, as a server finishing a step does; says when it
-# has its handler and when it was TERMed.
-SLOW_TO_STOP = """
-import os, signal, sys, time
-def termed(*_):
-    open(sys.argv[1] + ".termed", "w").close()
-    time.sleep(float(sys.argv[2]))
-    raise SystemExit(0)
-signal.signal(signal.SIGTERM, termed)
-open(sys.argv[1] + ".ready", "w").close()
-while True:
-    signal.pause()
-"""
 
+def test_two_hosts_of_one_machine_stopping_the_same_servers_count_each_once(
+        tmp_path, home, ssh_home, verbose_sshd, cwd):
+    """Servers that take 1.5 s to exit once TERMed: both hosts' stops (run at once) find all
+    four alive and both answer them; down counts each process once, under h8."""
+    verbose_sshd.write_known_hosts(ssh_home / "known_hosts", mode="a")
+    spec, ports = spec_on(tmp_path, verbose_sshd, "slow", env="env: {LINGER: '1.5'}\n")
+    up = tfcluster("up", str(spec), home=home, cwd=cwd)
+    assert up.returncode == 0, up.stderr
 
-def test_two_stops_at_once_on_one_machine_count_each_process_once(tmp_path, home):
-    """Two `hosts` of a spec on one machine stop the same processes: the second stop, run
-    while the first's TERMed tasks still linger, waits on the stop lock and counts none."""
-    from tfcluster import shim_fs
-    from tfcluster.names import ClusterPaths, Tag
+    down, _ = run_down(spec, home, cwd, verbose_sshd)
 
-    shim = str(Path(shim_fs.__file__).with_name("shim.py"))
-    paths = ClusterPaths(str(tmp_path / "work" / "lab"))
-    shim_fs.private_tree([paths.root, paths.piddir, paths.runs])
-    script = tmp_path / "slow.py"
-    script.write_text(SLOW_TO_STOP)
-
-    def call(command: str, request: dict) -> dict:
-        done = subprocess.run([sys.executable, shim, command], input=json.dumps(request) + "\n",
-                              capture_output=True, text=True, timeout=60)
-        assert done.returncode == 0, done.stdout + done.stderr
-        return json.loads(done.stdout.splitlines()[-1])
-
-    pids = []
-    try:
-        for i in range(3):
-            tag = str(Tag("lab", "r1", "worker", i, "server"))
-            marker = tmp_path / f"w{i}"
-            pids.append(int(call("start", {
-                "tag": tag, "argv": [sys.executable, str(script), str(marker), "2"], "env": {},
-                "cwd": str(tmp_path), "log": str(tmp_path / f"w{i}.log"),
-                "pidfile": paths.pidfile(tag), "cluster_dir": paths.root})["pid"]))
-        markers = [tmp_path / f"w{i}" for i in range(3)]
-        wait_for(lambda: all(Path(f"{m}.ready").exists() for m in markers), 30, what="handlers set")
-        request = tmp_path / "stop.json"
-        request.write_text(json.dumps({"piddir": paths.piddir, "tag_prefix": "lab:",
-                                       "cluster_dir": paths.root, "grace": 10}) + "\n")
-        stops = []
-        for _ in range(2):
-            with open(request) as stdin:
-                stops.append(subprocess.Popen([sys.executable, shim, "stop"], stdin=stdin,
-                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-            # the second starts only once the first has TERMed all three (they linger 2 s)
-            wait_for(lambda: all(Path(f"{m}.termed").exists() for m in markers), 30, what="TERMs")
-        answers = []
-        for stop in stops:
-            out, err = stop.communicate(timeout=60)
-            assert stop.returncode == 0, out + err
-            answers.append(json.loads(out.splitlines()[-1]))
-    finally:
-        for pid in pids:
-            shim_procs.signal_quietly(pid, signal.SIGKILL)
-    first, second = ([s["pid"] for s in a["stopped"]] for a in answers)
-    assert sorted(first) == sorted(pids) and second == [], answers
-    assert all(a["survivors"] == [] for a in answers)
-    assert not any(shim_procs.is_alive(pid) for pid in pids)
-    assert not any(Path(paths.pidfile(str(Tag("lab", "r1", "worker", i, "server")))).exists()
-                   for i in range(3))
+    assert down.returncode == 0, down.stderr
+    assert "h8: stopped 4 process(es)" in down.stderr, down.stderr
+    assert "h9: nothing more running (the same machine as h8)" in down.stderr, down.stderr
+    assert not tagged_processes() and all(bindable(p) for p in ports)

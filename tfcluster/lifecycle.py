@@ -71,7 +71,7 @@ def down(plan: Plan, ui, grace: float = DEFAULT_GRACE) -> int:
         opened, reports = downexec.stop_all(session, names.cluster_prefix(plan.name), grace, PORT_SETTLE)
         unreachable = {h: e for h, e in opened.items() if isinstance(e, BaseException)}
         session.drop(unreachable)
-        survivors = _report_down(ui, reports)
+        survivors = _report_down(ui, reports, opened)
         ports_busy = [f"{h}:{port}" for h, r in reports.items() if not isinstance(r, BaseException)
                       for port, _holder in r.busy]
         refused = [e for e in unreachable.values() if not isinstance(e, ConnectError)]
@@ -89,14 +89,26 @@ def down(plan: Plan, ui, grace: float = DEFAULT_GRACE) -> int:
         return ExitCode.OK
 
 
-def _report_down(ui, reports: dict) -> list[str]:
-    survivors = []
+def _report_down(ui, reports: dict, infos: dict) -> list[str]:
+    """One line per host. Hosts of a spec can be one machine (127.0.0.x, two names of one
+    box): every host's stop sweeps the cluster's tag there, at once, so a process is counted
+    under the first host (by name) of its machine that stopped it, not under each."""
+    survivors, counted = [], {}      # (machine, pid, tag) -> the host it is counted under
     for host, report in sorted(reports.items()):
         if isinstance(report, BaseException):
             survivors.append(f"{host} ({report})")
             continue
-        n = len(report.stopped)
-        ui.info(f"  {host}: {'stopped ' + str(n) + ' process(es)' if n else 'nothing running'}")
+        machine = getattr(infos.get(host), "machine_id", "") or host
+        keys = [(machine, pid, tag) for tag, pid in report.stopped]
+        new = [k for k in keys if k not in counted]
+        others = sorted({counted[k] for k in keys if k in counted})
+        counted.update((k, host) for k in new)
+        if new:
+            ui.info(f"  {host}: stopped {len(new)} process(es)")
+        elif others:
+            ui.info(f"  {host}: nothing more running (the same machine as {', '.join(others)})")
+        else:
+            ui.info(f"  {host}: nothing running")
         survivors += [f"{host} pid {pid} ({tag})" for tag, pid in report.survivors]
     return survivors
 

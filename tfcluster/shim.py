@@ -46,10 +46,6 @@ expand, is_alive, kill_tasks = procs.expand, procs.is_alive, procs.kill_tasks
 remove_quietly, write_all = procs.remove_quietly, procs.write_all
 spawn, Attached = tasks.spawn, tasks.Attached
 
-# A stop waits this long past its grace for another stop of the cluster on this machine
-# (the other's KILL sweep takes up to 2 s more; shim_procs.stop_lock).
-STOP_LOCK_SLACK = 5.0
-
 ShimError = proto.ShimError
 
 
@@ -98,13 +94,11 @@ def cmd_stop(req: dict) -> dict:
         raise ShimError("stop needs a tag prefix (an empty one would match every cluster)")
     prefix = procs.qualify(req["tag_prefix"], req["cluster_dir"])
     match = lambda t: t.startswith(prefix)  # noqa: E731
-    grace = float(req.get("grace", proto.DEFAULT_GRACE))
-    with procs.stop_lock(req["piddir"], grace + STOP_LOCK_SLACK):
-        records = procs.read_pidfiles(req["piddir"], prefix)
-        live = [r for _, r in records if procs.verified(r)]
-        before = procs.tagged(match)
-        groups = [procs.group_of(r["pid"], match) for r in live]
-        left = kill_tasks([g for g in groups if g], match, grace)
+    records = procs.read_pidfiles(req["piddir"], prefix)
+    live = [r for _, r in records if procs.verified(r)]
+    before = procs.tagged(match)
+    groups = [procs.group_of(r["pid"], match) for r in live]
+    left = kill_tasks([g for g in groups if g], match, float(req.get("grace", proto.DEFAULT_GRACE)))
     stopped = {r["pid"]: r["tag"] for r in live}
     stopped.update(before)
     for pid in left:

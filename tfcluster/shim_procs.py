@@ -6,8 +6,6 @@ pid alone; see docs/ARCHITECTURE.md, "The remote process model" and "Naming".
 """
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -207,32 +205,6 @@ def kill_tasks(groups: list[int], match, grace: float) -> dict[int, str]:
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(POLL)
-
-
-@contextlib.contextmanager
-def stop_lock(piddir: str, wait: float):
-    """One stop of a cluster at a time on this machine and account (docs/ARCHITECTURE.md,
-    "The remote process model"); after `wait` seconds, or with no pid dir, none."""
-    fd = None
-    try:
-        fd = os.open(os.path.join(expand(piddir), ".stop.lock"),
-                     os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    except OSError:
-        pass
-    deadline = time.monotonic() + max(0.0, wait)
-    while fd is not None:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            break
-        except OSError:
-            if time.monotonic() >= deadline:
-                break
-            time.sleep(POLL / 5)
-    try:
-        yield
-    finally:
-        if fd is not None:
-            os.close(fd)  # closing releases the flock
 
 
 # ---------------------------------------------------------------- pid files
