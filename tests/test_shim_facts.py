@@ -76,3 +76,14 @@ def test_tensorflow_put_on_the_path_by_a_pth_file_is_found(tmp_path):
     fake_dist(elsewhere, "tensorflow_cpu", "7.6.5")
     (site / "extra.pth").write_text(f"{elsewhere}\n")   # only `site` reads it: full_site()
     assert info(python, NO_SITE)["tf_version"] == info(python)["tf_version"] == "7.6.5"
+
+
+def test_a_python_wrapper_that_adds_its_own_dash_s_gets_no_site_dirs(tmp_path):
+    """`python:` may be a wrapper running every task without `site`: then `info` must not
+    report what only `site` would have found (the tasks could not import it)."""
+    wrapper = tmp_path / "python-without-site"
+    wrapper.write_text(f"#!/bin/sh\nexec {sys.executable} -S \"$@\"\n")
+    wrapper.chmod(0o755)
+    assert info(str(wrapper), NO_SITE)["tensorboard_version"] is None
+    assert info(str(wrapper), NO_SITE)["tf_version"] is None
+    assert info(sys.executable, NO_SITE)["tensorboard_version"] is not None    # ours alone

@@ -17,10 +17,11 @@ from tests.train_helpers import ssh_spec, tfcluster
 pytestmark = [pytest.mark.ssh, pytest.mark.timeout(240)]
 
 WRAPPER = """#!/bin/sh
-case "$1" in
+case "$1" in -S) first="$2" second="$3" ;; *) first="$1" second="$2" ;; esac
+case "$first" in
   -c) what=bootstrap ;;
-  */shim.py) what="shim $2" ;;
-  *) what="task $(basename "$1")" ;;
+  */shim.py) what="shim $second" ;;
+  *) what="task $(basename "$first")" ;;
 esac
 echo "$(echo "$SSH_CONNECTION" | cut -d' ' -f3) $what" >> %(log)s
 exec %(python)s "$@"

@@ -29,7 +29,7 @@ def site_path() -> list:
     """sys.path with the directories `site` adds: the shim runs under `python -S`
     (bootstrap.NO_SITE). A venv's site-packages first, then the user's and the system's,
     as `site` orders them; no .pth file is run (full_site() does that)."""
-    if not sys.flags.no_site or _SITE:
+    if _SITE or not _ours_alone():
         return sys.path
     import site
     exe_dir = os.path.dirname(os.path.abspath(sys.executable))
@@ -47,6 +47,25 @@ def site_path() -> list:
     return sys.path
 
 
+def _ours_alone() -> bool:
+    """Running under -S, and that -S is bootstrap.NO_SITE alone. A `python:` that is a
+    wrapper adding its own -S runs every task without `site` too: `info` answers for what
+    the tasks will see, so then the site directories stay out. (Python < 3.10 has no
+    sys.orig_argv: the -S is taken as ours.)"""
+    if not sys.flags.no_site:
+        return False
+    argv = list(getattr(sys, "orig_argv", None) or [])[1:]
+    seen, i = 0, 0
+    while i < len(argv) and argv[i].startswith("-") and argv[i] not in ("-", "-c", "-m"):
+        flag = argv[i]
+        if flag in ("-X", "-W"):
+            i += 1                                  # its value follows
+        elif not flag.startswith(("--", "-X", "-W")):
+            seen += flag.count("S")
+        i += 1
+    return seen <= 1
+
+
 def _venv_conf(path: str) -> dict | None:
     try:
         with open(path, encoding="utf-8") as f:
@@ -58,7 +77,7 @@ def _venv_conf(path: str) -> dict | None:
 
 def full_site() -> bool:
     """Run `site` as Python would have (its .pth files too), once; False when it ran."""
-    if not sys.flags.no_site or _FULL_SITE:
+    if _FULL_SITE or not _ours_alone():
         return False
     _FULL_SITE.append(True)
     import site
