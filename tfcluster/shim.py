@@ -98,7 +98,7 @@ def cmd_stop(req: dict) -> dict:
     live = [r for _, r in records if procs.verified(r)]
     before = procs.tagged(match)
     groups = [procs.group_of(r["pid"], match) for r in live]
-    left = kill_tasks([g for g in groups if g], match, float(req.get("grace", proto.DEFAULT_GRACE)))
+    left = kill_tasks([g for g in groups if g], match, float(req.get("grace", proto.DEFAULT_GRACE)), before)
     stopped = {r["pid"]: r["tag"] for r in live}
     stopped.update(before)
     for pid in left:

@@ -178,33 +178,49 @@ def exit_code(returncode: int) -> int:
 
 # ---------------------------------------------------------------- killing
 
-def kill_tasks(groups: list[int], match, grace: float) -> dict[int, str]:
+def kill_tasks(groups: list[int], match, grace: float, found: dict | None = None) -> dict[int, str]:
     """TERM the groups (each one the caller verified: group_of, or its own unreaped child)
-    and every matching process of ours, wait up to `grace`, KILL, sweep.
+    and every matching process of ours (`found`: the caller's own tagged(match), just
+    read), wait up to `grace` for those, KILL, sweep.
 
     Returns the processes still alive at the end (pid -> tag)."""
     groups = [g for g in groups if as_pid(g)]
     for pgid in groups:
         signal_quietly(pgid, signal.SIGTERM, group=True)
-    for pid in tagged(match):
+    termed = {}
+    for pid in (tagged(match) if found is None else found):
         signal_quietly(pid, signal.SIGTERM)
+        stat = proc_stat(pid)
+        if stat is not None:
+            termed[pid] = stat[1]
+    # The grace is waited on the processes TERMed, each by pid and start time: a scan of
+    # every process's environment (tagged) costs ~15 us a process, and on a machine that
+    # is many hosts of a spec every host's stop scans every process.
     deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and tagged(match):
+    while time.monotonic() < deadline and any(_same(pid, start) for pid, start in termed.items()):
         time.sleep(POLL)
+    left = tagged(match)
     # A group is KILLed only while a verified member (ours, matching tag) is alive in it:
     # a live member keeps the pgid from being reused, so the KILL reaches the group TERMed.
-    members = {pgid_of(pid) for pid in tagged(match)}
+    members = {pgid_of(pid) for pid in left}
     for pgid in groups:
         if pgid in members:
             signal_quietly(pgid, signal.SIGKILL, group=True)
     deadline = time.monotonic() + 2.0
-    while True:
-        left = tagged(match)
+    while left:
         for pid in left:
             signal_quietly(pid, signal.SIGKILL)
-        if not left or time.monotonic() > deadline:
-            return left
+        if time.monotonic() > deadline:
+            break
         time.sleep(POLL)
+        left = tagged(match)
+    return left
+
+
+def _same(pid: int, start: int) -> bool:
+    """The process TERMed as `pid` still runs (not a zombie, same start time)."""
+    stat = proc_stat(pid)
+    return stat is not None and stat[0] not in ("Z", "X") and stat[1] == start
 
 
 # ---------------------------------------------------------------- pid files
