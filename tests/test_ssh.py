@@ -232,6 +232,23 @@ def test_ssh_config_alias_gives_hostname_port_and_identity(ssh_home, sshd, trans
     assert where(by_name) == f"127.0.0.4:{sshd.port}"
 
 
+def test_match_exec_in_ssh_config_still_works_though_paramiko_loads_without_invoke(tmp_path):
+    """tfcluster imports paramiko without `invoke` (transport/_paramiko.py); a config with
+    `Match exec` gets it back, so each block applies exactly when its command succeeds.
+    (In a process of its own: invoke reads stdin, which pytest replaces.)"""
+    config = tmp_path / "config"
+    config.write_text('Match host lab3 exec "false"\n  HostName 127.0.0.9\n'
+                      'Match host lab3 exec "test -d /"\n  HostName 127.0.0.3\n')
+    config.chmod(0o600)
+    code = ("import sys; from tfcluster.transport._paramiko import paramiko; "
+            "print('invoke' in sys.modules); "
+            "from tfcluster.transport.ssh_config import load_ssh_config; "
+            f"print(load_ssh_config({str(config)!r}, system='').lookup('lab3')['hostname'])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          stdin=subprocess.DEVNULL)
+    assert done.stdout.split() == ["False", "127.0.0.3"], done.stdout + done.stderr
+
+
 def test_explicit_options_win_over_ssh_config(ssh_home, sshd, transports):
     (ssh_home / "config").write_text(f"Host 127.0.0.4\n  Port {free_port()}\n  User nobody\n")
     t = transports(Target("gpu0", "127.0.0.4", SshOptions(port=sshd.port, user="root")))

@@ -83,7 +83,7 @@ class SshTransport(Transport):
 
         At most MAX_CHANNEL_DIALS new connections per call: an sshd that refuses every
         session (MaxSessions 0, a ForceCommand gone wrong) must not get dialled forever."""
-        import paramiko
+        from tfcluster.transport._paramiko import paramiko
         tried: list[Connection] = []             # by identity: ids are reused once collected
         dials = 0
         last: BaseException | None = None
@@ -151,7 +151,7 @@ class SshTransport(Transport):
     def put_many(self, items) -> None:
         """Every file in one SFTP session: each session is a subsystem the host starts
         through the login shell (a cold host's dozen shim files cost 3 s one by one)."""
-        import paramiko
+        from tfcluster.transport._paramiko import paramiko
         if not items:
             return
         path = items[0][1]

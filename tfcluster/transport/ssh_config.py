@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from tfcluster.errors import ConnectError
 
 if TYPE_CHECKING:
-    import paramiko
+    from tfcluster.transport._paramiko import paramiko
 
 USER_CONFIG = "~/.ssh/config"
 # The tests point this elsewhere (an empty value: none), as they do HOME.
@@ -107,7 +107,7 @@ def _config_class() -> type:
     """paramiko's SSHConfig that leaves ProxyCommand's tokens to us (paramiko takes %p from
     the config, not from the port we connect to) and notes which of ProxyCommand and
     ProxyJump each block names first (ssh(1): the first one found wins)."""
-    import paramiko
+    from tfcluster.transport._paramiko import enable_match_exec, paramiko
 
     class SSHConfig(paramiko.SSHConfig):
         TOKENS_BY_CONFIG_KEY = {k: v for k, v in paramiko.SSHConfig.TOKENS_BY_CONFIG_KEY.items()
@@ -115,6 +115,8 @@ def _config_class() -> type:
 
         def parse(self, file_obj) -> None:
             super().parse(file_obj)
+            if any(m.get("type") == "exec" for c in self._config for m in c.get("matches", ())):
+                enable_match_exec()
             for context in self._config:
                 first = next((k for k in context["config"]
                               if k in ("proxycommand", "proxyjump")), None)

@@ -23,7 +23,7 @@ from tfcluster.transport.known_hosts import HostKeyPolicy, KnownHosts
 from tfcluster.transport.ssh_config import Endpoint, SshOptions, jump_endpoint
 
 if TYPE_CHECKING:
-    import paramiko
+    from tfcluster.transport._paramiko import paramiko
 
     from tfcluster.transport.ssh_proxy import ProxyProcess
 
@@ -45,7 +45,7 @@ def _handshake_slot(dest: str) -> threading.BoundedSemaphore:
 
 def _is_dropped(e: BaseException) -> bool:
     """sshd's MaxStartups drops surplus handshakes: no banner, or a reset."""
-    import paramiko
+    from tfcluster.transport._paramiko import paramiko
     if isinstance(e, (EOFError, ConnectionResetError, BrokenPipeError)):
         return True
     return isinstance(e, paramiko.SSHException) and (
@@ -140,7 +140,7 @@ def _open_sock(ep: Endpoint, jump: Connection | None):
         return proxy.sock, proxy
     if jump is None:
         return _tcp(ep), None
-    import paramiko
+    from tfcluster.transport._paramiko import paramiko
     try:
         return jump.transport.open_channel("direct-tcpip", (ep.address, ep.port),
                                            ("127.0.0.1", 0), timeout=ep.timeout), None
@@ -160,7 +160,7 @@ PREFERRED_CIPHERS = ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com")
 def _fast_transport(sock, key_types: tuple[str, ...] = (), **kwargs):
     """paramiko's Transport with a large window, AEAD ciphers first, and the host key
     types known_hosts has for this host asked for first (as ssh(1) does)."""
-    import paramiko
+    from tfcluster.transport._paramiko import paramiko
     transport = paramiko.Transport(sock, default_window_size=WINDOW_SIZE, **kwargs)
     options = transport.get_security_options()
     supported = tuple(options.ciphers)
@@ -178,7 +178,7 @@ RSA_TYPES = {"ssh-rsa": ("rsa-sha2-512", "rsa-sha2-256", "ssh-rsa")}
 def _agent_keys(ep: Endpoint):
     """The agent's keys among ep.key_files (by their .pub), for IdentitiesOnly: a key
     file with a passphrase still works when the agent holds it. (agent, [keys])."""
-    import paramiko
+    from tfcluster.transport._paramiko import paramiko
     wanted = set()
     for path in ep.key_files:
         try:
@@ -209,7 +209,7 @@ def _handshake(ep: Endpoint, jump: Connection | None):
 
 
 def _authenticate(ep: Endpoint, jump: Connection | None, known: KnownHosts, pkey):
-    import paramiko
+    from tfcluster.transport._paramiko import paramiko
     sock, proxy = _open_sock(ep, jump)
     client = paramiko.SSHClient()                # no host keys of its own: the policy decides
     client.set_missing_host_key_policy(HostKeyPolicy(ep, known))
@@ -235,7 +235,7 @@ def _authenticate(ep: Endpoint, jump: Connection | None, known: KnownHosts, pkey
 def _proxy_exit(proxy: ProxyProcess, e: BaseException) -> ConnectError | None:
     """The ProxyCommand's exit, when that is why the handshake failed: the byte stream
     ended or broke (never after a refusal of ours, a failed login or a Ctrl-C)."""
-    import paramiko
+    from tfcluster.transport._paramiko import paramiko
     if not isinstance(e, Exception) or isinstance(e, (ConnectError,
                                                       paramiko.AuthenticationException)):
         return None
@@ -243,7 +243,7 @@ def _proxy_exit(proxy: ProxyProcess, e: BaseException) -> ConnectError | None:
 
 
 def _map_handshake_error(ep: Endpoint, e: BaseException, elapsed: float) -> BaseException:
-    import paramiko
+    from tfcluster.transport._paramiko import paramiko
     if isinstance(e, ConnectError):
         return e
     if isinstance(e, paramiko.AuthenticationException) or (
