@@ -32,9 +32,10 @@ def cmd_down(req: dict, stop) -> dict:
 
 def wait_bindable(wanted: list, settle: float) -> dict:
     """port -> None once it binds, else its holder after `settle` seconds of trying."""
-    deadline = time.monotonic() + max(0.0, settle)
+    deadline, nap = time.monotonic() + max(0.0, settle), POLL / 10
     while True:
         busy = [p for p in wanted if not ports.port_free(p)]
         if not busy or time.monotonic() >= deadline:
             return {str(p): (ports.port_holder(p) if p in busy else None) for p in wanted}
-        time.sleep(POLL)
+        time.sleep(nap)            # a killed server's socket goes within ms: soon, then less often
+        nap = min(POLL, nap * 2)

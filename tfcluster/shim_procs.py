@@ -18,6 +18,7 @@ else:  # shipped: the shim's directory is first on sys.path
     from shim_protocol import TAG_VAR, ShimError
 
 POLL = 0.05
+FIRST_NAP = 0.005       # a stop's first look after its signals; doubled up to POLL
 _TAG_KEY = (TAG_VAR + "=").encode()
 
 
@@ -196,9 +197,10 @@ def kill_tasks(groups: list[int], match, grace: float, found: dict | None = None
     # The grace is waited on the processes TERMed, each by pid and start time: a scan of
     # every process's environment (tagged) costs ~15 us a process, and on a machine that
     # is many hosts of a spec every host's stop scans every process.
-    deadline = time.monotonic() + grace
+    deadline, nap = time.monotonic() + grace, FIRST_NAP
     while time.monotonic() < deadline and any(_same(pid, start) for pid, start in termed.items()):
-        time.sleep(POLL)
+        time.sleep(nap)            # most tasks go within ms of a TERM: look again soon, then less often
+        nap = min(POLL, nap * 2)
     left = tagged(match)
     # A group is KILLed only while a verified member (ours, matching tag) is alive in it:
     # a live member keeps the pgid from being reused, so the KILL reaches the group TERMed.
@@ -206,13 +208,14 @@ def kill_tasks(groups: list[int], match, grace: float, found: dict | None = None
     for pgid in groups:
         if pgid in members:
             signal_quietly(pgid, signal.SIGKILL, group=True)
-    deadline = time.monotonic() + 2.0
+    deadline, nap = time.monotonic() + 2.0, FIRST_NAP
     while left:
         for pid in left:
             signal_quietly(pid, signal.SIGKILL)
         if time.monotonic() > deadline:
             break
-        time.sleep(POLL)
+        time.sleep(nap)
+        nap = min(POLL, nap * 2)
         left = tagged(match)
     return left
 
