@@ -174,18 +174,23 @@ def _resolve_all(addresses, deadline: float) -> dict:
             found[a] = _resolve(a)
         except (OSError, ValueError):
             names.append(a)
-    lock = threading.Lock()
+    lock, work = threading.Lock(), queue.Queue()
+    for a in names:
+        work.put(a)
 
-    def worker(a: str) -> None:
-        answer = _resolve(a)
-        with lock:
-            found[a] = answer
+    def worker() -> None:             # a hung name holds one worker, never the others
+        while True:
+            try:
+                a = work.get_nowait()
+            except queue.Empty:
+                return
+            answer = _resolve(a)
+            with lock:
+                found[a] = answer
 
-    threads = [threading.Thread(target=worker, args=(a,), daemon=True) for a in names[:MAX_THREADS]]
+    threads = [threading.Thread(target=worker, daemon=True) for _ in names[:MAX_THREADS]]
     for t in threads:
         t.start()
-    for a in names[MAX_THREADS:]:          # more names than threads: the rest one by one
-        worker(a)
     for t in threads:
         t.join(max(0.0, deadline - time.monotonic()))
     with lock:
