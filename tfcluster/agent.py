@@ -18,7 +18,7 @@ from typing import Iterator
 
 from tfcluster import shim_fs
 from tfcluster import shim_protocol as proto
-from tfcluster.bootstrap import BOOTSTRAP, NO_SITE, PACKAGE_DIR, cluster_tree, shipped
+from tfcluster.bootstrap import NO_SITE, PACKAGE_DIR, bootstrap_argv, cluster_tree, shipped
 from tfcluster.attached import AttachedTask, Heartbeats, handshake, tail_text
 from tfcluster.errors import HostError, PreflightError
 from tfcluster.agent_types import (HostInfo, StopReport, Survey, TaskLaunch, TaskStatus, host_info,
@@ -114,7 +114,7 @@ class HostAgent:
     def _bootstrap(self, commands: dict, unchecked=(), timeout: float = 60.0) -> dict:
         request, files = self.bootstrap_request()
         then = {"commands": commands}
-        result = self.transport.run([self.python, NO_SITE, "-c", BOOTSTRAP], proto.json_line(request) + proto.json_line(then),
+        result = self.transport.run(bootstrap_argv(self.python), proto.json_line(request) + proto.json_line(then),
                                     timeout=timeout)
         lines = [json.loads(x) for x in result.stdout.splitlines() if x.strip().startswith(b"{")]
         boot = self.check_boot(result.rc, lines[:1], result.stderr)

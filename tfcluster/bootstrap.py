@@ -96,6 +96,11 @@ if not stale:
 BOOTSTRAP = (Path(PACKAGE_DIR) / "shim_fs.py").read_text() + _MAIN
 
 
+def bootstrap_argv(python: str) -> list[str]:
+    """The bootstrap's command line on a host (its request comes on stdin)."""
+    return [python, NO_SITE, "-c", BOOTSTRAP]
+
+
 def cluster_tree(paths, bindir: str) -> list[str]:
     """Every directory of the cluster tree (a names.ClusterPaths), parents first: made
     private before anything is written into it. `bindir` is left out when it is not the

@@ -17,7 +17,7 @@ from tfcluster import shim_protocol as proto
 from tfcluster.agent import HostAgent
 from tfcluster.agent_types import HostInfo, TaskLaunch, start_request
 from tfcluster.attached import AttachedTask, handshake, tail_text
-from tfcluster.bootstrap import BOOTSTRAP, NO_SITE
+from tfcluster.bootstrap import bootstrap_argv
 from tfcluster.errors import HostError, PreflightError
 from tfcluster.transport.base import Proc
 
@@ -65,7 +65,7 @@ class HeldStart:
             return
         self.request["batch"] = {"commands": batch}
         boot, self._shipped = agent.bootstrap_request(proto.START)
-        self._spawn([agent.python, NO_SITE, "-c", BOOTSTRAP], proto.json_line(boot) + proto.json_line(self.request))
+        self._spawn(bootstrap_argv(agent.python), proto.json_line(boot) + proto.json_line(self.request))
 
     def _spawn(self, argv: list[str], data: bytes) -> None:
         try:

@@ -31,6 +31,7 @@ def site_path() -> list:
     as `site` orders them; no .pth file is run (full_site() does that)."""
     if _SITE or not _ours_alone():
         return sys.path
+    _SITE.append(None)          # computed once, also when it adds nothing
     import site
     exe_dir = os.path.dirname(os.path.abspath(sys.executable))
     prefixes, user = [sys.prefix, sys.exec_prefix], True
@@ -42,8 +43,7 @@ def site_path() -> list:
             break
     dirs = ([site.getusersitepackages()] if user and site.check_enableusersite() else [])
     dirs += site.getsitepackages(prefixes)
-    _SITE.extend(d for d in dirs if d not in sys.path and os.path.isdir(d))
-    sys.path.extend(_SITE)     # only searched: the shim imports the standard library alone
+    sys.path.extend(d for d in dirs if d not in sys.path and os.path.isdir(d))   # searched only
     return sys.path
 
 

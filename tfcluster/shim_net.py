@@ -218,7 +218,7 @@ def probe_all(targets, timeout: float = CONNECT_TIMEOUT) -> dict:
         if isinstance(found, str):
             results[key] = found
         elif key not in results:
-            results[key] = "timed out after %gs" % timeout     # until a connection says otherwise
+            results[key] = _timed_out(timeout)     # until a connection says otherwise
             todo.append((key, [(f, k, p, (a[0], int(port)) + tuple(a[2:])) for f, k, p, a in found]))
     _connect_all(todo, results, timeout)
     return {k: results[k] for k in keys}
@@ -233,7 +233,7 @@ def _connect_all(todo: list, results: dict, timeout: float) -> None:
     def attempt(key: str, addrs: list, deadline: float) -> None:
         while addrs:
             if time.monotonic() >= deadline:
-                results[key] = "timed out after %gs" % timeout
+                results[key] = _timed_out(timeout)
                 return
             family, kind, proto, sockaddr = addrs[0]
             try:
@@ -278,11 +278,15 @@ def _connect_all(todo: list, results: dict, timeout: float) -> None:
                     waiting.pop(s)
                     sel.unregister(s)
                     s.close()
-                    results[key] = "timed out after %gs" % timeout
+                    results[key] = _timed_out(timeout)
     finally:
         for s in waiting:
             s.close()
         sel.close()
+
+
+def _timed_out(timeout: float) -> str:
+    return "timed out after %gs" % timeout
 
 
 def _reason(code: int) -> str:

@@ -18,7 +18,7 @@ from tfcluster import shim_protocol as proto
 from tfcluster.agent import HostAgent
 from tfcluster.agent_types import TaskLaunch, start_request
 from tfcluster.attached import tail_text
-from tfcluster.bootstrap import BOOTSTRAP, NO_SITE, PACKAGE_DIR, cluster_tree
+from tfcluster.bootstrap import NO_SITE, PACKAGE_DIR, bootstrap_argv, cluster_tree
 from tfcluster.errors import HostError, PreflightError
 from tfcluster.transport.base import Proc
 
@@ -61,7 +61,7 @@ class UpExec:
             self._spawn([a.python, NO_SITE, f"{PACKAGE_DIR}/shim.py", proto.UP], proto.json_line(request))
         else:
             boot, files = a.bootstrap_request(proto.UP)
-            self._spawn([a.python, NO_SITE, "-c", BOOTSTRAP], proto.json_line(boot) + proto.json_line(request))
+            self._spawn(bootstrap_argv(a.python), proto.json_line(boot) + proto.json_line(request))
             boot = a.boot_verdict(self.next_line(), self.proc)
             if boot["stale"]:
                 self.proc.wait(10.0)
