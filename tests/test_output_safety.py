@@ -134,6 +134,35 @@ def test_the_ui_escapes_messages_hints_tables_and_details_from_hosts():
     assert "line\\x1b[2J\nnext" in out.getvalue() and '"del\\u007f"' in out.getvalue()
 
 
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("stream", [io.StringIO, _Terminal], ids=["piped", "terminal"])
+def test_progress_lines_are_shown_as_written(stream):
+    """A host or path with `:name:` in it is not turned into an emoji, on a terminal (Rich)
+    or piped (written as is); piped, a long line is one line, not wrapped at 200 columns."""
+    out, err = io.StringIO(), stream()
+    ui = UI(out, err, color=False)
+    ui.info("Connecting to gpu:smile:box and :thumbs_up:")
+    ui.ok("ready on host:x: at :1:")
+    long = "Checking " + ",".join(f"h{i}:{2222 + i}" for i in range(40))
+    ui.info(long)
+    lines = err.getvalue().splitlines()
+    assert lines[0] == "Connecting to gpu:smile:box and :thumbs_up:"
+    assert lines[1] == "✓ ready on host:x: at :1:"
+    if stream is io.StringIO:
+        assert lines[2:] == [long]
+
+
+def test_piped_progress_does_not_import_rich():
+    code = ("import io, sys; from tfcluster.ui import UI; ui = UI(io.StringIO(), io.StringIO()); "
+            "ui.info('Connecting'); ui.ok('up'); print('rich' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.stdout.strip() == "False", r.stderr
+
+
 def test_a_note_in_the_live_view_escapes_what_a_host_said():
     out = io.BytesIO()
     mux = LogMux(out, ["worker:0"], color=False)

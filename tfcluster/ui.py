@@ -70,11 +70,30 @@ class UI:
     def info(self, message: str) -> None:
         """A progress/status line on stderr (never parsed, never markup)."""
         with self.pause():
-            self.err.print(escape(message), markup=False, highlight=False)
+            if self._plain_err():
+                self._line(escape(message))
+            else:
+                self.err.print(escape(message), markup=False, highlight=False, emoji=False)
 
     def ok(self, message: str) -> None:
         with self.pause():
-            self.err.print(f"✓ {escape(message)}", style="green", markup=False, highlight=False)
+            if self._plain_err():
+                self._line(f"✓ {escape(message)}")
+            else:
+                self.err.print(f"✓ {escape(message)}", style="green", markup=False, highlight=False,
+                               emoji=False)
+
+    def _plain_err(self) -> bool:
+        """Progress to a stderr that is not a terminal (a pipe, a file, CI) is written as is:
+        no Rich import on the way to the first connection (docs/ARCHITECTURE.md, "Start-up
+        cost"), and no wrapping at Rich's 200 columns, which would split a line a log reader
+        greps for. A terminal keeps Rich: its width, its colours."""
+        isatty = getattr(self.stderr, "isatty", None)
+        return not (isatty and isatty())
+
+    def _line(self, text: str) -> None:
+        self.stderr.write(text + "\n")
+        self.stderr.flush()
 
     def json(self, document: Any) -> None:
         indent = 2 if self.stdout.isatty() else None  # pipes get compact JSON: 1,000 tasks stay fast
@@ -94,7 +113,7 @@ class UI:
         return captured.get()
 
     def text(self, text: str, *, style: str | None = None) -> None:
-        self.out.print(escape(text, newlines=True), style=style, markup=False, highlight=False)
+        self.out.print(escape(text, newlines=True), style=style, markup=False, highlight=False, emoji=False)
 
 
 def _table(title: str | None, columns: Sequence[str], rows: Iterable[Sequence[Any]]):
