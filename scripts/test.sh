@@ -30,6 +30,9 @@ if [ ${#need_slurm[@]} -gt 0 ]; then
 fi
 
 python3 -m pip install -q --disable-pip-version-check -e '.[test]'
+# An editable install writes no .pyc; under PYTHONDONTWRITEBYTECODE=1 (some CI images set it)
+# every CLI start the tests make would compile tfcluster from source. Python still reads them.
+python3 -m compileall -q tfcluster >/dev/null
 
 set +e
 python3 -m pytest -q "$@"
