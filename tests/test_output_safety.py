@@ -163,6 +163,38 @@ def test_piped_progress_does_not_import_rich():
     assert r.stdout.strip() == "False", r.stderr
 
 
+def test_a_piped_table_is_plain_aligned_columns_and_a_terminal_keeps_rich():
+    out, err = io.StringIO(), _Terminal()
+    ui = UI(out, err, color=False)
+    rows = [("worker:0", "gpu:box", "日本", f"a{CLEAR}"), ("ps:0", "h", "-", "")]
+    ui.table("run r1", ["task", "host", "note", "last"], rows)
+    assert out.getvalue().splitlines() == ["run r1",
+                                           "task      host     note  last",
+                                           "worker:0  gpu:box  日本  a\\x1b[2J",
+                                           "ps:0      h        -"]
+    ui.table("run r1", ["task", "host", "note", "last"], rows, stderr=True)
+    assert "┏" in err.getvalue() and "worker:0" in err.getvalue() and CLEAR not in err.getvalue()
+    assert "a\\x1b[2J" in err.getvalue()
+
+
+def test_a_long_command_on_a_terminal_is_one_line_the_terminal_folds():
+    out = _Terminal()
+    command = "TF_CONFIG=" + shell_word(json.dumps({"cluster": {"worker": [f"10.0.0.{i}:2222" for i in range(30)]}}))
+    UI(out, _Terminal(), color=False).text(f"  {command}")
+    assert out.getvalue().count("\n") == 1 and command in out.getvalue()
+
+
+def test_plan_commands_piped_keeps_each_line_whole():
+    """A saved `plan --commands` is copied from: a long line is not cut at 200 columns."""
+    result = tfc("plan", str(Path(__file__).parent.parent / "sample_clusters" / "gpu_lab.yaml"), "--commands")
+    assert result.returncode == 0, result.stderr
+    spec_line = next(line for line in result.stdout.splitlines() if line.startswith("cluster spec: "))
+    cluster = json.loads(spec_line.removeprefix("cluster spec: "))
+    assert len(spec_line) > 200 and len(cluster["worker"]) == 8
+    envs = [line for line in result.stdout.splitlines() if line.lstrip().startswith("TF_CONFIG=")]
+    assert envs and all(line.rstrip().endswith("}'") for line in envs)
+
+
 def test_a_note_in_the_live_view_escapes_what_a_host_said():
     out = io.BytesIO()
     mux = LogMux(out, ["worker:0"], color=False)

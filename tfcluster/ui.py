@@ -70,30 +70,18 @@ class UI:
     def info(self, message: str) -> None:
         """A progress/status line on stderr (never parsed, never markup)."""
         with self.pause():
-            if self._plain_err():
-                self._line(escape(message))
+            if _terminal(self.stderr):
+                self.err.print(escape(message), markup=False, highlight=False, emoji=False, soft_wrap=True)
             else:
-                self.err.print(escape(message), markup=False, highlight=False, emoji=False)
+                _write(self.stderr, escape(message) + "\n")
 
     def ok(self, message: str) -> None:
         with self.pause():
-            if self._plain_err():
-                self._line(f"✓ {escape(message)}")
-            else:
+            if _terminal(self.stderr):
                 self.err.print(f"✓ {escape(message)}", style="green", markup=False, highlight=False,
-                               emoji=False)
-
-    def _plain_err(self) -> bool:
-        """Progress to a stderr that is not a terminal (a pipe, a file, CI) is written as is:
-        no Rich import on the way to the first connection (docs/ARCHITECTURE.md, "Start-up
-        cost"), and no wrapping at Rich's 200 columns, which would split a line a log reader
-        greps for. A terminal keeps Rich: its width, its colours."""
-        isatty = getattr(self.stderr, "isatty", None)
-        return not (isatty and isatty())
-
-    def _line(self, text: str) -> None:
-        self.stderr.write(text + "\n")
-        self.stderr.flush()
+                               emoji=False, soft_wrap=True)
+            else:
+                _write(self.stderr, f"✓ {escape(message)}\n")
 
     def json(self, document: Any) -> None:
         indent = 2 if self.stdout.isatty() else None  # pipes get compact JSON: 1,000 tasks stay fast
@@ -103,17 +91,64 @@ class UI:
 
     def table(self, title: str | None, columns: Sequence[str], rows: Iterable[Sequence[Any]],
               *, stderr: bool = False) -> None:
-        (self.err if stderr else self.out).print(_table(title, columns, rows))
+        stream = self.stderr if stderr else self.stdout
+        if _terminal(stream):
+            (self.err if stderr else self.out).print(_table(title, columns, rows))
+        else:
+            _write(stream, plain_table(title, columns, rows))
 
     def table_text(self, title: str | None, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
-        """The same table as plain text, for an error's `details` (shown just before its line)."""
+        """The same table as text, for an error's `details` (shown just before its line)."""
+        if not _terminal(self.stderr):
+            return plain_table(title, columns, rows)
         console = _console(io.StringIO(), False)
         with console.capture() as captured:
             console.print(_table(title, columns, rows))
         return captured.get()
 
     def text(self, text: str, *, style: str | None = None) -> None:
-        self.out.print(escape(text, newlines=True), style=style, markup=False, highlight=False, emoji=False)
+        """Lines of data on stdout (commands to copy among them): never wrapped by us."""
+        if _terminal(self.stdout):
+            self.out.print(escape(text, newlines=True), style=style, markup=False, highlight=False,
+                           emoji=False, soft_wrap=True)
+        else:
+            _write(self.stdout, escape(text, newlines=True) + "\n")
+
+
+# Off a terminal (a pipe, a file, CI) everything is written as is: Rich is not imported on
+# the way to a command's first connection (docs/ARCHITECTURE.md, "Start-up cost"), no line
+# is wrapped at Rich's 200 columns (a command saved from `plan --commands` stays one line),
+# and a table is plain aligned columns a reader can grep and cut. A terminal keeps Rich
+# for tables and colours; its lines are soft-wrapped (the terminal folds them, a copy of
+# one is still one line). Neither path turns `:name:` into an emoji, as Rich would by default.
+def _terminal(stream: IO[str]) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty and isatty())
+
+
+def _write(stream: IO[str], text: str) -> None:
+    stream.write(text)
+    stream.flush()
+
+
+def plain_table(title: str | None, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    """A title line, a header line and a line per row, columns two spaces apart and aligned
+    by display width (an East Asian wide character takes two); no trailing spaces."""
+    grid = [[escape(c) for c in columns]] + [[escape(c if isinstance(c, str) else str(c)) for c in row]
+                                              for row in rows]
+    widths = [max(_width(line[i]) for line in grid if i < len(line)) for i in range(len(columns))]
+    out = [escape(title)] if title else []
+    for line in grid:
+        cells = [c + " " * (widths[i] - _width(c)) for i, c in enumerate(line)]
+        out.append("  ".join(cells).rstrip())
+    return "\n".join(out) + "\n"
+
+
+def _width(text: str) -> int:
+    if text.isascii():
+        return len(text)
+    from unicodedata import combining, east_asian_width
+    return sum(0 if combining(c) else 2 if east_asian_width(c) in "WF" else 1 for c in text)
 
 
 def _table(title: str | None, columns: Sequence[str], rows: Iterable[Sequence[Any]]):
