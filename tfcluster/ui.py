@@ -64,8 +64,7 @@ class UI:
 
     def warn(self, message: str) -> None:
         with self.pause():
-            self.stderr.write(f"tfcluster: warning: {escape(message)}\n")
-            self.stderr.flush()
+            _write(self.stderr, f"tfcluster: warning: {escape(message)}\n")
 
     def info(self, message: str) -> None:
         """A progress/status line on stderr (never parsed, never markup)."""
@@ -134,8 +133,7 @@ def _write(stream: IO[str], text: str) -> None:
 def plain_table(title: str | None, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     """A title line, a header line and a line per row, columns two spaces apart and aligned
     by display width (an East Asian wide character takes two); no trailing spaces."""
-    grid = [[escape(c) for c in columns]] + [[escape(c if isinstance(c, str) else str(c)) for c in row]
-                                              for row in rows]
+    grid = [[escape(c) for c in columns]] + [[escape(str(c)) for c in row] for row in rows]
     widths = [max(_width(line[i]) for line in grid if i < len(line)) for i in range(len(columns))]
     out = [escape(title)] if title else []
     for line in grid:
