@@ -161,6 +161,26 @@ def test_stop_kills_a_term_ignoring_task_and_its_setsid_grandchild(agent):
     assert gone(pid) and gone(grandchild)
 
 
+# Holds 2 GB (touched: bytearray zero-fills it) and ignores TERM: after its KILL the kernel
+# frees that memory for ~0.1 s, with the process still running and its environment (so its
+# tag) already unreadable.
+BIG = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+       "b = bytearray(2 * 1024 ** 3); print('ready', flush=True); time.sleep(600)")
+
+
+@pytest.mark.timeout(60)
+def test_stop_returns_once_a_killed_task_is_dead_not_while_it_frees_its_memory(agent, home):
+    t = launch(agent, f"{C}:big:worker:0", [sys.executable, "-c", BIG])
+    pid = start_detached(agent, t)
+    log = Path(home) / CLUSTER_DIR.removeprefix("~/") / "logs" / f"{C}_big_worker_0.log"
+    wait_for(lambda: log.exists() and "ready" in log.read_text(), 30, what="2 GB held")
+
+    report = agent.stop(f"{C}:big:", grace=0.1)
+
+    assert [p for _, p in report.stopped] == [pid] and report.survivors == ()
+    assert gone(pid), psutil.Process(pid).status()     # a zombie or reaped, not still exiting
+
+
 @pytest.mark.timeout(30)
 def test_attached_stop_kills_a_term_ignoring_task_and_its_setsid_grandchild(agent):
     task = agent.start_attached(launch(agent, f"{C}:r3:worker:0", [sys.executable, "-c", STUBBORN]),

@@ -150,6 +150,12 @@ class Board:
         _quietly(self.handle.stop)
         self._threads[1].join(PROBE_TIMEOUT + 1)
 
+    def wait_stopped(self) -> None:
+        """After close(): until TensorBoard's shim exits, which it does once it has reaped
+        TensorBoard (TERM, STOP_GRACE, KILL). The run's stop sweep alone can miss a
+        TensorBoard that is still exiting: its tag is unreadable by then."""
+        self.exited.wait(STOP_GRACE + 5)
+
 
 def answers(transport, port: int) -> bool:
     """Whether TensorBoard answers GET / with 200 at 127.0.0.1:`port` on the host (one

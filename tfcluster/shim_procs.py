@@ -212,11 +212,28 @@ def kill_tasks(groups: list[int], match, grace: float, found: dict | None = None
     while left:
         for pid in left:
             signal_quietly(pid, signal.SIGKILL)
+            stat = proc_stat(pid)
+            if stat is not None:
+                termed.setdefault(pid, stat[1])
         if time.monotonic() > deadline:
             break
         time.sleep(nap)
         nap = min(POLL, nap * 2)
         left = tagged(match)
+    # A dying process's environment reads empty (so it is no longer `tagged`) from the moment
+    # it lets go of its memory, but it runs on while the kernel frees that memory (0.1 s for
+    # 2 GB) and holds its sockets until the end. Each process signalled here is waited for
+    # until it is a zombie or gone (by pid and start time), and KILLed first if it still runs
+    # untagged: one that replaced its environment is still the process asked to stop.
+    nap = FIRST_NAP
+    while time.monotonic() < deadline:
+        running = [pid for pid, start in termed.items() if _same(pid, start)]
+        if not running:
+            break
+        for pid in running:
+            signal_quietly(pid, signal.SIGKILL)
+        time.sleep(nap)
+        nap = min(POLL, nap * 2)
     return left
 
 

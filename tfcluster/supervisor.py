@@ -200,6 +200,8 @@ def _shutdown(run: Run, interrupted: bool = False) -> None:
         if (run.owns_servers or run.procs) and not _swept_by_shims(run):
             prefix = names.run_prefix(run.plan.name, run.run_id)
             run.session.stop_run(prefix, grace=0 if fast.is_set() else SERVER_STOP_GRACE)
+        if run.board is not None and not fast.is_set():
+            run.board.wait_stopped()
     finally:
         if main_thread:
             for sig, handler in previous.items():
