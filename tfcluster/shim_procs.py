@@ -182,9 +182,10 @@ def exit_code(returncode: int) -> int:
 def kill_tasks(groups: list[int], match, grace: float, found: dict | None = None) -> dict[int, str]:
     """TERM the groups (each one the caller verified: group_of, or its own unreaped child)
     and every matching process of ours (`found`: the caller's own tagged(match), just
-    read), wait up to `grace` for those, KILL, sweep.
+    read), wait up to `grace` for those, KILL, sweep, then wait (within the sweep's 2 s)
+    until each process signalled is a zombie or gone.
 
-    Returns the processes still alive at the end (pid -> tag)."""
+    Returns the processes still alive and tagged at the end (pid -> tag)."""
     groups = [g for g in groups if as_pid(g)]
     for pgid in groups:
         signal_quietly(pgid, signal.SIGTERM, group=True)
