@@ -182,8 +182,8 @@ def exit_code(returncode: int) -> int:
 def kill_tasks(groups: list[int], match, grace: float, found: dict | None = None) -> dict[int, str]:
     """TERM the groups (each one the caller verified: group_of, or its own unreaped child)
     and every matching process of ours (`found`: the caller's own tagged(match), just
-    read), wait up to `grace` for those, KILL, sweep, then wait (within the sweep's 2 s)
-    until each process signalled is a zombie or gone.
+    read), wait up to `grace` for those, then KILL them and any found by a fresh tag scan
+    until each is a zombie or gone (at most 2 s).
 
     Returns the processes still alive and tagged at the end (pid -> tag)."""
     groups = [g for g in groups if as_pid(g)]
@@ -209,33 +209,25 @@ def kill_tasks(groups: list[int], match, grace: float, found: dict | None = None
     for pgid in groups:
         if pgid in members:
             signal_quietly(pgid, signal.SIGKILL, group=True)
+    # Then KILL until every process signalled is a zombie or gone (by pid and start time),
+    # rescanning the tag for late ones. A dying process's environment reads empty (so it is no
+    # longer `tagged`) from the moment it lets go of its memory, but it runs on while the
+    # kernel frees that memory (0.1 s for 2 GB) and holds its sockets until the end; one that
+    # runs on untagged because it replaced its environment is still the process asked to stop.
     deadline, nap = time.monotonic() + 2.0, FIRST_NAP
-    while left:
+    while True:
         for pid in left:
-            signal_quietly(pid, signal.SIGKILL)
             stat = proc_stat(pid)
             if stat is not None:
-                termed.setdefault(pid, stat[1])
-        if time.monotonic() > deadline:
-            break
+                termed[pid] = stat[1]        # tagged and ours now, whatever ran as pid before
+        running = {pid for pid, start in termed.items() if _same(pid, start)}
+        for pid in running:
+            signal_quietly(pid, signal.SIGKILL)
+        if not running or time.monotonic() > deadline:
+            return {pid: tag for pid, tag in left.items() if pid in running}
         time.sleep(nap)
         nap = min(POLL, nap * 2)
         left = tagged(match)
-    # A dying process's environment reads empty (so it is no longer `tagged`) from the moment
-    # it lets go of its memory, but it runs on while the kernel frees that memory (0.1 s for
-    # 2 GB) and holds its sockets until the end. Each process signalled here is waited for
-    # until it is a zombie or gone (by pid and start time), and KILLed first if it still runs
-    # untagged: one that replaced its environment is still the process asked to stop.
-    nap = FIRST_NAP
-    while time.monotonic() < deadline:
-        running = [pid for pid, start in termed.items() if _same(pid, start)]
-        if not running:
-            break
-        for pid in running:
-            signal_quietly(pid, signal.SIGKILL)
-        time.sleep(nap)
-        nap = min(POLL, nap * 2)
-    return left
 
 
 def _same(pid: int, start: int) -> bool:
