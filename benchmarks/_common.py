@@ -32,6 +32,7 @@ SSHD = "/usr/sbin/sshd"
 SFTP_SERVER = "/usr/lib/openssh/sftp-server"
 MARK_VAR = "TFCLUSTER_BENCH"
 SESSION_VAR = "TFCLUSTER_TEST_SESSION"   # tests/conftest.py's leak-check scope
+BARE_LOGIN_VAR = "TFCLUSTER_BENCH_BARE_LOGIN"   # set by --bare-login
 TAG = b"TFCLUSTER_JOB_ID="
 TFCLUSTER = [sys.executable, "-m", "tfcluster"]
 
@@ -51,7 +52,22 @@ def parser(doc: str, reps: int = 5) -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=doc)
     p.add_argument("--reps", type=int, default=reps, help=f"A/B repetitions (default {reps})")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, 1 rep (for the test suite)")
+    p.add_argument("--bare-login", action=_BareLogin, nargs=0,
+                   help="informative: the throwaway sshd gives its sessions an empty HOME, so the "
+                        "remote login shell sources no ~/.bashrc (both sides alike)")
     return p
+
+
+class _BareLogin(argparse.Action):
+    """--bare-login: every sshd this process starts sets HOME to an empty directory for its
+    sessions (SetEnv overrides the HOME sshd sets). bash sources ~/.bashrc for a command run
+    by sshd; this machine's root .bashrc runs `pyenv init` (0.15 s of CPU per remote command),
+    which both sides pay per host. Tasks and shims are unaffected: the specs name the Python
+    and the workdir by absolute path."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        os.environ[BARE_LOGIN_VAR] = "1"
+        setattr(namespace, self.dest, True)
 
 
 def stats(xs: list[float]) -> tuple[float, float, float]:
@@ -247,6 +263,9 @@ class Bench:
         d.mkdir()
         pub = keygen(d / "host_ed25519")
         setenv = f"{MARK_VAR}={self.mark}"
+        if os.environ.get(BARE_LOGIN_VAR):
+            (self.tmp / "bare-home").mkdir(exist_ok=True)
+            setenv += f" HOME={self.tmp / 'bare-home'}"
         if os.environ.get(SESSION_VAR):
             setenv += f" {SESSION_VAR}={os.environ[SESSION_VAR]}"
         groups = [addresses[i:i + 16] for i in range(0, len(addresses), 16)]
