@@ -87,6 +87,40 @@ def test_down_works_after_local_state_is_deleted(tmp_path, home, ssh_home, sshd,
 
 
 @pytest.mark.tf
+def test_status_finds_running_tasks_whose_host_directory_was_removed(tmp_path, home, cwd):
+    """The pid files live in the cluster's directory on the host; with it gone, `status`
+    finds the tasks by their tag (as `down` does), says they run without pid files, and
+    `down` stops them."""
+    import shutil
+
+    from tfcluster.plan import build_plan
+    from tfcluster.spec import load_spec
+
+    spec = local_spec(tmp_path, name="gone")
+    assert tfcluster("up", str(spec), home=home, cwd=cwd).returncode == 0
+    cluster_dir = build_plan(load_spec(str(spec))).cluster_dir.replace("~", str(home), 1)
+    assert list(Path(cluster_dir).rglob("*.pid")), cluster_dir
+    shutil.rmtree(cluster_dir)
+    try:
+        status = tfcluster("status", str(spec), "--json", home=home, cwd=cwd)
+        assert status.returncode == 0, status.stderr
+        rows = json.loads(status.stdout)["tasks"]
+        pids = set(tagged_processes())
+        assert [(r["task"], r["status"], r["pid_file"]) for r in rows] == [
+            ("ps:0", "running", False), ("worker:0", "running", False), ("worker:1", "running", False)]
+        assert {r["pid"] for r in rows} <= pids and len({r["pid"] for r in rows}) == 3
+        text = tfcluster("status", str(spec), home=home, cwd=cwd)
+        assert "3/3 tasks running" in text.stderr, text.stderr
+        assert "local: ps:0, worker:0, worker:1 of cluster 'gone' run with no pid file" in text.stderr
+    finally:
+        down = tfcluster("down", str(spec), home=home, cwd=cwd)
+    assert down.returncode == 0, down.stderr
+    assert not tagged_processes()
+    after = json.loads(tfcluster("status", str(spec), "--json", home=home, cwd=cwd).stdout)["tasks"]
+    assert [(r["status"], r["pid_file"]) for r in after] == [("stopped", None)] * 3
+
+
+@pytest.mark.tf
 def test_sigkill_of_tfcluster_during_up_leaves_nothing_once_down_runs(tmp_path, home, ssh_home, sshd, cwd):
     spec = ssh_spec(tmp_path, sshd)
     proc = start_tfcluster("up", str(spec), home=home, cwd=cwd)

@@ -42,6 +42,7 @@ class HostAgent:
         self._bindir: str | None = None       # absolute, once prepared
         self._info: HostInfo | None = None
         self._surveyed: tuple | None = None   # a survey prepare() answered, used once
+        self.sweep_status = False   # surveys also find the cluster's tasks no pid file names
         self.more_answers: dict = {}          # prepare()'s `more` commands, answered
         self._placed: tuple | None = None     # (files request, what the cache lacked) from prepare()
         self._prepare_lock = threading.Lock()
@@ -228,7 +229,9 @@ class HostAgent:
         return Survey(tuple(statuses_of(answers[proto.STATUS])), ports_of(answers[proto.PORTS]))
 
     def _survey_commands(self, tag_prefix: str, ports: list[int]) -> dict[str, dict]:
-        return {proto.STATUS: self._status_request(tag_prefix), proto.PORTS: {"ports": list(ports)}}
+        status = dict(self._status_request(tag_prefix), sweep=True) if self.sweep_status \
+            else self._status_request(tag_prefix)
+        return {proto.STATUS: status, proto.PORTS: {"ports": list(ports)}}
 
     def _status_request(self, tag_prefix: str) -> dict:
         return {"piddir": self.paths.piddir, "tag_prefix": tag_prefix, "cluster_dir": self.paths.root}

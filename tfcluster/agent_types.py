@@ -40,6 +40,7 @@ class TaskStatus:
     uptime_s: float | None
     log: str
     warm: bool = False          # started by `up` and waiting for GO: not a server yet
+    unrecorded: bool = False    # found by its tag alone: no pid file names it
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,8 @@ def ports_of(answer: dict) -> dict[int, str | None]:
 
 def statuses_of(answer: list) -> list[TaskStatus]:
     return [TaskStatus(tag=s["tag"], pid=int(s["pid"]), alive=bool(s["alive"]),
-                       uptime_s=s.get("uptime_s"), log=s.get("log") or "", warm=bool(s.get("warm")))
+                       uptime_s=s.get("uptime_s"), log=s.get("log") or "", warm=bool(s.get("warm")),
+                       unrecorded=bool(s.get("unrecorded")))
             for s in answer]
 
 

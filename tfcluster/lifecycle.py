@@ -72,8 +72,9 @@ def down(plan: Plan, ui, grace: float = DEFAULT_GRACE) -> int:
         unreachable = {h: e for h, e in opened.items() if isinstance(e, BaseException)}
         session.drop(unreachable)
         survivors = _report_down(ui, reports, opened)
-        ports_busy = [f"{h}:{port}" for h, r in reports.items() if not isinstance(r, BaseException)
-                      for port, _holder in r.busy]
+        ports_busy = [f"{h}:{port}" + (f" ({holder})" if holder and holder != "in use" else "")
+                      for h, r in reports.items() if not isinstance(r, BaseException)
+                      for port, holder in r.busy]
         refused = [e for e in unreachable.values() if not isinstance(e, ConnectError)]
         if refused and not survivors and not ports_busy and len(refused) == len(unreachable):
             raise refused[0]        # reached but refused (e.g. a directory not ours): its own error
@@ -83,10 +84,21 @@ def down(plan: Plan, ui, grace: float = DEFAULT_GRACE) -> int:
         problems += [f"ports still busy: {', '.join(ports_busy)}"] if ports_busy else []
         if problems:
             raise TfclusterError(f"cluster {plan.name!r} not fully stopped ({'; '.join(problems)})",
-                                 hint="run `tfcluster down` again once the hosts are reachable")
+                                 hint=_down_hint(unreachable, survivors))
         state.clear(plan.name)
         ui.ok(f"cluster {plan.name!r} is down: nothing of it runs and its ports are free")
         return ExitCode.OK
+
+
+def _down_hint(unreachable: dict, survivors: list) -> str:
+    if unreachable:
+        return "run `tfcluster down` again once the hosts are reachable"
+    if survivors:
+        return "a process that outlives SIGKILL is stuck in the kernel (e.g. on a hung mount); " \
+               "run `tfcluster down` again later"
+    return ("nothing tagged as this cluster's runs any more; down leaves the holders named alone "
+            "(another user's process, a program outside tfcluster, or a task's child that left "
+            "its session and environment)")
 
 
 def _report_down(ui, reports: dict, infos: dict) -> list[str]:
@@ -124,19 +136,22 @@ class TaskRow:
     pid: int | None = None
     uptime_s: float | None = None
     port_open: bool | None = None
+    pid_file: bool | None = None    # running: found through its pid file (False: by its tag alone)
 
 
 def status(plan: Plan, ui) -> tuple[list[TaskRow], dict[str, BaseException]]:
     """One row per planned task, and the hosts that could not be reached (host -> error)."""
     with Session(plan, ui) as session:
+        for name in session.host_names:      # pid files can be gone while the tasks run
+            session.agent(name).sweep_status = True
         opened = session.open(strict=False, survey=list(plan.tasks))
         rows: list[TaskRow] = []
         unreachable = {h: e for h, e in opened.items() if isinstance(e, BaseException)}
         for host in plan.hosts:
             if host in unreachable:
                 rows += [TaskRow(t.key, t.host, t.target, "unreachable") for t in plan.tasks_on(host)]
-            else:
-                rows += _host_rows(session, host)
+                continue
+            rows += _host_rows(session, host)
         return rows, unreachable
 
 
@@ -145,11 +160,14 @@ def _host_rows(session: Session, host: str) -> list[TaskRow]:
     found = session.agents[host].survey(names.cluster_prefix(session.plan.name), [t.port for t in tasks])
     rows = []
     for task in tasks:
-        mine = [s for s in found.statuses if s.alive and not s.warm and _is_task(s.tag, task)]
+        # a task's own pid file first; a process found by its tag alone only without one
+        mine = sorted((s for s in found.statuses if s.alive and not s.warm and _is_task(s.tag, task)),
+                      key=lambda s: s.unrecorded)
         st = mine[0] if mine else None
         uptime = round(st.uptime_s, 1) if st and st.uptime_s is not None else None
         rows.append(TaskRow(task.key, task.host, task.target, "running" if st else "stopped",
-                            st.pid if st else None, uptime, bool(found.ports.get(task.port))))
+                            st.pid if st else None, uptime, bool(found.ports.get(task.port)),
+                            (not st.unrecorded) if st else None))
     return rows
 
 

@@ -107,6 +107,10 @@ def print_status(ui, plan: Plan, rows) -> None:
              table_rows)
     running = sum(1 for r in rows if r.status == "running")
     ui.info(f"{running}/{len(rows)} tasks running")
+    for host in dict.fromkeys(r.host for r in rows if r.pid_file is False):
+        tasks = ", ".join(r.task for r in rows if r.host == host and r.pid_file is False)
+        ui.warn(f"{host}: {tasks} of cluster {plan.name!r} run with no pid file (the cluster's "
+                f"directory there was removed or replaced); `tfcluster down` stops them")
 
 
 SUMMARY_LINE = 60     # characters of a task's last loss line in the summary

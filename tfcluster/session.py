@@ -231,7 +231,7 @@ class Session:
             busy.update({(host, port): holder for port, holder in found.ports.items()})
             for st in found.statuses:
                 tag = names.Tag.parse(st.tag)
-                if st.alive and not st.warm and tag is not None and tag.role == "server":
+                if st.alive and not st.warm and not st.unrecorded and tag is not None and tag.role == "server":
                     live[tag.key] = st
         return live, busy
 

@@ -124,7 +124,23 @@ def cmd_status(req: dict) -> list:
                     "uptime_s": round(time.time() - started, 3) if alive and started else None})
         if r.get("warm"):
             out[-1]["warm"] = True
+    if req.get("sweep") and prefix:
+        out += unrecorded(prefix, {r["pid"] for r in out if r["alive"]})
     return out
+
+
+def unrecorded(prefix: str, known: set) -> list:
+    """Live tasks of the cluster that no pid file names (its directory on this host was
+    removed or replaced while they ran). A task leads its own process group; its children
+    share its tag, not its group, so each task is counted once."""
+    def match(tag):
+        return tag.startswith(prefix)
+    found = []
+    for pid, tag in sorted(procs.tagged(match).items()):
+        if pid not in known and procs.group_of(pid, match) == pid:
+            found.append({"tag": tag, "pid": pid, "alive": True, "log": None,
+                          "uptime_s": procs.uptime(pid), "unrecorded": True})
+    return found
 
 
 # ---------------------------------------------------------------- wait / launch / tail

@@ -64,6 +64,17 @@ def proc_stat(pid: int) -> tuple[str, int] | None:
     return (fields[0], int(fields[19])) if fields else None
 
 
+def uptime(pid: int) -> float | None:
+    """Seconds since the process started, from /proc (None if it is gone)."""
+    stat = proc_stat(pid)
+    try:
+        with open("/proc/uptime") as f:
+            booted = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return round(booted - stat[1] / os.sysconf("SC_CLK_TCK"), 3) if stat else None
+
+
 def parent_of(pid: int) -> int | None:
     fields = _stat_fields(pid)
     return int(fields[1]) if fields else None
