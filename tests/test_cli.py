@@ -74,6 +74,32 @@ def test_unknown_command_and_unknown_option_exit_2_without_traceback():
         assert result.stderr.startswith("tfcluster: error:") and "Traceback" not in result.stderr
 
 
+def test_a_mistyped_command_gets_one_suggestion():
+    result = tfc("plna", LOCAL)
+    assert result.returncode == 2
+    assert result.stderr.splitlines()[0] == "tfcluster: error: No such command 'plna'. Did you mean 'plan'?"
+
+
+def test_a_reader_that_leaves_early_is_not_an_error():
+    """`plan --commands | head -1`: click turns the broken pipe into exit 1 unless we catch it."""
+    shell = (f"{sys.executable} -m tfcluster plan {GPU_LAB} --commands | head -1 > /dev/null; "
+             "echo rc=${PIPESTATUS[0]}")
+    result = subprocess.run(["bash", "-c", shell], capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "NO_COLOR": "1"})
+    assert result.stdout.strip() == "rc=0" and result.stderr == "", (result.stdout, result.stderr)
+
+
+def test_runs_logs_and_plot_name_a_runs_directory_they_cannot_list(tmp_path):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    for command in ("runs", "logs", "plot"):
+        result = tfc(command, LOCAL, "--runs-dir", str(not_a_dir), cwd=str(tmp_path))
+        assert result.returncode == 2, (command, result.stderr)
+        assert result.stderr.startswith(f"tfcluster: error: runs directory {not_a_dir}: cannot list it: "
+                                        "Not a directory\n"), result.stderr
+        assert "Traceback" not in result.stderr
+
+
 def test_plan_and_help_never_import_tensorflow_or_paramiko():
     code = (
         "import sys\n"

@@ -1,6 +1,8 @@
 """The live footer of `train`, in a real pseudo-terminal rendered by a terminal emulator
 (pyte): it appears, updates, shows a restart, never tears a line or a warning, and is gone
-at the end with the summary intact. No footer where stdout is not a terminal or --quiet."""
+at the end with the summary intact. No footer where stdout is not a terminal or --quiet.
+Its progress line's rate and ETA, from explicit times: over the last 10 s, never from a
+burst, and a stall in their place once no step came in that window."""
 from __future__ import annotations
 
 import fcntl
@@ -13,10 +15,13 @@ import subprocess
 import sys
 import termios
 import time
+from collections import deque
+from dataclasses import replace
 
 import pytest
 
-pyte = pytest.importorskip("pyte")
+from tfcluster import metrics
+from tfcluster.footer import RateHistory, progress_line
 
 COLS, ROWS = 110, 40
 # Worker 1's first attempt dies as if OOM-killed (137) after a few steps; the restart runs on.
@@ -81,6 +86,7 @@ def run_in_pty(args: list[str], cwd, timeout: float = 90) -> tuple[int, bytes]:
 
 def screen_lines(data: bytes) -> list[str]:
     """Every line the terminal shows or scrolled off, as a person would read them."""
+    pyte = pytest.importorskip("pyte")
     screen = pyte.HistoryScreen(COLS, ROWS, history=5000)
     pyte.ByteStream(screen).feed(data)
     def text(row) -> str:
@@ -115,3 +121,56 @@ def test_no_footer_without_a_terminal_or_with_quiet(tmp_path):
                            capture_output=True, timeout=90)
     assert piped.returncode == 0, piped.stderr[-2000:]
     assert b"\x1b[J" not in piped.stdout + piped.stderr and b"worker:0 \xe2\x94\x82 step=30" in piped.stdout
+
+
+# -- the progress line's rate, from explicit times (no sleeps) ---------------------------
+
+def _tracker(target: int, lines: list[tuple[float, int]], key: str = "worker:0") -> metrics.Tracker:
+    t = metrics.Tracker(targets={key: target})
+    for now, step in lines:
+        t.feed(key, f"step={step} loss=0.5".encode(), now)
+    return t
+
+
+def test_after_a_stall_the_footer_shows_the_stall_not_the_last_rate_or_an_eta():
+    # 10 steps/s for 20 s, then nothing for 15 s: the last 10 s saw no step
+    t = _tracker(400, [(100 + i / 10, i) for i in range(201)])
+    s = t.state("worker:0")
+    assert s.recent_rate(now=120.0) == pytest.approx(10, rel=0.02)
+    assert s.recent_rate(now=135.0) is None
+    line = progress_line(t.tasks, elapsed=36, now=135.0)
+    assert line == "step 200/400 (50%) · no new step for 0:15 · elapsed 0:36 · loss 0.5"
+
+
+def test_a_burst_of_steps_is_no_rate_and_then_a_stall():
+    # the auditor's run: worker:0 says steps 0-19 within 0.064 s, then the cluster waits 30 s
+    t = _tracker(20, [(50 + i * 0.064 / 19, i) for i in range(20)])
+    s = t.state("worker:0")
+    for now in (50.064, 50.5, 53.0, 60.0):            # within the window: too short a span
+        assert s.recent_rate(now=now) is None
+        line = progress_line(t.tasks, elapsed=now - 50, now=now)
+        assert "steps/s" not in line and "ETA" not in line and "no new step" not in line, line
+    line = progress_line(t.tasks, elapsed=23.2, now=73.2)
+    assert line == "step 19/20 (95%) · no new step for 0:23 · elapsed 0:23 · loss 0.5"
+
+
+def test_a_steady_rate_and_its_eta_are_still_shown():
+    t = _tracker(400, [(100 + i / 10, i) for i in range(301)])
+    assert t.state("worker:0").recent_rate(now=130.0) == pytest.approx(10, rel=1e-6)
+    line = progress_line(t.tasks, elapsed=30, now=130.0)
+    assert line == "step 300/400 (75%) · 10.0 steps/s · ETA 0:10 · elapsed 0:30 · loss 0.5"
+    # a restart from an older step: the rate is the new attempt's, not a negative one
+    t = _tracker(400, [(100 + i / 10, i) for i in range(51)] + [(106 + i / 10, 20 + 2 * i) for i in range(41)])
+    assert t.state("worker:0").recent_rate(now=110.0) == pytest.approx(20, rel=1e-6)
+
+
+def test_the_footer_keeps_the_window_of_a_fast_stepper_that_states_give_16_lines_of():
+    # 50 step lines a second; each rebuild sees only the last 16 (runs.ProgressLog.states)
+    t, history, rate = metrics.Tracker(targets={"worker:0": 10_000}), RateHistory(), None
+    for i in range(1, 601):
+        t.feed("worker:0", f"step={i}".encode(), 1000 + i / 50)
+        if i % 25 == 0:                               # a rebuild every 0.5 s
+            states = {k: replace(s, samples=deque(list(s.samples)[-16:], maxlen=16))
+                      for k, s in t.tasks.items()}
+            rate = history.update(states, 1000 + i / 50)["worker:0"].recent_rate(now=1000 + i / 50)
+    assert rate == pytest.approx(50, rel=0.01)

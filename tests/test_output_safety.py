@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -177,6 +178,22 @@ def test_a_piped_table_is_plain_aligned_columns_and_a_terminal_keeps_rich():
     assert "a\\x1b[2J" in err.getvalue()
 
 
+def test_a_narrow_terminal_folds_table_cells_and_never_cuts_them(monkeypatch):
+    """`runs` on 80 columns showed `nuaudi…` for a run id that --run needs whole."""
+    monkeypatch.setenv("COLUMNS", "80")
+    out = _Terminal()
+    run_id = "nuaudit-20261124-010815-f2d4"
+    row = (run_id, "2026-11-24 01:08:15", "5.4s", "between-graph", "failed (exit 5): worker:1 exited 1",
+           "0", "19", "0.1234")
+    UI(out, _Terminal(), color=False).table("runs", ["run", "started", "duration", "mode", "outcome",
+                                                     "restarts", "step", "loss"], [row])
+    shown = re.sub(r"\x1b\[[0-9;]*m", "", out.getvalue())          # bold headers
+    lines = shown.splitlines()
+    assert max(len(line) for line in lines) <= 80 and "…" not in shown
+    cells = [line.split("│")[1].strip() for line in lines if line.startswith("│")]
+    assert "".join(cells) == run_id
+
+
 def test_a_long_command_on_a_terminal_is_one_line_the_terminal_folds():
     out = _Terminal()
     command = "TF_CONFIG=" + shell_word(json.dumps({"cluster": {"worker": [f"10.0.0.{i}:2222" for i in range(30)]}}))
@@ -233,6 +250,35 @@ def test_known_hosts_paths_in_ssh_hints_are_quoted(tmp_path):
         known_hosts.HostKeyPolicy(ep, known_hosts.KnownHosts(ep)).missing_host_key(None, "10.0.0.1", new_key)
     assert "CHANGED" in info.value.message
     assert info.value.hint.endswith(f"`ssh-keygen -R 10.0.0.1 -f '{evil}'`")
+
+
+def test_a_known_hosts_path_under_home_pastes_as_a_working_command(tmp_path):
+    """The hint's `~/` stays bare so the shell expands it (quoted, `~` was a literal
+    directory name and the pasted command failed); the rest stays quoted."""
+    import dataclasses
+
+    from tfcluster.transport import known_hosts
+    from tfcluster.transport.ssh_config import Endpoint
+
+    path = "~/.ssh/known hosts;touch x"
+    fields = {f.name for f in dataclasses.fields(Endpoint)}
+    values = dict(name="gpu0", address="10.0.0.1", port=22, user="u", key_files=(), look_for_keys=True,
+                  known_hosts=(path,), policy="reject", timeout=5.0, jump=None, global_known_hosts=())
+    ep = Endpoint(**{k: v for k, v in values.items() if k in fields})
+    key = SimpleNamespace(get_name=lambda: "ssh-ed25519", asbytes=lambda: b"new-key")
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HOME", str(home))
+        with pytest.raises(Exception) as info:
+            known_hosts.HostKeyPolicy(ep, known_hosts.KnownHosts(ep)).missing_host_key(None, "10.0.0.1", key)
+    target = "~/'.ssh/known hosts;touch x'"
+    assert f">> {target}`" in info.value.hint
+    done = subprocess.run(["bash", "-c", f"echo line >> {target}"], cwd=tmp_path, timeout=10,
+                          env={"HOME": str(home), "PATH": os.environ["PATH"]})
+    assert done.returncode == 0
+    assert (home / ".ssh" / "known hosts;touch x").read_text() == "line\n"
+    assert not (tmp_path / "x").exists()
 
 
 # ------------------------------------------------------------------ review I3: logs

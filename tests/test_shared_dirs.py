@@ -337,6 +337,18 @@ def test_a_world_writable_workdir_is_refused_for_another_user_too(other_user, ro
     assert list(root_made.iterdir()) == []
 
 
+def test_a_directory_another_user_may_not_enter_is_refused_in_one_line(other_user, root_made):
+    (root_made / "private").mkdir(mode=0o700)            # root's, under a 0755 directory
+    agent = HostAgent("lab", AsUser(other_user), python_for(other_user), f"{root_made}/private/lab")
+
+    with pytest.raises(PreflightError) as refused:       # was a PermissionError traceback
+        agent.prepare()
+
+    assert refused.value.exit_code == 4
+    assert str(refused.value) == (f"host lab: {root_made}/private/lab: permission denied (a directory "
+                                  f"above it is not yours to enter): use a directory of your own")
+
+
 def test_a_sticky_root_directory_like_tmp_is_fine_and_the_tree_is_the_users_alone(other_user, root_made):
     root_made.chmod(0o1777)
     paths = ClusterPaths(f"{root_made}/w/lab")

@@ -350,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         if type(exc).__name__ == "NoArgsIsHelpError":
             _ui.stdout.write(exc.format_message() + "\n")  # the help text itself
             return 0
-        _ui.error(exc.format_message(), _usage_hint(exc, argv))
+        _ui.error(_once(exc.format_message()), _usage_hint(exc, argv))
         return exc.exit_code
     except Terminated:
         _ui.error("terminated (SIGTERM)")
@@ -360,8 +360,25 @@ def main(argv: list[str] | None = None) -> int:
         return int(ExitCode.INTERRUPTED)
     except BrokenPipeError:
         # `tfcluster plan ... | head`: the reader left; not an error worth a traceback.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
+        return _reader_left()
+    except SystemExit as exc:
+        # click answers a broken pipe itself (it wraps the streams and exits 1) before the
+        # BrokenPipeError reaches the clause above
+        if exc.code == 1 and type(sys.stdout).__name__ == "PacifyFlushWrapper":
+            return _reader_left()
+        raise
+
+
+def _reader_left() -> int:
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # what is still buffered
+    return 0
+
+
+def _once(message: str) -> str:
+    """typer and click (>= 8.2) each add a suggestion to an unknown command: keep one."""
+    import re
+
+    return re.sub(r"( Did you mean [^?]*\?)(\1)+", r"\1", message)
 
 
 import tfcluster.cli_engines  # noqa: E402,F401  registers `render` on app

@@ -11,9 +11,13 @@ fast as without it.
 """
 from __future__ import annotations
 
+import collections
 import os
 import shutil
 import time
+from dataclasses import replace
+
+from tfcluster.metrics import RATE_WINDOW
 
 REFRESH = 0.5          # seconds between rebuilds of the footer's text
 SHOWN_KEYS = 4         # task keys listed per state before "+N"
@@ -25,8 +29,11 @@ def clock(seconds: float) -> str:
     return f"{h}:{rest // 60:02d}:{rest % 60:02d}" if h else f"{rest // 60}:{rest % 60:02d}"
 
 
-def progress_line(states: dict, elapsed: float) -> str:
-    """The first line: global step and target, rate, ETA, elapsed, latest loss."""
+def progress_line(states: dict, elapsed: float, now: float | None = None) -> str:
+    """The first line: global step and target, rate, ETA, elapsed, latest loss. `now` is on
+    the clock of the step lines' times (default time.time(), as runs.ProgressLog stamps
+    them); with no step line in the last RATE_WINDOW, the stall replaces rate and ETA."""
+    now = time.time() if now is None else now
     seen = [s for s in states.values() if s.step is not None]
     if not seen:
         return f"elapsed {clock(elapsed)} · waiting for the first step"
@@ -34,16 +41,43 @@ def progress_line(states: dict, elapsed: float) -> str:
     target = max((s.target for s in states.values() if s.target), default=None)
     parts = [f"step {latest.step:,}" + (f"/{target:,} ({min(100, 100 * latest.step // target)}%)"
                                          if target else "")]
-    rates = [r for r in (s.recent_rate() for s in seen) if r]
+    rates = [r for r in (s.recent_rate(now=now) for s in seen) if r]
     rate = max(rates, default=None)      # every task reports the one global step
+    newest = max((s.last[0] for s in seen if s.last), default=None)
     if rate:
         parts.append(f"{rate:,.1f} steps/s")
         if target and latest.step < target:
             parts.append(f"ETA {clock((target - latest.step) / rate)}")
+    elif newest is not None and now - newest > RATE_WINDOW and not (target and latest.step >= target):
+        parts.append(f"no new step for {clock(now - newest)}")
     parts.append(f"elapsed {clock(elapsed)}")
     if latest.loss is not None:
         parts.append(f"loss {latest.loss:.4g}")
     return " · ".join(parts)
+
+
+class RateHistory:
+    """Each task's step lines of the last RATE_WINDOW, gathered across rebuilds: a state
+    from runs.ProgressLog carries only its latest 16, under a second of a fast stepper."""
+
+    def __init__(self, window: float = RATE_WINDOW) -> None:
+        self.window = window
+        self.kept: dict[str, collections.deque] = {}
+
+    def update(self, states: dict, now: float) -> dict:
+        """`states` with each one's samples replaced by its kept window, `now` on their clock."""
+        out = {}
+        for key, state in states.items():
+            kept = self.kept.setdefault(key, collections.deque())
+            if state.samples:
+                first = state.samples[0][0]
+                while kept and kept[-1][0] >= first:
+                    kept.pop()
+                kept.extend(state.samples)
+            while len(kept) > 1 and now - kept[0][0] > self.window:
+                kept.popleft()
+            out[key] = replace(state, samples=collections.deque(kept))
+        return out
 
 
 def task_state(proc, restart_max: int, has_output: bool) -> str:
@@ -95,6 +129,7 @@ class LiveFooter:
         self.mux, self.progress, self.restart_max = mux, progress, restart_max
         self.started = time.monotonic()
         self._last = 0.0
+        self.history = RateHistory()
 
     def refresh(self, procs, force: bool = False) -> None:
         now = time.monotonic()
@@ -102,7 +137,9 @@ class LiveFooter:
             return
         self._last = now
         width = shutil.get_terminal_size((100, 24)).columns
-        lines = [progress_line(self.progress.states(), now - self.started),
+        wall = time.time()          # the clock of the step lines' times
+        states = self.history.update(self.progress.states(), wall)
+        lines = [progress_line(states, now - self.started, wall),
                  tasks_line(procs, self.restart_max, lambda k: self.mux.last_output(k) is not None)]
         self.mux.set_footer([fit(line, width) for line in lines])
 

@@ -29,6 +29,7 @@ DEFAULT_LOSS = r"\b[Ll]oss\s*[=:]\s*" + _NUMBER.decode()
 TARGET_FLAGS = ("--steps", "--max_steps", "--train_steps", "--num_steps", "--last_step",
                 "--total_steps", "--num_train_steps")
 RATE_WINDOW = 10.0     # seconds of recent progress behind TaskProgress.recent_rate
+RATE_SPAN = 1.0        # seconds of arrival times a recent rate needs at least
 
 
 @dataclass
@@ -47,13 +48,27 @@ class TaskProgress:
         """Steps per second from the first step line to the latest (None: under two)."""
         return _rate(self.first, self.last)
 
-    def recent_rate(self, window: float = RATE_WINDOW) -> float | None:
-        """Steps per second over the last `window` seconds of step lines."""
+    def recent_rate(self, window: float = RATE_WINDOW, now: float | None = None,
+                    span: float = RATE_SPAN) -> float | None:
+        """Steps per second over the `window` seconds that end at `now` (the clock of the
+        times fed; default: the latest step line's): the steps since the window's first step
+        line of the current attempt, over the time from that line to `now`. None when no step
+        line came within the window (a stall), or the window's lines span under `span`
+        seconds (a batch of lines says nothing of the speed)."""
         if not self.samples:
             return None
         end = self.samples[-1]
-        start = next((s for s in self.samples if end[0] - s[0] <= window), end)
-        return _rate(start, end)
+        now = end[0] if now is None else max(now, end[0])
+        if now - end[0] > window:
+            return None
+        start = end
+        for sample in reversed(self.samples):
+            if now - sample[0] > window or sample[1] > start[1]:   # outside, or an earlier attempt's
+                break
+            start = sample
+        if end[0] - start[0] < span or now <= start[0]:
+            return None
+        return (end[1] - start[1]) / (now - start[0])
 
 
 def _rate(a: tuple[float, int] | None, b: tuple[float, int] | None) -> float | None:

@@ -59,6 +59,9 @@ def run_dirs(runs_dir: str, name: str) -> list[str]:
         entries = os.listdir(runs_dir)
     except FileNotFoundError:
         return []
+    except OSError as e:     # a file, or another user's directory
+        raise UsageError(f"runs directory {runs_dir}: cannot list it: {e.strerror}",
+                         hint="--runs-dir names the directory `train` saved the runs in") from None
     runs = [e for e in entries if is_run_of(name, e)
             and os.path.isfile(os.path.join(runs_dir, e, "manifest.json"))]
     return sorted(runs)

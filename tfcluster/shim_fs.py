@@ -68,6 +68,14 @@ def _mkdir(path):
     return True
 
 
+def _mkdir_or_refuse(path):
+    try:
+        return _mkdir(path)
+    except PermissionError:
+        raise Refused("%s: permission denied (its directory is not yours to write): "
+                      "use a directory of your own" % path) from None
+
+
 def private_dir(path, top="/"):
     """Make `path` a directory that only this user (and root) can change; returns it
     absolute.
@@ -94,9 +102,12 @@ def _walk(path, top, links):
             try:
                 st = os.lstat(cur)
             except FileNotFoundError:
-                if _mkdir(cur):
+                if _mkdir_or_refuse(cur):
                     break
                 continue                 # created meanwhile: judge what is there
+            except PermissionError:
+                raise Refused("%s: permission denied (a directory above it is not yours to enter): "
+                              "use a directory of your own" % cur) from None
             if judging:
                 _judge(cur, st)
             if stat.S_ISLNK(st.st_mode):

@@ -154,8 +154,8 @@ def _table(title: str | None, columns: Sequence[str], rows: Iterable[Sequence[An
     from rich.text import Text
 
     table = Table(title=escape(title) if title else title, title_justify="left", header_style="bold")
-    for column in columns:
-        table.add_column(escape(column))
+    for column in columns:      # a narrow terminal folds a cell; it never cuts an id to "nuaudi…"
+        table.add_column(escape(column), overflow="fold")
     for row in rows:
         table.add_row(*(c if not isinstance(c, str) else Text(escape(c)) for c in row))
     return table

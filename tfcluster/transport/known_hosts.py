@@ -25,6 +25,13 @@ REVOKED = "@revoked"
 CERT_AUTHORITY = "@cert-authority"
 
 
+def shell_path(path: str) -> str:
+    """`path` quoted for a shell, a leading `~/` left bare so that the shell expands it."""
+    if path.startswith("~/"):
+        return "~/" + shlex.quote(path[2:])
+    return shlex.quote(path)
+
+
 @dataclass(frozen=True)
 class Entry:
     marker: str | None              # None, "@revoked" or "@cert-authority"
@@ -145,7 +152,7 @@ class KnownHosts:
         raise ep.error(f"host key CHANGED ({key_type} {fingerprint(blob)}, known_hosts has "
                        f"{fingerprint(old.blob)}): possible man-in-the-middle",
                        hint="if the host was reinstalled, check the new fingerprint, then "
-                            f"`ssh-keygen -R {shlex.quote(name)} -f {shlex.quote(old.path)}`")
+                            f"`ssh-keygen -R {shlex.quote(name)} -f {shell_path(old.path)}`")
 
 
 class HostKeyPolicy:
@@ -161,7 +168,7 @@ class HostKeyPolicy:
         if self.known.check(key.get_name(), blob):
             return
         if ep.policy != "accept-new":
-            kh = shlex.quote(ep.known_hosts[0])
+            kh = shell_path(ep.known_hosts[0])
             scan = f"ssh-keyscan -p {ep.port} {shlex.quote(ep.address)} >> {kh}"
             raise ep.error(f"unknown host key ({key.get_name()} {fingerprint(blob)})",
                            hint=f"run `{scan}` after checking the fingerprint, "
