@@ -148,3 +148,24 @@ def test_tfserver_held_exits_unbound_when_its_stdin_ends(tmp_path):
                           stdin=subprocess.DEVNULL, capture_output=True, timeout=180)
     assert proc.returncode == 0 and b"listening" not in proc.stdout
     assert bindable(port)
+
+
+def test_the_up_shim_exits_0_at_once_while_the_launcher_keeps_its_stdin_open():
+    """`up` keeps the exec's stdin open to the end; the shim's stdin reader (a daemon
+    thread) is then inside a read holding the buffer's lock. Python's teardown waited 1 s for
+    it and aborted ("Fatal Python error: _enter_buffered_busy", SIGABRT) after every `up`."""
+    shim = subprocess.Popen([sys.executable, "-S", str(REPO / "tfcluster" / "shim.py"), proto.UP],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        shim.stdin.write(b'{"commands": {}, "starts": []}\n')
+        shim.stdin.flush()
+        assert shim.stdout.readline() == b'{"answers": {}, "warm": []}\n'
+        shim.stdin.write(b'{"go": []}\n')
+        shim.stdin.flush()
+        rc = shim.wait(timeout=30)             # stdin still open
+        err = shim.stderr.read()
+    finally:
+        shim.kill()
+        shim.wait()
+        shim.stdin.close()
+    assert rc == 0 and err == b"", (rc, err[:300])

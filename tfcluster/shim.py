@@ -319,5 +319,26 @@ def main(argv: list) -> int:
     return 0
 
 
+def run() -> None:
+    """main(), then leave at once. A daemon thread may still sit in a read of stdin (the
+    launcher keeps its end open), holding the buffer's lock: the interpreter's teardown
+    waited 1 s for that lock and then aborted ("Fatal Python error: _enter_buffered_busy",
+    SIGABRT) after every `up`. Answers are written with os.write; nothing is left buffered."""
+    try:
+        code = main(sys.argv)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:  # noqa: BLE001 - shown as Python would, then the same exit status
+        import traceback
+        traceback.print_exc()
+        code = 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    run()
