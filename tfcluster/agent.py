@@ -229,8 +229,7 @@ class HostAgent:
         return Survey(tuple(statuses_of(answers[proto.STATUS])), ports_of(answers[proto.PORTS]))
 
     def _survey_commands(self, tag_prefix: str, ports: list[int]) -> dict[str, dict]:
-        status = dict(self._status_request(tag_prefix), sweep=True) if self.sweep_status \
-            else self._status_request(tag_prefix)
+        status = dict(self._status_request(tag_prefix), **({"sweep": True} if self.sweep_status else {}))
         return {proto.STATUS: status, proto.PORTS: {"ports": list(ports)}}
 
     def _status_request(self, tag_prefix: str) -> dict:

@@ -13,7 +13,7 @@ from typing import List, Optional
 import typer
 
 from tfcluster import __version__
-from tfcluster.errors import ExitCode, Terminated, TfclusterError, UsageError
+from tfcluster.errors import ExitCode, Terminated, TfclusterError, UsageError, exit_now
 from tfcluster.ui import UI
 
 HELP = """Run distributed TensorFlow (ps / worker / chief tasks) on your own machines.
@@ -358,20 +358,14 @@ def main(argv: list[str] | None = None) -> int:
     except (KeyboardInterrupt, typer.Abort) + _click("Abort"):
         _ui.error("interrupted")
         return int(ExitCode.INTERRUPTED)
-    except BrokenPipeError:
-        # `tfcluster plan ... | head`: the reader left; not an error worth a traceback.
-        return _reader_left()
-    except SystemExit as exc:
-        # click answers a broken pipe itself (it wraps the streams and exits 1) before the
-        # BrokenPipeError reaches the clause above
-        if exc.code == 1 and type(sys.stdout).__name__ == "PacifyFlushWrapper":
-            return _reader_left()
-        raise
-
-
-def _reader_left() -> int:
-    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # what is still buffered
-    return 0
+    except (BrokenPipeError, SystemExit) as exc:
+        # `tfcluster plan ... | head`: the reader left; not an error worth a traceback. click
+        # answers a broken pipe itself (it wraps the streams and exits 1) before we see it.
+        if isinstance(exc, SystemExit) and not (
+                exc.code == 1 and type(sys.stdout).__name__ == "PacifyFlushWrapper"):
+            raise
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # what is still buffered
+        return 0
 
 
 def _once(message: str) -> str:
@@ -394,27 +388,7 @@ def run() -> None:
     # interpreter's shutdown into a traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    _exit_now(rc)
-
-
-def _exit_now(rc: int) -> None:
-    """Flush what was written and exit without the interpreter's teardown.
-
-    Every command has finished its work when main() returns: remote stops are waited for,
-    files are closed, and the threads still alive are daemons (paramiko's transports, idle
-    pumps) that teardown would abandon anyway. Tearing down ~600 modules and collecting the
-    run's objects took 35-60 ms after a `train`'s last line (docs/ARCHITECTURE.md,
-    "Start-up cost"); nothing is registered with atexit that must run.
-    """
-    import logging
-
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):   # a reader that left (BrokenPipe) or a closed stream
-            pass
-    logging.shutdown()
-    os._exit(rc)
+    exit_now(rc)
 
 
 if __name__ == "__main__":
