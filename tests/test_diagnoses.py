@@ -134,6 +134,19 @@ def test_silence_is_reported_only_past_the_repeat_interval_and_not_while_a_known
     assert [w.kind for w in quiet.due(100.0, {"worker:0"})] == ["session"]
 
 
+def test_a_quiet_watchdog_says_what_it_watched_not_that_nothing_hung(tmp_path):
+    """It sees TF's session waits only: a script stuck before its session is no such wait."""
+    from tfcluster.diagnoses import RunChecks
+    from tfcluster.plan import build_plan
+    from tfcluster.spec import load_spec
+
+    plan = build_plan(load_spec(str(local_spec(tmp_path, extra="  checks: {hang_after: 45s}\n"))))
+    checks = RunChecks(plan, ui=None, log_dir=str(tmp_path), wake=lambda: None)
+    assert checks.summary()["hang"] == "no session wait over 45s"
+    checks.diagnoses = 2
+    assert checks.summary()["hang"] == "2 diagnosis(es)"
+
+
 @pytest.mark.parametrize("facts, expected", [
     (wd.Facts("local", "127.0.0.1:2231", "finished", exit_code=0), "device_filters=['/job:ps', '/job:worker/task:0']"),
     (wd.Facts("local", "127.0.0.1:2231", "failed", exit_code=3), "exited with code 3"),

@@ -77,7 +77,9 @@ class RunChecks:
         if self.plan.mode in ("between-graph", "classic"):     # the modes the probe serves
             out["placement"] = self.placement.summary() if self.placement is not None else "off"
         if self.watchdog is not None:
-            out["hang"] = f"{self.diagnoses} diagnosis(es)" if self.diagnoses else "no hang seen"
+            # what the watchdog can see: TF's session waits (a hang elsewhere is not one)
+            out["hang"] = (f"{self.diagnoses} diagnosis(es)" if self.diagnoses
+                           else f"no session wait over {self.plan.checks.hang_after:g}s")
         return out
 
     # -- facts -------------------------------------------------------------------------
