@@ -204,3 +204,40 @@ def test_run_summary_keeps_the_start_of_a_long_line_and_marks_the_cut():
     text = err.getvalue()
     assert "worker=0 global_step=299 loss=0.0123" in text and "…" in text
     assert "x" * 100 not in text and "succeeded — logs in runs/r1/" in text
+
+
+def test_exec_counts_a_signal_as_a_failure_ends_stdin_and_runs_a_repeated_host_once(tmp_path):
+    spec = tmp_path / "ex.yaml"
+    spec.write_text("name: exsig\nhosts:\n  - {name: a, address: localhost}\n  - {name: b, address: 127.0.0.1}\n"
+                    "jobs:\n  worker: {tasks: ['a:32230', 'b:32231']}\ntrain: {mode: mirrored}\n")
+    # one of the two hosts (the same machine) is killed, the other exits 0: the worst counts
+    lock = tmp_path / "lock"
+    killed = tfc("exec", str(spec), "--", "sh", "-c", f"if mkdir {lock}; then kill -9 $$; fi; echo fine",
+                 cwd=str(tmp_path))
+    assert killed.returncode == 137, (killed.returncode, killed.stderr)    # was 0
+    assert "killed by signal 9 (exit code 137)" in killed.stderr and killed.stdout.count("fine") == 1
+    # a command reading stdin sees its end (it waited forever on a pipe held open)
+    cat = tfc("exec", str(spec), "--hosts", "a", "--", "cat", timeout=60)
+    assert cat.returncode == 0 and cat.stdout == "", (cat.returncode, cat.stderr)
+    once = tfc("exec", str(spec), "--hosts", "a,a", "--", "echo", "hi")
+    assert once.returncode == 0 and once.stdout.count("hi") == 1, once.stderr    # was a traceback
+
+
+def test_render_to_a_directory_prints_a_next_step_that_works_from_here(tmp_path):
+    out = tmp_path / "k8s dir"
+    result = tfc("render", LOCAL, "--to", "tfjob", "--image", "tf:1", "-o", str(out))
+    assert result.returncode == 0, result.stderr
+    assert f"next: cd '{out}' && kubectl apply --server-side -f local-tfjob.yaml" in result.stderr
+    slurm = tfc("render", LOCAL, "--to", "slurm", "--image", "tf:1", "-o", str(tmp_path / "sl"))
+    assert slurm.returncode == 0 and "--image is for --to tfjob; ignored for --to slurm" in slurm.stderr
+
+
+def test_a_local_python_that_does_not_exist_is_a_preflight_error_naming_it(tmp_path):
+    spec = tmp_path / "py.yaml"
+    spec.write_text("name: nopy\npython: /nonexistent/bin/python3\nhosts:\n  - {name: local, address: 127.0.0.1}\n"
+                    "jobs:\n  ps: {tasks: ['local:32239']}\n  worker: {tasks: ['local:32240']}\n")
+    (tmp_path / "home").mkdir()
+    result = subprocess.run([sys.executable, "-m", "tfcluster", "up", str(spec)], capture_output=True, text=True,
+                            timeout=60, cwd=tmp_path, env={**os.environ, "HOME": str(tmp_path / "home")})
+    assert result.returncode == 4, result.stderr                         # was 1, FileNotFoundError
+    assert "tfcluster: error: host local: /nonexistent/bin/python3 not found" in result.stderr

@@ -78,6 +78,8 @@ REJECTIONS = [
     ("workdir-list", BASE + "workdir: [a]\n", "8: workdir: must be a string, got a list"),
     ("workdir-space", BASE + "workdir: ~/my dir\n",
      "8: workdir: must not contain whitespace or control characters: '~/my dir'"),
+    ("workdir-relative", BASE + "workdir: relwd\n", "8: workdir: must be absolute or start with ~/: 'relwd'"),
+    ("workdir-dot", BASE + "workdir: ./w\n", "8: workdir: must be absolute or start with ~/: './w'"),
     # --- env
     ("env-list", BASE + "env: {A: [1]}\n", "8: env.A: value must be a string, got a list"),
     ("env-map", BASE + "env:\n  A: {b: c}\n", "9: env.A: value must be a string, got a mapping"),
@@ -232,6 +234,9 @@ REJECTIONS = [
      "8: train.restart.policy: unknown restart policy 'on_failure'; did you mean 'on-failure'?"),
     ("restart-max", BASE + "train: {restart: {max_restarts: -2}}\n",
      "8: train.restart.max_restarts: must be an integer from 0 to 1000000, got -2"),
+    ("restart-max-no-policy", BASE + "train: {restart: {max_restarts: 2}}\n",
+     "8: train.restart.max_restarts: restarts nothing without a policy (the default is never): set "
+     "train.restart.policy to on-failure or exit-code"),
     ("timeout-zero", BASE + "train: {timeout: 0s}\n",
      "8: train.timeout: must be a positive number of seconds or a duration like 90s, 30m, 2h; got '0s'"),
     ("timeout-unit", BASE + "train: {timeout: 3d}\n",

@@ -333,3 +333,4 @@ def test_runs_lists_old_manifests_and_calls_a_run_whose_tfcluster_is_gone_died(t
     assert [(r["outcome"], r["restarts"], r["step"], r["loss"]) for r in rows] == [
         ("succeeded", 2, 9, 0.25), ("running?", 0, 9, 0.25), ("died", 0, 9, 0.25)]
     assert rows[0]["duration"] == 60.0 and rows[2]["duration"] is None
+    assert rows[0]["message"] == "succeeded" and "without writing the outcome" in rows[2]["message"]

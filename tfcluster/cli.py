@@ -221,7 +221,7 @@ def _select_hosts(path: str, known: list[str], hosts: str | None) -> list[str]:
 
     if not hosts:
         return known
-    names = [h.strip() for h in hosts.split(",") if h.strip()]
+    names = list(dict.fromkeys(h.strip() for h in hosts.split(",") if h.strip()))   # a,a: once
     for name in names:
         if name not in known:
             raise UsageError(f"--hosts: no host named {name!r} in {path}"

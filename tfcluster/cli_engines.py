@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 from typing import Optional
 
 import typer
@@ -42,6 +43,8 @@ def render(
         raise UsageError(f"--to {to!r}: unknown engine; choose one of {', '.join(ENGINES)}")
     _spec, plan = _load(spec_path, preview=True)
     rendered = render_plan(plan, to, image=image, namespace=namespace)
+    if to != "tfjob" and image is not None:
+        _ui.warn(f"--image is for --to tfjob; ignored for --to {to}")
     for note in rendered.notes:
         _ui.warn(note)
     if output is None:
@@ -56,7 +59,7 @@ def render(
         with open(path, "w", encoding="utf-8") as f:
             f.write(text)
         _ui.ok(f"wrote {path}")
-    _ui.info(f"next: cd {output} && {rendered.apply}" if to == "slurm" else f"next: {rendered.apply}")
+    _ui.info(f"next: cd {shlex.quote(output)} && {rendered.apply}")    # the file names are relative
     return ExitCode.OK
 
 

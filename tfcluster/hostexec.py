@@ -22,7 +22,9 @@ class ExecOutcome:
 
 def exec_on_hosts(session: Session, argv: list[str], mux) -> ExecOutcome:
     """Run argv on each of the session's hosts in parallel, feeding `mux` per host."""
-    wrapped = ["sh", "-c", 'exec "$@" 2>&1', "sh", *argv]  # merge stderr on the host; argv stays quoted
+    # stderr merged on the host; stdin is /dev/null (as `ssh -n`): nothing is forwarded, and
+    # a command that reads it must see its end, not wait forever; argv stays quoted
+    wrapped = ["sh", "-c", 'exec "$@" 2>&1 </dev/null', "sh", *argv]
 
     def run_one(name: str) -> int:
         try:
@@ -42,8 +44,13 @@ def exec_on_hosts(session: Session, argv: list[str], mux) -> ExecOutcome:
 
 def exit_code_of(outcome: ExecOutcome, ui) -> int:
     """The worst exit status; hosts where the command could not run raise one error (exit 3)."""
+    statuses = {host: _status(rc) for host, rc in outcome.exit_codes.items()}
     for host, rc in sorted(outcome.exit_codes.items()):
-        if rc:
+        if rc == -1:
+            ui.warn(f"host {host}: ended without an exit status (killed by a signal?): counted as 255")
+        elif rc < 0:
+            ui.warn(f"host {host}: killed by signal {-rc} (exit code {statuses[host]})")
+        elif rc:
             ui.warn(f"host {host}: exit code {rc}")
     if outcome.failures:
         first_host, first = next(iter(outcome.failures.items()))
@@ -52,4 +59,10 @@ def exit_code_of(outcome: ExecOutcome, ui) -> int:
         if others:
             message += f" (also failed: {', '.join(others)})"
         raise TfclusterError(message, hint=getattr(first, "hint", None), exit_code=ExitCode.CONNECT)
-    return max(outcome.exit_codes.values(), default=0)
+    return max(statuses.values(), default=0)
+
+
+def _status(rc: int) -> int:
+    """A command's status as a shell gives it: killed by signal N (a local process's -N) is
+    128+N; no status at all (paramiko's -1: the channel ended with a signal) is 255, as ssh(1)."""
+    return 255 if rc == -1 else 128 - rc if rc < 0 else rc

@@ -130,7 +130,10 @@ class UpExec:
         self.proc = self.agent.transport.spawn(argv)
         self.agent.track(self.proc)
         self.buf = b""
-        self.proc.write(data)
+        try:
+            self.proc.write(data)
+        except BrokenPipeError:     # it ended unread (no such python): its exit says why
+            pass
 
     def _drop(self) -> None:
         proc, self.proc = self.proc, None

@@ -29,12 +29,19 @@ def run_rows(runs_dir: str, name: str, progress=None) -> list[dict]:
                     "duration": None if started is None or end is None else round(end - started, 1),
                     "mode": doc.get("mode") if isinstance(doc.get("mode"), str) else None,
                     "outcome": _outcome(state, doc.get("exit_code")), "exit_code": doc.get("exit_code"),
-                    "message": doc.get("outcome") if isinstance(doc.get("outcome"), str) else None,
+                    "message": _message(state, doc.get("outcome")),
                     "restarts": _restarts(doc), "task": chief, "step": step, "loss": loss})
     return out
 
 
 OUTCOMES = {0: "succeeded", 6: "timeout", 130: "interrupted", 143: "terminated"}
+
+
+def _message(state: str, written) -> str | None:
+    """The manifest's outcome text; a died run's still says "running", which it is not."""
+    if state == "died":
+        return "tfcluster ended without writing the outcome (killed, or its machine went down)"
+    return written if isinstance(written, str) else None
 
 
 def _outcome(state: str, code) -> str:

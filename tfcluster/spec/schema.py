@@ -52,7 +52,7 @@ def _build(path: str, root: yaml.Node) -> tuple[Spec, dict[str, int]]:
         path=path,
         name=_name(value["name"], "name"),
         python=_word(value["python"], "python") if "python" in f else Spec.python,
-        workdir=_word(value["workdir"], "workdir") if "workdir" in f else Spec.workdir,
+        workdir=_workdir(value["workdir"]) if "workdir" in f else Spec.workdir,
         env=env,
         secret_env=secret,
         public_env=parse_names(value["public_env"], "public_env", env, secret) if "public_env" in f else (),
@@ -61,6 +61,15 @@ def _build(path: str, root: yaml.Node) -> tuple[Spec, dict[str, int]]:
         train=_parse_train(value["train"], base_dir) if "train" in f else Train(),
     )
     return spec, {"jobs": _line(f["jobs"][0]), "env": _line(f["env"][0]) if "env" in f else 0}
+
+
+def _workdir(node: yaml.Node) -> str:
+    """Absolute or under `~`: a relative one would be relative to wherever each command
+    runs (the cluster's identity is its resolved directory), a different cluster each time."""
+    value = _word(node, "workdir")
+    if not (value.startswith("/") or value == "~" or value.startswith("~/")):
+        raise _Bad(_line(node), "workdir", f"must be absolute or start with ~/: {value!r}")
+    return value
 
 
 # --------------------------------------------------------------------------- ssh, hosts
@@ -371,4 +380,8 @@ def _restart(node: yaml.Node) -> Restart:
               if "policy" in f else Restart.policy)
     most = (_int(f["max_restarts"][1], "train.restart.max_restarts", 0, 1_000_000)
             if "max_restarts" in f else Restart.max_restarts)
+    if "max_restarts" in f and "policy" not in f:     # the default `never`: nothing would restart
+        raise _Bad(_line(f["max_restarts"][1]), "train.restart.max_restarts",
+                   "restarts nothing without a policy (the default is never): set "
+                   "train.restart.policy to on-failure or exit-code")
     return Restart(policy=policy, max_restarts=most)

@@ -107,8 +107,13 @@ class LocalTransport(Transport):
     def spawn(self, argv: Sequence[str]) -> Proc:
         # Own session: a Ctrl-C in the launcher's terminal must reach the launcher only,
         # as it would with SSH, so the shim can still clean up in order.
-        popen = subprocess.Popen(list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, bufsize=0, start_new_session=True)
+        try:
+            popen = subprocess.Popen(list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, bufsize=0, start_new_session=True)
+        except FileNotFoundError:   # as a login shell over SSH says it: exit 127, "not found"
+            popen = subprocess.Popen(["sh", "-c", 'echo "$0: not found" >&2; exit 127', argv[0]],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, bufsize=0, start_new_session=True)
         return LocalProc(popen)
 
     def put(self, data: bytes, path: str, mode: int = 0o600) -> None:
