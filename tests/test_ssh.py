@@ -134,6 +134,22 @@ def test_put_writes_0600_file_atomically_under_an_absolute_path(gpu0, tmp_path):
     assert stat.S_IMODE((tmp_path / "x.sh").stat().st_mode) == 0o755
 
 
+def test_a_host_without_sftp_is_a_preflight_error_that_says_so(sshd_factory, ssh_home, transports, tmp_path):
+    """Its sshd refuses the subsystem by closing the channel ("Channel closed." was all
+    the user saw, exit 3)."""
+    from tfcluster.errors import PreflightError
+
+    bare = sshd_factory(("127.0.0.4",), Subsystem="not-sftp /bin/false")
+    bare.write_known_hosts(ssh_home / "known_hosts", mode="a")
+    host = transports(make_target("nosftp", "127.0.0.4", bare))
+    with pytest.raises(PreflightError) as info:
+        host.put(b"x", str(tmp_path / "f"))
+    assert info.value.exit_code == 4 and not (tmp_path / "f").exists()
+    assert info.value.message == (f"host nosftp (127.0.0.4:{bare.port}): its sshd offers no SFTP, "
+                                  "which tfcluster copies files with")
+    assert "Subsystem sftp internal-sftp" in info.value.hint
+
+
 def test_put_resolves_tilde_against_the_login_home(gpu0):
     remote_home = gpu0.run(["sh", "-c", 'printf %s "$HOME"']).stdout.decode()
     scratch = f".tfcluster-test-{uuid.uuid4().hex}"

@@ -158,7 +158,11 @@ class SshTransport(Transport):
         chan = self._channel()
         try:
             chan.settimeout(max(60.0, self._endpoint.timeout))
-            chan.invoke_subsystem("sftp")
+            try:
+                chan.invoke_subsystem("sftp")
+            except paramiko.SSHException:     # refused: sshd closes the channel
+                raise PreflightError(f"host {self.label}: its sshd offers no SFTP, which tfcluster "
+                                     f"copies files with", hint=NO_SFTP_HINT) from None
             sftp = paramiko.SFTPClient(chan)
             try:
                 for data, path, mode in items:
@@ -233,6 +237,10 @@ def _read_stdout(chan, n: int, drain_stderr: Callable[[], None],
         if wait <= 0:
             raise TimeoutError
         select.select([fd], [], [], wait)
+
+
+NO_SFTP_HINT = ("add `Subsystem sftp internal-sftp` (or the sftp-server path) to the host's "
+                "sshd_config and reload sshd")
 
 
 def _sftp_put(sftp, data: bytes, path: str, mode: int) -> None:
