@@ -150,8 +150,8 @@ def status(plan: Plan, ui) -> tuple[list[TaskRow], dict[str, BaseException]]:
         for host in plan.hosts:
             if host in unreachable:
                 rows += [TaskRow(t.key, t.host, t.target, "unreachable") for t in plan.tasks_on(host)]
-                continue
-            rows += _host_rows(session, host)
+            else:
+                rows += _host_rows(session, host)
         return rows, unreachable
 
 

@@ -110,8 +110,9 @@ class LocalTransport(Transport):
         try:
             popen = subprocess.Popen(list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, bufsize=0, start_new_session=True)
-        except FileNotFoundError:   # as a login shell over SSH says it: exit 127, "not found"
-            popen = subprocess.Popen(["sh", "-c", 'echo "$0: not found" >&2; exit 127', argv[0]],
+        except OSError as e:   # as a shell over SSH says it: 127 "not found", 126 not runnable
+            code, why = (127, "not found") if isinstance(e, FileNotFoundError) else (126, e.strerror)
+            popen = subprocess.Popen(["sh", "-c", 'echo "$0: $1" >&2; exit "$2"', argv[0], why, str(code)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, bufsize=0, start_new_session=True)
         return LocalProc(popen)
