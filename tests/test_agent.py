@@ -205,6 +205,25 @@ def test_attached_task_output_arrives_in_order_with_its_exit_code(agent):
     assert task.wait(10) == 3
 
 
+def test_a_login_shell_talking_on_stderr_before_the_shim_does_not_break_the_start(home, tmp_path):
+    """A .bashrc's warnings (here: pyenv's rehash race when shells start together) come
+    before the shim's first line on the same stderr; the start took the first line for the
+    shim's answer and failed ("shim said: rm: cannot remove ...")."""
+    noisy = tmp_path / "noisy-python"
+    noisy.write_text("#!/bin/sh\necho \"rm: cannot remove '/root/.pyenv/shims/tmp.x'\" >&2\n"
+                     "echo 'pyenv: cannot rehash: /root/.pyenv/shims isn'\\''t writable' >&2\n"
+                     f"exec {sys.executable} \"$@\"\n")
+    noisy.chmod(0o755)
+    a = HostAgent("local", LocalTransport(), str(noisy), CLUSTER_DIR)
+    try:
+        a.prepare()
+        task = a.start_attached(launch(a, f"{C}:r41:worker:0", [sys.executable, "-c", "print('ok')"]))
+        assert read_all(task) == b"ok\n"
+        assert task.wait(10) == 0
+    finally:
+        a.close()
+
+
 @pytest.mark.timeout(30)
 def test_attached_task_killed_by_sigkill_exits_137(agent):
     script = "import os, signal\nprint('bye', flush=True)\nos.kill(os.getpid(), signal.SIGKILL)"

@@ -159,28 +159,41 @@ class AttachedTask:
 
 
 def handshake(proc: Proc, where: str) -> tuple[int, bytes]:
-    """The shim's first stderr line: {"pid": N}, or the error envelope. Returns the pid
-    and what followed that line (a restart in place may already be said)."""
-    buf = b""
+    """The shim's first JSON line on stderr: {"pid": N}, or the error envelope. Returns the
+    pid and what followed that line (a restart in place may already be said). Lines before
+    it are the host's login shell (a .bashrc's warnings; pyenv's rehash races when shells
+    start together): skipped, and quoted only if the shim then exits without a word."""
+    buf, noise = b"", b""
     deadline = time.monotonic() + HANDSHAKE_TIMEOUT
-    while b"\n" not in buf:
-        buf += proc.read_stderr()
-        if b"\n" in buf:
-            break
+    while True:
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            control = _json_object(line)
+            if control is None:
+                noise += line + b"\n"
+                continue
+            problem = proto.error_of(control)
+            if problem is not None:
+                raise HostError(f"{where}: {problem}")
+            return int(control["pid"]), buf
+        chunk = proc.read_stderr()
+        buf += chunk
+        if chunk:
+            continue
         if proc.wait(0.02) is not None:
             buf += proc.read_stderr()
             if b"\n" not in buf:
-                raise HostError(f"{where}: shim exited: {tail_text(buf) or 'no output'}")
-        if time.monotonic() > deadline:
+                raise HostError(f"{where}: shim exited: {tail_text(noise + buf) or 'no output'}")
+        elif time.monotonic() > deadline:
             raise HostError(f"{where}: shim did not start the task within {HANDSHAKE_TIMEOUT:g}s")
+
+
+def _json_object(line: bytes) -> dict | None:
     try:
-        control = json.loads(buf.split(b"\n", 1)[0])
+        value = json.loads(line)
     except ValueError:
-        raise HostError(f"{where}: shim said: {tail_text(buf)}") from None
-    problem = proto.error_of(control)
-    if problem is not None:
-        raise HostError(f"{where}: {problem}")
-    return int(control["pid"]), buf.split(b"\n", 1)[1]
+        return None
+    return value if isinstance(value, dict) else None
 
 
 class Heartbeats:
