@@ -276,8 +276,8 @@ class HostAgent:
         `restart`: {"policy", "max_restarts", "done", "zero_ends"}: the shim restarts the
         task in place (shim_protocol.py)."""
         self._check_cancelled()
-        request = {**start_request(t, self.paths.root), "attached": True,
-                   "heartbeat_timeout": heartbeat_timeout, "grace": grace, "hold": hold}
+        request = {**start_request(t, self.paths.root), "attached": True, "hold": hold,
+                   "heartbeat_timeout": heartbeat_timeout, "grace": grace, "deflate": self.transport.deflate_logs}
         if restart:
             request["restart"] = restart
         try:
@@ -287,11 +287,11 @@ class HostAgent:
         with self._tracked(proc):
             try:
                 proc.write(proto.json_line(request))
-                pid, err = handshake(proc, f"host {self.name}: {t.tag}")
+                said, err = handshake(proc, f"host {self.name}: {t.tag}")
             except BaseException:
                 proc.kill()
                 raise
-        task = AttachedTask(proc, pid, heartbeat_timeout / proto.HEARTBEATS_PER_TIMEOUT, err)
+        task = AttachedTask(proc, heartbeat_timeout / proto.HEARTBEATS_PER_TIMEOUT, said, err)
         self._heartbeats.add(task)
         return task
 

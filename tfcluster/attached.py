@@ -12,12 +12,14 @@ import collections
 import json
 import threading
 import time
+import zlib
 
 from tfcluster import shim_protocol as proto
 from tfcluster.errors import HostError
 from tfcluster.transport.base import Proc
 
 HANDSHAKE_TIMEOUT = 60.0
+INFLATE_MAX = 1 << 20    # inflated bytes per read(): LogMux's batches stay bounded
 
 
 class AttachedTask:
@@ -28,15 +30,18 @@ class AttachedTask:
     wrote has been read and handed on (the reader is back in read()); the next attempt's
     output follows only after resume(), or never, after stop()."""
 
-    def __init__(self, proc: Proc, pid: int, heartbeat_interval: float, err: bytes = b"") -> None:
-        self.pid = pid
+    def __init__(self, proc: Proc, heartbeat_interval: float, said: dict | None = None,
+                 err: bytes = b"") -> None:
+        self.pid = 0
+        self._inflate = None       # a zlib decompressor when the shim deflates its stdout
+        self._before_mark: bytes | None = None   # ... and the last bytes read before its mark
         self._proc = proc          # keep it: a collected paramiko stdin closes the channel
         self._interval = heartbeat_interval
         self._next_beat = time.monotonic() + heartbeat_interval
         self._lock = threading.Lock()
         self._dropped = False
         self._ctl = threading.Lock()    # the fields below
-        self._err = err             # the shim's stderr after the handshake, not yet a whole line
+        self._err = b""             # the shim's stderr after the handshake, not yet a whole line
         self._swept = False
         self._out = 0               # stdout bytes read() returned
         self._fed = 0               # ... of which the reader is done with (it asked for more)
@@ -44,7 +49,17 @@ class AttachedTask:
         self._next: dict | None = None  # the restart passed, waiting for resume() or stop()
         self.on_restart = None          # callable(rc), set by the reader before its first read()
         proc.on_stderr = self._heard
+        if said is not None:
+            self.started(said, err)
         self._heard()
+
+    def started(self, said: dict, err: bytes = b"") -> None:
+        """The shim's handshake (see handshake()): the task's pid, what followed it on
+        stderr, and whether its stdout is deflated (docs/ARCHITECTURE.md, "Deflated logs")."""
+        with self._ctl:
+            self.pid, self._err = int(said["pid"]), err
+            if said.get("deflate") is True:
+                self._inflate, self._before_mark = zlib.decompressobj(-15), b""
 
     def read(self) -> bytes:
         """Next chunk of the task's output; b"" at EOF."""
@@ -52,10 +67,39 @@ class AttachedTask:
             self._fed = self._out
             ended = self._pass_boundary()
         self._tell(ended)
-        chunk = self._proc.read()
+        chunk = self._proc.read() if self._inflate is None else self._inflated()
         with self._ctl:
             self._out += len(chunk)
         return chunk
+
+    def _inflated(self) -> bytes:
+        """The next inflated bytes of the shim's deflated stdout (what precedes its
+        DEFLATE_MARK is dropped); b"" at its end."""
+        z = self._inflate
+        try:
+            while True:
+                if z.unconsumed_tail:
+                    out = z.decompress(z.unconsumed_tail, INFLATE_MAX)
+                else:
+                    raw = self._proc.read()
+                    if not raw:
+                        return z.flush()
+                    if self._before_mark is not None:
+                        raw = self._past_mark(raw)
+                    out = z.decompress(raw, INFLATE_MAX)
+                if out:
+                    return out
+        except zlib.error as e:
+            raise HostError(f"its shim's log stream is not deflate data ({e})") from None
+
+    def _past_mark(self, raw: bytes) -> bytes:
+        seen = self._before_mark + raw
+        at = seen.find(proto.DEFLATE_MARK)
+        if at < 0:
+            self._before_mark = seen[-len(proto.DEFLATE_MARK):]
+            return b""
+        self._before_mark = None
+        return seen[at + len(proto.DEFLATE_MARK):]
 
     def wait(self, timeout: float | None = None) -> int | None:
         """The task's exit code (128+N when killed by signal N), None if still running."""
@@ -158,9 +202,10 @@ class AttachedTask:
         return self._send(proto.HEARTBEAT_LINE)
 
 
-def handshake(proc: Proc, where: str) -> tuple[int, bytes]:
-    """The shim's first JSON line on stderr: {"pid": N}, or the error envelope. Returns the
-    pid and what followed that line (a restart in place may already be said). Lines before
+def handshake(proc: Proc, where: str) -> tuple[dict, bytes]:
+    """The shim's first JSON line on stderr: {"pid": N, "deflate": bool}, or the error
+    envelope. Returns that line and what followed it (a restart in place may already be
+    said): AttachedTask.started() takes both. Lines before
     it are the host's login shell (a .bashrc's warnings; pyenv's rehash races when shells
     start together): skipped, and quoted only if the shim then exits without a word."""
     buf, noise = b"", b""
@@ -175,7 +220,7 @@ def handshake(proc: Proc, where: str) -> tuple[int, bytes]:
             problem = proto.error_of(control)
             if problem is not None:
                 raise HostError(f"{where}: {problem}")
-            return int(control["pid"]), buf
+            return control, buf
         chunk = proc.read_stderr()
         buf += chunk
         if chunk:

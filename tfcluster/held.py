@@ -56,7 +56,8 @@ class HeldStart:
         self.agent, self.launch, self._timeout = agent, launch, heartbeat_timeout
         self.buf = b""           # unread bytes of stdout (reach's lines, the batch's answer)
         self.request = {**start_request(launch, agent.paths.root), "attached": True, "defer": True,
-                        "heartbeat_timeout": heartbeat_timeout, "grace": grace}
+                        "heartbeat_timeout": heartbeat_timeout, "grace": grace,
+                        "deflate": agent.transport.deflate_logs}
         if restart:                   # the shim restarts the task in place (attempts.in_place)
             self.request["restart"] = restart
         if batch is None:
@@ -74,7 +75,7 @@ class HeldStart:
             raise PreflightError(f"host {self.agent.name}: cannot run {self.agent.python}: {e}") from None
         self.agent.track(self._raw)
         self.proc = _Locked(self._raw)
-        self.task = AttachedTask(self.proc, 0, self._timeout / proto.HEARTBEATS_PER_TIMEOUT)
+        self.task = AttachedTask(self.proc, self._timeout / proto.HEARTBEATS_PER_TIMEOUT)
         try:
             self.proc.write(data)
         except BaseException:
@@ -129,7 +130,7 @@ class HeldStart:
             if self.buf.strip():
                 raise HostError(f"{where}: shim said {self.buf[:200]!r} before the task started")
             self.task.go()      # a shim already gone: the handshake reads why (its stderr)
-            self.task.pid, self.task._err = handshake(self.proc, where)   # noqa: SLF001 - what followed it
+            self.task.started(*handshake(self.proc, where))
             self._raw.on_stderr = self.task._heard   # noqa: SLF001 - from now on its stderr is the task's:
             self.task._heard()                       # noqa: SLF001 - restarts in place, its last word
         except BaseException:

@@ -38,6 +38,9 @@ IN_PROCESS = ONE_SHOT
 STOP_LINE = b"STOP\n"
 HEARTBEAT_LINE = b"HB\n"
 CONTINUE_LINE = b"CONT\n"       # the launcher took note of a restart in place: its output may follow
+# An attached start asked to deflate writes this before its deflated stdout; what comes
+# before it (a login shell's words) is not the task's.
+DEFLATE_MARK = b"\x00tfcluster-deflate\x00"
 
 # Restarts in place (docs/ARCHITECTURE.md, "Restarts"). A start request may carry
 # {"restart": {"policy", "max_restarts", "done", "zero_ends"}}; the shim then restarts its

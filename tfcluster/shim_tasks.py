@@ -35,6 +35,7 @@ ShimError, TAG_VAR = proto.ShimError, proto.TAG_VAR
 # 500 reads of an idle file cost ~5 ms of CPU).
 FAST_POLL, FAST_WINDOW = 0.002, 1.0
 TAIL_CHUNK = 1 << 20     # at most this much of a log per copy to the channel
+DEFLATE_CHUNK = 1 << 18  # ... per deflated copy (docs/ARCHITECTURE.md, "Deflated logs")
 
 
 class _NoSendfile(Exception):
@@ -59,6 +60,24 @@ def _read_write(f, pos: int, want: int) -> int:
     if chunk:
         write_all(1, chunk)
     return len(chunk)
+
+
+def _deflater():
+    """A copy that deflates (zlib level 1, flushed at every chunk's end: the launcher can
+    inflate every byte read so far); None where this interpreter has no zlib."""
+    try:
+        import zlib
+    except ImportError:
+        return None
+    z = zlib.compressobj(1, zlib.DEFLATED, -15)   # raw: no adler32, SSH checks the bytes
+
+    def copy(f, pos: int, want: int) -> int:
+        f.seek(pos)
+        chunk = f.read(min(want, DEFLATE_CHUNK))
+        if chunk:
+            write_all(1, z.compress(chunk) + z.flush(zlib.Z_SYNC_FLUSH))
+        return len(chunk)
+    return copy
 
 
 def open_private(path: str) -> int:
@@ -194,12 +213,13 @@ class Attached:
         self.quiet = threading.Event()   # set: the tailer must not write any more
         self.task_done = threading.Event()
         self.swept = False               # our sweep left nothing of the task's tag
+        self.deflate = _deflater() if req.get("deflate") else None   # the channel carries deflated bytes
 
     def run(self) -> int:
         for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self.on_signal)   # a handler, not SIG_IGN: the task must not inherit it
         try:
-            write_all(2, proto.json_line({"pid": self.proc.pid}))
+            write_all(2, proto.json_line({"pid": self.proc.pid, "deflate": self.deflate is not None}))
         except OSError:           # the launcher left between our start and the handshake
             self.reason = "eof"
         tailer = threading.Thread(target=self.tail, daemon=True)
@@ -318,7 +338,9 @@ class Attached:
         try:
             with open(self.log, "rb") as f:
                 pos = self.offset
-                copy = _sendfile
+                copy = self.deflate or _sendfile
+                if self.deflate:
+                    write_all(1, proto.DEFLATE_MARK)
                 while not self.quiet.is_set():
                     finished = self.task_done.is_set()
                     limit = self.limit

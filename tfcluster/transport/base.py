@@ -80,6 +80,8 @@ class Transport(abc.ABC):
 
     #: True for the local transport (no SSH involved)
     is_local: bool = False
+    #: attached shims deflate a task's log on its way here (docs/ARCHITECTURE.md, "Deflated logs")
+    deflate_logs: bool = True
 
     @abc.abstractmethod
     def connect(self) -> None:

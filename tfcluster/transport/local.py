@@ -87,6 +87,7 @@ class LocalProc(Proc):
 
 class LocalTransport(Transport):
     is_local = True
+    deflate_logs = False      # a pipe on this machine: copying is cheaper than deflating
 
     def __init__(self, name: str = "localhost") -> None:
         self.name = name
