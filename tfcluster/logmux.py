@@ -23,7 +23,8 @@ from typing import BinaryIO, Callable, Sequence
 
 from tfcluster.fsutil import NOFOLLOW, private_dir
 from tfcluster.logscan import (PROBE_MARKS, TF_INFO_LINE, TF_NOISE, AnyOf, has_tf_log_line,
-                               last_lines, PROBE, PROBE_OR_NOISE, utf8_split)
+                               last_lines, PROBE, PROBE_OR_NOISE, tf_message_continues,
+                               tf_message_opens, utf8_split)
 from tfcluster.names import log_file
 from tfcluster.safetext import escape
 
@@ -37,7 +38,7 @@ _DIM, _RESET = b"\x1b[2m", b"\x1b[0m"
 
 class _Task:
     __slots__ = ("key", "prefix", "sep", "show", "lock", "carry", "partial",
-                 "shown", "ring", "fd", "saved_midline", "last_output")
+                 "shown", "ring", "fd", "saved_midline", "last_output", "inside")
 
     def __init__(self, key: str, prefix: bytes, show: bool, fd: int | None) -> None:
         self.key, self.prefix, self.show, self.fd = key, prefix, show, fd
@@ -49,6 +50,7 @@ class _Task:
         self.ring: collections.deque[bytes] = collections.deque(maxlen=HISTORY)
         self.saved_midline = False
         self.last_output: float | None = None   # time.monotonic() of the last chunk
+        self.inside: int | None = None  # in a hidden multi-line TF message (logscan.tf_message_opens)
 
 
 class LogMux:
@@ -120,6 +122,7 @@ class LogMux:
             if t.partial or body:
                 self._emit(t, self._block(t, body + b"\n"))
             t.shown = False
+            t.inside = None     # a restarted process starts no message where this one stopped
 
     def note(self, key: str, text: str) -> None:
         """A line from tfcluster itself about `key`: shown marked (dimmed), saved, kept."""
@@ -272,10 +275,15 @@ class LogMux:
         if self._watch is not None and self._watching(block):
             for line in self._watching.lines(block):
                 self._watch[1](t.key, line)
-        if (PROBE_OR_NOISE(block) or has_tf_log_line(block)) if self._hide_noise else PROBE(block):
-            block = b"\n".join(line for line in block.split(b"\n") if not self._hidden(line))
-            if not block:
+        if t.inside is not None:
+            block = self._message_rest(t, block)
+            if block is None:
                 return
+        if (PROBE_OR_NOISE(block) or has_tf_log_line(block)) if self._hide_noise else PROBE(block):
+            lines = self._shown_lines(t, block.split(b"\n"))
+            if not lines:
+                return
+            block = b"\n".join(lines)
         t.ring.extend(last_lines(block, HISTORY))
         if t.show:
             body = block.replace(b"\n", t.sep)
@@ -284,10 +292,36 @@ class LogMux:
             else:                            # not atomic anyway (a pipe's is PIPE_BUF): no copies
                 self._write(t.prefix, body, b"\n")
 
-    def _hidden(self, line: bytes) -> bool:
-        if any(m in line for m in PROBE_MARKS):
-            return True
-        return self._hide_noise and (any(m in line for m in TF_NOISE) or bool(TF_INFO_LINE.match(line)))
+    def _shown_lines(self, t: _Task, lines: list[bytes]) -> list[bytes]:
+        """`lines` less probe lines and, with hide_noise, TF noise and the rest of each
+        multi-line TF message it starts (t.inside carries one on to the next batch)."""
+        shown = []
+        for line in lines:
+            if t.inside is not None:
+                hide, t.inside = tf_message_continues(t.inside, line)
+                if hide:
+                    continue
+            if any(m in line for m in PROBE_MARKS):
+                continue
+            if self._hide_noise and (any(m in line for m in TF_NOISE) or TF_INFO_LINE.match(line)):
+                t.inside = tf_message_opens(line)
+                continue
+            shown.append(line)
+        return shown
+
+    def _message_rest(self, t: _Task, block: bytes) -> bytes | None:
+        """`block` less its first lines while they continue t's hidden TF message (None:
+        all of it does); only those lines are cut out, the fast path stays whole."""
+        start = 0
+        while t.inside is not None:
+            end = block.find(b"\n", start)
+            hide, t.inside = tf_message_continues(t.inside, block[start:] if end < 0 else block[start:end])
+            if not hide:
+                break
+            if end < 0:
+                return None
+            start = end + 1
+        return block[start:] if start else block
 
     def _write(self, *parts: bytes) -> None:
         """Write `parts` in order under the output lock, then flush. The parts are not joined

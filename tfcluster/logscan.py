@@ -1,8 +1,8 @@
 """What LogMux looks for in a block of task output, in as few passes as it can: UTF-8
-boundaries, TensorFlow's start-up noise and C++ log lines, tfcluster's probe lines, the
-markers of the run's watchers. Bytes in, bytes out; every scan covers a whole block (up to
-a megabyte), and lines are cut out only where a marker is (docs/ARCHITECTURE.md, "The data
-path of `train`, one hop per line").
+boundaries, TensorFlow's start-up noise and C++ log lines (and the lines that continue one),
+tfcluster's probe lines, the markers of the run's watchers. Bytes in, bytes out; every scan
+covers a whole block (up to a megabyte), and lines are cut out only where a marker is
+(docs/ARCHITECTURE.md, "The data path of `train`, one hop per line").
 """
 from __future__ import annotations
 
@@ -96,6 +96,52 @@ class AnyOf:
             end = block.find(b"\n", start)
             found.append(block[start:] if end < 0 else block[start:end])
         return found
+
+
+# The rest of one multi-line TF message, hidden with its first line: it continues only in
+# the shape its first line announces (docs/ARCHITECTURE.md, "The data path of `train`, one
+# hop per line").
+NAMES = -1        # after a line ending in ":": TF task names, one a line
+_END = -2         # the line ends the message (the empty line after a DebugString)
+_PROTO_MARK = re.compile(rb"goo\.gle/debug[a-z]*[ \t]*\Z")     # protobuf's DebugString marker
+_PROTO_INLINE = re.compile(rb": [A-Za-z_]\w* \{\Z")            # a DebugString without it
+_PROTO_LINE = re.compile(rb"(?:[A-Za-z_]\w*|\[[\w./]+\])(: .*| \{)\Z")
+_TASK_NAME = re.compile(rb"/job:\w+(?:/replica:\d+)?(?:/task:\d+)?(?:/device:\w+:\d+)?\Z")
+
+
+def tf_message_opens(line: bytes) -> int | None:
+    """How the message whose first line (a hidden TF line) is `line` continues: a proto's
+    depth (0 after protobuf's marker, 1 after `: name {`), NAMES after a colon, or None."""
+    if _PROTO_MARK.search(line):
+        return 0
+    if _PROTO_INLINE.search(line):
+        return 1
+    return NAMES if line.rstrip().endswith(b":") else None
+
+
+def tf_message_continues(state: int, line: bytes) -> tuple[bool, int | None]:
+    """(whether `line` is part of the hidden message, the state after it; None: ended)."""
+    if state == NAMES:
+        return (True, NAMES) if _TASK_NAME.match(line) else (False, None)
+    after = _proto_line(state, line)
+    if after is None:
+        return False, None
+    return True, (None if after == _END else after)
+
+
+def _proto_line(depth: int, line: bytes) -> int | None:
+    """The depth after `line` in a DebugString body at `depth`: exact two-space indents,
+    `name {`, `name: value`, `}`; _END for the empty line that follows the body."""
+    if not line:
+        return _END if depth == 0 else None
+    body = line.lstrip(b" ")
+    indent = len(line) - len(body)
+    if body == b"}":
+        return depth - 1 if depth > 0 and indent == 2 * (depth - 1) else None
+    m = _PROTO_LINE.match(body) if indent == 2 * depth else None
+    if m is None:
+        return None
+    return depth + 1 if m.group(1) == b" {" else depth
 
 
 PROBE_OR_NOISE = AnyOf(PROBE_MARKS + TF_NOISE)

@@ -1,0 +1,151 @@
+"""The live view hides TensorFlow's multi-line INFO messages whole (the lines after the
+first too), never a line of the script's own, and saves every byte."""
+from __future__ import annotations
+
+import io
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from tests.train_helpers import local_spec, only_run, tfcluster
+from tfcluster.logmux import LogMux
+
+# Captured from a coordinator-mode worker server (TF 2.21, protobuf's randomised DebugString
+# marker on the first line): absl writes the whole message, ending in an empty line, at once.
+SESSION_OPTIONS = (
+    b"I0000 00:00:1795491528.738160   24466 eager_service_impl.cc:349] Creating sync eager service "
+    b"context with rendezvous_id on host vm /job:worker/replica:0/task:0\n"
+    b"I0000 00:00:1795491528.738208   24466 eager_service_impl.cc:355] SessionOptions: "
+    b"goo.gle/debugproto  \n"
+    b'device_count {\n  key: "CPU"\n  value: 1\n}\ndevice_count {\n  key: "GPU"\n  value: 0\n}\n'
+    b"gpu_options {\n  experimental {\n  }\n}\nallow_soft_placement: true\n"
+    b'experimental {\n  collective_group_leader: "/job:worker/replica:0/task:0"\n}\n'
+    b"pluggable_device_options {\n  experimental {\n  }\n}\n\n"
+    b"I0000 00:00:1795491529.306170   24465 kernel_and_device.cc:101] Ignoring error status when "
+    b"releasing multi-device function handle UNIMPLEMENTED: Releasing a multi-device component "
+    b"handle on a remote device is not yet implemented.\n")
+# Captured from mirrored-mode worker:0 (3 workers), which runs the coordination service.
+STRAGGLERS = (
+    b"I0000 00:00:1795491799.666638   21212 coordination_service.cc:502] Waiting for 2/3 tasks to "
+    b"connect.\n"
+    b"I0000 00:00:1795491799.666647   21212 coordination_service.cc:505] Example stragglers:\n"
+    b"/job:worker/replica:0/task:1\n/job:worker/replica:0/task:2\n"
+    b"I0000 00:00:1795491799.666810   20458 coordination_service_agent.cc:245] Coordination agent "
+    b"has successfully connected.\n")
+# The same message from an older protobuf, without the marker: the body opens on the first line.
+INLINE = (b"I0000 00:00:1795491528.738208   24466 eager_service_impl.cc:355] SessionOptions: "
+          b'device_count {\n  key: "CPU"\n  value: 1\n}\nallow_soft_placement: true\n\n')
+# Each message alone, ending where its last line ends.
+SESSION_ALONE = SESSION_OPTIONS[:SESSION_OPTIONS.index(b"I0000 00:00:1795491529")]
+STRAGGLERS_ALONE = STRAGGLERS[:STRAGGLERS.index(b"I0000 00:00:1795491799.666810")]
+TF_LINE = (b"I0000 00:00:1795491538.952755   25121 coordination_service.cc:505] Example stragglers:\n")
+
+
+def live(*chunks: bytes, hide_noise: bool = True, tmp_path=None) -> list[str]:
+    out = io.BytesIO()
+    with LogMux(out, ["w"], color=False, hide_noise=hide_noise,
+                save_dir=str(tmp_path) if tmp_path else None) as mux:
+        for chunk in chunks:
+            mux.feed("w", chunk)
+    return [line.removeprefix("w │ ") for line in out.getvalue().decode().split("\n")[:-1]]
+
+
+def test_session_options_proto_is_hidden_whole_and_saved_raw(tmp_path):
+    data = b"server up\n" + SESSION_OPTIONS + b"step=1 loss=0.5\n"
+    assert live(data, tmp_path=tmp_path) == ["server up", "step=1 loss=0.5"]
+    assert (tmp_path / "w.log").read_bytes() == data
+
+
+def test_stragglers_task_names_are_hidden_with_their_message():
+    assert live(STRAGGLERS + b"step=1\n") == ["step=1"]
+
+
+def test_a_proto_whose_first_line_opens_it_is_hidden_whole():
+    assert live(INLINE + b"epoch 1\n") == ["epoch 1"]
+
+
+def test_verbose_shows_every_line_of_the_message():
+    assert live(SESSION_OPTIONS, hide_noise=False) == SESSION_OPTIONS.decode().split("\n")[:-1]
+
+
+@pytest.mark.parametrize("message", [SESSION_ALONE, STRAGGLERS_ALONE, INLINE],
+                         ids=["proto", "names", "inline"])
+@pytest.mark.parametrize("user", ["epoch 1", "  indented by the script", "loss: 0.5", "", "}",
+                                  "accuracy {"])
+def test_a_script_line_right_after_a_whole_tf_message_is_shown(message, user):
+    # the message is one write, so the script's next line comes after its last line
+    assert live(message + f"{user}\nafter\n".encode()) == [user, "after"]
+
+
+@pytest.mark.parametrize("user", ["epoch 1", "  indented by the script", "loss: 0.5", "", "}"])
+def test_a_script_line_right_after_a_one_line_tf_message_is_shown(user):
+    line = (b"W0000 00:00:1795491539.735822   24972 dataset.cc:997] Input of "
+            b"GeneratorDatasetOp::Dataset will not be optimized.\n")
+    assert live(line + f"{user}\n".encode()) == [user]
+
+
+def test_a_message_ends_at_its_first_line_of_another_shape():
+    header = b"I0000 00:00:1.5   1 eager_service_impl.cc:355] SessionOptions: goo.gle/debugstr    \n"
+    assert live(header + b"device_count {\n  key: 1\n}\nepoch 1\n  two spaces\n") == [
+        "epoch 1", "  two spaces"]
+    assert live(header + b"a {\n   three_spaces: 1\n}\n") == ["   three_spaces: 1", "}"]
+    assert live(TF_LINE + b"/job:worker/replica:0/task:1\nworker ready\n/job:x\n") == [
+        "worker ready", "/job:x"]
+
+
+@pytest.mark.parametrize("message", [SESSION_OPTIONS, STRAGGLERS], ids=["proto", "names"])
+def test_a_message_split_across_two_feeds_anywhere_is_still_hidden(message):
+    data = b"a\n" + message + b"b\n"
+    for cut in range(1, len(data)):
+        assert live(data[:cut], data[cut:]) == ["a", "b"], cut
+
+
+def test_a_message_fed_byte_by_byte_is_still_hidden():
+    data = SESSION_OPTIONS + STRAGGLERS + b"done\n"
+    assert live(*[data[i:i + 1] for i in range(len(data))]) == ["done"]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, len(SESSION_OPTIONS + STRAGGLERS + INLINE) + 40), max_size=12))
+def test_random_chunks_show_what_one_feed_shows(cuts):
+    data = b"epoch 0\n" + SESSION_OPTIONS + b"  indented\n" + STRAGGLERS + b"\n" + INLINE + b"loss: 1\n"
+    bounds = [0, *sorted(set(cuts)), len(data)]
+    assert live(*[data[a:b] for a, b in zip(bounds, bounds[1:])]) == live(data) == [
+        "epoch 0", "  indented", "", "loss: 1"]
+
+
+def test_a_restarted_process_does_not_continue_the_last_ones_message():
+    out = io.BytesIO()
+    with LogMux(out, ["w"], color=False, hide_noise=True) as mux:
+        mux.feed("w", SESSION_OPTIONS.split(b"device_count")[0])
+        mux.close_task("w")
+        mux.feed("w", b"device_count: 3\n")
+    assert out.getvalue() == b"w \xe2\x94\x82 device_count: 3\n"
+
+
+def test_only_the_lines_continuing_a_message_are_cut_from_the_next_batch(monkeypatch):
+    out = io.BytesIO()
+    mux = LogMux(out, ["w"], color=False, hide_noise=True)
+    head, body = SESSION_OPTIONS.split(b"device_count {\n  key: \"GPU\"")
+    mux.feed("w", head)
+    calls = []
+    monkeypatch.setattr(LogMux, "_shown_lines", lambda self, t, lines: calls.append(lines) or lines)
+    mux.feed("w", b'device_count {\n  key: "GPU"\n  value: 0\n}\n\n' + b"step=1\n" * 1000)
+    assert calls == [] and out.getvalue() == b"w \xe2\x94\x82 step=1\n" * 1000
+
+
+@pytest.mark.tf
+@pytest.mark.timeout(120)
+def test_coordinator_run_hides_session_options_live_and_saves_them(tmp_path, home):
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    spec = local_spec(tmp_path, mode="coordinator", script="template:coordinator",
+                      args=["--steps", "20", "--log_every", "10"], ps=1, workers=2, chief=1)
+    result = tfcluster("train", str(spec), home=home, cwd=cwd, timeout=110)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    saved = (only_run(cwd / "runs") / "ps-0.log").read_text()
+    assert "\ndevice_count {\n" in saved and "\nallow_soft_placement: true\n" in saved
+    live_lines = [line.split("│ ", 1)[1] for line in result.stdout.splitlines() if "│ " in line]
+    assert any(line.startswith("step=20 ") for line in live_lines), result.stdout
+    assert not [line for line in live_lines
+                if line in ("", "}", "  }") or line.endswith(" {") or line.startswith("  key:")]
