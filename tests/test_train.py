@@ -1,7 +1,9 @@
 """`tfcluster train` end to end with real TensorFlow on this machine (local transport)."""
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import time
 
@@ -162,6 +164,60 @@ def test_ps_killed_mid_run_is_restarted_and_training_resumes_from_checkpoint(wor
     assert result_of(chief)[0] == 600
     steps = [int(s.split()[0]) for s in chief.split("step=")[1:]]
     assert steps[0] < 100 < max(steps)
+
+
+# Each script says it waits, then waits for the file in argv[1]; worker:1's first attempt exits 3.
+WAITS = """
+import os, sys, time
+if os.environ["TFCLUSTER_TASK_INDEX"] == "1" and os.environ["TFCLUSTER_RESTART"] == "0":
+    sys.exit(3)
+print("waiting", flush=True)
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.05)
+print("step=1 loss=0.5", flush=True)
+"""
+ROW = re.compile(r"^(\S+) +local +(\S+) +(\d+) +[\d.]+s", re.M)     # task, exit, restarts
+
+
+def server_pid(task: str) -> int | None:
+    pids = [p for p, tag in tagged_processes().items() if tag.endswith(f":{task}:server")]
+    return pids[0] if len(pids) == 1 else None
+
+
+def test_summary_and_manifest_show_restarted_servers_and_scripts_counted_from_their_first_start(work):
+    tmp, home, cwd = work
+    (tmp / "waits.py").write_text(WAITS)
+    go = tmp / "go"
+    spec = local_spec(tmp, script=str(tmp / "waits.py"), args=[str(go)], restart="on-failure")
+    proc = start_tfcluster("train", str(spec), home=home, cwd=cwd)
+    try:
+        lines = read_until(proc, r"worker:1 +│ waiting", timeout=120)       # its restart runs
+        killed_at = time.time()
+        for task, after in (("ps:0", r"ps:0 +│ tfcluster: server ps:0 listening"),
+                            ("worker:1", r"worker:1 server on local exited with code 137; restarting")):
+            old = server_pid(task)
+            os.kill(old, signal.SIGKILL)
+            lines += read_until(proc, after, timeout=60)
+            wait_for(lambda: server_pid(task) not in (None, old), 60, what=f"{task}'s server restarted")
+        go.touch()
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        kill_group(proc)
+    text = "".join(lines) + out
+    assert proc.returncode == 0, text[-4000:]
+    rows = {m[1]: (m[2], int(m[3])) for m in ROW.finditer(text)}
+    # worker:0's server only served: no row
+    assert {k: r[1] for k, r in rows.items()} == {"worker:0": 0, "worker:1": 1, "ps:0": 1, "worker:1.server": 1}
+    assert rows["worker:1"][0] == "0"
+    run = only_run(cwd / "runs")
+    tasks = manifest(run)["tasks"]
+    for task, role in (("ps:0", "server"), ("worker:1", "server"), ("worker:1", "script")):
+        entry = tasks[task][role]
+        assert entry["restarts"] == 1 and entry["started"] < entry["last_restart"] <= entry["ended"], entry
+    assert tasks["ps:0"]["server"]["started"] < killed_at < tasks["ps:0"]["server"]["last_restart"]
+    assert tasks["worker:0"]["script"]["last_restart"] is None
+    runs = json.loads(tfcluster("runs", str(spec), "--json", home=home, cwd=cwd).stdout)["runs"]
+    assert runs[0]["restarts"] == sum(r[1] for r in rows.values()) == 3
 
 
 def test_sigkill_of_tfcluster_mid_run_takes_every_task_down(work):

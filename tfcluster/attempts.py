@@ -66,7 +66,10 @@ def in_place(plan, proc) -> dict | None:
 
 
 def _begin(run, proc) -> None:
-    proc.started = time.time()
+    if proc.attempt:
+        proc.restarted = time.time()
+    else:
+        proc.started = time.time()
     proc.ended = proc.exit_code = None
     proc.attempt += 1
     if proc not in run.procs:

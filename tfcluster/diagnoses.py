@@ -65,7 +65,7 @@ class RunChecks:
         running = {p.task.key for p in procs if p.role == "script" and p.exit_code is None and p.handle}
         for p in procs:     # a ps that runs the script (classic mode) serves silently: normal
             if p.role == "script" and p.task.key in running and p.task.job != "ps":
-                since = mux.last_output(p.key) or now - max(0.0, time.time() - p.started)
+                since = mux.last_output(p.key) or now - max(0.0, time.time() - p.attempt_started)
                 self.watchdog.silent(p.task.key, since, now)
         due = self.watchdog.due(now, running)
         if due and self._diagnosing.acquire(blocking=False):

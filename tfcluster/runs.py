@@ -26,7 +26,8 @@ PROGRESS_FILE = "progress.tsv"
 
 
 class Manifest:
-    """runs/<run id>/manifest.json: spec hash, plan (secrets redacted), per-task outcome."""
+    """runs/<run id>/manifest.json: spec hash, plan (secrets redacted), per-task outcome
+    (per process: `started` its first attempt, `last_restart` its last restart or null)."""
 
     def __init__(self, plan: Plan, run_id: str, directory: str) -> None:
         self.plan = plan
@@ -42,7 +43,7 @@ class Manifest:
         for p in procs:
             entry = tasks.setdefault(p.task.key, {"host": p.task.host})
             entry[p.role] = {"exit_code": p.exit_code, "restarts": p.restarts,
-                             "started": p.started, "ended": p.ended}
+                             "started": p.started, "last_restart": p.restarted, "ended": p.ended}
         self._write({"outcome": outcome[1], "exit_code": outcome[0], "ended": time.time(),
                      "tasks": tasks, "checks": checks or {}, "progress": progress or {}})
 

@@ -37,12 +37,18 @@ class Supervised:
     key: str                        # LogMux key
     handle: object = None           # AttachedTask
     launch: object = None           # TaskLaunch of the current attempt
-    started: float = 0.0
+    started: float = 0.0            # its first attempt's start: the summary's and manifest's
+    restarted: float | None = None  # its last restart's start (None: never restarted)
     ended: float | None = None
     exit_code: int | None = None
     restarts: int = 0
     attempt: int = 0
     stopping: bool = False
+
+    @property
+    def attempt_started(self) -> float:
+        """When the current attempt started."""
+        return self.restarted or self.started
 
 
 @dataclass

@@ -241,18 +241,28 @@ def _stop_role(run: Run, role: str, fast: threading.Event) -> None:
 
 
 def _summary(run: Run, outcome: tuple[int, str]) -> None:
+    """One row per script, then one per server that restarted or failed (named by its log's
+    key: `ps:0`, `worker:1.server`); a server that only served is left out."""
     rows, steps = [], {}
-    for p in run.procs:
-        if p.role != "script":
-            continue
-        got = run.progress.tracker.state(p.key) if run.progress else None
-        rate = got.steps_per_s if got else None
-        steps[p.task.key] = ("-" if not got or got.step is None else str(got.step),
-                             "-" if rate is None else f"{rate:.3g}")
-        duration = (p.ended or time.time()) - p.started if p.started else 0
-        last = (run.mux.last_line_matching(p.key, LOSS_LINE) or "").replace("tfcluster-result: ", "")
-        rows.append((p.task.key, p.task.host, "-" if p.exit_code is None else str(p.exit_code),
+    shown = [p for p in run.procs if p.role == "script"]
+    shown += [p for p in run.procs if p.role == "server" and (p.restarts or _failed(p))]
+    for p in shown:
+        last = ""
+        if p.role == "script":
+            got = run.progress.tracker.state(p.key) if run.progress else None
+            rate = got.steps_per_s if got else None
+            steps[p.key] = ("-" if not got or got.step is None else str(got.step),
+                            "-" if rate is None else f"{rate:.3g}")
+            last = (run.mux.last_line_matching(p.key, LOSS_LINE) or "").replace("tfcluster-result: ", "")
+        duration = (p.ended or time.time()) - p.started if p.started else 0     # every attempt
+        code = "stopped" if p.role == "server" and p.stopping else p.exit_code    # not a failure
+        rows.append((p.key, p.task.host, "-" if code is None else str(code),
                      str(p.restarts), f"{duration:.1f}s", last))
-    checks = run.checks.summary() if run.checks and rows else {}    # said only once scripts ran
+    checks = run.checks.summary() if run.checks and steps else {}    # said only once scripts ran
     print_summary(run.ui, run.run_id, rows, outcome, os.path.join(run.options.runs_dir, run.run_id), checks,
                   steps)
+
+
+def _failed(proc) -> bool:
+    """The process ended on its own, not by the run's stop."""
+    return proc.exit_code is not None and not proc.stopping
