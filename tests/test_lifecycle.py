@@ -121,6 +121,37 @@ def test_status_finds_running_tasks_whose_host_directory_was_removed(tmp_path, h
 
 
 @pytest.mark.tf
+def test_status_says_when_the_spec_changed_since_up(tmp_path, home, cwd):
+    """The spec edited while the cluster runs (same name): a server moved to another port
+    and a worker removed. `status` matched the old processes to the new tasks by key and
+    said nothing; it now names the moved port and the task the spec no longer has."""
+
+    spec = local_spec(tmp_path, name="edited")
+    assert tfcluster("up", str(spec), home=home, cwd=cwd).returncode == 0
+    try:
+        text = spec.read_text()
+        ports = re.findall(r'"local:(\d+)"', text)          # ps:0, worker:0, worker:1
+        new_port = str(free_ports(1)[0])
+        spec.write_text(text.replace(f'"local:{ports[1]}", "local:{ports[2]}"', f'"local:{new_port}"'))
+        status = tfcluster("status", str(spec), "--json", home=home, cwd=cwd)
+        assert status.returncode == 0, status.stderr
+        rows = {r["task"]: r for r in json.loads(status.stdout)["tasks"]}
+        assert (rows["worker:0"]["status"], rows["worker:0"]["started_port"]) == ("running", int(ports[1]))
+        assert (rows["ps:0"]["started_port"], rows["ps:0"]["in_spec"]) == (None, True)
+        assert (rows["worker:1"]["in_spec"], rows["worker:1"]["address"]) == (False, f"127.0.0.1:{ports[2]}")
+        shown = tfcluster("status", str(spec), home=home, cwd=cwd)
+        assert "2/2 tasks running" in shown.stderr, shown.stderr
+        assert (f"local: worker:0 runs on port {ports[1]}, not the spec's 127.0.0.1:{new_port} "
+                "(the spec changed since these were started)") in shown.stderr
+        assert ("local: worker:1 of cluster 'edited' run but the spec has no such task "
+                "(the spec changed since these were started); `tfcluster down` stops them") in shown.stderr
+    finally:
+        down = tfcluster("down", str(spec), home=home, cwd=cwd)
+    assert down.returncode == 0, down.stderr
+    assert not tagged_processes()
+
+
+@pytest.mark.tf
 def test_sigkill_of_tfcluster_during_up_leaves_nothing_once_down_runs(tmp_path, home, ssh_home, sshd, cwd):
     spec = ssh_spec(tmp_path, sshd)
     proc = start_tfcluster("up", str(spec), home=home, cwd=cwd)

@@ -309,7 +309,7 @@ class HostAgent:
         """Start detached servers (key, port, launch) and wait for them, in one round trip:
         yields (key, "started", pid) for each, then wait_ready's (key, state, holder)."""
         self._check_cancelled()
-        request = {"starts": [{"key": k, "port": p, "req": start_request(t, self.paths.root)}
+        request = {"starts": [{"key": k, "port": p, "req": start_request(t, self.paths.root, p)}
                               for k, p, t in servers],
                    "timeout": timeout, "watch_stdin": True}
         for answer in self._stream(proto.LAUNCH, request, {key for key, _, _ in servers}, keep_stdin=True):

@@ -41,6 +41,7 @@ class TaskStatus:
     log: str
     warm: bool = False          # started by `up` and waiting for GO: not a server yet
     unrecorded: bool = False    # found by its tag alone: no pid file names it
+    port: int | None = None     # the port its pid file says it was started for
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,8 @@ def ports_of(answer: dict) -> dict[int, str | None]:
 def statuses_of(answer: list) -> list[TaskStatus]:
     return [TaskStatus(tag=s["tag"], pid=int(s["pid"]), alive=bool(s["alive"]),
                        uptime_s=s.get("uptime_s"), log=s.get("log") or "", warm=bool(s.get("warm")),
-                       unrecorded=bool(s.get("unrecorded")))
+                       unrecorded=bool(s.get("unrecorded")),
+                       port=s["port"] if type(s.get("port")) is int else None)
             for s in answer]
 
 
@@ -84,7 +86,9 @@ def last_json(out: bytes):
         return None
 
 
-def start_request(t: TaskLaunch, cluster_dir: str) -> dict:
-    """The host adds the identity of `cluster_dir` to the tag (docs/ARCHITECTURE.md, "Naming")."""
-    return {"tag": t.tag, "argv": list(t.argv), "env": dict(t.env), "cwd": t.cwd, "log": t.log,
-            "pidfile": t.pidfile, "no_proxy": list(t.no_proxy), "cluster_dir": cluster_dir}
+def start_request(t: TaskLaunch, cluster_dir: str, port: int | None = None) -> dict:
+    """The host adds the identity of `cluster_dir` to the tag (docs/ARCHITECTURE.md, "Naming").
+    A server's `port` goes into its pid file: `status` tells when the spec moved it since."""
+    request = {"tag": t.tag, "argv": list(t.argv), "env": dict(t.env), "cwd": t.cwd, "log": t.log,
+               "pidfile": t.pidfile, "no_proxy": list(t.no_proxy), "cluster_dir": cluster_dir}
+    return request if port is None else dict(request, port=port)

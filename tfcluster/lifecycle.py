@@ -137,6 +137,8 @@ class TaskRow:
     uptime_s: float | None = None
     port_open: bool | None = None
     pid_file: bool | None = None    # running: found through its pid file (False: by its tag alone)
+    started_port: int | None = None  # running on another port than the spec's (its pid file says)
+    in_spec: bool = True            # False: a task of this cluster the spec has no longer
 
 
 def status(plan: Plan, ui) -> tuple[list[TaskRow], dict[str, BaseException]]:
@@ -151,7 +153,8 @@ def status(plan: Plan, ui) -> tuple[list[TaskRow], dict[str, BaseException]]:
             if host in unreachable:
                 rows += [TaskRow(t.key, t.host, t.target, "unreachable") for t in plan.tasks_on(host)]
             else:
-                rows += _host_rows(session, host)
+                rows += [r for r in _host_rows(session, host)   # one machine seen as two hosts: once
+                         if r.in_spec or not any(not s.in_spec and s.pid == r.pid for s in rows)]
         return rows, unreachable
 
 
@@ -164,11 +167,23 @@ def _host_rows(session: Session, host: str) -> list[TaskRow]:
         mine = sorted((s for s in found.statuses if s.alive and not s.warm and _is_task(s.tag, task)),
                       key=lambda s: s.unrecorded)
         st = mine[0] if mine else None
-        uptime = round(st.uptime_s, 1) if st and st.uptime_s is not None else None
+        moved = st.port if st and st.port not in (None, task.port) else None
         rows.append(TaskRow(task.key, task.host, task.target, "running" if st else "stopped",
-                            st.pid if st else None, uptime, bool(found.ports.get(task.port)),
-                            (not st.unrecorded) if st else None))
+                            st.pid if st else None, _uptime(st), bool(found.ports.get(task.port)),
+                            (not st.unrecorded) if st else None, moved))
+    # the spec changed since `up`: this cluster's processes no task of it names any more
+    # (not "planned on another host": two hosts of a spec may be one machine)
+    address = session.plan.host(host).address
+    for st in found.statuses:
+        tag = names.Tag.parse(st.tag)
+        if st.alive and not st.warm and tag and not any(_is_task(st.tag, t) for t in session.plan.tasks):
+            rows.append(TaskRow(tag.key, host, f"{address}:{st.port}" if st.port else "-", "running",
+                                st.pid, _uptime(st), None, not st.unrecorded, in_spec=False))
     return rows
+
+
+def _uptime(st) -> float | None:
+    return round(st.uptime_s, 1) if st and st.uptime_s is not None else None
 
 
 def _is_task(tag_text: str, task: TaskPlan) -> bool:

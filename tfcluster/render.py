@@ -99,14 +99,24 @@ def print_status(ui, plan: Plan, rows) -> None:
         return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
     table_rows = [
-        (r.task, r.host, r.address, r.status, str(r.pid or "-"),
+        (r.task, r.host, r.address, r.status if r.in_spec else "running, not in spec", str(r.pid or "-"),
          fmt_uptime(r.uptime_s), {True: "open", False: "closed", None: "?"}[r.port_open])
         for r in rows
     ]
     ui.table(f"cluster {plan.name!r}", ["task", "host", "address", "status", "pid", "uptime", "port"],
              table_rows)
-    running = sum(1 for r in rows if r.status == "running")
-    ui.info(f"{running}/{len(rows)} tasks running")
+    planned = [r for r in rows if r.in_spec]
+    running = sum(1 for r in planned if r.status == "running")
+    ui.info(f"{running}/{len(planned)} tasks running")
+    changed = "the spec changed since these were started"
+    for r in rows:
+        if r.started_port is not None:
+            ui.warn(f"{r.host}: {r.task} runs on port {r.started_port}, not the spec's {r.address} "
+                    f"({changed}); `tfcluster down` stops it, `tfcluster up` starts it as the spec says")
+    for host in dict.fromkeys(r.host for r in rows if not r.in_spec):
+        tasks = ", ".join(r.task for r in rows if r.host == host and not r.in_spec)
+        ui.warn(f"{host}: {tasks} of cluster {plan.name!r} run but the spec has no such task "
+                f"({changed}); `tfcluster down` stops them")
     for host in dict.fromkeys(r.host for r in rows if r.pid_file is False):
         tasks = ", ".join(r.task for r in rows if r.host == host and r.pid_file is False)
         ui.warn(f"{host}: {tasks} of cluster {plan.name!r} run with no pid file (the cluster's "

@@ -124,6 +124,8 @@ def cmd_status(req: dict) -> list:
                     "uptime_s": round(time.time() - started, 3) if alive and started else None})
         if r.get("warm"):
             out[-1]["warm"] = True
+        if type(r.get("port")) is int:
+            out[-1]["port"] = r["port"]
     if req.get("sweep") and prefix:
         out += unrecorded(prefix, {r["pid"] for r in out if r["alive"]})
     return out

@@ -63,8 +63,7 @@ def _read_write(f, pos: int, want: int) -> int:
 
 
 def _deflater():
-    """A copy that deflates (zlib level 1, flushed at every chunk's end: the launcher can
-    inflate every byte read so far); None where this interpreter has no zlib."""
+    """A copy that deflates, flushed per chunk; None where this interpreter has no zlib."""
     try:
         import zlib
     except ImportError:
@@ -339,8 +338,7 @@ class Attached:
             with open(self.log, "rb") as f:
                 pos = self.offset
                 copy = self.deflate or _sendfile
-                if self.deflate:
-                    write_all(1, proto.DEFLATE_MARK)
+                write_all(1, proto.DEFLATE_MARK if self.deflate else b"")
                 while not self.quiet.is_set():
                     finished = self.task_done.is_set()
                     limit = self.limit

@@ -49,7 +49,7 @@ class UpExec:
         warm when this host's own checks pass."""
         a = self.agent
         request = {"commands": {proto.INFO: {}, **a._survey_commands(*survey)},   # noqa: SLF001
-                   "starts": [{"key": k, "port": p, "req": start_request(t, a.paths.root)} for k, p, t in servers],
+                   "starts": [{"key": k, "port": p, "req": start_request(t, a.paths.root, p)} for k, p, t in servers],
                    "warm": warm, "timeout": timeout}
         self.starts = bool(servers)
         if a._in_process:   # noqa: SLF001 - tfcluster's own interpreter on this machine
