@@ -12,7 +12,8 @@ import pytest
 
 from tests.sshd import make_target
 from tests.test_agent import C, CLUSTER_DIR, launch, read_all
-from tests.test_restart_in_place import Launcher, attempts, start
+from tests.test_restart_in_place import \
+    test_a_failed_task_restarts_in_place_under_the_same_shim as restart_in_place_checks
 from tfcluster.agent import HostAgent
 from tfcluster.agent_types import TaskLaunch
 from tfcluster.names import ClusterPaths
@@ -101,19 +102,8 @@ def test_without_deflate_the_channel_carries_the_log_as_it_is(home):
 
 
 def test_restarts_in_place_cut_a_deflated_stream_at_each_attempts_end(deflating):
-    task = start(deflating, "z3", good=2)
-    launcher = Launcher(task)
-
-    assert launcher.next_end() == 3
-    assert task.restarted() and task.resume()
-    assert launcher.next_end() == 3
-    assert task.resume()
-    out = launcher.read_to_end()
-
-    assert task.wait(10) == 0
-    assert [n for n, _, _ in attempts(out)] == [0, 1, 2]
-    # each end was heard after that attempt's last byte and before the next one's first
-    assert [out[:cut].count(b"attempt") for cut in launcher.cuts] == [1, 2]
+    # the same checks as for a plain stream: each end heard after that attempt's last byte
+    restart_in_place_checks(deflating)
 
 
 def test_a_login_shell_talking_on_stdout_does_not_corrupt_a_deflated_stream(home, tmp_path):
