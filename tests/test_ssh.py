@@ -134,6 +134,29 @@ def test_put_writes_0600_file_atomically_under_an_absolute_path(gpu0, tmp_path):
     assert stat.S_IMODE((tmp_path / "x.sh").stat().st_mode) == 0o755
 
 
+def test_a_host_whose_login_shell_prints_is_a_preflight_error_naming_it(sshd_factory, ssh_home, transports,
+                                                                        tmp_path):
+    """sshd starts sftp-server through the user's shell; a ~/.bashrc that echoes a banner
+    puts words before the SFTP stream: paramiko's 'Garbage packet received' was all the
+    user saw, exit 1. (The sessions of this sshd get a HOME of their own.)"""
+    from tests.sshd import SESSION_VAR
+    from tfcluster.errors import PreflightError
+
+    banner_home = tmp_path / "banner-home"
+    banner_home.mkdir()
+    (banner_home / ".bashrc").write_text("echo 'Welcome to the lab. Quota: 93% used.'\n")
+    noisy = sshd_factory(("127.0.0.4",), SetEnv=f"{SESSION_VAR}={os.environ[SESSION_VAR]} HOME={banner_home}")
+    noisy.write_known_hosts(ssh_home / "known_hosts", mode="a")
+    host = transports(make_target("noisy", "127.0.0.4", noisy))
+    with pytest.raises(PreflightError) as info:
+        host.put(b"x", str(tmp_path / "f"))
+    assert info.value.exit_code == 4 and not (tmp_path / "f").exists()
+    assert info.value.message.startswith(f"host noisy (127.0.0.4:{noisy.port}): its SFTP session did not "
+                                         "start (")
+    assert "login shell sshd runs it with prints to stdout" in info.value.message
+    assert "[ -z \"$PS1\" ] && return" in info.value.hint
+
+
 def test_a_host_without_sftp_is_a_preflight_error_that_says_so(sshd_factory, ssh_home, transports, tmp_path):
     """Its sshd refuses the subsystem by closing the channel ("Channel closed." was all
     the user saw, exit 3)."""

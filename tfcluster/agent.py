@@ -19,7 +19,7 @@ from typing import Iterator
 from tfcluster import shim_fs
 from tfcluster import shim_protocol as proto
 from tfcluster.bootstrap import NO_SITE, PACKAGE_DIR, bootstrap_argv, cluster_tree, shipped
-from tfcluster.attached import AttachedTask, Heartbeats, handshake, tail_text
+from tfcluster.attached import AttachedTask, Heartbeats, handshake, json_object, tail_text
 from tfcluster.errors import HostError, PreflightError
 from tfcluster.agent_types import (HostInfo, StopReport, Survey, TaskLaunch, TaskStatus, host_info,
                                    last_json, ports_of, start_request, statuses_of)
@@ -338,8 +338,7 @@ class HostAgent:
                                         f"{tail_text(proc.read_stderr()) or 'no output'}")
                     buf += chunk
                     *lines, buf = buf.split(b"\n")
-                    for line in filter(None, lines):
-                        answer = json.loads(line)
+                    for answer in filter(None, map(json_object, lines)):   # not a login shell's words
                         if proto.error_of(answer) is not None:
                             raise HostError(f"host {self.name}: {command}: {proto.error_of(answer)}")
                         if "state" in answer:

@@ -213,7 +213,7 @@ def handshake(proc: Proc, where: str) -> tuple[dict, bytes]:
     while True:
         while b"\n" in buf:
             line, buf = buf.split(b"\n", 1)
-            control = _json_object(line)
+            control = json_object(line)
             if control is None:
                 noise += line + b"\n"
                 continue
@@ -233,7 +233,8 @@ def handshake(proc: Proc, where: str) -> tuple[dict, bytes]:
             raise HostError(f"{where}: shim did not start the task within {HANDSHAKE_TIMEOUT:g}s")
 
 
-def _json_object(line: bytes) -> dict | None:
+def json_object(line: bytes) -> dict | None:
+    """`line` as a JSON object; None for anything else (a host's login shell may talk)."""
     try:
         value = json.loads(line)
     except ValueError:

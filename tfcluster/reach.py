@@ -10,13 +10,12 @@ naming the host, the task and the address, with a hint by cause; nothing is left
 """
 from __future__ import annotations
 
-import json
 import threading
 import time
 from dataclasses import dataclass
 
 from tfcluster import shim_protocol as proto
-from tfcluster.attached import tail_text
+from tfcluster.attached import json_object, tail_text
 from tfcluster.errors import HostError, PreflightError
 from tfcluster.plan import Plan, TaskPlan
 from tfcluster.session import raise_first
@@ -211,17 +210,19 @@ class _Lines:
         self.buf = b""
 
     def next(self, key: str) -> dict:
-        while b"\n" not in self.buf:
-            chunk = self.proc.read()
-            if not chunk:
-                if self.killer.expired:
-                    raise HostError(f"host {self.host}: reach did not answer within "
-                                    f"{self.killer.seconds:g}s")
-                raise HostError(f"host {self.host}: reach ended early: "
-                                f"{tail_text(self.proc.read_stderr()) or 'no output'}")
-            self.buf += chunk
-        line, self.buf = self.buf.split(b"\n", 1)
-        answer = json.loads(line)
+        answer = None
+        while answer is None:            # lines that are no JSON object: a login shell's words
+            while b"\n" not in self.buf:
+                chunk = self.proc.read()
+                if not chunk:
+                    if self.killer.expired:
+                        raise HostError(f"host {self.host}: reach did not answer within "
+                                        f"{self.killer.seconds:g}s")
+                    raise HostError(f"host {self.host}: reach ended early: "
+                                    f"{tail_text(self.proc.read_stderr()) or 'no output'}")
+                self.buf += chunk
+            line, self.buf = self.buf.split(b"\n", 1)
+            answer = json_object(line)
         problem = proto.error_of(answer)
         if problem is not None:
             raise HostError(f"host {self.host}: reach: {problem}")

@@ -255,7 +255,7 @@ def _summary(run: Run, outcome: tuple[int, str]) -> None:
                             "-" if rate is None else f"{rate:.3g}")
             last = (run.mux.last_line_matching(p.key, LOSS_LINE) or "").replace("tfcluster-result: ", "")
         duration = (p.ended or time.time()) - p.started if p.started else 0     # every attempt
-        code = "stopped" if p.role == "server" and p.stopping else p.exit_code    # not a failure
+        code = "stopped" if p.stopping and p.exit_code else p.exit_code    # the run's end: no failure
         rows.append((p.key, p.task.host, "-" if code is None else str(code),
                      str(p.restarts), f"{duration:.1f}s", last))
     checks = run.checks.summary() if run.checks and steps else {}    # said only once scripts ran

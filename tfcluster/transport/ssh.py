@@ -163,7 +163,12 @@ class SshTransport(Transport):
             except paramiko.SSHException:     # refused: sshd closes the channel
                 raise PreflightError(f"host {self.label}: its sshd offers no SFTP, which tfcluster "
                                      f"copies files with", hint=NO_SFTP_HINT) from None
-            sftp = paramiko.SFTPClient(chan)
+            try:
+                sftp = paramiko.SFTPClient(chan)
+            except paramiko.SFTPError as e:   # "Garbage packet received": words before the server's
+                raise PreflightError(f"host {self.label}: its SFTP session did not start ({e}): the "
+                                     f"login shell sshd runs it with prints to stdout",
+                                     hint=NOISY_SHELL_HINT) from None
             try:
                 for data, path, mode in items:
                     rest = home_relative(path)
@@ -239,6 +244,9 @@ def _read_stdout(chan, n: int, drain_stderr: Callable[[], None],
         select.select([fd], [], [], wait)
 
 
+NOISY_SHELL_HINT = ("make the host's shell start-up files print nothing for a non-interactive "
+                    "session (e.g. `[ -z \"$PS1\" ] && return` at the top of ~/.bashrc), or set "
+                    "`Subsystem sftp internal-sftp` in its sshd_config (no shell at all)")
 NO_SFTP_HINT = ("add `Subsystem sftp internal-sftp` (or the sftp-server path) to the host's "
                 "sshd_config and reload sshd")
 
