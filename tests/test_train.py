@@ -59,6 +59,9 @@ def test_each_tf2_and_classic_mode_runs_to_success(work, mode, script, jobs):
     assert step >= 60 and loss == loss  # not NaN
     if mode == "classic":
         assert step == 100
+        # the ps task's script serves until the run's end stops it: not a failed exit
+        ps_row = next(line.split() for line in result.stderr.splitlines() if line.startswith("ps:0 "))
+        assert ps_row[2] == "stopped", result.stderr[-2000:]
 
 
 def test_script_that_raises_at_import_names_task_exit_code_and_log_tail(work):
