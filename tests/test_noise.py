@@ -134,6 +134,59 @@ def test_only_the_lines_continuing_a_message_are_cut_from_the_next_batch(monkeyp
     assert calls == [] and out.getvalue() == b"w \xe2\x94\x82 step=1\n" * 1000
 
 
+# absl-Python's format is TF's C++ one with a Python file (a script's absl.logging.info under
+# absl.app.run): the script's own lines, never hidden.
+ABSL_PY = (b"I1124 03:31:18.123456 140234 myscript.py:12] step=5 loss=0.3\n"
+           b"W1124 03:31:18.223456 140234 myscript.py:13] loss is rising\n")
+CPP_WARNING = b"W0000 00:00:1795491539.735822   24972 cpu_feature_guard.h:210] Not optimized.\n"
+
+
+def test_the_scripts_own_absl_info_and_warning_lines_are_shown():
+    assert live(ABSL_PY) == ["I1124 03:31:18.123456 140234 myscript.py:12] step=5 loss=0.3",
+                             "W1124 03:31:18.223456 140234 myscript.py:13] loss is rising"]
+
+
+def test_tf_cpp_lines_beside_the_scripts_absl_lines_are_still_hidden():
+    info, warning = ABSL_PY.splitlines(keepends=True)
+    assert live(TF_LINE + info + CPP_WARNING + warning) == [info.decode()[:-1], warning.decode()[:-1]]
+
+
+def test_an_absl_python_line_ending_in_a_colon_opens_no_hidden_message():
+    line = b"I1124 03:31:18.123456 140234 myscript.py:20] Example stragglers:\n"
+    assert live(line + b"/job:worker/replica:0/task:1\n") == [
+        line[:-1].decode(), "/job:worker/replica:0/task:1"]
+
+
+def test_a_batch_of_absl_python_lines_keeps_the_fast_path(monkeypatch):
+    calls = []
+    monkeypatch.setattr(LogMux, "_shown_lines", lambda self, t, lines: calls.append(lines) or lines)
+    assert live(ABSL_PY * 100) == ABSL_PY.decode().split("\n")[:-1] * 100 and calls == []
+
+
+# Captured from mirrored-mode worker:0 under absl.app.run: TF's Python logger's own line, then
+# the same record through absl's handler on the root logger.
+TF_PY = b"INFO:tensorflow:Check health not enabled.\n"
+TF_PY_ECHO = (b"I1124 04:21:13.686739 140642569231232 collective_all_reduce_strategy.py:652] Check "
+              b"health not enabled.\n")
+
+
+def test_absls_echo_of_a_tf_python_line_is_hidden_and_the_first_copy_shown():
+    data = ABSL_PY + TF_PY + TF_PY_ECHO + ABSL_PY
+    assert live(data) == live(ABSL_PY) + ["INFO:tensorflow:Check health not enabled."] + live(ABSL_PY)
+    for cut in range(1, len(data)):
+        assert live(data[:cut], data[cut:]) == live(data), cut
+    assert live(data, hide_noise=False) == data.decode().split("\n")[:-1]
+
+
+@pytest.mark.parametrize("before, after", [
+    (TF_PY, TF_PY_ECHO.replace(b"Check health", b"Health")),     # another message
+    (TF_PY, b"x\n" + TF_PY_ECHO),                                  # not straight after it
+    (TF_PY.replace(b"INFO", b"ERROR"), TF_PY_ECHO.replace(b"I1124", b"E1124")),  # errors stay
+    (TF_PY.replace(b"INFO", b"WARNING"), TF_PY_ECHO)])             # another level
+def test_only_an_info_or_warning_echo_straight_after_its_tf_line_is_hidden(before, after):
+    assert live(before + after) == (before + after).decode().split("\n")[:-1]
+
+
 @pytest.mark.tf
 @pytest.mark.timeout(120)
 def test_coordinator_run_hides_session_options_live_and_saves_them(tmp_path, home):

@@ -1,9 +1,11 @@
 """Restarts in place (docs/ARCHITECTURE.md, "Restarts"): the attached shim restarts its own
 task when the run's policy says so, on the channel already open, and holds the new
 attempt's output back until the launcher confirms. Real shims through the local transport
-(HostAgent), then `tfcluster train` end to end (local, and over the test sshd), no TF."""
+(HostAgent), the live view at an attempt's end (attempts.pump), then `tfcluster train` end
+to end (local, and over the test sshd), no TF."""
 from __future__ import annotations
 
+import io
 import os
 import queue
 import re
@@ -11,6 +13,7 @@ import signal
 import sys
 import textwrap
 import threading
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -19,6 +22,8 @@ from tests.conftest import tagged_processes, wait_for
 from tests.test_agent import C, agent, gone, launch, with_tag  # noqa: F401 - agent: a fixture
 from tests.tf_launch import free_ports
 from tests.train_helpers import kill_group, manifest, only_run, read_until, start_tfcluster, tfcluster
+from tfcluster.attempts import pump
+from tfcluster.logmux import LogMux
 
 # Says which attempt it is and which process started it. Attempts below GOOD exit with
 # RC; GOOD then exits 0, or with "hang" says so and waits to be stopped.
@@ -309,3 +314,71 @@ def test_over_ssh_the_restart_uses_the_open_channel(tmp_path, home, ssh_home, ss
     seen = saved_attempts(run)
     assert [n for n, _, _ in seen] == [0, 1] and seen[0][2] == seen[1][2]   # one shim, one exec
     assert manifest(run)["tasks"]["worker:1"]["script"]["restarts"] == 1
+
+
+# -- the live view at an attempt's end -----------------------------------------------------
+
+class Stream:
+    """An AttachedTask's reads for attempts.pump: chunks, and at an int the attempt ends with
+    that code (every byte of it read); the supervisor then notes it, as before resume()."""
+
+    def __init__(self, mux, *script) -> None:
+        self.mux, self.script, self.on_restart = mux, list(script), None
+
+    def read(self) -> bytes:
+        while self.script:
+            item = self.script.pop(0)
+            if isinstance(item, bytes):
+                return item
+            self.on_restart(item)
+            self.mux.note("w", f"exited with code {item}; restarting")
+        return b""
+
+    def wait(self, timeout: float) -> int:
+        return 0
+
+
+def test_an_attempts_unterminated_last_line_is_shown_before_the_note_and_the_next_starts_afresh():
+    out = io.BytesIO()
+    mux = LogMux(out, ["w"], color=False, hide_noise=True)
+    run = SimpleNamespace(mux=mux, events=queue.Queue())
+    proc = SimpleNamespace(key="w", task=SimpleNamespace(host="h"), stopping=False)
+    pump(run, proc, Stream(mux, b"a0 line\na0 part", b"ial", 3, b"a1 line\na1 last"), 1)
+
+    assert out.getvalue().decode().split("\n") == [
+        "w │ a0 line", "w │ a0 partial", "w │ [tfcluster] exited with code 3; restarting",
+        "w │ a1 line", "w │ a1 last", ""]     # the stream's end shows its last line too
+    assert [run.events.get_nowait()[1:] for _ in range(2)] == [(1, 3), (2, 0)]
+
+
+PARTIAL = textwrap.dedent("""
+    import os, sys
+    n, index = int(os.environ["TFCLUSTER_RESTART"]), int(os.environ["TFCLUSTER_TASK_INDEX"])
+    if index == 1 and n < 2:
+        print("t1 a%d line" % n, flush=True)
+        sys.stdout.write("t1 a%d partial-no-newline" % n)
+        sys.exit(3)
+    print("t%d a%d line 00000" % (index, n), flush=True)
+""")
+
+
+@pytest.mark.timeout(120)
+def test_train_shows_a_failed_attempts_partial_line_on_its_own_before_the_restart_note(tmp_path, home):
+    (tmp_path / "partial.py").write_text(PARTIAL)
+    a, b = free_ports(2)
+    (tmp_path / "spec.yaml").write_text(
+        f"name: ripartial\nhosts: [{{name: local, address: 127.0.0.1}}]\n"
+        f"jobs:\n  worker: {{tasks: ['local:{a}', 'local:{b}']}}\n"
+        f"train:\n  mode: mirrored\n  script: partial.py\n"
+        f"  restart: {{policy: on-failure, max_restarts: 2}}\n")
+    (tmp_path / "cwd").mkdir()
+    result = tfcluster("train", str(tmp_path / "spec.yaml"), home=home, cwd=tmp_path / "cwd")
+
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    live = [line for line in result.stdout.splitlines() if line.startswith("worker:1 │ ")]
+    assert [line.removeprefix("worker:1 │ ") for line in live] == [
+        "t1 a0 line", "t1 a0 partial-no-newline", "[tfcluster] exited with code 3; restarting (1/2)",
+        "t1 a1 line", "t1 a1 partial-no-newline", "[tfcluster] exited with code 3; restarting (2/2)",
+        "t1 a2 line 00000"]
+    saved = (only_run(tmp_path / "cwd" / "runs") / "worker-1.log").read_text()
+    assert "t1 a0 partial-no-newline\n[tfcluster] exited with code 3; restarting (1/2)\nt1 a1 line\n" in saved

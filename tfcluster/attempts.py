@@ -81,17 +81,21 @@ def pump(run, proc, handle, attempt: int) -> None:
     ended = [attempt]          # the attempt whose end is reported next
 
     def restarted(rc: int) -> None:   # an attempt the shim restarted in place; its output all fed
+        run.mux.close_task(proc.key)  # its last line shows before the note; the next starts afresh
         run.events.put((proc, ended[0], rc))
         ended[0] += 1
 
     handle.on_restart = restarted
+    lost = None
     try:
         while chunk := handle.read():
             run.mux.feed(proc.key, chunk)
         rc = handle.wait(30)
     except Exception as exc:  # noqa: BLE001 - a lost channel is an exit like any other
-        run.mux.note(proc.key, f"lost contact with {proc.task.host}: {exc}")
-        rc = None
+        lost, rc = exc, None
+    run.mux.close_task(proc.key)
+    if lost is not None:
+        run.mux.note(proc.key, f"lost contact with {proc.task.host}: {lost}")
     if rc is None or rc < 0:  # the channel closed with no exit status: connection lost
         if not proc.stopping:
             run.mux.note(proc.key, f"lost contact with {proc.task.host} (connection dropped); "

@@ -22,9 +22,9 @@ import time
 from typing import BinaryIO, Callable, Sequence
 
 from tfcluster.fsutil import NOFOLLOW, private_dir
-from tfcluster.logscan import (PROBE_MARKS, TF_INFO_LINE, TF_NOISE, AnyOf, has_tf_log_line,
-                               last_lines, PROBE, PROBE_OR_NOISE, tf_message_continues,
-                               tf_message_opens, utf8_split)
+from tfcluster.logscan import (PROBE_MARKS, TF_INFO_LINE, TF_NOISE, AnyOf, cut_echo,
+                               has_tf_log_line, is_echo, last_lines, PROBE, PROBE_OR_NOISE,
+                               tf_message_continues, tf_message_opens, tf_python_echo, utf8_split)
 from tfcluster.names import log_file
 from tfcluster.safetext import escape
 
@@ -38,7 +38,7 @@ _DIM, _RESET = b"\x1b[2m", b"\x1b[0m"
 
 class _Task:
     __slots__ = ("key", "prefix", "sep", "show", "lock", "carry", "partial",
-                 "shown", "ring", "fd", "saved_midline", "last_output", "inside")
+                 "shown", "ring", "fd", "saved_midline", "last_output", "inside", "echo")
 
     def __init__(self, key: str, prefix: bytes, show: bool, fd: int | None) -> None:
         self.key, self.prefix, self.show, self.fd = key, prefix, show, fd
@@ -51,6 +51,7 @@ class _Task:
         self.saved_midline = False
         self.last_output: float | None = None   # time.monotonic() of the last chunk
         self.inside: int | None = None  # in a hidden multi-line TF message (logscan.tf_message_opens)
+        self.echo: bytes | None = None  # the next line may be an absl echo (logscan.tf_python_echo)
 
 
 class LogMux:
@@ -122,7 +123,7 @@ class LogMux:
             if t.partial or body:
                 self._emit(t, self._block(t, body + b"\n"))
             t.shown = False
-            t.inside = None     # a restarted process starts no message where this one stopped
+            t.inside = t.echo = None    # a restarted process continues nothing of this one
 
     def note(self, key: str, text: str) -> None:
         """A line from tfcluster itself about `key`: shown marked (dimmed), saved, kept."""
@@ -277,8 +278,10 @@ class LogMux:
                 self._watch[1](t.key, line)
         if t.inside is not None:
             block = self._message_rest(t, block)
-            if block is None:
-                return
+        elif t.echo is not None:
+            block, t.echo = cut_echo(t.echo, block), None
+        if block is None:
+            return
         if (PROBE_OR_NOISE(block) or has_tf_log_line(block)) if self._hide_noise else PROBE(block):
             lines = self._shown_lines(t, block.split(b"\n"))
             if not lines:
@@ -293,8 +296,9 @@ class LogMux:
                 self._write(t.prefix, body, b"\n")
 
     def _shown_lines(self, t: _Task, lines: list[bytes]) -> list[bytes]:
-        """`lines` less probe lines and, with hide_noise, TF noise and the rest of each
-        multi-line TF message it starts (t.inside carries one on to the next batch)."""
+        """`lines` less probe lines and, with hide_noise, TF noise, the rest of each
+        multi-line TF message it starts (t.inside carries one on to the next batch) and the
+        absl echo of a TF Python log line (t.echo, likewise)."""
         shown = []
         for line in lines:
             if t.inside is not None:
@@ -303,9 +307,14 @@ class LogMux:
                     continue
             if any(m in line for m in PROBE_MARKS):
                 continue
-            if self._hide_noise and (any(m in line for m in TF_NOISE) or TF_INFO_LINE.match(line)):
-                t.inside = tf_message_opens(line)
-                continue
+            if self._hide_noise:
+                echo, t.echo = t.echo, None
+                if echo is not None and is_echo(echo, line):
+                    continue
+                if any(m in line for m in TF_NOISE) or TF_INFO_LINE.match(line):
+                    t.inside = tf_message_opens(line)
+                    continue
+                t.echo = tf_python_echo(line)
             shown.append(line)
         return shown
 

@@ -1,8 +1,9 @@
 """What LogMux looks for in a block of task output, in as few passes as it can: UTF-8
 boundaries, TensorFlow's start-up noise and C++ log lines (and the lines that continue one),
-tfcluster's probe lines, the markers of the run's watchers. Bytes in, bytes out; every scan
-covers a whole block (up to a megabyte), and lines are cut out only where a marker is
-(docs/ARCHITECTURE.md, "The data path of `train`, one hop per line").
+absl's echoes of TF's Python log lines, tfcluster's probe lines, the markers of the run's
+watchers. Bytes in, bytes out; every scan covers a whole block (up to a megabyte), and lines
+are cut out only where a marker is (docs/ARCHITECTURE.md, "The data path of `train`, one
+hop per line").
 """
 from __future__ import annotations
 
@@ -45,8 +46,40 @@ TF_NOISE = (
 
 # TensorFlow's C++ INFO and WARNING lines (`I1123 04:50:00.123456  1234 master.cc:278] ...`):
 # the tasks run with TF_CPP_MIN_LOG_LEVEL=0 so that they reach the saved logs and the hang
-# watchdog; the live view hides them with hide_noise=True (errors are always shown).
-TF_INFO_LINE = re.compile(rb"^[IW]\d{4} \d\d:\d\d:\d+(?:\.\d+)? +\d+ [^ \]]+:\d+\] ", re.M)
+# watchdog; the live view hides them with hide_noise=True (errors are always shown). Only a
+# C++ source names the line: absl-Python writes the same shape (`I1124 ... train.py:12] `),
+# and that is the script's own logging, always shown.
+TF_INFO_LINE = re.compile(rb"^[IW]\d{4} \d\d:\d\d:\d+(?:\.\d+)? +\d+ [^ \]]+\.(?:cc|cpp|cxx|c|h|hpp):\d+\] ",
+                          re.M)
+# TF's Python logger writes `INFO:tensorflow:<message>` through its own handler and, when the
+# script logs through absl (absl.app.run), the same record again in absl's format straight
+# after it (`I1124 ... mirrored_strategy.py:423] <message>`): that echo is hidden, the first
+# copy shown (E and F records are never hidden).
+TF_PY_MARK = b":tensorflow:"
+_TF_PY_LINE = re.compile(rb"(INFO|WARNING):tensorflow:")
+_ABSL_LINE = re.compile(rb"[IW]\d{4} \d\d:\d\d:\d+(?:\.\d+)? +\d+ [^ \]]+:\d+\] ")
+
+
+def tf_python_echo(line: bytes) -> bytes | None:
+    """The level letter and message an absl echo of `line` repeats; None: `line` is no
+    INFO or WARNING line of TF's Python logger."""
+    m = _TF_PY_LINE.match(line) if TF_PY_MARK in line else None
+    return None if m is None else line[:1] + line[m.end():]
+
+
+def is_echo(echo: bytes, line: bytes) -> bool:
+    m = _ABSL_LINE.match(line)
+    return m is not None and line[:1] + line[m.end():] == echo
+
+
+def cut_echo(echo: bytes, block: bytes) -> bytes | None:
+    """`block` less its first line if that is the echo (None: the block was only that)."""
+    end = block.find(b"\n")
+    if not is_echo(echo, block if end < 0 else block[:end]):
+        return block
+    return None if end < 0 else block[end + 1:]
+
+
 # Lines tfcluster's start-up probe writes for tfcluster itself: saved, never shown live.
 PROBE_MARKS = (b"tfcluster-placement: ", b"tfcluster-not-ready: ")
 
@@ -144,7 +177,7 @@ def _proto_line(depth: int, line: bytes) -> int | None:
     return depth + 1 if m.group(1) == b" {" else depth
 
 
-PROBE_OR_NOISE = AnyOf(PROBE_MARKS + TF_NOISE)
+PROBE_OR_NOISE = AnyOf(PROBE_MARKS + TF_NOISE + (TF_PY_MARK,))
 PROBE = AnyOf(PROBE_MARKS)
 
 
