@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from tfcluster import downexec, names, proxy, state, upexec
 from tfcluster.errors import ConnectError, ExitCode, TfclusterError
 from tfcluster.plan import Plan, TaskPlan
-from tfcluster.preflight import check_versions, preflight
+from tfcluster.preflight import check_started_ports, check_versions, preflight
 from tfcluster.reach import check_reachability
 from tfcluster.servers import READY_TIMEOUT, Started, start_detached
 from tfcluster.session import Session, server_tasks
@@ -33,6 +33,7 @@ def up(plan: Plan, ui, timeout: float = READY_TIMEOUT, allow_skew: bool = False)
         execs = upexec.open_all(session, servers, run_id, timeout)
         try:
             live, busy = session.survey(servers)
+            check_started_ports(servers, live)
             missing = [t for t in servers if t.key not in live]
             if not missing:
                 ui.ok(f"cluster {plan.name!r} is already up ({len(servers)} servers); nothing started")
@@ -54,48 +55,95 @@ def up(plan: Plan, ui, timeout: float = READY_TIMEOUT, allow_skew: bool = False)
 
 def _record(plan: Plan, run_id: str, started: list[Started], live: dict) -> None:
     old = state.load(plan.name) or {}
+    hosts = state.started_on(old)     # every host an `up` started servers on, until `down`
     tasks = {k: v for k, v in old.get("tasks", {}).items() if k in live}
     for s in started:
         tasks[s.task.key] = {"host": s.task.host, "port": s.task.port, "pid": s.pid,
                              "tag": s.tag, "log": s.log, "started": time.time()}
+        hosts.setdefault(s.task.host, []).append(s.tag)
     state.save(plan.name, {"name": plan.name, "spec_sha256": plan.spec_digest,
-                           "run_id": run_id, "tasks": tasks})
+                           "run_id": run_id, "tasks": tasks, "hosts": hosts})
 
 
 def down(plan: Plan, ui, grace: float = DEFAULT_GRACE) -> int:
-    """Stop everything of this cluster on every host; name hosts that could not be reached."""
-    hosts = [h.name for h in plan.all_hosts if h.name in plan.hosts]
-    with state.ClusterLock(plan.name, "down"), Session(plan, ui, hosts) as session:
+    """Stop everything of this cluster on every host of the spec, tasks or not, and on those
+    the local state says `up` started servers on; name the hosts that could not be reached."""
+    recorded = state.started_on(state.load(plan.name))
+    with state.ClusterLock(plan.name, "down"), Session(plan, ui, _hosts_to_look_at(plan)) as session:
         # One exec per warm host (downexec.py): info, the stop, and the wait, on the host,
         # until its ports of the cluster bind again (up to PORT_SETTLE).
         opened, reports = downexec.stop_all(session, names.cluster_prefix(plan.name), grace, PORT_SETTLE)
         unreachable = {h: e for h, e in opened.items() if isinstance(e, BaseException)}
         session.drop(unreachable)
+        unreachable = _warn_spare(ui, plan, unreachable, recorded)
         survivors = _report_down(ui, reports, opened)
+        stopped = [tag for r in reports.values() if not isinstance(r, BaseException) for tag, _ in r.stopped]
+        dropped = _dropped_hosts(plan, recorded, stopped)
+        busy = [(h, port, holder) for h, r in reports.items() if not isinstance(r, BaseException)
+                for port, holder in r.busy]
         ports_busy = [f"{h}:{port}" + (f" ({holder})" if holder and holder != "in use" else "")
-                      for h, r in reports.items() if not isinstance(r, BaseException)
-                      for port, holder in r.busy]
+                      for h, port, holder in busy]
         refused = [e for e in unreachable.values() if not isinstance(e, ConnectError)]
-        if refused and not survivors and not ports_busy and len(refused) == len(unreachable):
+        if refused and not survivors and not ports_busy and not dropped and len(refused) == len(unreachable):
             raise refused[0]        # reached but refused (e.g. a directory not ours): its own error
         problems = [f"unreachable: {', '.join(f'{h} ({e})' for h, e in unreachable.items())}"] \
             if unreachable else []
         problems += [f"survivors: {', '.join(survivors)}"] if survivors else []
         problems += [f"ports still busy: {', '.join(ports_busy)}"] if ports_busy else []
+        problems += [f"host {h} is not in the spec any more: `tfcluster up` started {n} server(s) there, "
+                     f"which this spec cannot stop (it has no address for {h})" for h, n in dropped.items()]
         if problems:
             raise TfclusterError(f"cluster {plan.name!r} not fully stopped ({'; '.join(problems)})",
-                                 hint=_down_hint(unreachable, survivors))
+                                 hint=_down_hint(plan, unreachable, survivors, dropped, busy))
         state.clear(plan.name)
         ui.ok(f"cluster {plan.name!r} is down: nothing of it runs and its ports are free")
         return ExitCode.OK
 
 
-def _down_hint(unreachable: dict, survivors: list) -> str:
+def _hosts_to_look_at(plan: Plan) -> list[str]:
+    """The hosts with tasks first, then every other host of the spec: a host the spec left
+    without tasks may still run what an `up` of an earlier spec started there."""
+    return list(dict.fromkeys([*plan.hosts, *(h.name for h in plan.all_hosts)]))
+
+
+def _warn_spare(ui, plan: Plan, unreachable: dict, recorded: dict) -> dict:
+    """The unreachable hosts that matter: a host without tasks in the spec, where `up` (by
+    the local state) started nothing, may be a spare that is off; it gets a warning."""
+    spare = [h for h in unreachable if h not in plan.hosts and h not in recorded]
+    for h in spare:
+        ui.warn(f"{h}: not reached ({unreachable[h]}); the spec gives it no task and the local "
+                f"state has no server started there, so it is left out")
+    return {h: e for h, e in unreachable.items() if h not in spare}
+
+
+def _dropped_hosts(plan: Plan, recorded: dict, stopped: list[str]) -> dict[str, int]:
+    """Host -> how many of the servers `up` started there are unaccounted for, for each host
+    of the local state the spec no longer lists (no address: nothing can reach it). A
+    server a sweep on another host of its machine stopped is accounted for."""
+    listed = {h.name for h in plan.all_hosts}
+    left = {h: [t for t in tags if not any(names.same_task(t, s) for s in stopped)]
+            for h, tags in recorded.items() if h not in listed}
+    return {h: len(tags) for h, tags in left.items() if tags}
+
+
+def _down_hint(plan: Plan, unreachable: dict, survivors: list, dropped: dict, busy: list) -> str:
+    hints = []
+    if dropped:
+        hints.append(f"run `tfcluster down` with the spec `up` used (the one that lists "
+                     f"{', '.join(f'host {h}' for h in dropped)}); if those servers are gone for good, "
+                     f"remove {state.state_file(plan.name)}")
     if unreachable:
-        return "run `tfcluster down` again once the hosts are reachable"
-    if survivors:
-        return "a process that outlives SIGKILL is stuck in the kernel (e.g. on a hung mount); " \
-               "run `tfcluster down` again later"
+        hints.append("run `tfcluster down` again once the hosts are reachable")
+    elif survivors:
+        hints.append("a process that outlives SIGKILL is stuck in the kernel (e.g. on a hung mount); "
+                     "run `tfcluster down` again later")
+    if hints:
+        return "; ".join(hints)
+    for host, port, holder in busy:
+        workdir = names.server_workdir(holder or "", plan.name)
+        if workdir:
+            return (f"{host}:{port} is held by a server of cluster {plan.name!r} started with workdir "
+                    f"{workdir}, not this spec's: run `tfcluster down` with the spec that has that workdir")
     return ("nothing tagged as this cluster's runs any more; down leaves the holders named alone "
             "(another user's process, a program outside tfcluster, or a task's child that left "
             "its session and environment)")
@@ -142,25 +190,36 @@ class TaskRow:
 
 
 def status(plan: Plan, ui) -> tuple[list[TaskRow], dict[str, BaseException]]:
-    """One row per planned task, and the hosts that could not be reached (host -> error)."""
-    with Session(plan, ui) as session:
+    """One row per planned task, one per process of this cluster no task of the spec names
+    (on every host of the spec, tasks or not), and the hosts that could not be reached."""
+    recorded = state.started_on(state.load(plan.name))
+    with Session(plan, ui, _hosts_to_look_at(plan)) as session:
         for name in session.host_names:      # pid files can be gone while the tasks run
             session.agent(name).sweep_status = True
         opened = session.open(strict=False, survey=list(plan.tasks))
-        rows: list[TaskRow] = []
         unreachable = {h: e for h, e in opened.items() if isinstance(e, BaseException)}
-        for host in plan.hosts:
+        unreachable = _warn_spare(ui, plan, unreachable, recorded)
+        prefix = names.cluster_prefix(plan.name)
+        found = {h: session.agents[h].survey(prefix, [t.port for t in plan.tasks_on(h)])
+                 for h in session.host_names if not isinstance(opened.get(h), BaseException)}
+        rows: list[TaskRow] = []
+        for host in session.host_names:
             if host in unreachable:
                 rows += [TaskRow(t.key, t.host, t.target, "unreachable") for t in plan.tasks_on(host)]
-            else:
-                rows += [r for r in _host_rows(session, host)   # one machine seen as two hosts: once
+            elif host in found:
+                rows += [r for r in _host_rows(session, host, found)   # one machine seen as two hosts: once
                          if r.in_spec or not any(not s.in_spec and s.pid == r.pid for s in rows)]
+        for host, tags in recorded.items():
+            if not any(h.name == host for h in plan.all_hosts):
+                ui.warn(f"{host}: `tfcluster up` started {len(tags)} server(s) there (local state), but the "
+                        f"spec no longer lists it, so they cannot be looked at or stopped with this spec; "
+                        f"`tfcluster down` with the spec `up` used stops them")
         return rows, unreachable
 
 
-def _host_rows(session: Session, host: str) -> list[TaskRow]:
+def _host_rows(session: Session, host: str, surveys: dict) -> list[TaskRow]:
     tasks = session.plan.tasks_on(host)
-    found = session.agents[host].survey(names.cluster_prefix(session.plan.name), [t.port for t in tasks])
+    found = surveys[host]
     rows = []
     for task in tasks:
         # a task's own pid file first; a process found by its tag alone only without one
@@ -171,15 +230,22 @@ def _host_rows(session: Session, host: str) -> list[TaskRow]:
         rows.append(TaskRow(task.key, task.host, task.target, "running" if st else "stopped",
                             st.pid if st else None, _uptime(st), bool(found.ports.get(task.port)),
                             (not st.unrecorded) if st else None, moved))
-    # the spec changed since `up`: this cluster's processes no task of it names any more
-    # (not "planned on another host": two hosts of a spec may be one machine)
+    # the spec changed since `up`: this cluster's processes no task of it names any more, or
+    # whose task the spec now places on a host that does not see them (two hosts of a spec
+    # may be one machine, which sees the same processes)
     address = session.plan.host(host).address
     for st in found.statuses:
         tag = names.Tag.parse(st.tag)
-        if st.alive and not st.warm and tag and not any(_is_task(st.tag, t) for t in session.plan.tasks):
+        if st.alive and not st.warm and tag and not any(
+                _is_task(st.tag, t) and _sees(surveys, t.host, st) for t in session.plan.tasks):
             rows.append(TaskRow(tag.key, host, f"{address}:{st.port}" if st.port else "-", "running",
                                 st.pid, _uptime(st), None, not st.unrecorded, in_spec=False))
     return rows
+
+
+def _sees(surveys: dict, host: str, st) -> bool:
+    """Whether `host`'s survey found this very process (an unreached host: assumed so)."""
+    return host not in surveys or any(s.pid == st.pid and s.tag == st.tag for s in surveys[host].statuses)
 
 
 def _uptime(st) -> float | None:

@@ -60,6 +60,25 @@ def run_prefix(cluster: str, run_id: str) -> str:
     return f"{cluster}:{run_id}:"
 
 
+def same_task(a: str, b: str) -> bool:
+    """Whether two tags name the same start of a task (cluster, run, job, index, role): a tag
+    read back from a host carries the cluster's instance, one the package built does not."""
+    x, y = Tag.parse(a), Tag.parse(b)
+    return x is not None and y is not None and (x.cluster, x.run, x.key, x.role) == (y.cluster, y.run, y.key, y.role)
+
+
+def server_workdir(holder: str, cluster: str) -> str | None:
+    """The workdir of a port's holder that is a server of a cluster named `cluster`, from its
+    command line (`pid N (python3 /W/<cluster>/bin/tfserver.py)`): this cluster started with
+    another workdir, whose tag (its instance) this spec cannot name. None for anything else,
+    and for another user's process (the holder names its user, `, user U`)."""
+    if ", user " in holder:
+        return None
+    found = re.search(r"(?:^|[\s(])((?:/[^\s/]+)*)/" + re.escape(cluster) + r"/bin/tfserver\.py(?=[\s)]|$)",
+                      holder)
+    return (found.group(1) or "/") if found else None
+
+
 def new_run_id(prefix: str, now: float | None = None, token: str | None = None) -> str:
     """`<prefix>-YYYYmmdd-HHMMSS-<4 hex>`: sorts by start time; the token keeps two runs
     started in the same second apart."""

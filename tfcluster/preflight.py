@@ -3,7 +3,7 @@ no two tasks on one machine sharing a port, and every port free; and do the host
 on their Python and TensorFlow versions (versions.py). Nothing is started."""
 from __future__ import annotations
 
-from tfcluster import versions
+from tfcluster import names, versions
 from tfcluster.errors import PreflightError
 from tfcluster.plan import TaskPlan
 from tfcluster.render import version_table
@@ -29,6 +29,19 @@ def preflight(session: Session, tasks: list[TaskPlan], *, ports: bool = True,
     if ports:
         _check_same_machine_ports(infos, tasks)
         _check_ports_free(session, tasks, busy)
+
+
+def check_started_ports(servers: list[TaskPlan], live: dict) -> None:
+    """A live server (task key -> TaskStatus) whose pid file records another port than the
+    spec's: the spec changed since `up`, and reusing it would leave the spec's port closed."""
+    for task in servers:
+        st = live.get(task.key)
+        if st is not None and st.port is not None and st.port != task.port:
+            raise PreflightError(
+                f"host {task.host}: {task.key} runs on port {st.port}, not the spec's {task.port} "
+                f"(the spec changed since it was started)",
+                hint="run `tfcluster down SPEC` (it stops the cluster's servers by their tag, whatever "
+                     "their port), then `tfcluster up SPEC`")
 
 
 def check_versions(session: Session, *, allow_skew: bool, report: bool = False) -> None:
@@ -73,5 +86,12 @@ def _check_ports_free(session: Session, tasks: list[TaskPlan], busy=None) -> Non
         if holder:
             raise PreflightError(
                 f"host {task.host}: port {task.port} for {task.key} is already in use ({holder})",
-                hint="stop whatever holds it (`tfcluster down` if it is an old cluster), "
-                     "or change the port in the spec")
+                hint=_busy_hint(session.plan.name, holder))
+
+
+def _busy_hint(cluster: str, holder: str) -> str:
+    workdir = names.server_workdir(holder, cluster)
+    if workdir:
+        return (f"it looks like a server of cluster {cluster!r} started with workdir {workdir}, not "
+                f"this spec's: run `tfcluster down` with the spec that has that workdir")
+    return "stop whatever holds it (`tfcluster down` if it is an old cluster), or change the port in the spec"

@@ -112,15 +112,24 @@ def print_status(ui, plan: Plan, rows) -> None:
     for r in rows:
         if r.started_port is not None:
             ui.warn(f"{r.host}: {r.task} runs on port {r.started_port}, not the spec's {r.address} "
-                    f"({changed}); `tfcluster down` stops it, `tfcluster up` starts it as the spec says")
+                    f"({changed}); `tfcluster down` stops it (by its tag), then `tfcluster up` starts "
+                    f"it as the spec says")
     for host in dict.fromkeys(r.host for r in rows if not r.in_spec):
-        tasks = ", ".join(r.task for r in rows if r.host == host and not r.in_spec)
-        ui.warn(f"{host}: {tasks} of cluster {plan.name!r} run but the spec has no such task "
-                f"({changed}); `tfcluster down` stops them")
+        tasks = [r.task for r in rows if r.host == host and not r.in_spec]
+        ui.warn(f"{host}: {', '.join(tasks)} of cluster {plan.name!r} {_runs(tasks)} but the spec has no "
+                f"such task there ({changed}); `tfcluster down` stops {_them(tasks)}")
     for host in dict.fromkeys(r.host for r in rows if r.pid_file is False):
-        tasks = ", ".join(r.task for r in rows if r.host == host and r.pid_file is False)
-        ui.warn(f"{host}: {tasks} of cluster {plan.name!r} run with no pid file (the cluster's "
-                f"directory there was removed or replaced); `tfcluster down` stops them")
+        tasks = [r.task for r in rows if r.host == host and r.pid_file is False]
+        ui.warn(f"{host}: {', '.join(tasks)} of cluster {plan.name!r} {_runs(tasks)} with no pid file "
+                f"(the cluster's directory there was removed or replaced); `tfcluster down` stops {_them(tasks)}")
+
+
+def _runs(tasks: list) -> str:
+    return "runs" if len(tasks) == 1 else "run"
+
+
+def _them(tasks: list) -> str:
+    return "it" if len(tasks) == 1 else "them"
 
 
 SUMMARY_LINE = 60     # characters of a task's last loss line in the summary

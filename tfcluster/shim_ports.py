@@ -160,6 +160,9 @@ def user_name(uid: int) -> str:
         return "uid %d" % uid
 
 
+HOLDER_TEXT = 240     # characters of a holder's command line shown
+
+
 def describe(pid: int) -> str:
     try:
         with open("/proc/%d/cmdline" % pid, "rb") as f:
@@ -167,9 +170,10 @@ def describe(pid: int) -> str:
     except OSError:
         argv = []
     words = [os.path.basename(a) if i == 0 else a for i, a in enumerate(argv)]
-    # another user chose these bytes: no newline or escape sequence reaches a terminal
+    # another user chose these bytes: no newline or escape sequence reaches a terminal; long
+    # enough for a server's `<workdir>/<name>/bin/tfserver.py` (names.server_workdir)
     text = " ".join("".join(c if c.isprintable() else " " for c in " ".join(words)).split())
-    return "pid %d (%s)" % (pid, text[:80]) if text else "pid %d" % pid
+    return "pid %d (%s)" % (pid, text[:HOLDER_TEXT]) if text else "pid %d" % pid
 
 
 def describe_holder(inodes: dict[str, int], always_user: bool = True) -> str:

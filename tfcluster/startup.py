@@ -20,7 +20,7 @@ from tfcluster.errors import TfclusterError
 from tfcluster.agent_types import HostInfo
 from tfcluster.held import HeldStart, prepare_holding
 from tfcluster.plan import Plan, TaskPlan
-from tfcluster.preflight import check_versions, preflight
+from tfcluster.preflight import check_started_ports, check_versions, preflight
 from tfcluster.reach import check_reachability
 from tfcluster.runs import ProgressLog
 from tfcluster.servers import Started, wait_ready
@@ -153,6 +153,7 @@ def _prepare_servers(run: Run) -> tuple[list[TaskPlan], set[str]]:
     if not servers:
         return [], set()
     live, busy = run.session.survey(servers)
+    check_started_ports(servers, live)
     if live and len(live) == len(servers):
         run.ui.info(f"Using the running cluster ({len(live)} servers from `tfcluster up`)")
         return [], set(live)

@@ -25,23 +25,43 @@ def state_dir(name: str) -> str:
     return path
 
 
+def state_file(name: str) -> str:
+    return os.path.join(state_dir(name), "state.json")
+
+
 def load(name: str) -> dict | None:
     try:
-        fd = os.open(os.path.join(state_dir(name), "state.json"), os.O_RDONLY | NOFOLLOW)
+        fd = os.open(state_file(name), os.O_RDONLY | NOFOLLOW)
         with os.fdopen(fd, "rb") as f:
             return json.loads(f.read())
     except (OSError, ValueError):
         return None
 
 
+def started_on(state: dict | None) -> dict[str, list[str]]:
+    """Host -> the tags of the servers `up` started there, as the state recorded them
+    (`hosts`, kept from one `up` to the next until `down` clears the state; an older state
+    has only `tasks`). Anything malformed is skipped: the state is a convenience."""
+    state = state if isinstance(state, dict) else {}
+    hosts = state.get("hosts")
+    if not isinstance(hosts, dict):
+        tasks = state.get("tasks") if isinstance(state.get("tasks"), dict) else {}
+        hosts = {}
+        for task in tasks.values():
+            if isinstance(task, dict) and isinstance(task.get("host"), str):
+                hosts.setdefault(task["host"], []).append(task.get("tag"))
+    return {h: [t for t in tags if isinstance(t, str)] for h, tags in hosts.items()
+            if isinstance(h, str) and isinstance(tags, list)}
+
+
 def save(name: str, state: dict) -> None:
-    write_private(os.path.join(state_dir(name), "state.json"),
+    write_private(state_file(name),
                   json.dumps(state, indent=2, sort_keys=True).encode())
 
 
 def clear(name: str) -> None:
     try:
-        os.unlink(os.path.join(state_dir(name), "state.json"))
+        os.unlink(state_file(name))
     except FileNotFoundError:
         pass
 

@@ -1,0 +1,224 @@
+"""`down`, `status`, `up` and `train` after the spec was edited under a running cluster: a
+host left without tasks or dropped from `hosts:`, a server's port changed, the workdir
+changed. Real processes on the local transport and the test sshd (tests/sshd.py).
+
+The servers are a stand-in for tfserver.py (tests/test_down.py's STANDIN: the hold
+protocol, then a listener on the task's port; no TensorFlow, so an `up` takes a second):
+the spec's `python:` is a wrapper that runs it for tfserver.py, keeping tfserver.py's path
+on its command line as a real server's has it, and the real interpreter for the rest."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import types
+from io import StringIO
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import SESSION_VAR, tagged_processes
+from tests.test_down import STANDIN
+from tests.tf_launch import free_ports
+from tests.train_helpers import tfcluster
+
+pytestmark = [pytest.mark.timeout(180)]
+
+PYWRAP = '''#!/bin/sh
+case "$1" in */tfserver.py) exec {python} {standin} "$@";; esac
+exec {python} "$@"
+'''
+
+
+@pytest.fixture
+def cwd(tmp_path):
+    d = tmp_path / "cwd"
+    d.mkdir()
+    return d
+
+
+def wrapper(tmp: Path) -> Path:
+    standin = tmp / "standin.py"
+    standin.write_text(STANDIN)
+    path = tmp / "pywrap"
+    path.write_text(PYWRAP.format(python=sys.executable, standin=standin))
+    path.chmod(0o755)
+    return path
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def tasks_running() -> list[str]:
+    """`job:index` of every tagged process of this test session, sorted."""
+    return sorted(":".join(tag.split(":")[2:4]) for tag in tagged_processes().values())
+
+
+def state_file(home: Path, name: str) -> Path:
+    return home / ".local" / "state" / "tfcluster" / name / "state.json"
+
+
+# -- hosts the edited spec gives no task ---------------------------------------------------
+
+@pytest.fixture(scope="module")
+def other_home_sshd(sshd_factory, tmp_path_factory):
+    """An sshd on 127.0.0.11 whose sessions get another HOME than this process has: a spec's
+    `workdir: ~/w` there is another directory than on the local host, so another cluster
+    instance, whose tag sweep does not see the local host's processes nor they its, as on
+    two machines (docs/ARCHITECTURE.md, "Naming")."""
+    other = tmp_path_factory.mktemp("otherhome")
+    return sshd_factory(("127.0.0.11",), SetEnv=f"{SESSION_VAR}={os.environ[SESSION_VAR]} HOME={other}")
+
+
+def two_machine_spec(tmp: Path, sshd, name: str, *, jobs: str, ports: list[int]) -> Path:
+    """Host `local` (127.0.0.1, local transport) and host h2 (other_home_sshd)."""
+    return write(tmp / f"{name}.yaml", (
+        f"name: {name}\npython: {wrapper(tmp)}\nworkdir: ~/w\n"
+        f"ssh:\n  port: {sshd.port}\n  connect_timeout: 5\n"
+        f"hosts:\n  - {{name: local, address: 127.0.0.1}}\n  - {{name: h2, address: 127.0.0.11}}\n"
+        f"jobs:\n  ps: {{tasks: ['local:{ports[0]}']}}\n{jobs}"
+        "train:\n  mode: between-graph\n  script: template:between_graph\n"))
+
+
+def test_down_and_status_cover_hosts_the_spec_left_without_tasks_or_dropped(tmp_path, home, ssh_home,
+                                                                            other_home_sshd, cwd):
+    sshd = other_home_sshd
+    sshd.write_known_hosts(ssh_home / "known_hosts", mode="a")
+    p = free_ports(3)
+    h2 = "  - {name: h2, address: 127.0.0.11}\n"
+    both = f"  worker: {{tasks: ['local:{p[1]}', 'h2:{p[2]}']}}\n"
+    local_only = f"  worker: {{tasks: ['local:{p[1]}']}}\n"
+    spec = two_machine_spec(tmp_path, sshd, "moved", jobs=both, ports=p)
+    no_task = write(tmp_path / "no-task.yaml", spec.read_text().replace(both, local_only))
+    dropped = write(tmp_path / "dropped.yaml", no_task.read_text().replace(h2, ""))
+    closed = write(tmp_path / "closed.yaml", no_task.read_text().replace(
+        h2, f"  - {{name: h2, address: 127.0.0.11, ssh: {{port: {free_ports(1)[0]}}}}}\n"))
+    try:
+        assert tfcluster("up", str(spec), home=home, cwd=cwd).returncode == 0
+        assert tasks_running() == ["ps:0", "worker:0", "worker:1"]
+
+        # h2 still under `hosts:` without a task: status shows its server, down stops it,
+        # with no local state at all
+        status = tfcluster("status", str(no_task), "--json", home=home, cwd=cwd)
+        assert status.returncode == 0, status.stderr
+        rows = [(r["task"], r["host"], r["status"], r["in_spec"]) for r in json.loads(status.stdout)["tasks"]]
+        assert rows == [("ps:0", "local", "running", True), ("worker:0", "local", "running", True),
+                        ("worker:1", "h2", "running", False)]
+        shown = tfcluster("status", str(no_task), home=home, cwd=cwd)
+        assert ("h2: worker:1 of cluster 'moved' runs but the spec has no such task there (the spec "
+                "changed since these were started); `tfcluster down` stops it") in shown.stderr, shown.stderr
+        state_file(home, "moved").unlink()
+        down = tfcluster("down", str(no_task), home=home, cwd=cwd)
+        assert down.returncode == 0, down.stderr
+        assert "h2: stopped 1 process(es)" in down.stderr and tasks_running() == []
+
+        # h2 gone from `hosts:`: the state says `up` started a server there; down says it
+        # cannot stop it with this spec, and which spec can
+        assert tfcluster("up", str(spec), home=home, cwd=cwd).returncode == 0
+        status = tfcluster("status", str(dropped), home=home, cwd=cwd)
+        assert ("h2: `tfcluster up` started 1 server(s) there (local state), but the spec no longer "
+                "lists it") in status.stderr, status.stderr
+        down = tfcluster("down", str(dropped), home=home, cwd=cwd)
+        assert down.returncode == 1, down.stderr
+        assert ("host h2 is not in the spec any more: `tfcluster up` started 1 server(s) there, which "
+                "this spec cannot stop (it has no address for h2)") in down.stderr, down.stderr
+        assert "hint: run `tfcluster down` with the spec `up` used (the one that lists host h2)" in down.stderr
+        assert "nothing of it runs" not in down.stderr
+        assert tasks_running() == ["worker:1"] and state_file(home, "moved").exists()
+
+        # h2 listed without tasks but off, where the state says `up` started a server: a failure
+        down = tfcluster("down", str(closed), home=home, cwd=cwd)
+        assert down.returncode == 1 and "unreachable: h2" in down.stderr, down.stderr
+        assert tasks_running() == ["worker:1"]
+    finally:
+        down = tfcluster("down", str(spec), home=home, cwd=cwd)
+    assert down.returncode == 0, down.stderr
+    assert tasks_running() == [] and not state_file(home, "moved").exists()
+
+    # a spare host without tasks that is off, where nothing was started: a warning, exit 0
+    down = tfcluster("down", str(closed), home=home, cwd=cwd)
+    assert down.returncode == 0, down.stderr
+    assert "warning: h2: not reached (" in down.stderr and "the spec gives it no task" in down.stderr
+    status = tfcluster("status", str(closed), home=home, cwd=cwd)
+    assert status.returncode == 0 and "warning: h2: not reached (" in status.stderr, status.stderr
+
+
+# -- a server's port or the workdir changed ------------------------------------------------
+
+def local_spec(tmp: Path, name: str, ports: list[int], workdir: str) -> Path:
+    return write(tmp / f"{name}.yaml", (
+        f"name: {name}\npython: {wrapper(tmp)}\nworkdir: {workdir}\n"
+        "hosts:\n  - {name: local, address: 127.0.0.1}\n"
+        f"jobs:\n  ps: {{tasks: ['local:{ports[0]}']}}\n"
+        f"  worker: {{tasks: ['local:{ports[1]}', 'local:{ports[2]}']}}\n"
+        "train:\n  mode: between-graph\n  script: template:between_graph\n"))
+
+
+def test_up_and_train_refuse_a_running_server_on_another_port_than_the_spec_says(tmp_path, home, cwd):
+    p = free_ports(4)
+    spec = local_spec(tmp_path, "port", p[:3], "~/w")
+    try:
+        assert tfcluster("up", str(spec), home=home, cwd=cwd).returncode == 0
+        spec.write_text(spec.read_text().replace(f"'local:{p[1]}'", f"'local:{p[3]}'"))
+        line = f"tfcluster: error: host local: worker:0 runs on port {p[1]}, not the spec's {p[3]}"
+        for command in ("up", "train"):
+            refused = tfcluster(command, str(spec), home=home, cwd=cwd)
+            assert refused.returncode == 4, (command, refused.stderr)
+            assert line in refused.stderr, (command, refused.stderr)
+            assert "hint: run `tfcluster down SPEC`" in refused.stderr and "then `tfcluster up SPEC`" in refused.stderr
+            assert tasks_running() == ["ps:0", "worker:0", "worker:1"]
+        status = tfcluster("status", str(spec), home=home, cwd=cwd)
+        assert "`tfcluster down` stops it (by its tag), then `tfcluster up` starts it" in status.stderr
+        # what status and the hint say works
+        assert tfcluster("down", str(spec), home=home, cwd=cwd).returncode == 0
+        assert tfcluster("up", str(spec), home=home, cwd=cwd).returncode == 0
+        rows = json.loads(tfcluster("status", str(spec), "--json", home=home, cwd=cwd).stdout)["tasks"]
+        assert [(r["task"], r["status"], r["port_open"], r["started_port"]) for r in rows] == [
+            ("ps:0", "running", True, None), ("worker:0", "running", True, None),
+            ("worker:1", "running", True, None)]
+    finally:
+        down = tfcluster("down", str(spec), home=home, cwd=cwd)
+    assert down.returncode == 0, down.stderr
+    assert tasks_running() == []
+
+
+def test_a_port_held_by_this_cluster_under_another_workdir_names_that_workdir(tmp_path, home, cwd):
+    p = free_ports(3)
+    spec = local_spec(tmp_path, "wd", p, "~/w1")
+    moved = write(tmp_path / "moved.yaml", spec.read_text().replace("~/w1", "~/w2"))
+    hint = (f"started with workdir {home}/w1, not this spec's: run `tfcluster down` with the spec "
+            "that has that workdir")
+    try:
+        assert tfcluster("up", str(spec), home=home, cwd=cwd).returncode == 0
+        down = tfcluster("down", str(moved), home=home, cwd=cwd)
+        assert down.returncode == 1 and "ports still busy: local:" in down.stderr, down.stderr
+        assert f"hint: local:{p[0]} is held by a server of cluster 'wd' {hint}" in down.stderr, down.stderr
+        up = tfcluster("up", str(moved), home=home, cwd=cwd)
+        assert up.returncode == 4 and f"port {p[0]} for ps:0 is already in use" in up.stderr, up.stderr
+        assert f"hint: it looks like a server of cluster 'wd' {hint}" in up.stderr, up.stderr
+        assert tasks_running() == ["ps:0", "worker:0", "worker:1"]
+    finally:
+        down = tfcluster("down", str(spec), home=home, cwd=cwd)
+    assert down.returncode == 0, down.stderr
+    assert tasks_running() == []
+
+
+# -- wording -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tasks, verb, pronoun", [(["worker:1"], "runs", "it"),
+                                                  (["worker:1", "worker:2"], "run", "them")])
+def test_status_warnings_agree_with_how_many_tasks_they_name(tasks, verb, pronoun):
+    from tfcluster.lifecycle import TaskRow
+    from tfcluster.render import print_status
+    from tfcluster.ui import UI
+
+    err = StringIO()
+    rows = [TaskRow(t, "h", "h:1", "running", pid=7 + i, pid_file=False, in_spec=False)
+            for i, t in enumerate(tasks)]
+    print_status(UI(StringIO(), err, color=False), types.SimpleNamespace(name="x"), rows)
+    named = ", ".join(tasks)
+    assert f"h: {named} of cluster 'x' {verb} but the spec has no such task there" in err.getvalue()
+    assert f"`tfcluster down` stops {pronoun}\n" in err.getvalue()
+    assert f"h: {named} of cluster 'x' {verb} with no pid file" in err.getvalue()
