@@ -12,6 +12,7 @@ import pytest
 
 from tests.sshd import make_target
 from tests.test_agent import C, CLUSTER_DIR, launch, read_all
+from tests.test_login_noise import noisy_python
 from tests.test_restart_in_place import \
     test_a_failed_task_restarts_in_place_under_the_same_shim as restart_in_place_checks
 from tfcluster.agent import HostAgent
@@ -107,13 +108,9 @@ def test_restarts_in_place_cut_a_deflated_stream_at_each_attempts_end(deflating)
 
 
 def test_a_login_shell_talking_on_stdout_does_not_corrupt_a_deflated_stream(home, tmp_path):
-    noisy = tmp_path / "noisy-python"
-    noisy.write_text("#!/bin/sh\necho 'Welcome to the lab. Quota: 93% used.'\n"
-                     f"exec {sys.executable} \"$@\"\n")
-    noisy.chmod(0o755)
     transport = LocalTransport()
     transport.deflate_logs = True
-    a = HostAgent("local", transport, str(noisy), CLUSTER_DIR)
+    a = HostAgent("local", transport, str(noisy_python(tmp_path)), CLUSTER_DIR)
     try:
         a.prepare()
         task = a.start_attached(launch(a, f"{C}:z4:worker:0", [sys.executable, "-c", "print('ok')"]))
