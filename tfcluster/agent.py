@@ -117,7 +117,7 @@ class HostAgent:
         then = {"commands": commands}
         result = self.transport.run(bootstrap_argv(self.python), proto.json_line(request) + proto.json_line(then),
                                     timeout=timeout)
-        lines = [json.loads(x) for x in result.stdout.splitlines() if x.strip().startswith(b"{")]
+        lines = [x for x in map(json_object, result.stdout.splitlines()) if x is not None]
         boot = self.check_boot(result.rc, lines[:1], result.stderr)
         if not boot["stale"] and len(lines) > 1 and "answers" in lines[1]:
             return self._checked_answers(lines[1]["answers"], unchecked)

@@ -10,13 +10,12 @@ exits, having started nothing. docs/ARCHITECTURE.md, "Checks before a run".
 """
 from __future__ import annotations
 
-import json
 import threading
 
 from tfcluster import shim_protocol as proto
 from tfcluster.agent import HostAgent
 from tfcluster.agent_types import HostInfo, TaskLaunch, start_request
-from tfcluster.attached import AttachedTask, handshake, tail_text
+from tfcluster.attached import AttachedTask, handshake, json_object, tail_text
 from tfcluster.bootstrap import bootstrap_argv
 from tfcluster.errors import HostError, PreflightError
 from tfcluster.transport.base import Proc
@@ -117,8 +116,9 @@ class HeldStart:
                         return None
                     self.buf += chunk
                 line, self.buf = self.buf.split(b"\n", 1)
-                if line.strip().startswith(b"{"):
-                    return json.loads(line)
+                answer = json_object(line)
+                if answer is not None:
+                    return answer
         finally:
             timer.cancel()
 

@@ -9,7 +9,6 @@ trips of `up`".
 """
 from __future__ import annotations
 
-import json
 import threading
 from typing import Iterator
 
@@ -17,7 +16,7 @@ from tfcluster import shim_fs
 from tfcluster import shim_protocol as proto
 from tfcluster.agent import HostAgent
 from tfcluster.agent_types import TaskLaunch, start_request
-from tfcluster.attached import tail_text
+from tfcluster.attached import json_object, tail_text
 from tfcluster.bootstrap import NO_SITE, PACKAGE_DIR, bootstrap_argv, cluster_tree
 from tfcluster.errors import HostError, PreflightError
 from tfcluster.transport.base import Proc
@@ -100,8 +99,9 @@ class UpExec:
                     return None
                 self.buf += chunk
             line, self.buf = self.buf.split(b"\n", 1)
-            if line.strip().startswith(b"{"):
-                return json.loads(line)
+            answer = json_object(line)
+            if answer is not None:
+                return answer
 
     def close(self) -> bool:
         """End the conversation: before GO the shim stops its warm servers; wait for its exit
