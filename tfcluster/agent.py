@@ -44,6 +44,7 @@ class HostAgent:
         self._surveyed: tuple | None = None   # a survey prepare() answered, used once
         self.sweep_status = False   # surveys also find the cluster's tasks no pid file names
         self.more_answers: dict = {}          # prepare()'s `more` commands, answered
+        self.info_request: dict = {}          # {"light": True}: machine id and Python only (Session)
         self._placed: tuple | None = None     # (files request, what the cache lacked) from prepare()
         self._prepare_lock = threading.Lock()
         self._heartbeats = Heartbeats(name)
@@ -79,7 +80,7 @@ class HostAgent:
     def prepare_commands(self, survey: tuple[str, list[int]] | None, files: dict | None,
                          more: dict | None = None) -> dict:
         """The batch prepare() asks: info, and the survey, files and `more` when given."""
-        commands = {proto.INFO: {}}
+        commands = {proto.INFO: dict(self.info_request)}
         if survey is not None:
             commands.update(self._survey_commands(*survey))
         if files is not None:

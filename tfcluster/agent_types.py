@@ -59,8 +59,8 @@ class Survey:
 
 def host_info(info: dict) -> HostInfo:
     """The `info` answer as a HostInfo."""
-    return HostInfo(python_version=info["python_version"], tf_version=info["tf_version"],
-                    machine_id=info["machine_id"], gpus=int(info["gpus"]),
+    return HostInfo(python_version=info["python_version"], tf_version=info.get("tf_version"),
+                    machine_id=info["machine_id"], gpus=int(info.get("gpus") or 0),   # light: neither
                     **{k: info.get(k) for k in ("cuda_version", "cudnn_version", "driver_version")},
                     tensorboard_version=info.get("tensorboard_version"),
                     proxy=tuple(sorted((info.get("proxy") or {}).items())))

@@ -69,7 +69,7 @@ def down(plan: Plan, ui, grace: float = DEFAULT_GRACE) -> int:
     """Stop everything of this cluster on every host of the spec, tasks or not, and on those
     the local state says `up` started servers on; name the hosts that could not be reached."""
     recorded = state.started_on(state.load(plan.name))
-    with state.ClusterLock(plan.name, "down"), Session(plan, ui, _hosts_to_look_at(plan)) as session:
+    with state.ClusterLock(plan.name, "down"), Session(plan, ui, _hosts_to_look_at(plan), light=True) as session:
         # One exec per warm host (downexec.py): info, the stop, and the wait, on the host,
         # until its ports of the cluster bind again (up to PORT_SETTLE).
         opened, reports = downexec.stop_all(session, names.cluster_prefix(plan.name), grace, PORT_SETTLE)
@@ -193,7 +193,7 @@ def status(plan: Plan, ui) -> tuple[list[TaskRow], dict[str, BaseException]]:
     """One row per planned task, one per process of this cluster no task of the spec names
     (on every host of the spec, tasks or not), and the hosts that could not be reached."""
     recorded = state.started_on(state.load(plan.name))
-    with Session(plan, ui, _hosts_to_look_at(plan)) as session:
+    with Session(plan, ui, _hosts_to_look_at(plan), light=True) as session:
         for name in session.host_names:      # pid files can be gone while the tasks run
             session.agent(name).sweep_status = True
         opened = session.open(strict=False, survey=list(plan.tasks))

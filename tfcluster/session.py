@@ -132,8 +132,11 @@ def make_agent(host: HostPlan, cluster_dir: str) -> HostAgent:
 class Session:
     """One HostAgent per host of the plan, prepared (connected, shim shipped) in parallel."""
 
-    def __init__(self, plan: Plan, ui, hosts: Iterable[str] | None = None) -> None:
+    def __init__(self, plan: Plan, ui, hosts: Iterable[str] | None = None, *, light: bool = False) -> None:
+        """`light`: each host's `info` says only which machine it is (down, status), so no
+        `nvidia-smi` or version lookup runs there; infos then hold no versions or GPUs."""
         self.plan = plan
+        self.light = light
         self.ui = ui
         self.paths = names.ClusterPaths(plan.cluster_dir)
         self.host_names = tuple(hosts) if hosts is not None else plan.hosts
@@ -158,6 +161,7 @@ class Session:
         """The host's agent, created (not yet connected) on first use."""
         if name not in self.agents:
             self.agents[name] = make_agent(self.plan.host(name), self.plan.cluster_dir)
+            self.agents[name].info_request = {"light": True} if self.light else {}
         return self.agents[name]
 
     def open(self, *, strict: bool = True, survey: list[TaskPlan] | None = None,

@@ -51,11 +51,13 @@ ShimError = proto.ShimError
 
 
 def cmd_info(req: dict) -> dict:
+    answer = {"python_version": "%d.%d.%d" % sys.version_info[:3], "machine_id": facts.machine_id()}
+    if req.get("light"):        # down, status: which machine it is, and nothing that costs (nvidia-smi)
+        return answer
     gpus, driver = facts.nvidia()
-    answer = {"python_version": "%d.%d.%d" % sys.version_info[:3], "tf_version": facts.tf_version(),
-              "machine_id": facts.machine_id(), "gpus": gpus, "driver_version": driver,
-              "tensorboard_version": facts.installed_version(facts.TB_DISTRIBUTIONS),
-              "proxy": net.proxy_report(os.environ)}
+    answer.update({"tf_version": facts.tf_version(), "gpus": gpus, "driver_version": driver,
+                   "tensorboard_version": facts.installed_version(facts.TB_DISTRIBUTIONS),
+                   "proxy": net.proxy_report(os.environ)})
     answer.update(facts.tf_build())
     return answer
 

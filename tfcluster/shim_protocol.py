@@ -15,6 +15,7 @@ import json
 
 # Commands
 INFO = "info"            # python/TF versions, TF build (CUDA/cuDNN), GPUs + driver, machine id
+                         # ({"light": true}: python version and machine id only)
 PORTS = "ports"          # port -> null (free) or who holds it
 STATUS = "status"        # pid files of a tag prefix, each verified alive or not
 STOP = "stop"            # TERM, grace, KILL, sweep by tag
