@@ -86,7 +86,7 @@ def down(plan: Plan, ui, grace: float = DEFAULT_GRACE) -> int:
         refused = [e for e in unreachable.values() if not isinstance(e, ConnectError)]
         if refused and not survivors and not ports_busy and not dropped and len(refused) == len(unreachable):
             raise refused[0]        # reached but refused (e.g. a directory not ours): its own error
-        problems = [f"unreachable: {', '.join(f'{h} ({e})' for h, e in unreachable.items())}"] \
+        problems = [f"unreachable: {'; '.join(_unreached(h, e) for h, e in unreachable.items())}"] \
             if unreachable else []
         problems += [f"survivors: {', '.join(survivors)}"] if survivors else []
         problems += [f"ports still busy: {', '.join(ports_busy)}"] if ports_busy else []
@@ -98,6 +98,12 @@ def down(plan: Plan, ui, grace: float = DEFAULT_GRACE) -> int:
         state.clear(plan.name)
         ui.ok(f"cluster {plan.name!r} is down: nothing of it runs and its ports are free")
         return ExitCode.OK
+
+
+def _unreached(host: str, error: BaseException) -> str:
+    """`h9 (127.0.0.9:1): connection refused`: the host named once, not inside its own error."""
+    text = str(error)
+    return text[len("host "):] if text.startswith((f"host {host} ", f"host {host}:")) else f"{host} ({text})"
 
 
 def _hosts_to_look_at(plan: Plan) -> list[str]:
