@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import types
 from io import StringIO
@@ -17,10 +18,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import SESSION_VAR, tagged_processes
+from tests.conftest import SESSION_VAR, tagged_processes, wait_for
 from tests.test_down import STANDIN
+from tests.test_shared_kill import LISTENER
 from tests.tf_launch import free_ports
 from tests.train_helpers import tfcluster
+from tfcluster.errors import PreflightError
+from tfcluster.plan import build_plan
+from tfcluster.servers import start_detached
+from tfcluster.session import Session, server_tasks
+from tfcluster.shim_ports import listeners
+from tfcluster.spec import load_spec
+from tfcluster.ui import UI
 
 pytestmark = [pytest.mark.timeout(180)]
 
@@ -222,3 +231,51 @@ def test_status_warnings_agree_with_how_many_tasks_they_name(tasks, verb, pronou
     assert f"h: {named} of cluster 'x' {verb} but the spec has no such task there" in err.getvalue()
     assert f"`tfcluster down` stops {pronoun}\n" in err.getvalue()
     assert f"h: {named} of cluster 'x' {verb} with no pid file" in err.getvalue()
+
+
+def test_a_port_taken_before_readiness_by_this_cluster_under_another_workdir_names_it(tmp_path, home):
+    """The race the preflight cannot see: the port was free, then a server of this cluster
+    from another workdir listens there before ours does. The readiness error's hint names
+    that workdir, as the preflight's does."""
+    p = free_ports(3)
+    plan = build_plan(load_spec(str(local_spec(tmp_path, "wd", p, "~/w2"))))
+    other = home / "w1" / "wd" / "bin" / "tfserver.py"     # where a server of `workdir: ~/w1` runs from
+    other.parent.mkdir(parents=True)
+    other.write_text(LISTENER)
+    holder = subprocess.Popen([sys.executable, str(other), str(p[0])], start_new_session=True)
+    try:
+        wait_for(lambda: p[0] in listeners() or holder.poll() is not None, 10, what="the holder listening")
+        with Session(plan, UI(StringIO(), StringIO(), color=False)) as session:
+            session.open()
+            with pytest.raises(PreflightError) as caught:
+                start_detached(session, [t for t in server_tasks(plan) if t.key == "ps:0"],
+                               "up-20261124-010203-0000", timeout=30)
+    finally:
+        holder.kill()
+        holder.wait(10)
+    assert f"port {p[0]} for ps:0 was taken by pid {holder.pid} (" in str(caught.value)
+    assert caught.value.hint == (f"it looks like a server of cluster 'wd' started with workdir {home}/w1, "
+                                 "not this spec's: run `tfcluster down` with the spec that has that workdir"), str(caught.value)
+    assert tasks_running() == []
+
+
+def test_train_refuses_a_running_cluster_with_servers_the_spec_dropped(tmp_path, home, cwd):
+    p = free_ports(3)
+    spec = local_spec(tmp_path, "fewer", p, "~/w")
+    fewer = write(tmp_path / "fewer-edited.yaml",
+                  spec.read_text().replace(f"'local:{p[1]}', 'local:{p[2]}'", f"'local:{p[1]}'"))
+    try:
+        assert tfcluster("up", str(spec), home=home, cwd=cwd).returncode == 0
+        train = tfcluster("train", str(fewer), home=home, cwd=cwd)
+        assert train.returncode == 1, train.stderr
+        assert ("tfcluster: error: cluster 'fewer' runs 1 server(s) the spec no longer has: worker:1"
+                in train.stderr), train.stderr
+        assert "hint: run `tfcluster down SPEC` (it stops every server of the cluster)" in train.stderr
+        assert "partly up" not in train.stderr
+        assert tasks_running() == ["ps:0", "worker:0", "worker:1"]     # nothing started or stopped
+        down = tfcluster("down", str(fewer), home=home, cwd=cwd)      # what the hint says works
+        assert down.returncode == 0, down.stderr
+        assert tasks_running() == []
+    finally:
+        tfcluster("down", str(spec), home=home, cwd=cwd)
+    assert tasks_running() == []

@@ -146,10 +146,9 @@ def _down_hint(plan: Plan, unreachable: dict, survivors: list, dropped: dict, bu
     if hints:
         return "; ".join(hints)
     for host, port, holder in busy:
-        workdir = names.server_workdir(holder or "", plan.name)
-        if workdir:
-            return (f"{host}:{port} is held by a server of cluster {plan.name!r} started with workdir "
-                    f"{workdir}, not this spec's: run `tfcluster down` with the spec that has that workdir")
+        other = names.other_workdir(holder, plan.name)
+        if other:
+            return f"{host}:{port} is held by {other}"
     return ("nothing tagged as this cluster's runs any more; down leaves the holders named alone "
             "(another user's process, a program outside tfcluster, or a task's child that left "
             "its session and environment)")

@@ -79,6 +79,17 @@ def server_workdir(holder: str, cluster: str) -> str | None:
     return (found.group(1) or "/") if found else None
 
 
+def other_workdir(holder: str, cluster: str) -> str | None:
+    """The hint's words for a port held by a server of this cluster started with another
+    workdir (server_workdir), or None: `a server of cluster 'c' started with workdir W,
+    not this spec's: run `tfcluster down` with the spec that has that workdir`."""
+    workdir = server_workdir(holder or "", cluster)
+    if workdir is None:
+        return None
+    return (f"a server of cluster {cluster!r} started with workdir {workdir}, not this spec's: "
+            f"run `tfcluster down` with the spec that has that workdir")
+
+
 def new_run_id(prefix: str, now: float | None = None, token: str | None = None) -> str:
     """`<prefix>-YYYYmmdd-HHMMSS-<4 hex>`: sorts by start time; the token keeps two runs
     started in the same second apart."""

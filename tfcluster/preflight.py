@@ -90,8 +90,6 @@ def _check_ports_free(session: Session, tasks: list[TaskPlan], busy=None) -> Non
 
 
 def _busy_hint(cluster: str, holder: str) -> str:
-    workdir = names.server_workdir(holder, cluster)
-    if workdir:
-        return (f"it looks like a server of cluster {cluster!r} started with workdir {workdir}, not "
-                f"this spec's: run `tfcluster down` with the spec that has that workdir")
-    return "stop whatever holds it (`tfcluster down` if it is an old cluster), or change the port in the spec"
+    other = names.other_workdir(holder, cluster)
+    return (f"it looks like {other}" if other else
+            "stop whatever holds it (`tfcluster down` if it is an old cluster), or change the port in the spec")

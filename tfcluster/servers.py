@@ -95,9 +95,11 @@ def _raise_unready(session: Session, results: dict, started: dict[str, Started],
         for key, outcome, holder in decided:
             if outcome == "taken":
                 task = started[key].task
+                other = names.other_workdir(holder, session.plan.name)
                 raise PreflightError(f"host {task.host}: port {task.port} for {key} was taken by "
                                      f"{holder} before the server could listen on it",
-                                     hint="choose another port in the spec, or stop that process")
+                                     hint=f"it looks like {other}" if other else
+                                     "choose another port in the spec, or stop that process")
             if outcome != "ready":
                 _raise_not_ready(session, started[key], outcome, timeout)
 

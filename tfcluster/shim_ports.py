@@ -176,13 +176,14 @@ def describe(pid: int) -> str:
     return "pid %d (%s)" % (pid, text[:HOLDER_TEXT]) if text else "pid %d" % pid
 
 
-def describe_holder(inodes: dict[str, int], always_user: bool = True) -> str:
-    """Who holds these sockets: `pid N (argv), user U`; only the user when the process
-    cannot be seen (another user's fds are unreadable unless we are root)."""
+def describe_holder(inodes: dict[str, int]) -> str:
+    """Who holds these sockets: `pid N (argv)`, with `, user U` when that user is not us;
+    only the user when the process cannot be seen (another user's fds are unreadable
+    unless we are root)."""
     uids = set(inodes.values())
     foreign = sorted(u for u in uids if u != os.geteuid())
     user = user_name((foreign or sorted(uids))[0]) if uids else None
-    suffix = ", user %s" % user if user and (always_user or foreign) else ""
+    suffix = ", user %s" % user if foreign else ""
     for pid in procs.all_pids():
         if holding(pid, inodes):
             return describe(pid) + suffix
@@ -193,4 +194,4 @@ def port_holder(port: int) -> str:
     """Who holds a port that cannot be bound (any socket state); the user is named when
     it is not ours."""
     inodes = {inode: uid for p, _state, uid, inode in sockets() if p == port}
-    return describe_holder(inodes, always_user=False) if inodes else "in use"
+    return describe_holder(inodes) if inodes else "in use"

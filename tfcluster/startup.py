@@ -153,6 +153,12 @@ def _prepare_servers(run: Run) -> tuple[list[TaskPlan], set[str]]:
     if not servers:
         return [], set()
     live, busy = run.session.survey(servers)
+    gone = sorted(set(live) - {t.key for t in servers})
+    if gone:       # their TF servers were started with a cluster that has them: not this spec's
+        raise TfclusterError(
+            f"cluster {run.plan.name!r} runs {len(gone)} server(s) the spec no longer has: {', '.join(gone)}",
+            hint="run `tfcluster down SPEC` (it stops every server of the cluster), then `tfcluster up SPEC` "
+                 "or `tfcluster train SPEC`")
     check_started_ports(servers, live)
     if live and len(live) == len(servers):
         run.ui.info(f"Using the running cluster ({len(live)} servers from `tfcluster up`)")
