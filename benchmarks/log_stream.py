@@ -148,7 +148,12 @@ def main(argv=None) -> int:
             for v in windows.values():
                 v.clear()
             last_run.clear()      # verify() checks timed runs only
-        ra, rb = alternate(reps, hand, tfc, between=lambda: last_run and verify())
+        def between() -> None:
+            if last_run:
+                verify()
+            os.sync()     # no rep pays for the last one's page-cache writeback (see the docstring)
+
+        ra, rb = alternate(reps, hand, tfc, between=between)
         for side, label in (("hand", "4x parallel ssh"), ("tfc", "tfcluster")):
             starts = ", ".join(f"{f:.2f}/{e:.2f}" for f, e in windows[side])
             print(f"  {label}: first task byte / exit, s after spawn: {starts}")
