@@ -15,6 +15,11 @@ runs/<id>/worker-N.log.
 Two ratios: end to end (lines / spawn -> exit) and the streaming window (lines / first task
 byte in an output file -> exit), both sides measured the same way: the output files' sizes
 polled every 5 ms.
+Between two timed calls (untimed): the line checks, then `sync`. A rep writes up to ~0.7 GB
+(tfcluster: the host's log, the saved copy and stdout; by hand: stdout); without the sync
+the dirty pages of earlier reps were written back during later ones, on the same 2 cores,
+and tfcluster's exit times grew rep after rep (2.12 -> 2.62 s at 4 x 1 M) while the
+baseline's, whose files each rep truncates, did not.
 
     python benchmarks/log_stream.py [--lines 200000] [--reps 3] [--smoke]
     python benchmarks/log_stream.py --lines 1000000 --reps 3 --target 0.8   # 4 x 1 M lines
