@@ -25,6 +25,15 @@ def ports_of(spec: Path) -> list[int]:
     return [t.port for t in build_plan(load_spec(str(spec))).tasks]
 
 
+def state_path(home: Path, spec: Path) -> Path:
+    """Where `up` keeps the local state of the spec's cluster."""
+    from tfcluster.plan import build_plan
+    from tfcluster.spec import load_spec
+    from tfcluster.state import key
+
+    return home / ".local" / "state" / "tfcluster" / key(build_plan(load_spec(str(spec)))) / "state.json"
+
+
 def bindable(port: int) -> bool:
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -75,7 +84,7 @@ def test_up_status_down_with_local_processes(tmp_path, home, cwd):
 def test_down_works_after_local_state_is_deleted(tmp_path, home, ssh_home, sshd, cwd):
     spec = ssh_spec(tmp_path, sshd)
     assert tfcluster("up", str(spec), home=home, cwd=cwd).returncode == 0
-    state = home / ".local" / "state" / "tfcluster" / "sshc" / "state.json"
+    state = state_path(home, spec)
     assert state.exists() and oct(state.stat().st_mode & 0o777) == "0o600"
     state.unlink()
     down = tfcluster("down", str(spec), home=home, cwd=cwd)

@@ -26,7 +26,9 @@ from tfcluster.agent import HostAgent
 from tfcluster.bootstrap import BOOTSTRAP, SHIPPED, shipped
 from tfcluster.errors import PreflightError
 from tfcluster.names import ClusterPaths
+from tfcluster.plan import build_plan
 from tfcluster.shim_protocol import ShimError
+from tfcluster.spec import load_spec
 from tfcluster.transport.local import LocalTransport
 
 pytestmark = pytest.mark.timeout(120)
@@ -388,17 +390,18 @@ def test_local_state_levels_are_0700_and_the_lock_is_never_a_link(home, tmp_path
     xdg = tmp_path / "xdg" / "st"
     result = tfc("down", str(spec), home=home, cwd=tmp_path, umask=0, XDG_STATE_HOME=str(xdg))
     assert result.returncode == 0, result.stderr
-    made = levels(tmp_path / "xdg", xdg / "tfcluster" / "sd")
+    cluster = xdg / "tfcluster" / state.key(build_plan(load_spec(str(spec))))
+    made = levels(tmp_path / "xdg", cluster)
     assert {str(p): oct(mode(p)) for p in made} == {str(p): "0o700" for p in made}
 
     monkeypatch.setenv("XDG_STATE_HOME", str(xdg))
     target = tmp_path / "not-a-lock"
     target.write_text("keep me")
-    lock = xdg / "tfcluster" / "sd" / "lock"
+    lock = cluster / "lock"
     lock.unlink()                                     # the one `down` left
     lock.symlink_to(target)
     with pytest.raises(PreflightError, match="local state: cannot open .*/lock"):
-        state.ClusterLock("sd", "up").__enter__()
+        state.ClusterLock(cluster.name, "up").__enter__()
     assert target.read_text() == "keep me"
 
 

@@ -23,6 +23,7 @@ from tests.test_down import STANDIN
 from tests.test_shared_kill import LISTENER
 from tests.tf_launch import free_ports
 from tests.train_helpers import tfcluster
+from tfcluster import state
 from tfcluster.errors import PreflightError
 from tfcluster.plan import build_plan
 from tfcluster.servers import start_detached
@@ -65,8 +66,9 @@ def tasks_running() -> list[str]:
     return sorted(":".join(tag.split(":")[2:4]) for tag in tagged_processes().values())
 
 
-def state_file(home: Path, name: str) -> Path:
-    return home / ".local" / "state" / "tfcluster" / name / "state.json"
+def state_file(home: Path, spec: Path) -> Path:
+    """Where `up` keeps this spec's cluster's local state (state.key: name and workdir)."""
+    return home / ".local" / "state" / "tfcluster" / state.key(build_plan(load_spec(str(spec)))) / "state.json"
 
 
 # -- hosts the edited spec gives no task ---------------------------------------------------
@@ -118,7 +120,7 @@ def test_down_and_status_cover_hosts_the_spec_left_without_tasks_or_dropped(tmp_
         shown = tfcluster("status", str(no_task), home=home, cwd=cwd)
         assert ("h2: worker:1 of cluster 'moved' runs but the spec has no such task there (the spec "
                 "changed since these were started); `tfcluster down` stops it") in shown.stderr, shown.stderr
-        state_file(home, "moved").unlink()
+        state_file(home, spec).unlink()
         down = tfcluster("down", str(no_task), home=home, cwd=cwd)
         assert down.returncode == 0, down.stderr
         assert "h2: stopped 1 process(es)" in down.stderr and tasks_running() == []
@@ -135,7 +137,7 @@ def test_down_and_status_cover_hosts_the_spec_left_without_tasks_or_dropped(tmp_
                 "this spec cannot stop (it has no address for h2)") in down.stderr, down.stderr
         assert "hint: run `tfcluster down` with the spec `up` used (the one that lists host h2)" in down.stderr
         assert "nothing of it runs" not in down.stderr
-        assert tasks_running() == ["worker:1"] and state_file(home, "moved").exists()
+        assert tasks_running() == ["worker:1"] and state_file(home, spec).exists()
 
         # h2 listed without tasks but off, where the state says `up` started a server: a failure
         down = tfcluster("down", str(closed), home=home, cwd=cwd)
@@ -144,7 +146,7 @@ def test_down_and_status_cover_hosts_the_spec_left_without_tasks_or_dropped(tmp_
     finally:
         down = tfcluster("down", str(spec), home=home, cwd=cwd)
     assert down.returncode == 0, down.stderr
-    assert tasks_running() == [] and not state_file(home, "moved").exists()
+    assert tasks_running() == [] and not state_file(home, spec).exists()
 
     # a spare host without tasks that is off, where nothing was started: a warning, exit 0
     down = tfcluster("down", str(closed), home=home, cwd=cwd)
@@ -279,3 +281,31 @@ def test_train_refuses_a_running_cluster_with_servers_the_spec_dropped(tmp_path,
     finally:
         tfcluster("down", str(spec), home=home, cwd=cwd)
     assert tasks_running() == []
+
+
+def test_clusters_named_alike_with_other_workdirs_keep_their_own_lock_and_state(tmp_path, home, cwd):
+    """Their processes never crossed (the tags hold the workdir); the local lock and state
+    were keyed by the name alone: one's `train` made the other's `up` busy, and one's
+    `down` deleted the other's record of where its servers run."""
+    p = free_ports(6)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a = local_spec(tmp_path / "a", "lab", p[:3], "~/wa")
+    b = local_spec(tmp_path / "b", "lab", p[3:], "~/wb")
+    try:
+        for spec in (a, b):
+            assert tfcluster("up", str(spec), home=home, cwd=cwd).returncode == 0
+        assert state_file(home, a) != state_file(home, b)
+        assert state_file(home, a).exists() and state_file(home, b).exists()
+        with state.lock(build_plan(load_spec(str(a))), "train"):      # a `train` of a runs
+            assert tfcluster("up", str(b), home=home, cwd=cwd).returncode == 0
+            busy = tfcluster("up", str(a), home=home, cwd=cwd)
+            assert busy.returncode == 7, busy.stderr
+            assert "tfcluster: error: cluster 'lab' (workdir ~/wa) is busy: pid " in busy.stderr, busy.stderr
+        assert tfcluster("down", str(a), home=home, cwd=cwd).returncode == 0
+        assert not state_file(home, a).exists() and state_file(home, b).exists()
+        assert tasks_running() == ["ps:0", "worker:0", "worker:1"]           # b's, untouched
+    finally:
+        for spec in (a, b):
+            tfcluster("down", str(spec), home=home, cwd=cwd)
+    assert tasks_running() == [] and not state_file(home, b).exists()

@@ -24,7 +24,7 @@ def up(plan: Plan, ui, timeout: float = READY_TIMEOUT, allow_skew: bool = False)
         ui.info(f"mode {plan.mode!r} runs no tfcluster servers: nothing to start "
                 f"(`tfcluster train` starts the scripts)")
         return ExitCode.OK
-    with state.ClusterLock(plan.name, "up"), Session(plan, ui) as session:
+    with state.lock(plan, "up"), Session(plan, ui) as session:
         t0 = time.monotonic()
         run_id = names.new_run_id("up")
         ui.info(f"Connecting to {len(plan.hosts)} host(s)…")
@@ -54,22 +54,22 @@ def up(plan: Plan, ui, timeout: float = READY_TIMEOUT, allow_skew: bool = False)
 
 
 def _record(plan: Plan, run_id: str, started: list[Started], live: dict) -> None:
-    old = state.load(plan.name) or {}
+    old = state.load(state.key(plan)) or {}
     hosts = state.started_on(old)     # every host an `up` started servers on, until `down`
     tasks = {k: v for k, v in old.get("tasks", {}).items() if k in live}
     for s in started:
         tasks[s.task.key] = {"host": s.task.host, "port": s.task.port, "pid": s.pid,
                              "tag": s.tag, "log": s.log, "started": time.time()}
         hosts.setdefault(s.task.host, []).append(s.tag)
-    state.save(plan.name, {"name": plan.name, "spec_sha256": plan.spec_digest,
+    state.save(state.key(plan), {"name": plan.name, "spec_sha256": plan.spec_digest,
                            "run_id": run_id, "tasks": tasks, "hosts": hosts})
 
 
 def down(plan: Plan, ui, grace: float = DEFAULT_GRACE) -> int:
     """Stop everything of this cluster on every host of the spec, tasks or not, and on those
     the local state says `up` started servers on; name the hosts that could not be reached."""
-    recorded = state.started_on(state.load(plan.name))
-    with state.ClusterLock(plan.name, "down"), Session(plan, ui, _hosts_to_look_at(plan), light=True) as session:
+    recorded = state.started_on(state.load(state.key(plan)))
+    with state.lock(plan, "down"), Session(plan, ui, _hosts_to_look_at(plan), light=True) as session:
         # One exec per warm host (downexec.py): info, the stop, and the wait, on the host,
         # until its ports of the cluster bind again (up to PORT_SETTLE).
         opened, reports = downexec.stop_all(session, names.cluster_prefix(plan.name), grace, PORT_SETTLE)
@@ -95,7 +95,7 @@ def down(plan: Plan, ui, grace: float = DEFAULT_GRACE) -> int:
         if problems:
             raise TfclusterError(f"cluster {plan.name!r} not fully stopped ({'; '.join(problems)})",
                                  hint=_down_hint(plan, unreachable, survivors, dropped, busy))
-        state.clear(plan.name)
+        state.clear(state.key(plan))
         ui.ok(f"cluster {plan.name!r} is down: nothing of it runs and its ports are free")
         return ExitCode.OK
 
@@ -137,7 +137,7 @@ def _down_hint(plan: Plan, unreachable: dict, survivors: list, dropped: dict, bu
     if dropped:
         hints.append(f"run `tfcluster down` with the spec `up` used (the one that lists "
                      f"{', '.join(f'host {h}' for h in dropped)}); if those servers are gone for good, "
-                     f"remove {state.state_file(plan.name)}")
+                     f"remove {state.state_file(state.key(plan))}")
     if unreachable:
         hints.append("run `tfcluster down` again once the hosts are reachable")
     elif survivors:
@@ -197,7 +197,7 @@ class TaskRow:
 def status(plan: Plan, ui) -> tuple[list[TaskRow], dict[str, BaseException]]:
     """One row per planned task, one per process of this cluster no task of the spec names
     (on every host of the spec, tasks or not), and the hosts that could not be reached."""
-    recorded = state.started_on(state.load(plan.name))
+    recorded = state.started_on(state.load(state.key(plan)))
     with Session(plan, ui, _hosts_to_look_at(plan), light=True) as session:
         for name in session.host_names:      # pid files can be gone while the tasks run
             session.agent(name).sweep_status = True

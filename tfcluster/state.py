@@ -1,18 +1,32 @@
 """Local state: what `up` started where, plus a per-cluster lock.
 
-State lives in `$XDG_STATE_HOME/tfcluster/<name>/` (default
+State lives in `$XDG_STATE_HOME/tfcluster/<key>/` (default
 `~/.local/state/tfcluster`), written atomically and readable only by the owner.
 It is a convenience: `down` works without it by asking the hosts' pid files.
 """
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 from dataclasses import dataclass
 
+
+def key(plan) -> str:
+    """`<name>@<8 hex>`: the cluster's name and its directory on the hosts as the spec writes
+    it (workdir/name). Two specs named alike with other workdirs are other clusters (their
+    tags differ, docs/ARCHITECTURE.md "Naming"): neither takes the other's lock or state."""
+    return "%s@%s" % (plan.name, hashlib.sha256(plan.cluster_dir.encode()).hexdigest()[:8])
+
 from tfcluster.errors import LockedError, PreflightError
 from tfcluster.fsutil import NOFOLLOW, private_dir, write_private  # noqa: F401 - also imported from here
+
+
+def lock(plan, command: str) -> "ClusterLock":
+    """The cluster's lock for `tfcluster <command>`; busy, it names the cluster and its workdir."""
+    workdir = plan.cluster_dir.rpartition("/")[0] or "/"
+    return ClusterLock(key(plan), command, f"{plan.name!r} (workdir {workdir})")
 
 
 def state_dir(name: str) -> str:
@@ -68,10 +82,12 @@ def clear(name: str) -> None:
 
 @dataclass
 class ClusterLock:
-    """An exclusive, non-blocking lock per cluster name (released when the process dies)."""
+    """An exclusive, non-blocking lock per cluster (`name`: key()), released when the process
+    dies; `label` names the cluster in the busy error."""
 
     name: str
     command: str = ""
+    label: str = ""
     _fd: int | None = None
 
     def __enter__(self) -> "ClusterLock":
@@ -86,7 +102,7 @@ class ClusterLock:
             holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another tfcluster"
             os.close(fd)
             raise LockedError(
-                f"cluster {self.name!r} is busy: {holder}",
+                f"cluster {self.label or repr(self.name)} is busy: {holder}",
                 hint="wait for it to finish, or stop it with Ctrl-C / `tfcluster down`",
             ) from None
         os.ftruncate(fd, 0)

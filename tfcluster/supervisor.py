@@ -50,7 +50,7 @@ class Options:
 def train(plan: Plan, ui, options: Options) -> int:
     _check_task_filter(plan, options.show)
     run_id = names.new_run_id(plan.name)
-    with state.ClusterLock(plan.name, "train"), Session(plan, ui) as session:
+    with state.lock(plan, "train"), Session(plan, ui) as session:
         files = collect_files(plan)     # read (and refused if changed) before connecting
         ui.info(f"run {run_id}: connecting to {len(plan.hosts)} host(s)…")
         # the bootstrap's round trip also places the files from each host's cache
