@@ -446,3 +446,25 @@ def test_connect_is_idempotent_and_reuses_one_connection(gpu0):
         gpu0.run(["true"])
     assert len(gpu0._conns) == 1
     wait_for(lambda: all(c.active() for c in gpu0._conns), 5, what="connection alive")
+
+
+def test_handshakes_dropped_by_maxstartups_print_no_paramiko_traceback(ssh_home, sshd_factory, tmp_path):
+    """sshd drops connections past MaxStartups before its banner; tfcluster retries them. The
+    transport threads of paramiko log each drop at ERROR with a traceback, and with no
+    handler configured logging's last resort printed them (~10 lines a drop) on the user's
+    terminal, even when every retry then succeeded."""
+    from tests.train_helpers import cli_env
+
+    strict = sshd_factory(("127.0.0.12",), MaxStartups=2)
+    strict.write_known_hosts(ssh_home / "known_hosts", mode="a")
+    hosts = "".join(f"  - {{name: h{i}, address: 127.0.0.12}}\n" for i in range(10))
+    workers = ", ".join(f"'h{i}:{port}'" for i, port in enumerate(range(24700, 24710)))
+    spec = tmp_path / "many.yaml"
+    spec.write_text(f"name: many\npython: {sys.executable}\nworkdir: {tmp_path / 'remote'}\n"
+                    f"ssh: {{port: {strict.port}, connect_timeout: 10}}\nhosts:\n{hosts}"
+                    f"jobs:\n  worker: {{tasks: [{workers}]}}\ntrain: {{mode: mirrored, script: x.py}}\n")
+    result = subprocess.run([sys.executable, "-m", "tfcluster", "status", str(spec)], capture_output=True,
+                            text=True, timeout=120, cwd=tmp_path, env=cli_env(ssh_home.parent))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count(" stopped ") == 10, result.stdout
+    assert "Traceback" not in result.stderr and "Exception (client)" not in result.stderr, result.stderr

@@ -1,4 +1,4 @@
-"""paramiko, imported without `invoke`.
+"""paramiko, imported without `invoke`, its threads' log kept off the terminal.
 
 paramiko imports `invoke` when it is installed (a dependency of paramiko >= 4) for one
 feature: `Match exec` in an ssh config. That import is about 60 of paramiko's 140 ms here
@@ -8,6 +8,7 @@ paramiko would have, when a config it parsed has a `Match exec` block.
 """
 from __future__ import annotations
 
+import logging
 import sys
 
 _blocked = "invoke" not in sys.modules and "paramiko" not in sys.modules
@@ -18,6 +19,12 @@ try:
 finally:
     if _blocked and "invoke" in sys.modules and sys.modules["invoke"] is None:
         del sys.modules["invoke"]         # a later `import invoke` works as ever
+
+# paramiko's transport threads log a failed handshake (a drop past MaxStartups, a reset before
+# the banner) at ERROR with its traceback. tfcluster configures no logging, so logging's last
+# resort printed those lines on the user's terminal, even when the retry then succeeded. What
+# failed reaches the user as tfcluster's own one-line error (ssh_connect.py).
+logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 
 def enable_match_exec() -> None:
