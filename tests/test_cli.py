@@ -241,3 +241,16 @@ def test_a_local_python_that_does_not_exist_is_a_preflight_error_naming_it(tmp_p
                             timeout=60, cwd=tmp_path, env={**os.environ, "HOME": str(tmp_path / "home")})
     assert result.returncode == 4, result.stderr                         # was 1, FileNotFoundError
     assert "tfcluster: error: host local: /nonexistent/bin/python3 not found" in result.stderr
+
+
+def test_timeout_options_take_the_durations_the_spec_takes(tmp_path):
+    from tfcluster.cli import _seconds
+
+    assert [_seconds(t) for t in ("25", "90s", "1.5m", "2h")] == [25.0, 90.0, 90.0, 7200.0]
+    for command in ("up", "train"):
+        ok = tfc(command, LOCAL, "--dry-run", "--timeout", "90s", cwd=str(tmp_path))
+        assert ok.returncode == 0, ok.stderr
+        bad = tfc(command, LOCAL, "--dry-run", "--timeout", "10x", cwd=str(tmp_path))
+        assert bad.returncode == 2 and "Traceback" not in bad.stderr
+        assert bad.stderr.splitlines()[0] == ("tfcluster: error: Invalid value for '--timeout': '10x': must be "
+                                              "a positive number of seconds or a duration like 90s, 30m, 2h")

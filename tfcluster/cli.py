@@ -45,6 +45,19 @@ SpecArg = typer.Argument(..., help="Cluster spec (YAML), e.g. sample_clusters/lo
 SKEW_HELP = "Hosts on different Python or TensorFlow minor versions: warn and go on, not exit 4"
 
 
+def _seconds(text) -> float:
+    """A --timeout: what the spec's durations accept (`90`, `90s`, `30m`, `2h`); the
+    option's default comes as a number."""
+    from tfcluster.spec.yamltree import DURATION_WORDS, parse_duration
+
+    if isinstance(text, (int, float)):
+        return float(text)
+    seconds = parse_duration(text.strip())
+    if seconds is None:
+        raise typer.BadParameter(f"{text!r}: must be {DURATION_WORDS}")
+    return seconds
+
+
 def _version(value: bool) -> None:
     if value:
         print(f"tfcluster {__version__}")
@@ -122,7 +135,8 @@ def plan(
 def up(
     spec_path: str = SpecArg,
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan; touch nothing."),
-    timeout: float = typer.Option(120.0, "--timeout", help="Seconds to wait for every server."),
+    timeout: float = typer.Option(120.0, "--timeout", parser=_seconds, metavar="DURATION",
+                                  help="How long to wait for every server: seconds, or 90s, 5m."),
     allow_skew: bool = typer.Option(False, "--allow-skew", help=SKEW_HELP + "."),
 ) -> int:
     """Start the cluster's TF servers and wait until each listens on its port.
@@ -238,7 +252,8 @@ def train(
                                                metavar="[-- ARGS...]"),
     script: Optional[str] = typer.Option(None, "--script", help="Training script (overrides train.script)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan; touch nothing."),
-    timeout: Optional[float] = typer.Option(None, "--timeout", help="End the run after this many seconds."),
+    timeout: Optional[float] = typer.Option(None, "--timeout", parser=_seconds, metavar="DURATION",
+                                            help="End the run after this long: seconds, or 90s, 30m, 2h."),
     task: Optional[List[str]] = typer.Option(None, "--task", help="Show only this task live, e.g. worker:0 (repeatable)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No live task output; summary only."),
     runs_dir: str = typer.Option("runs", "--runs-dir", help="Where per-run logs and manifest are saved."),

@@ -295,14 +295,22 @@ def _positive(node: yaml.Node, field: str) -> float:
     return value
 
 
-def _duration(node: yaml.Node, field: str) -> float:
-    text = node.value if isinstance(node, yaml.ScalarNode) else ""
+DURATION_WORDS = "a positive number of seconds or a duration like 90s, 30m, 2h"
+
+
+def parse_duration(text: str) -> float | None:
+    """Seconds from `90`, `90s`, `1.5m`, `2h`; None for anything else or not positive."""
     match = _DURATION_RE.fullmatch(text) if len(text) <= 15 else None
     if not match or float(match.group(1)) <= 0:
-        raise _Bad(_line(node), field,
-                   f"must be a positive number of seconds or a duration like 90s, 30m, 2h; "
-                   f"got {_kind(node)}")
+        return None
     return float(match.group(1)) * _UNITS[match.group(2)]
+
+
+def _duration(node: yaml.Node, field: str) -> float:
+    seconds = parse_duration(node.value if isinstance(node, yaml.ScalarNode) else "")
+    if seconds is None:
+        raise _Bad(_line(node), field, f"must be {DURATION_WORDS}; got {_kind(node)}")
+    return seconds
 
 
 def _bool(node: yaml.Node, field: str) -> bool:
