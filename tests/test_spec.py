@@ -54,6 +54,9 @@ REJECTIONS = [
     ("root-scalar", "hello\n", "1: spec: must be a mapping, got 'hello'"),
     ("syntax", "name: t\nhosts: [a\n", "3: yaml: did not find expected ',' or ']' (while parsing a flow sequence)"),
     ("two-docs", "name: a\n---\nname: b\n", "2: yaml: a second YAML document; a spec is a single document"),
+    ("tab-indent", "name: t\nhosts:\n\t- {name: a, address: localhost}\n",
+     "3: yaml: a tab character; YAML indents with spaces only (found character that cannot start any token "
+     "(while scanning for the next token))"),
     ("nul-byte", "name: t\nx: a\0b\n", "2: yaml: control characters are not allowed"),
     ("anchor", BASE + "env: &e {A: b}\n", "8: yaml: YAML anchors/aliases are not supported"),
     ("tag", BASE + "python: !!str python3\n", "8: yaml: YAML tags are not supported (tag:yaml.org,2002:str)"),
@@ -94,7 +97,7 @@ REJECTIONS = [
     ("ssh-underscore", BASE + "ssh: {port: 1_000}\n", "8: ssh.port: must be a decimal integer, got '1_000'"),
     ("ssh-exp", BASE + "ssh: {port: 1e3}\n", "8: ssh.port: must be a decimal integer, got '1e3'"),
     ("ssh-bool", BASE + "ssh: {port: true}\n", "8: ssh.port: must be a decimal integer, got 'true'"),
-    ("ssh-quoted", BASE + 'ssh: {port: "22"}\n', "8: ssh.port: must be a decimal integer, got '22'"),
+    ("ssh-quoted", BASE + 'ssh: {port: "22"}\n', "8: ssh.port: must be a decimal integer, got the quoted string '22' (write it without quotes)"),
     ("ssh-range", BASE + "ssh: {port: 65536}\n", "8: ssh.port: must be an integer from 1 to 65535, got 65536"),
     ("ssh-huge", BASE + "ssh: {port: " + "9" * 5000 + "}\n",
      "8: ssh.port: must be an integer from 1 to 65535, got " + "9" * 20),

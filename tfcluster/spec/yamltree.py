@@ -114,6 +114,10 @@ def _yaml_problem(exc: yaml.YAMLError, text: str) -> _Bad:
     problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
     context = getattr(exc, "context", None)
     problem = f"{problem} ({context})" if context else problem
+    lines = text.splitlines()
+    if mark and mark.line < len(lines) and "\t" in lines[mark.line][:mark.column + 1]:
+        return _Bad(mark.line + 1, "yaml", f"a tab character; YAML indents with spaces only ({problem})",
+                    hint="replace the tabs on that line with spaces")
     return _Bad(mark.line + 1 if mark else 1, "yaml", problem)
 
 
@@ -192,11 +196,15 @@ def _attach(parent: yaml.Node, keys: list[yaml.Node | None], node: yaml.Node) ->
 
 # --------------------------------------------------------------------------- typed scalars
 
-def _kind(node: yaml.Node) -> str:
+def _kind(node: yaml.Node, typed: bool = False) -> str:
+    """What a node is, for an error. `typed`: the field wants a number or true/false, so a
+    quoted scalar is named as one (`port: "22"`)."""
     if isinstance(node, yaml.MappingNode):
         return "a mapping"
     if isinstance(node, yaml.SequenceNode):
         return "a list"
+    if typed and isinstance(node, yaml.ScalarNode) and node.style in ("'", '"'):
+        return f"the quoted string {node.value!r} (write it without quotes)"
     return "null" if _is_null(node) else f"{node.value!r}"
 
 
@@ -278,7 +286,7 @@ def _name(node: yaml.Node, field: str) -> str:
 def _int(node: yaml.Node, field: str, lo: int, hi: int) -> int:
     """Plain decimal digits only: `22:22` (sexagesimal), `0x10`, `1_000`, `true` are refused."""
     if not _is_plain(node) or not _INT_RE.fullmatch(node.value):
-        raise _Bad(_line(node), field, f"must be a decimal integer, got {_kind(node)}")
+        raise _Bad(_line(node), field, f"must be a decimal integer, got {_kind(node, typed=True)}")
     # Python refuses to parse huge digit strings; anything this long is out of range anyway
     value = int(node.value) if len(node.value) <= 12 else hi + 1
     if not lo <= value <= hi:
@@ -288,7 +296,7 @@ def _int(node: yaml.Node, field: str, lo: int, hi: int) -> int:
 
 def _positive(node: yaml.Node, field: str) -> float:
     if not _is_plain(node) or not _NUM_RE.fullmatch(node.value) or len(node.value) > 15:
-        raise _Bad(_line(node), field, f"must be a positive number, got {_kind(node)}")
+        raise _Bad(_line(node), field, f"must be a positive number, got {_kind(node, typed=True)}")
     value = float(node.value)
     if value <= 0:
         raise _Bad(_line(node), field, f"must be a positive number, got {node.value}")
@@ -309,13 +317,13 @@ def parse_duration(text: str) -> float | None:
 def _duration(node: yaml.Node, field: str) -> float:
     seconds = parse_duration(node.value if isinstance(node, yaml.ScalarNode) else "")
     if seconds is None:
-        raise _Bad(_line(node), field, f"must be {DURATION_WORDS}; got {_kind(node)}")
+        raise _Bad(_line(node), field, f"must be {DURATION_WORDS}; got {_kind(node, typed=True)}")
     return seconds
 
 
 def _bool(node: yaml.Node, field: str) -> bool:
     if not _is_plain(node) or node.value.lower() not in ("true", "false"):
-        raise _Bad(_line(node), field, f"must be true or false, got {_kind(node)}")
+        raise _Bad(_line(node), field, f"must be true or false, got {_kind(node, typed=True)}")
     return node.value.lower() == "true"
 
 
