@@ -10,6 +10,7 @@ import pytest
 import sys
 
 from tfcluster import scaffold
+from tfcluster.errors import SpecError
 from tfcluster.plan import (PACKAGE_DIR, HostPlan, Plan, Restart, TaskPlan, build_plan, interpreter,
                             plan_to_dict, redact_env)
 from tfcluster.transport.ssh_config import SshOptions
@@ -208,12 +209,21 @@ def test_mirrored_mode_has_no_servers_and_no_ps_in_tf_config(tmp_path):
     assert "TFCLUSTER_MASTER" not in dict(plan.task("worker:0").env)
 
 
-def test_spec_env_overrides_defaults_but_not_tfcluster_variables(tmp_path):
+def test_spec_env_overrides_defaults_and_may_not_set_tfcluster_variables(tmp_path):
     (tmp_path / "train.py").write_text("")
     path = tmp_path / "e.yaml"
-    path.write_text("name: e\nenv: {TF_CPP_MIN_LOG_LEVEL: '2', TF_CONFIG: nope, FOO: bar}\n"
-                    "hosts: [{name: a, address: 10.0.0.1}]\n"
-                    "jobs: {ps: {count: 1, hosts: [a], port: 1}, worker: {count: 1, hosts: [a], port: 2}}\n")
+    rest = ("hosts: [{name: a, address: 10.0.0.1}]\n"
+            "jobs: {ps: {count: 1, hosts: [a], port: 1}, worker: {count: 1, hosts: [a], port: 2}}\n")
+    path.write_text("name: e\nenv: {TF_CPP_MIN_LOG_LEVEL: '2', TFCLUSTER_STDOUT_FLUSH: '0', FOO: bar}\n" + rest)
     env = dict(build_plan(load_spec(str(path))).task("worker:0").env)
-    assert env["TF_CPP_MIN_LOG_LEVEL"] == "2" and env["FOO"] == "bar"
+    assert env["TF_CPP_MIN_LOG_LEVEL"] == "2" and env["FOO"] == "bar" and env["TFCLUSTER_STDOUT_FLUSH"] == "0"
     assert json.loads(env["TF_CONFIG"])["task"] == {"type": "worker", "index": 0}
+    # what tfcluster sets per task was dropped without a word; now the spec says so
+    for name, why in (("TF_CONFIG", "tfcluster writes each task's TF_CONFIG from jobs:"),
+                      ("CUDA_VISIBLE_DEVICES", "tfcluster gives each task its GPUs"),
+                      ("TFCLUSTER_TASK_INDEX", "tfcluster sets the TFCLUSTER_* variables of each task")):
+        path.write_text(f"name: e\nenv:\n  FOO: bar\n  {name}: x\n" + rest)
+        with pytest.raises(SpecError) as bad:
+            load_spec(str(path))
+        assert str(bad.value) == f"{path}:4: env.{name}: {name} is set by tfcluster for each task"
+        assert bad.value.hint.startswith(why)

@@ -17,6 +17,17 @@ from tfcluster.spec.yamltree import (_AnyKey, _Bad, _fields, _is_null, _kind, _l
 _ENV_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
+def _reserved(name: str) -> str | None:
+    """Why tfcluster cannot take `name` from env: (it sets it per task), or None."""
+    if name == "TF_CONFIG":
+        return "tfcluster writes each task's TF_CONFIG from jobs:"
+    if name == "CUDA_VISIBLE_DEVICES":
+        return "tfcluster gives each task its GPUs (hosts[].gpus, jobs.<job>.per_gpu); a ps gets none"
+    if name.startswith("TFCLUSTER_") and name != "TFCLUSTER_STDOUT_FLUSH":
+        return "tfcluster sets the TFCLUSTER_* variables of each task (TFCLUSTER_STDOUT_FLUSH is yours)"
+    return None
+
+
 def _size(text: str) -> int:
     return len(text.encode("utf-8", "surrogatepass"))
 
@@ -31,6 +42,9 @@ def parse_env(node: yaml.Node, line: int) -> tuple[tuple[str, str], ...]:
         if not _ENV_RE.fullmatch(key):
             raise _Bad(_line(key_node), _sub("env", key), "invalid variable name",
                        hint="letters, digits and '_', not starting with a digit")
+        if _reserved(key):
+            raise _Bad(_line(key_node), _sub("env", key), f"{key} is set by tfcluster for each task",
+                       hint=_reserved(key))
         if not isinstance(value, yaml.ScalarNode) or _is_null(value):
             raise _Bad(_line(value), _sub("env", key), f"value must be a string, got {_kind(value)}",
                        hint=f'quote it: {key}: "..."')
