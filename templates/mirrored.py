@@ -16,6 +16,8 @@ import argparse
 import json
 import os
 import shutil
+import signal
+import sys
 
 import numpy as np
 import tensorflow as tf
@@ -52,6 +54,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     task = json.loads(os.environ["TF_CONFIG"])["task"]
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    # With a cluster the strategy takes SIGTERM as a preemption notice and trains on; a run's
+    # stop (Ctrl-C, its timeout, a failed task) is SIGTERM: end now, as a plain script would.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     is_chief = task["type"] == "chief" or (task["type"] == "worker" and int(task["index"]) == 0)
     x_all, y_all = synthetic_data()
 

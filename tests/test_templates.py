@@ -147,3 +147,24 @@ def test_every_template_rejects_an_unknown_flag_with_exit_2(tmp_path):
         for proc, rc in zip(procs, launch.wait_all(procs, 80)):
             assert rc == 2, f"{proc.name} exited {rc}:\n{proc.output()[-2000:]}"
             assert "unrecognized arguments: --bogus" in proc.output()
+
+
+@pytest.mark.timeout(150)
+def test_mirrored_ends_on_sigterm_though_its_strategy_catches_it(tmp_path):
+    """MultiWorkerMirroredStrategy, built with a cluster, installs its own SIGTERM handler (a
+    preemption notice) and trains on; a run's stop is SIGTERM, so without the template's
+    handler each worker ran the whole grace until SIGKILL."""
+    import os
+    import signal
+
+    with HandLaunch(tmp_path, tag="test:handlaunch") as launch:
+        cluster = make_cluster(ps=0, worker=2)
+        procs = [launch.start_script(TEMPLATES / "mirrored.py", cluster, "worker", i, "m",
+                                     ["--steps=10000000", "--log_every=20"]) for i in range(2)]
+        wait_for(lambda: all(len(progress(p.output())) >= 2 for p in procs)
+                 or any(p.returncode is not None for p in procs), 100, what="both workers training")
+        assert all(p.returncode is None for p in procs), [p.output()[-2000:] for p in procs]
+        for p in procs:
+            os.kill(p.popen.pid, signal.SIGTERM)
+        codes = launch.wait_all(procs, 30)      # without the handler: still training, no exit
+        assert all(code != 0 for code in codes), codes

@@ -89,3 +89,15 @@ def known_failure(mode: str, tail: str) -> str | None:
         if (only_in is None or mode == only_in) and any(n in tail for n in needles):
             return hint
     return None
+
+
+def ignored_term(mode: str, keys: Sequence[str], grace: float) -> str:
+    """What to say of scripts the run's stop killed: they still ran `grace` seconds after
+    SIGTERM. MultiWorkerMirroredStrategy installs a SIGTERM handler of its own (a preemption
+    notice, docs/ARCHITECTURE.md "Ctrl-C and SIGTERM") and trains on."""
+    text = (f"{', '.join(keys)} still ran {grace:.0f}s after SIGTERM, so "
+            f"{'it was' if len(keys) == 1 else 'they were'} killed")
+    if mode == "mirrored":
+        text += ("; TensorFlow's MultiWorkerMirroredStrategy takes SIGTERM as a preemption notice and "
+                 "trains on: have the script exit on it (a SIGTERM handler, as the mirrored template has)")
+    return text

@@ -23,6 +23,7 @@ from tfcluster import attempts, footer, names, policy, state
 from tfcluster.diagnoses import RunChecks
 from tfcluster.errors import DeadlineError, ExitCode, Terminated, TfclusterError, UsageError
 from tfcluster.fsutil import private_dir
+from tfcluster.metrics import DEFAULT_LOSS
 from tfcluster.plan import Plan
 from tfcluster.render import print_summary
 from tfcluster.runs import Manifest, ProgressLog
@@ -31,7 +32,7 @@ from tfcluster.shim_protocol import DEFAULT_HEARTBEAT_TIMEOUT
 from tfcluster.shipping import collect_files
 from tfcluster.startup import Holder, Run, begin
 
-LOSS_LINE = re.compile(r"loss\s*[=:]")
+LOSS_LINE = re.compile(DEFAULT_LOSS)   # `loss=0.25`, not a traceback's `loss = train_step(it)`
 SCRIPT_GRACE = 10.0         # a script's last checkpoint after Ctrl-C, before KILL
 SERVER_STOP_GRACE = 2.0     # servers hold no state worth waiting for
 
@@ -238,6 +239,9 @@ def _stop_role(run: Run, role: str, fast: threading.Event) -> None:
                 proc.exit_code, proc.ended = rc, time.time()
         except queue.Empty:
             pass
+    killed = [p.key for p in live if p.exit_code == 128 + signal.SIGKILL]   # the shim's KILL after grace
+    if role == "script" and killed and not fast.is_set():
+        run.ui.warn(policy.ignored_term(run.plan.mode, killed, run.options.grace))
 
 
 def _summary(run: Run, outcome: tuple[int, str]) -> None:
