@@ -112,12 +112,17 @@ def test_a_workdir_another_user_made_world_writable_is_refused_and_left_empty(
     as_b(other_user, f"mkdir -p {lab}")
     python = sys.executable if route == "in-process" else other_python(tmp_path)
 
-    result = tfc("plan", "--check", str(write_spec(tmp_path, lab, python=python)), home=home, cwd=tmp_path)
+    spec = write_spec(tmp_path, lab, python=python)
+    result = tfc("plan", "--check", str(spec), home=home, cwd=tmp_path)
 
     assert result.returncode == 4, result.stderr
     line = error_line(result)
     assert f"host lab: {shared} is owned by tfcother (uid {other_user.uid}), not by you" in line
     assert list(lab.iterdir()) == []
+    # status: the host was reached and refused, not unreachable
+    status = tfc("status", str(spec), home=home, cwd=tmp_path)
+    assert status.returncode == 4 and " refused " in status.stdout and "unreachable" not in status.stdout
+    assert f"host lab: {shared} is owned by tfcother" in error_line(status)
 
 
 def test_a_world_writable_workdir_root_is_refused_even_when_root_owns_it(home, tmp_path):

@@ -127,4 +127,4 @@ def on_failure(run, proc, rc: int) -> None:
     tail = "\n".join(run.mux.tail(proc.key, 15))
     hint = policy.known_failure(run.plan.mode, tail) or policy.restart_hint(restart, proc.restarts, rc)
     raise TaskError(f"{what} failed with exit code {rc}", hint=hint,
-                    details=f"last lines of {proc.task.key}:\n{tail}" if tail else None)
+                    details=f"last lines of {proc.key}:\n{tail}" if tail else None)

@@ -209,8 +209,9 @@ def status(plan: Plan, ui) -> tuple[list[TaskRow], dict[str, BaseException]]:
                  for h in session.host_names if not isinstance(opened.get(h), BaseException)}
         rows: list[TaskRow] = []
         for host in session.host_names:
-            if host in unreachable:
-                rows += [TaskRow(t.key, t.host, t.target, "unreachable") for t in plan.tasks_on(host)]
+            if host in unreachable:   # not reached, or reached and refused (a workdir not ours): the error says
+                what = "unreachable" if isinstance(unreachable[host], ConnectError) else "refused"
+                rows += [TaskRow(t.key, t.host, t.target, what) for t in plan.tasks_on(host)]
             elif host in found:
                 rows += [r for r in _host_rows(session, host, found)   # one machine seen as two hosts: once
                          if r.in_spec or not any(not s.in_spec and s.pid == r.pid for s in rows)]
