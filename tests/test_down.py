@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from tests.conftest import tagged_processes, wait_for
-from tests.test_lifecycle import bindable
+from tests.test_lifecycle import bindable, state_path
 from tests.tf_launch import free_ports
 from tests.train_helpers import tfcluster
 
@@ -151,7 +151,7 @@ def test_a_port_a_surviving_process_holds_is_reported_busy_and_state_kept(
         escapee = int(wait_for(lambda: escape_pidfile.exists() and escape_pidfile.read_text(), timeout=30,
                                what="the escaped child's pid"))
         assert escapee not in tagged_processes() and psutil.pid_exists(escapee)
-        state = home / ".local" / "state" / "tfcluster" / "survivor" / "state.json"
+        state = state_path(home, spec)
         assert state.exists()
 
         t0 = time.monotonic()

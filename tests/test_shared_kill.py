@@ -21,7 +21,7 @@ import pytest
 
 from tests.conftest import tagged_processes, wait_for
 from tests.tf_launch import free_ports
-from tests.train_helpers import tfcluster
+from tests.train_helpers import cli_env, tfcluster
 from tfcluster import shim_ports, shim_procs
 from tfcluster.agent import HostAgent, TaskLaunch
 from tfcluster.bootstrap import SHIPPED
@@ -390,3 +390,22 @@ def test_a_tag_is_read_wherever_it_sits_in_the_environment():
         assert [shim_procs.tag_of(p.pid) for p in procs] == [want for _, want in cases]
     finally:
         reap(*procs)
+
+
+def test_down_succeeds_when_only_another_users_process_holds_a_port_of_the_spec(
+        tmp_path, home, other_user, other_python):
+    """Nothing of the cluster ever ran; another user listens on one of its ports. `down` said
+    "not fully stopped", exit 1: untrue, and nothing down could or should do about it."""
+    port = free_ports(2)[1]
+    spec = spec_file(tmp_path / "lab.yaml", tmp_path / "work", [port - 1, port])
+    holder = foreign_listener(other_user, other_python, port)
+    try:
+        down = subprocess.run([sys.executable, "-m", "tfcluster", "down", str(spec)], capture_output=True,
+                              text=True, timeout=60, cwd=tmp_path, env=cli_env(home))
+    finally:
+        reap(holder)
+    assert down.returncode == 0, down.stderr
+    assert (f"warning: 1 port(s) of the spec held by another user's process, not this cluster's: "
+            f"local:{port} (pid {holder.pid} (") in down.stderr, down.stderr
+    assert f"user {other_user.name})" in down.stderr
+    assert "✓ cluster 'lab' is down: nothing of it runs\n" in down.stderr

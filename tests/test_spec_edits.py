@@ -20,6 +20,7 @@ import pytest
 
 from tests.conftest import SESSION_VAR, tagged_processes, wait_for
 from tests.test_down import STANDIN
+from tests.test_lifecycle import state_path
 from tests.test_shared_kill import LISTENER
 from tests.tf_launch import free_ports
 from tests.train_helpers import tfcluster
@@ -64,11 +65,6 @@ def write(path: Path, text: str) -> Path:
 def tasks_running() -> list[str]:
     """`job:index` of every tagged process of this test session, sorted."""
     return sorted(":".join(tag.split(":")[2:4]) for tag in tagged_processes().values())
-
-
-def state_file(home: Path, spec: Path) -> Path:
-    """Where `up` keeps this spec's cluster's local state (state.key: name and workdir)."""
-    return home / ".local" / "state" / "tfcluster" / state.key(build_plan(load_spec(str(spec)))) / "state.json"
 
 
 # -- hosts the edited spec gives no task ---------------------------------------------------
@@ -120,7 +116,7 @@ def test_down_and_status_cover_hosts_the_spec_left_without_tasks_or_dropped(tmp_
         shown = tfcluster("status", str(no_task), home=home, cwd=cwd)
         assert ("h2: worker:1 of cluster 'moved' runs but the spec has no such task there (the spec "
                 "changed since these were started); `tfcluster down` stops it") in shown.stderr, shown.stderr
-        state_file(home, spec).unlink()
+        state_path(home, spec).unlink()
         down = tfcluster("down", str(no_task), home=home, cwd=cwd)
         assert down.returncode == 0, down.stderr
         assert "h2: stopped 1 process(es)" in down.stderr and tasks_running() == []
@@ -137,7 +133,7 @@ def test_down_and_status_cover_hosts_the_spec_left_without_tasks_or_dropped(tmp_
                 "this spec cannot stop (it has no address for h2)") in down.stderr, down.stderr
         assert "hint: run `tfcluster down` with the spec `up` used (the one that lists host h2)" in down.stderr
         assert "nothing of it runs" not in down.stderr
-        assert tasks_running() == ["worker:1"] and state_file(home, spec).exists()
+        assert tasks_running() == ["worker:1"] and state_path(home, spec).exists()
 
         # h2 listed without tasks but off, where the state says `up` started a server: a failure
         down = tfcluster("down", str(closed), home=home, cwd=cwd)
@@ -146,7 +142,7 @@ def test_down_and_status_cover_hosts_the_spec_left_without_tasks_or_dropped(tmp_
     finally:
         down = tfcluster("down", str(spec), home=home, cwd=cwd)
     assert down.returncode == 0, down.stderr
-    assert tasks_running() == [] and not state_file(home, spec).exists()
+    assert tasks_running() == [] and not state_path(home, spec).exists()
 
     # a spare host without tasks that is off, where nothing was started: a warning, exit 0
     down = tfcluster("down", str(closed), home=home, cwd=cwd)
@@ -295,17 +291,17 @@ def test_clusters_named_alike_with_other_workdirs_keep_their_own_lock_and_state(
     try:
         for spec in (a, b):
             assert tfcluster("up", str(spec), home=home, cwd=cwd).returncode == 0
-        assert state_file(home, a) != state_file(home, b)
-        assert state_file(home, a).exists() and state_file(home, b).exists()
+        assert state_path(home, a) != state_path(home, b)
+        assert state_path(home, a).exists() and state_path(home, b).exists()
         with state.lock(build_plan(load_spec(str(a))), "train"):      # a `train` of a runs
             assert tfcluster("up", str(b), home=home, cwd=cwd).returncode == 0
             busy = tfcluster("up", str(a), home=home, cwd=cwd)
             assert busy.returncode == 7, busy.stderr
             assert "tfcluster: error: cluster 'lab' (workdir ~/wa) is busy: pid " in busy.stderr, busy.stderr
         assert tfcluster("down", str(a), home=home, cwd=cwd).returncode == 0
-        assert not state_file(home, a).exists() and state_file(home, b).exists()
+        assert not state_path(home, a).exists() and state_path(home, b).exists()
         assert tasks_running() == ["ps:0", "worker:0", "worker:1"]           # b's, untouched
     finally:
         for spec in (a, b):
             tfcluster("down", str(spec), home=home, cwd=cwd)
-    assert tasks_running() == [] and not state_file(home, b).exists()
+    assert tasks_running() == [] and not state_path(home, b).exists()

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import tagged_processes
+from tests.test_lifecycle import state_path
 from tests.tf_launch import free_ports
 from tests.train_helpers import tfcluster
 from tfcluster.agent import HostInfo
@@ -236,7 +237,7 @@ def test_up_with_skew_exits_4_and_starts_nothing(tmp_path, home, ssh_home, sshd,
     assert "← differs (tensorflow)" in table_row(up.stderr, "b")
     assert "Starting" not in up.stderr
     assert not tagged_processes()
-    assert not (home / ".local" / "state" / "tfcluster" / "skewup" / "state.json").exists()
+    assert not state_path(home, spec).exists()
 
 
 @needs_tf

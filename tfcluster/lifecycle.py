@@ -81,6 +81,8 @@ def down(plan: Plan, ui, grace: float = DEFAULT_GRACE) -> int:
         dropped = _dropped_hosts(plan, recorded, stopped)
         busy = [(h, port, holder) for h, r in reports.items() if not isinstance(r, BaseException)
                 for port, holder in r.busy]
+        others = [b for b in busy if names.other_users(b[2])]   # never this cluster's: down leaves them
+        busy = [b for b in busy if b not in others]
         ports_busy = [f"{h}:{port}" + (f" ({holder})" if holder and holder != "in use" else "")
                       for h, port, holder in busy]
         refused = [e for e in unreachable.values() if not isinstance(e, ConnectError)]
@@ -96,6 +98,11 @@ def down(plan: Plan, ui, grace: float = DEFAULT_GRACE) -> int:
             raise TfclusterError(f"cluster {plan.name!r} not fully stopped ({'; '.join(problems)})",
                                  hint=_down_hint(plan, unreachable, survivors, dropped, busy))
         state.clear(state.key(plan))
+        if others:
+            ui.warn(f"{len(others)} port(s) of the spec held by another user's process, not this cluster's: "
+                    + ", ".join(f"{h}:{port} ({holder})" for h, port, holder in others))
+            ui.ok(f"cluster {plan.name!r} is down: nothing of it runs")
+            return ExitCode.OK
         ui.ok(f"cluster {plan.name!r} is down: nothing of it runs and its ports are free")
         return ExitCode.OK
 

@@ -79,6 +79,12 @@ def server_workdir(holder: str, cluster: str) -> str | None:
     return (found.group(1) or "/") if found else None
 
 
+def other_users(holder: str | None) -> bool:
+    """A port's holder (shim_ports.describe_holder) that runs as another user: the text names
+    the user only then (`pid N (...), user U`, or `a process of user U` when unseen)."""
+    return bool(holder) and (", user " in holder or holder.startswith("a process of user "))
+
+
 def other_workdir(holder: str, cluster: str) -> str | None:
     """The hint's words for a port held by a server of this cluster started with another
     workdir (server_workdir), or None: `a server of cluster 'c' started with workdir W,

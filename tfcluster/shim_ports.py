@@ -187,7 +187,7 @@ def describe_holder(inodes: dict[str, int]) -> str:
     for pid in procs.all_pids():
         if holding(pid, inodes):
             return describe(pid) + suffix
-    return "a process of user %s" % user if user else "in use"
+    return "a process of user %s" % user if foreign else "in use"
 
 
 def port_holder(port: int) -> str:
