@@ -42,9 +42,9 @@ def parse_env(node: yaml.Node, line: int) -> tuple[tuple[str, str], ...]:
         if not _ENV_RE.fullmatch(key):
             raise _Bad(_line(key_node), _sub("env", key), "invalid variable name",
                        hint="letters, digits and '_', not starting with a digit")
-        if _reserved(key):
-            raise _Bad(_line(key_node), _sub("env", key), f"{key} is set by tfcluster for each task",
-                       hint=_reserved(key))
+        why = _reserved(key)
+        if why:
+            raise _Bad(_line(key_node), _sub("env", key), f"{key} is set by tfcluster for each task", hint=why)
         if not isinstance(value, yaml.ScalarNode) or _is_null(value):
             raise _Bad(_line(value), _sub("env", key), f"value must be a string, got {_kind(value)}",
                        hint=f'quote it: {key}: "..."')
