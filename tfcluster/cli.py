@@ -13,7 +13,8 @@ from typing import List, Optional
 import typer
 
 from tfcluster import __version__
-from tfcluster.errors import ExitCode, Terminated, TfclusterError, UsageError, exit_now
+from tfcluster.errors import (ExitCode, Terminated, TfclusterError, UsageError, exit_now,
+                              terminate_like_ctrl_c)
 from tfcluster.ui import UI
 
 HELP = """Run distributed TensorFlow (ps / worker / chief tasks) on your own machines.
@@ -46,13 +47,10 @@ SKEW_HELP = "Hosts on different Python or TensorFlow minor versions: warn and go
 
 
 def _seconds(text) -> float:
-    """A --timeout: what the spec's durations accept (`90`, `90s`, `30m`, `2h`); the
-    option's default comes as a number."""
+    """A --timeout in the spec's durations (`90`, `90s`, `30m`, `2h`); a default is a number."""
     from tfcluster.spec.yamltree import DURATION_WORDS, parse_duration
 
-    if isinstance(text, (int, float)):
-        return float(text)
-    seconds = parse_duration(text.strip())
+    seconds = float(text) if isinstance(text, (int, float)) else parse_duration(text.strip())
     if seconds is None:
         raise typer.BadParameter(f"{text!r}: must be {DURATION_WORDS}")
     return seconds
@@ -322,19 +320,6 @@ def _click(cls: str) -> tuple[type, ...]:
     return tuple(found)
 
 
-def _terminate_like_ctrl_c() -> None:
-    """SIGTERM (from `timeout`, a scheduler, systemd) stops a run as Ctrl-C does, so the
-    tasks are stopped in order and the run's manifest and summary are still written."""
-    import signal
-    import threading
-
-    def handler(signum, frame) -> None:
-        raise Terminated()
-
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, handler)
-
-
 def _usage_hint(exc, argv: list[str]) -> str | None:
     if exc.exit_code != 2:
         return None
@@ -346,7 +331,7 @@ def _usage_hint(exc, argv: list[str]) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     _ui.debug = "--debug" in argv
-    _terminate_like_ctrl_c()
+    terminate_like_ctrl_c()
     try:
         rc = app(args=argv, prog_name="tfcluster", standalone_mode=False)
         if rc == ExitCode.INTERRUPTED and not STOPPED_WATCHING:   # typer turned a KeyboardInterrupt

@@ -95,6 +95,19 @@ class Terminated(BaseException):
     Not a KeyboardInterrupt: typer turns those into a silent exit 130."""
 
 
+def terminate_like_ctrl_c() -> None:
+    """SIGTERM (from `timeout`, a scheduler, systemd) stops a run as Ctrl-C does, so the
+    tasks are stopped in order and the run's manifest and summary are still written (cli.main)."""
+    import signal
+    import threading
+
+    def handler(signum, frame) -> None:
+        raise Terminated()
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, handler)
+
+
 def exit_now(rc: int) -> None:
     """Flush what was written and exit without the interpreter's teardown (cli.run).
 
