@@ -214,14 +214,16 @@ def test_spec_env_overrides_defaults_and_may_not_set_tfcluster_variables(tmp_pat
     path = tmp_path / "e.yaml"
     rest = ("hosts: [{name: a, address: 10.0.0.1}]\n"
             "jobs: {ps: {count: 1, hosts: [a], port: 1}, worker: {count: 1, hosts: [a], port: 2}}\n")
-    path.write_text("name: e\nenv: {TF_CPP_MIN_LOG_LEVEL: '2', TFCLUSTER_STDOUT_FLUSH: '0', FOO: bar}\n" + rest)
+    path.write_text("name: e\nenv: {TF_CPP_MIN_LOG_LEVEL: '2', TFCLUSTER_STDOUT_FLUSH: '0', FOO: bar,\n"
+                    "      TFCLUSTER_SERVER_IMPORT: full}\n" + rest)     # the knobs env: may set
     env = dict(build_plan(load_spec(str(path))).task("worker:0").env)
     assert env["TF_CPP_MIN_LOG_LEVEL"] == "2" and env["FOO"] == "bar" and env["TFCLUSTER_STDOUT_FLUSH"] == "0"
+    assert env["TFCLUSTER_SERVER_IMPORT"] == "full"
     assert json.loads(env["TF_CONFIG"])["task"] == {"type": "worker", "index": 0}
     # what tfcluster sets per task was dropped without a word; now the spec says so
     for name, why in (("TF_CONFIG", "tfcluster writes each task's TF_CONFIG from jobs:"),
                       ("CUDA_VISIBLE_DEVICES", "tfcluster gives each task its GPUs"),
-                      ("TFCLUSTER_TASK_INDEX", "tfcluster sets the TFCLUSTER_* variables of each task")):
+                      ("TFCLUSTER_TASK_INDEX", "tfcluster sets TFCLUSTER_TASK_INDEX for each task")):
         path.write_text(f"name: e\nenv:\n  FOO: bar\n  {name}: x\n" + rest)
         with pytest.raises(SpecError) as bad:
             load_spec(str(path))

@@ -17,14 +17,21 @@ from tfcluster.spec.yamltree import (_AnyKey, _Bad, _fields, _is_null, _kind, _l
 _ENV_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
+# What tfcluster sets in each task's environment (plan.py, session.py, the shim): a value in
+# `env:` would be overridden without a word. TFCLUSTER_STDOUT_FLUSH and TFCLUSTER_SERVER_IMPORT
+# are knobs `env:` may set.
+_PER_TASK = {"CLUSTER", "JOB", "TASK_INDEX", "IS_CHIEF", "NUM_WORKERS", "MASTER", "RUN_ID", "JOB_ID",
+             "RESTART", "HOLD", "PROBE"}
+
+
 def _reserved(name: str) -> str | None:
     """Why tfcluster cannot take `name` from env: (it sets it per task), or None."""
     if name == "TF_CONFIG":
         return "tfcluster writes each task's TF_CONFIG from jobs:"
     if name == "CUDA_VISIBLE_DEVICES":
         return "tfcluster gives each task its GPUs (hosts[].gpus, jobs.<job>.per_gpu); a ps gets none"
-    if name.startswith("TFCLUSTER_") and name != "TFCLUSTER_STDOUT_FLUSH":
-        return "tfcluster sets the TFCLUSTER_* variables of each task (TFCLUSTER_STDOUT_FLUSH is yours)"
+    if name.startswith("TFCLUSTER_") and name[len("TFCLUSTER_"):] in _PER_TASK:
+        return f"tfcluster sets {name} for each task"
     return None
 
 
