@@ -15,11 +15,13 @@ runs/<id>/worker-N.log.
 Two ratios: end to end (lines / spawn -> exit) and the streaming window (lines / first task
 byte in an output file -> exit), both sides measured the same way: the output files' sizes
 polled every 5 ms.
-Between two timed calls (untimed): the line checks, then `sync`. A rep writes up to ~0.7 GB
-(tfcluster: the host's log, the saved copy and stdout; by hand: stdout); without the sync
-the dirty pages of earlier reps were written back during later ones, on the same 2 cores,
-and tfcluster's exit times grew rep after rep (2.12 -> 2.62 s at 4 x 1 M) while the
-baseline's, whose files each rep truncates, did not.
+Between two timed calls (untimed): the line checks, then the checked run's logs are deleted
+(the saved copy here, the log on the hosts), then `sync`. A rep writes up to ~0.7 GB
+(tfcluster: the host's log, the saved copy and stdout; by hand: stdout), and the baseline
+truncates its files every rep. Kept, tfcluster's runs grew its exit times rep after rep on
+this VM (4 x 1 M: 2.32 s at 0.2 GB kept on each side, 3.30 s at 1.4 GB; 2.26-2.51 s with
+each run deleted), and without the sync one rep's dirty pages were written back during the
+next on the same 2 cores.
 
     python benchmarks/log_stream.py [--lines 200000] [--reps 3] [--smoke]
     python benchmarks/log_stream.py --lines 1000000 --reps 3 --target 0.8   # 4 x 1 M lines
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import threading
@@ -156,7 +159,11 @@ def main(argv=None) -> int:
         def between() -> None:
             if last_run:
                 verify()
-            os.sync()     # no rep pays for the last one's page-cache writeback (see the docstring)
+                # the run's logs, here and on the hosts, go once checked, as the baseline's
+                # files are truncated by its next rep (see the docstring)
+                shutil.rmtree(last_run.pop("dir"))
+                shutil.rmtree(b.tmp / "remote" / "benchstream" / "runs", ignore_errors=True)
+            os.sync()     # no rep pays for the last one's page-cache writeback
 
         ra, rb = alternate(reps, hand, tfc, between=between)
         for side, label in (("hand", "4x parallel ssh"), ("tfc", "tfcluster")):
