@@ -3,8 +3,6 @@ shows (a server's is `worker:1.server`, not the script's `worker:1`). Real proce
 local host; the servers are a stand-in (no TensorFlow) that prints a line and listens."""
 from __future__ import annotations
 
-import os
-import signal
 import sys
 
 import pytest
@@ -12,7 +10,7 @@ import pytest
 from tests.conftest import tagged_processes, wait_for
 from tests.test_down import STANDIN
 from tests.tf_launch import free_ports
-from tests.train_helpers import kill_group, read_until, start_tfcluster
+from tests.train_helpers import kill_tagged_once_seen, start_tfcluster
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -38,14 +36,7 @@ def test_a_failed_servers_log_tail_is_headed_with_its_own_name(tmp_path, home):
                     f"jobs:\n  ps: {{tasks: ['a:{p[0]}']}}\n  worker: {{tasks: ['a:{p[1]}', 'a:{p[2]}']}}\n"
                     "train:\n  mode: between-graph\n  script: wait.py\n")
     proc = start_tfcluster("train", str(spec), home=home, cwd=tmp_path)
-    try:
-        read_until(proc, r"worker:1 .*script up", timeout=60)
-        victims = [pid for pid, tag in tagged_processes().items() if tag.endswith(":worker:1:server")]
-        assert len(victims) == 1
-        os.kill(victims[0], signal.SIGKILL)
-        out, _ = proc.communicate(timeout=60)
-    finally:
-        kill_group(proc)
+    out = kill_tagged_once_seen(proc, r"worker:1 .*script up", ":worker:1:server", wait=60, finish=60)
     assert proc.returncode == 5, out[-3000:]
     assert "worker:1 server on a failed with exit code 137" in out, out[-3000:]
     heading = out.index("last lines of worker:1.server:")

@@ -10,8 +10,8 @@ import time
 import pytest
 
 from tests.conftest import tagged_processes, wait_for
-from tests.train_helpers import (kill_group, local_spec, losses, manifest, only_run, read_until,
-                                 result_of, start_tfcluster, tfcluster)
+from tests.train_helpers import (kill_group, kill_tagged_once_seen, local_spec, losses, manifest,
+                                 only_run, read_until, result_of, start_tfcluster, tfcluster)
 
 pytestmark = [pytest.mark.tf, pytest.mark.timeout(300)]
 
@@ -82,14 +82,7 @@ def test_worker_killed_mid_run_is_restarted_and_run_ends_at_exact_step(work):
     tmp, home, cwd = work
     spec = local_spec(tmp, args=["--steps", "400", "--log_every", "10"], restart="on-failure")
     proc = start_tfcluster("train", str(spec), home=home, cwd=cwd)
-    try:
-        read_until(proc, r"worker:1 .*step=", timeout=120)
-        victims = [p for p, tag in tagged_processes().items() if tag.endswith(":worker:1:script")]
-        assert len(victims) == 1
-        os.kill(victims[0], signal.SIGKILL)
-        out, _ = proc.communicate(timeout=200)
-    finally:
-        kill_group(proc)
+    out = kill_tagged_once_seen(proc, r"worker:1 .*step=", ":worker:1:script", wait=120, finish=200)
     assert proc.returncode == 0, out[-3000:]
     assert "restarting (1/3)" in out
     run = only_run(cwd / "runs")
@@ -151,14 +144,8 @@ def test_ps_killed_mid_run_is_restarted_and_training_resumes_from_checkpoint(wor
     spec = local_spec(tmp, args=["--steps", "600", "--log_every", "20", "--model_dir", "{workdir}/ckpt"],
                       restart="on-failure")
     proc = start_tfcluster("train", str(spec), home=home, cwd=cwd)
-    try:
-        read_until(proc, r"worker:0 .*step=(1[0-9]{2}|[2-9][0-9]{2})", timeout=150)
-        victims = [p for p, tag in tagged_processes().items() if tag.endswith(":ps:0:server")]
-        assert len(victims) == 1
-        os.kill(victims[0], signal.SIGKILL)
-        out, _ = proc.communicate(timeout=240)
-    finally:
-        kill_group(proc)
+    out = kill_tagged_once_seen(proc, r"worker:0 .*step=(1[0-9]{2}|[2-9][0-9]{2})", ":ps:0:server",
+                                wait=150, finish=240)
     assert proc.returncode == 0, out[-4000:]
     assert "ps:0 server on local exited with code 137; restarting (1/3)" in out
     run = only_run(cwd / "runs")

@@ -69,6 +69,23 @@ def read_until(proc: subprocess.Popen, pattern: str, timeout: float) -> list[str
     raise AssertionError(f"no line matching {pattern!r} within {timeout}s; got:\n{''.join(lines[-30:])}")
 
 
+def kill_tagged_once_seen(proc: subprocess.Popen, pattern: str, tag_suffix: str, *, wait: float,
+                          finish: float) -> str:
+    """Read a running tfcluster's output until `pattern`, SIGKILL the one task process whose
+    tag ends with `tag_suffix` (`:worker:1:script`, `:ps:0:server`), then return the rest of
+    the output once tfcluster exits. tfcluster's group is killed whatever happens."""
+    from tests.conftest import tagged_processes
+
+    try:
+        read_until(proc, pattern, timeout=wait)
+        victims = [pid for pid, tag in tagged_processes().items() if tag.endswith(tag_suffix)]
+        assert len(victims) == 1, victims
+        os.kill(victims[0], signal.SIGKILL)
+        return proc.communicate(timeout=finish)[0]
+    finally:
+        kill_group(proc)
+
+
 def kill_group(proc: subprocess.Popen) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)
