@@ -12,15 +12,15 @@ import json
 import os
 from dataclasses import dataclass
 
+from tfcluster.errors import LockedError, PreflightError
+from tfcluster.fsutil import NOFOLLOW, private_dir, write_private  # noqa: F401 - also imported from here
+
 
 def key(plan) -> str:
     """`<name>@<8 hex>`: the cluster's name and its directory on the hosts as the spec writes
     it (workdir/name). Two specs named alike with other workdirs are other clusters (their
     tags differ, docs/ARCHITECTURE.md "Naming"): neither takes the other's lock or state."""
     return "%s@%s" % (plan.name, hashlib.sha256(plan.cluster_dir.encode()).hexdigest()[:8])
-
-from tfcluster.errors import LockedError, PreflightError
-from tfcluster.fsutil import NOFOLLOW, private_dir, write_private  # noqa: F401 - also imported from here
 
 
 def lock(plan, command: str) -> "ClusterLock":
