@@ -96,6 +96,9 @@ def test_a_cold_host_gets_its_shim_files_in_one_sftp_session(tmp_path, home, ssh
     result = tfcluster("train", str(spec), home=home, cwd=cwd, timeout=120)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     sessions = Counter(log.read_text().split())
-    assert sessions == Counter({"127.0.0.3": 1, "127.0.0.4": 1}), sessions   # one per cold host
+    # one session per cold host, never one per file. h3 and h4 are one machine with one workdir:
+    # a host whose bootstrap runs after the other's upload finds nothing stale and opens none.
+    assert sessions and set(sessions) <= {"127.0.0.3", "127.0.0.4"}, sessions
+    assert set(sessions.values()) == {1}, sessions
     assert (tmp_path / "remote" / "coldsftp" / "bin" / "shim.py").exists()
     assert not tagged_processes()
