@@ -16,7 +16,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from tfcluster.logmux import LogMux  # noqa: E402
+from tfcluster.watch.logmux import LogMux  # noqa: E402
 
 KEYS = ("chief:0", "ps:0", "worker:0", "worker:1")
 CHUNK = 65536
@@ -77,7 +77,7 @@ def bench_raw(per_task: dict[str, list[bytes]]) -> float:
 
 
 def bench_rich(lines: list[str]) -> float:
-    from rich.console import Console  # only here: tfcluster.logmux must not need it
+    from rich.console import Console  # only here: tfcluster.watch.logmux must not need it
 
     with open(os.devnull, "w") as devnull:
         console = Console(file=devnull)

@@ -16,10 +16,11 @@ import psutil
 import pytest
 
 from tests.conftest import tagged_processes, wait_for
-from tfcluster import shim_facts, shim_procs
-from tfcluster.agent import HostAgent, TaskLaunch
+from tfcluster.host import shim_facts
+from tfcluster.host import shim_procs
+from tfcluster.launch.agent import HostAgent, TaskLaunch
 from tfcluster.errors import HostError
-from tfcluster.names import ClusterPaths
+from tfcluster.plan.names import ClusterPaths
 from tfcluster.transport.local import LocalTransport
 
 REPO = Path(__file__).resolve().parent.parent
@@ -40,8 +41,8 @@ STUBBORN = textwrap.dedent("""
 
 LAUNCHER = textwrap.dedent("""
     import sys, time
-    from tfcluster.agent import HostAgent, TaskLaunch
-    from tfcluster.names import ClusterPaths
+    from tfcluster.launch.agent import HostAgent, TaskLaunch
+    from tfcluster.plan.names import ClusterPaths
     from tfcluster.transport.local import LocalTransport
     agent = HostAgent("local", LocalTransport(), sys.executable, "~/.tfcluster/lab")
     tag = sys.argv[1]
@@ -347,9 +348,9 @@ def test_prepare_ships_files_only_when_they_changed(home):
 
     info = HostAgent("c", LocalTransport(), sys.executable, CLUSTER_DIR, in_process=False).prepare()
 
-    assert shim.read_bytes() == (REPO / "tfcluster/shim.py").read_bytes()
+    assert shim.read_bytes() == (REPO / "tfcluster/host/shim.py").read_bytes()
     for name in ("shim_ports.py", "shim_procs.py", "shim_protocol.py", "shim_tasks.py", "tfserver.py"):
-        assert (shim.parent / name).read_bytes() == (REPO / "tfcluster" / name).read_bytes()
+        assert (shim.parent / name).read_bytes() == (REPO / "tfcluster" / "host" / name).read_bytes()
     assert info.tf_version and info.python_version.count(".") == 2
     assert oct(shim.stat().st_mode & 0o777) == "0o700"
 
@@ -383,7 +384,7 @@ def test_sync_files_refuses_paths_that_escape_the_run_dir(agent):
 
 
 def test_sync_files_above_the_inline_limit_uses_the_upload_path(agent, home, monkeypatch):
-    import tfcluster.agent as agent_module
+    import tfcluster.launch.agent as agent_module
 
     monkeypatch.setattr(agent_module, "INLINE_LIMIT", 10)
     files = [("big.bin", bytes(range(256)) * 40, 0o600)]

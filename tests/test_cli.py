@@ -106,7 +106,7 @@ def test_plan_and_help_never_import_tensorflow_or_paramiko():
         "from tfcluster.cli import main\n"
         f"rc = main(['plan', {LOCAL!r}, '--json'])\n"
         "main(['--help'])\n"
-        "heavy = [m for m in ('tensorflow', 'paramiko', 'rich', 'tfcluster.session', 'tfcluster.agent') if m in sys.modules]\n"
+        "heavy = [m for m in ('tensorflow', 'paramiko', 'rich', 'tfcluster.launch.session', 'tfcluster.launch.agent') if m in sys.modules]\n"
         "print('HEAVY', heavy, rc)\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -194,7 +194,7 @@ def test_plan_json_shows_restart_timeout_and_exact_commands(tmp_path):
 def test_run_summary_keeps_the_start_of_a_long_line_and_marks_the_cut():
     import io
 
-    from tfcluster.render import print_summary
+    from tfcluster.ui.views import print_summary
     from tfcluster.ui import UI
 
     err = io.StringIO()

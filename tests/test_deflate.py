@@ -15,9 +15,9 @@ from tests.test_agent import C, CLUSTER_DIR, launch, read_all
 from tests.test_login_noise import noisy_python
 from tests.test_restart_in_place import \
     test_a_failed_task_restarts_in_place_under_the_same_shim as restart_in_place_checks
-from tfcluster.agent import HostAgent
-from tfcluster.agent_types import TaskLaunch
-from tfcluster.names import ClusterPaths
+from tfcluster.launch.agent import HostAgent
+from tfcluster.launch.records import TaskLaunch
+from tfcluster.plan.names import ClusterPaths
 from tfcluster.transport.local import LocalTransport
 from tfcluster.transport.ssh import SshTransport
 

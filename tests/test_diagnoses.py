@@ -15,9 +15,8 @@ import pytest
 
 from tests.conftest import tagged_processes, wait_for
 from tests.train_helpers import kill_group, local_spec, manifest, only_run, read_until, start_tfcluster, tfcluster
-from tfcluster import placement as pl
-from tfcluster import watchdog as wd
-
+from tfcluster.diagnose import placement as pl
+from tfcluster.diagnose import watchdog as wd
 SCRIPTS = Path(__file__).parent / "scripts"
 ALLOW_SCRIPTS = f"  allow_outside: [{SCRIPTS}]\n"   # the specs live in tmp, the scripts here
 PROBE_DIR = Path(pl.__file__).parent / "probe"
@@ -136,7 +135,7 @@ def test_silence_is_reported_only_past_the_repeat_interval_and_not_while_a_known
 
 def test_a_quiet_watchdog_says_what_it_watched_not_that_nothing_hung(tmp_path):
     """It sees TF's session waits only: a script stuck before its session is no such wait."""
-    from tfcluster.diagnoses import RunChecks
+    from tfcluster.diagnose.checks import RunChecks
     from tfcluster.plan import build_plan
     from tfcluster.spec import load_spec
 

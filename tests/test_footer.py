@@ -20,8 +20,8 @@ from dataclasses import replace
 
 import pytest
 
-from tfcluster import metrics
-from tfcluster.footer import RateHistory, progress_line
+from tfcluster.watch import metrics
+from tfcluster.watch.footer import RateHistory, progress_line
 
 COLS, ROWS = 110, 40
 # Worker 1's first attempt dies as if OOM-killed (137) after a few steps; the restart runs on.

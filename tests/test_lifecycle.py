@@ -29,7 +29,7 @@ def state_path(home: Path, spec: Path) -> Path:
     """Where `up` keeps the local state of the spec's cluster."""
     from tfcluster.plan import build_plan
     from tfcluster.spec import load_spec
-    from tfcluster.state import key
+    from tfcluster.launch.state import key
 
     return home / ".local" / "state" / "tfcluster" / key(build_plan(load_spec(str(spec)))) / "state.json"
 

@@ -13,7 +13,7 @@ import pytest
 from tests.conftest import tagged_processes
 from tests.test_agent import C, CLUSTER_DIR, free_port, launch, with_tag
 from tests.train_helpers import tfcluster
-from tfcluster.agent import HostAgent
+from tfcluster.launch.agent import HostAgent
 from tfcluster.transport.local import LocalTransport
 
 pytestmark = pytest.mark.timeout(90)

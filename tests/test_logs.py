@@ -12,7 +12,7 @@ from pathlib import Path
 
 from hypothesis import given, settings, strategies as st
 
-from tfcluster.logmux import HISTORY, PROBE_MARKS, LogMux
+from tfcluster.watch.logmux import HISTORY, PROBE_MARKS, LogMux
 
 ROOT = Path(__file__).resolve().parents[1]
 KEYS = ["worker:0", "ps:0"]
@@ -136,7 +136,7 @@ def test_close_flushes_every_task():
 
 
 def test_a_line_longer_than_the_limit_is_shown_not_held_forever(monkeypatch):
-    import tfcluster.logmux as logs
+    import tfcluster.watch.logmux as logs
     monkeypatch.setattr(logs, "MAX_PARTIAL", 10)
     m, out = mux()
     m.feed("ps:0", b"0123456789abc")
@@ -371,7 +371,7 @@ def test_collapsing_only_drops_superseded_progress_updates(a, b, order):
 # -- packaging and speed ---------------------------------------------------------------------
 
 def test_importing_logmux_does_not_import_rich():
-    code = "import sys, tfcluster.logmux; sys.exit('rich' in sys.modules)"
+    code = "import sys, tfcluster.watch.logmux; sys.exit('rich' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
 
 
@@ -380,7 +380,7 @@ def test_marker_search_agrees_with_the_plain_search():
     `any(m in block ...)` and a line-by-line filter find, in the same order."""
     import random
 
-    from tfcluster.logscan import PROBE_MARKS, TF_NOISE, AnyOf
+    from tfcluster.watch.logscan import PROBE_MARKS, TF_NOISE, AnyOf
     rng = random.Random(12)
     markers = (b"step=", b"loss=", b"tfcluster-hang: ", *PROBE_MARKS, *TF_NOISE)
     words = [b"x" * 40, b"12345", b"a=b", b"step", b"loss:", b"]", b"I1123", *markers, b"\xc3\xa9"]
@@ -397,7 +397,7 @@ def test_marker_search_agrees_with_the_plain_search():
 def test_the_history_is_the_last_lines_of_each_batch():
     import random
 
-    from tfcluster.logscan import last_lines
+    from tfcluster.watch.logscan import last_lines
     rng = random.Random(3)
     for _ in range(2000):
         block = b"\n".join(b"x" * rng.choice([0, 1, 5, 60, 300, 5000]) for _ in range(rng.randint(1, 400)))

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from tests.train_helpers import local_spec, only_run, tfcluster
-from tfcluster.logmux import LogMux
+from tfcluster.watch.logmux import LogMux
 
 # Captured from a coordinator-mode worker server (TF 2.21, protobuf's randomised DebugString
 # marker on the first line): absl writes the whole message, ending in an empty line, at once.

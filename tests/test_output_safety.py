@@ -16,11 +16,11 @@ from types import SimpleNamespace
 import pytest
 
 from tfcluster.errors import PreflightError
-from tfcluster.logmux import LogMux
+from tfcluster.watch.logmux import LogMux
 from tfcluster.plan import HostPlan
-from tfcluster.preflight import preflight
-from tfcluster.render import print_summary
-from tfcluster.runs import run_dirs
+from tfcluster.launch.preflight import preflight
+from tfcluster.ui.views import print_summary
+from tfcluster.watch.runs import run_dirs
 from tfcluster.safetext import escape, shell_join, shell_word
 from tfcluster.ui import UI
 

@@ -21,7 +21,8 @@ def test_wheel_installed_in_a_fresh_venv_finds_every_template(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     for template in ("between_graph", "classic", "coordinator", "mirrored"):
         assert f"tfcluster/templates/{template}.py" in names
-    assert "tfcluster/shim.py" in names and "tfcluster/tfserver.py" in names
+    assert "tfcluster/host/shim.py" in names and "tfcluster/host/tfserver.py" in names
+    assert "tfcluster/host/probe/sitecustomize.py" in names
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     subprocess.run([venv / "bin" / "pip", "install", "-q", "--no-deps", str(wheel)], check=True,

@@ -9,16 +9,16 @@ import pytest
 
 import sys
 
-from tfcluster import scaffold
+from tfcluster.spec import templates
 from tfcluster.errors import SpecError
-from tfcluster.plan import (PACKAGE_DIR, HostPlan, Plan, Restart, TaskPlan, build_plan, interpreter,
+from tfcluster.plan import (HOST_DIR, HostPlan, Plan, Restart, TaskPlan, build_plan, interpreter,
                             plan_to_dict, redact_env)
 from tfcluster.transport.ssh_config import SshOptions
 from tfcluster.spec import check_train_files, load_spec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLES = os.path.join(ROOT, "sample_clusters")
-TEMPLATE = scaffold.template_path("between_graph")   # the repository's templates/, installed
+TEMPLATE = templates.template_path("between_graph")   # the repository's templates/, installed
 
 
 def sample(name: str) -> Plan:
@@ -62,7 +62,7 @@ def test_local_sample_plan_is_exactly_one_ps_and_two_workers_on_this_machine():
                task("worker", 1, 22231, False, True)),
         spec_digest=plan.spec_digest,
         all_hosts=(HostPlan(name="local", address="localhost", local=True, gpus=0,
-                            python=sys.executable, bindir=PACKAGE_DIR, ssh=None),),
+                            python=sys.executable, bindir=HOST_DIR, ssh=None),),
         script=TEMPLATE,
         files=((os.path.realpath(TEMPLATE), "between_graph.py", os.path.getsize(TEMPLATE)),),
         restart=Restart("never", 3), timeout=None, args=("--steps", "300"),
@@ -70,7 +70,7 @@ def test_local_sample_plan_is_exactly_one_ps_and_two_workers_on_this_machine():
     assert len(plan.spec_digest) == 64
     # what `plan --commands` prints is exactly what runs: tfcluster's own interpreter here
     assert plan.command(plan.task("worker:1")) == (sys.executable, "between_graph.py", "--steps", "300")
-    assert plan.command(plan.task("ps:0"), "server") == (sys.executable, f"{PACKAGE_DIR}/tfserver.py")
+    assert plan.command(plan.task("ps:0"), "server") == (sys.executable, f"{HOST_DIR}/tfserver.py")
 
 
 @pytest.mark.parametrize("spec_python, local, expected", [

@@ -7,9 +7,11 @@ import sys
 
 import pytest
 
-from tfcluster import names, policy
-from tfcluster import shim_protocol as proto
-from tfcluster.policy import ScriptState
+from tfcluster.plan import names
+
+from tfcluster.plan import policy
+from tfcluster.host import shim_protocol as proto
+from tfcluster.plan.policy import ScriptState
 from tfcluster.spec import Restart
 
 
@@ -127,7 +129,7 @@ def test_in_process_commands_are_only_one_shot_ones():
 def test_batch_answers_are_keyed_by_command_with_an_envelope_for_a_failed_one(tmp_path):
     request = {"commands": {proto.PORTS: {"ports": []},
                             proto.TAIL: {"path": str(tmp_path / "missing.log")}}}
-    result = subprocess.run([sys.executable, "-m", "tfcluster.shim", proto.BATCH],
+    result = subprocess.run([sys.executable, "-m", "tfcluster.host.shim", proto.BATCH],
                             input=json.dumps(request) + "\n", capture_output=True, text=True, timeout=30)
     answers = json.loads(result.stdout)["answers"]
     assert answers[proto.PORTS] == {}
@@ -136,7 +138,7 @@ def test_batch_answers_are_keyed_by_command_with_an_envelope_for_a_failed_one(tm
 
 def test_the_shim_refuses_to_batch_a_streaming_command():
     request = {"commands": {proto.WAIT: {"items": []}}}
-    result = subprocess.run([sys.executable, "-m", "tfcluster.shim", proto.BATCH],
+    result = subprocess.run([sys.executable, "-m", "tfcluster.host.shim", proto.BATCH],
                             input=json.dumps(request) + "\n", capture_output=True, text=True, timeout=30)
     assert result.returncode == proto.EXIT_ERROR
     assert proto.error_of(json.loads(result.stdout)) == "not batchable: wait"

@@ -7,9 +7,7 @@ import socket
 
 import pytest
 
-from tfcluster import shim_ports
-
-
+from tfcluster.host import shim_ports
 def proc_listeners() -> dict[int, dict[str, int]]:
     found: dict[int, dict[str, int]] = {}
     for port, state, uid, inode in shim_ports.sockets():

@@ -20,16 +20,16 @@ import pytest
 from tests.conftest import tagged_processes, wait_for
 from tests.tf_launch import free_ports
 from tests.train_helpers import tfcluster
-from tfcluster import shim_net
+from tfcluster.host import shim_net
 from tfcluster.plan import build_plan
-from tfcluster.reach import Failure, _error, can_connect
-from tfcluster.session import Session
+from tfcluster.launch.reach import Failure, _error, can_connect
+from tfcluster.launch.session import Session
 from tfcluster.spec import load_spec
 from tfcluster.ui import UI
 
 pytestmark = [pytest.mark.timeout(120)]
 
-SHIM = Path(__file__).resolve().parent.parent / "tfcluster" / "shim.py"
+SHIM = Path(__file__).resolve().parent.parent / "tfcluster" / "host" / "shim.py"
 UNRESOLVABLE = "gpu-a.invalid"      # RFC 6761: never resolves
 
 

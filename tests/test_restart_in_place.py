@@ -22,8 +22,8 @@ from tests.conftest import tagged_processes, wait_for
 from tests.test_agent import C, agent, gone, launch, with_tag  # noqa: F401 - agent: a fixture
 from tests.tf_launch import free_ports
 from tests.train_helpers import kill_group, manifest, only_run, read_until, start_tfcluster, tfcluster
-from tfcluster.attempts import pump
-from tfcluster.logmux import LogMux
+from tfcluster.launch.attempts import pump
+from tfcluster.watch.logmux import LogMux
 
 # Says which attempt it is and which process started it. Attempts below GOOD exit with
 # RC; GOOD then exits 0, or with "hang" says so and waits to be stopped.

@@ -21,13 +21,13 @@ import pytest
 
 from tests.tf_launch import free_ports
 from tests.train_helpers import cli_env
-from tfcluster import shim
-from tfcluster.agent import HostAgent
-from tfcluster.bootstrap import BOOTSTRAP, SHIPPED, shipped
+from tfcluster.host import shim
+from tfcluster.launch.agent import HostAgent
+from tfcluster.launch.bootstrap import BOOTSTRAP, SHIPPED, shipped
 from tfcluster.errors import PreflightError
-from tfcluster.names import ClusterPaths
+from tfcluster.plan.names import ClusterPaths
 from tfcluster.plan import build_plan
-from tfcluster.shim_protocol import ShimError
+from tfcluster.host.shim_protocol import ShimError
 from tfcluster.spec import load_spec
 from tfcluster.transport.local import LocalTransport
 
@@ -211,7 +211,7 @@ def local_agent(home, tmp_path):
 @pytest.mark.parametrize("in_process", [True, False], ids=["in-process", "shim"])
 def test_a_cache_file_whose_content_does_not_match_its_name_is_sent_again(
         route, in_process, local_agent, tmp_path, monkeypatch):
-    import tfcluster.agent as agent_module
+    import tfcluster.launch.agent as agent_module
 
     if route == "upload":
         monkeypatch.setattr(agent_module, "INLINE_LIMIT", 0)
@@ -389,8 +389,7 @@ def test_local_state_another_user_could_change_is_refused(shared, other_user, ho
 
 
 def test_local_state_levels_are_0700_and_the_lock_is_never_a_link(home, tmp_path, monkeypatch):
-    from tfcluster import state
-
+    from tfcluster.launch import state
     spec = write_spec(tmp_path, tmp_path / "wd")
     xdg = tmp_path / "xdg" / "st"
     result = tfc("down", str(spec), home=home, cwd=tmp_path, umask=0, XDG_STATE_HOME=str(xdg))
@@ -411,7 +410,7 @@ def test_local_state_levels_are_0700_and_the_lock_is_never_a_link(home, tmp_path
 
 
 def test_saved_runs_are_private_and_never_written_through_a_link(shared, other_user, tmp_path):
-    from tfcluster.logmux import LogMux
+    from tfcluster.watch.logmux import LogMux
 
     old = os.umask(0)
     try:
@@ -466,7 +465,7 @@ def test_over_ssh_a_shared_workdir_is_refused_naming_the_host(shared, other_user
 
 def test_over_ssh_the_tree_is_0700_and_a_wrong_cache_file_is_uploaded_again(ssh_home, sshd, tmp_path,
                                                                              monkeypatch):
-    import tfcluster.agent as agent_module
+    import tfcluster.launch.agent as agent_module
     from tests.sshd import make_target
     from tfcluster.transport.ssh import SshTransport
 

@@ -22,21 +22,22 @@ import pytest
 from tests.conftest import tagged_processes, wait_for
 from tests.tf_launch import free_ports
 from tests.train_helpers import cli_env, tfcluster
-from tfcluster import shim_ports, shim_procs
-from tfcluster.agent import HostAgent, TaskLaunch
-from tfcluster.bootstrap import SHIPPED
+from tfcluster.host import shim_ports
+from tfcluster.host import shim_procs
+from tfcluster.launch.agent import HostAgent, TaskLaunch
+from tfcluster.launch.bootstrap import SHIPPED
 from tfcluster.errors import PreflightError
-from tfcluster.names import ClusterPaths, Tag
+from tfcluster.plan.names import ClusterPaths, Tag
 from tfcluster.plan import build_plan
-from tfcluster.servers import start_detached
-from tfcluster.session import Session, server_tasks
+from tfcluster.launch.servers import start_detached
+from tfcluster.launch.session import Session, server_tasks
 from tfcluster.spec import load_spec
 from tfcluster.transport.local import LocalTransport
 from tfcluster.ui import UI
 
 pytestmark = [pytest.mark.timeout(120)]
 
-PACKAGE = Path(__file__).resolve().parent.parent / "tfcluster"
+PACKAGE = Path(__file__).resolve().parent.parent / "tfcluster" / "host"
 RUN = "up-20261123-010203-b0b0"
 LISTENER = ("import socket, sys, time\ns = socket.socket()\n"
             "s.bind(('0.0.0.0', int(sys.argv[1])))\ns.listen()\ntime.sleep(300)\n")

@@ -15,8 +15,7 @@ import pytest
 
 from tests.conftest import SESSION_VAR, wait_for
 from tests.train_helpers import tfcluster
-from tfcluster import shim_procs
-
+from tfcluster.host import shim_procs
 SYSTEM_PYTHON = "/usr/bin/python3"
 ADDRESS = "127.0.0.9"
 

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tfcluster import scaffold
+from tfcluster.spec import templates as scaffold
 from tfcluster.errors import SpecError, UsageError
 from tfcluster.spec import (Host, Job, Restart, Slot, Spec, SshSettings, Train, check_train_files,
                             layout_tasks, load_spec, with_train_overrides)

@@ -24,12 +24,12 @@ from tests.test_lifecycle import state_path
 from tests.test_shared_kill import LISTENER
 from tests.tf_launch import free_ports
 from tests.train_helpers import tfcluster
-from tfcluster import state
+from tfcluster.launch import state
 from tfcluster.errors import PreflightError
 from tfcluster.plan import build_plan
-from tfcluster.servers import start_detached
-from tfcluster.session import Session, server_tasks
-from tfcluster.shim_ports import listeners
+from tfcluster.launch.servers import start_detached
+from tfcluster.launch.session import Session, server_tasks
+from tfcluster.host.shim_ports import listeners
 from tfcluster.spec import load_spec
 from tfcluster.ui import UI
 
@@ -217,8 +217,8 @@ def test_a_port_held_by_this_cluster_under_another_workdir_names_that_workdir(tm
 @pytest.mark.parametrize("tasks, verb, pronoun", [(["worker:1"], "runs", "it"),
                                                   (["worker:1", "worker:2"], "run", "them")])
 def test_status_warnings_agree_with_how_many_tasks_they_name(tasks, verb, pronoun):
-    from tfcluster.lifecycle import TaskRow
-    from tfcluster.render import print_status
+    from tfcluster.launch.lifecycle import TaskRow
+    from tfcluster.ui.views import print_status
     from tfcluster.ui import UI
 
     err = StringIO()

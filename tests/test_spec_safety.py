@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tfcluster import shipping
+from tfcluster.launch import shipping
 from tfcluster.errors import SpecError, UsageError
 from tfcluster.plan import build_plan, plan_to_dict
 from tfcluster.spec import check_train_files, is_secret, load_spec, with_train_overrides

@@ -19,7 +19,7 @@ import pytest
 from tests.conftest import wait_for
 from tests.train_helpers import local_spec, only_run, tfcluster
 
-PROBE_DIR = Path(__file__).resolve().parent.parent / "tfcluster" / "probe"
+PROBE_DIR = Path(__file__).resolve().parent.parent / "tfcluster" / "host" / "probe"
 
 # argv: the file our stdout goes to, and a file whose appearance lets the script end
 SHOW = "import sys; print(type(sys.stdout.buffer).__name__, sys.stdout.write_through, file=sys.stderr)\n"

@@ -13,11 +13,10 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import wait_for
-from tfcluster import shim_ports
-
+from tfcluster.host import shim_ports
 pytest.importorskip("tensorflow")
 
-TFSERVER = Path(__file__).resolve().parent.parent / "tfcluster" / "tfserver.py"
+TFSERVER = Path(__file__).resolve().parent.parent / "tfcluster" / "host" / "tfserver.py"
 
 # Which classes server_classes() chose, and whether tensorflow's Python API was loaded;
 # then a real server from them, on the port given, until it accepts one connection.

@@ -15,12 +15,12 @@ import pytest
 
 from tests.conftest import tagged_processes
 from tests.test_lifecycle import bindable
-from tfcluster import names
-from tfcluster import shim_protocol as proto
-from tfcluster.agent import HostAgent, TaskLaunch
-from tfcluster.names import ClusterPaths
+from tfcluster.plan import names
+from tfcluster.host import shim_protocol as proto
+from tfcluster.launch.agent import HostAgent, TaskLaunch
+from tfcluster.plan.names import ClusterPaths
 from tfcluster.transport.local import LocalTransport
-from tfcluster.upexec import UpExec
+from tfcluster.launch.upexec import UpExec
 
 REPO = Path(__file__).resolve().parent.parent
 CLUSTER_DIR = "~/.tfcluster/uplab"
@@ -154,7 +154,7 @@ def test_the_up_shim_exits_0_at_once_while_the_launcher_keeps_its_stdin_open():
     """`up` keeps the exec's stdin open to the end; the shim's stdin reader (a daemon
     thread) is then inside a read holding the buffer's lock. Python's teardown waited 1 s for
     it and aborted ("Fatal Python error: _enter_buffered_busy", SIGABRT) after every `up`."""
-    shim = subprocess.Popen([sys.executable, "-S", str(REPO / "tfcluster" / "shim.py"), proto.UP],
+    shim = subprocess.Popen([sys.executable, "-S", str(REPO / "tfcluster" / "host" / "shim.py"), proto.UP],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         shim.stdin.write(b'{"commands": {}, "starts": []}\n')

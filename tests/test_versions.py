@@ -18,11 +18,11 @@ from tests.conftest import tagged_processes
 from tests.test_lifecycle import state_path
 from tests.tf_launch import free_ports
 from tests.train_helpers import tfcluster
-from tfcluster.agent import HostInfo
-from tfcluster.shim_facts import _build_info, tf_version
-from tfcluster.versions import find_skew, find_skews, message, odd_fields
+from tfcluster.launch.agent import HostInfo
+from tfcluster.host.shim_facts import _build_info, tf_version
+from tfcluster.diagnose.versions import find_skew, find_skews, message, odd_fields
 
-SHIM = Path(__file__).resolve().parent.parent / "tfcluster" / "shim.py"
+SHIM = Path(__file__).resolve().parent.parent / "tfcluster" / "host" / "shim.py"
 FAKE_TF = "2.12.0"
 FAKE_SMI = """#!/bin/sh
 [ "$*" = "--query-gpu=driver_version --format=csv,noheader" ] || exit 1

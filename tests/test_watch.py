@@ -18,9 +18,9 @@ import pytest
 
 from tests.conftest import wait_for
 from tests.train_helpers import cli_env, kill_group, local_spec, read_until, start_tfcluster, tfcluster
-from tfcluster import metrics
-from tfcluster.plotting import rates, run_series, sparkline, text_plot
-from tfcluster.runs import read_manifest
+from tfcluster.watch import metrics
+from tfcluster.watch.plotting import rates, run_series, sparkline, text_plot
+from tfcluster.watch.runs import read_manifest
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -286,7 +286,7 @@ def test_progress_log_records_each_step_line_from_many_threads_and_hands_out_cop
     import threading
 
     from tfcluster.plan import build_plan
-    from tfcluster.runs import ProgressLog, read_progress
+    from tfcluster.watch.runs import ProgressLog, read_progress
     from tfcluster.spec import load_spec
 
     plan = build_plan(load_spec(str(spec_for(tmp_path, args=["--steps", "400"]))))
@@ -312,7 +312,7 @@ def test_progress_log_records_each_step_line_from_many_threads_and_hands_out_cop
 
 
 def test_runs_lists_old_manifests_and_calls_a_run_whose_tfcluster_is_gone_died(tmp_path):
-    from tfcluster.watch import run_rows
+    from tfcluster.watch.follow import run_rows
 
     plan = {"tasks": [{"task": "worker:0", "chief": True, "script": ["python3", "t.py"]}]}
     manifests = {   # as older tfclusters wrote them: no pid, no progress

@@ -6,7 +6,8 @@ import json
 import os
 
 from tfcluster.errors import UsageError
-from tfcluster.plan import PACKAGE_DIR, SCRIPT_JOBS, SERVER_JOBS, Plan
+from tfcluster.host import HOST_DIR
+from tfcluster.plan import SCRIPT_JOBS, SERVER_JOBS, Plan
 
 LAUNCHER = "launch.py"
 CONFIG = "tfcluster-launch.json"
@@ -58,8 +59,8 @@ def bundle_files(plan: Plan, config: dict) -> dict[str, bytes]:
         raise UsageError(f"{plan.name}: train.script is not set: there is nothing to run",
                          hint="set train.script in the spec, e.g. template:between_graph")
     out = {
-        LAUNCHER: _read(os.path.join(PACKAGE_DIR, "engines", LAUNCHER)),
-        SERVER: _read(os.path.join(PACKAGE_DIR, SERVER)),
+        LAUNCHER: _read(os.path.join(os.path.dirname(os.path.abspath(__file__)), LAUNCHER)),
+        SERVER: _read(os.path.join(HOST_DIR, SERVER)),
         CONFIG: (json.dumps(config, indent=1, sort_keys=True) + "\n").encode(),
     }
     for path, dest, _size in plan.files:

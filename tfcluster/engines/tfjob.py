@@ -20,7 +20,7 @@ from tfcluster.engines import Rendered
 from tfcluster.engines.bundle import LAUNCHER, bundle_files, launch_config, split_env
 from tfcluster.errors import UsageError
 from tfcluster.plan import SCRIPT_JOBS, Plan
-from tfcluster.policy import CHIEF_ENDS_RUN
+from tfcluster.plan.policy import CHIEF_ENDS_RUN
 from tfcluster.safetext import escape, shell_join
 
 API_VERSION = "kubeflow.org/v1"

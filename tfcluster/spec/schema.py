@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from tfcluster import scaffold
+from tfcluster.spec import templates
 from tfcluster.spec.addresses import _USER_RE, _address, _jump_host
 from tfcluster.spec.envs import parse_env, parse_names
 from tfcluster.spec.layout import _per_host, _task_count
@@ -287,11 +287,11 @@ def _script(node: yaml.Node, value: str, base_dir: str) -> str:
 
 
 def _template(node: yaml.Node, name: str) -> str:
-    names = scaffold.template_names()
+    names = templates.template_names()
     if name not in names:
         problem = _suggest(name, names, "template") if names else f"unknown template {name!r}; none are installed"
         raise _Bad(_line(node), "train.script", problem)
-    return scaffold.template_path(name)
+    return templates.template_path(name)
 
 
 def _files(node: yaml.Node, base_dir: str) -> list[tuple[str, int]]:

@@ -1,0 +1,137 @@
+"""The checks that watch a running `train`: placement consistency and the hang watchdog.
+
+`RunChecks` is what the supervisor holds: the LogMux hands it every line that carries a
+marker (from any pump thread), and the supervisor's loop calls `tick` twice a second.
+A placement mismatch ends the run (InconsistentError, exit 8); a wait only ever gets a
+diagnosis, printed at a bounded rate. Facts about the awaited task are gathered off the
+supervisor's loop (a port check over SSH may take a second). docs/ARCHITECTURE.md,
+"Diagnoses", says what each check costs and cannot see.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Callable
+
+from tfcluster.diagnose import placement as pl
+from tfcluster.host import shim_net
+from tfcluster.diagnose import watchdog as wd
+from tfcluster.errors import InconsistentError
+from tfcluster.plan.names import log_file
+from tfcluster.plan import Plan
+
+PORT_CHECK_TIMEOUT = 3.0
+
+
+class RunChecks:
+    def __init__(self, plan: Plan, ui, log_dir: str, wake: Callable[[], None], session=None) -> None:
+        self.plan, self.ui, self.log_dir, self.wake, self.session = plan, ui, log_dir, wake, session
+        probes = plan.probes().split(",")
+        scripts = [t.key for t in plan.tasks if t.runs_script and t.job in ("chief", "worker")]
+        self.placement = pl.PlacementCheck(scripts) if "placement" in probes else None
+        chief = plan.chief
+        self.watchdog = wd.Watchdog(plan.checks.hang_after, targets={t.target: t.key for t in plan.tasks},
+                                    chief=chief.key if chief else None) if plan.checks.hang_after > 0 else None
+        self._diagnosing = threading.Lock()
+        self.diagnoses = 0
+
+    @property
+    def markers(self) -> tuple[bytes, ...]:
+        marks: tuple[bytes, ...] = ()
+        if self.placement is not None:
+            marks += (pl.MARK,)
+        if self.watchdog is not None:
+            marks += wd.MARKERS
+        return marks
+
+    def on_line(self, key: str, line: bytes) -> None:
+        """LogMux's watch callback (a pump thread, under that task's lock: be quick)."""
+        if self.placement is not None and pl.MARK in line and "." not in key:
+            report = pl.parse(line)
+            if report is not None and self.placement.add(report) is not None:
+                self.wake()
+            return
+        if self.watchdog is not None:
+            self.watchdog.saw(key, line, time.monotonic())
+
+    def tick(self, procs, mux) -> None:
+        """Raise on a placement mismatch; start a diagnosis of any wait that is due."""
+        if self.placement is not None and self.placement.mismatch is not None:
+            raise InconsistentError(self.placement.mismatch.message(), hint=pl.FIX)
+        if self.watchdog is None:
+            return
+        now = time.monotonic()
+        running = {p.task.key for p in procs if p.role == "script" and p.exit_code is None and p.handle}
+        for p in procs:     # a ps that runs the script (classic mode) serves silently: normal
+            if p.role == "script" and p.task.key in running and p.task.job != "ps":
+                since = mux.last_output(p.key) or now - max(0.0, time.time() - p.attempt_started)
+                self.watchdog.silent(p.task.key, since, now)
+        due = self.watchdog.due(now, running)
+        if due and self._diagnosing.acquire(blocking=False):
+            threading.Thread(target=self._diagnose, args=(due, list(procs), mux), daemon=True,
+                             name="diagnose").start()
+
+    def summary(self) -> dict[str, str]:
+        out = {}
+        if self.plan.mode in ("between-graph", "classic"):     # the modes the probe serves
+            out["placement"] = self.placement.summary() if self.placement is not None else "off"
+        if self.watchdog is not None:
+            # what the watchdog can see: TF's session waits (a hang elsewhere is not one)
+            out["hang"] = (f"{self.diagnoses} diagnosis(es)" if self.diagnoses
+                           else f"no session wait over {self.plan.checks.hang_after:g}s")
+        return out
+
+    # -- facts -------------------------------------------------------------------------
+
+    def _diagnose(self, due: list[wd.Wait], procs, mux) -> None:
+        try:
+            for wait in due:
+                facts = self._facts(wait, procs, mux) if wait.target else self._proxy_only(wait)
+                host = self.plan.task(wait.waiter).host
+                hint = os.path.join(self.log_dir, log_file(wait.target or wait.waiter))
+                self.ui.warn(wd.explain(wait, facts, time.monotonic(), host, hint))
+                self.diagnoses += 1
+        except Exception as exc:  # noqa: BLE001 - a diagnosis must never break the run
+            self.ui.warn(f"hang watchdog: could not diagnose: {exc}")
+        finally:
+            self._diagnosing.release()
+
+    def port_check(self, from_host: str, address: str, port: int) -> str | None:
+        """None when address:port accepts a connection from `from_host`, else why not (the
+        reach check's own probe: here for a local host, through its shim for a remote one)."""
+        if self.plan.host(from_host).local:
+            return shim_net.probe(address, port, PORT_CHECK_TIMEOUT)
+        if self.session is None:
+            return "unchecked"
+        from tfcluster.launch.reach import can_connect
+
+        answer = can_connect(self.session, from_host, [(address, port)], timeout=PORT_CHECK_TIMEOUT)
+        return answer.get(f"{address}:{port}", "unchecked")
+
+    def _proxy_only(self, wait: wd.Wait) -> wd.Facts:
+        return wd.Facts(proxy=self._proxy(wait.waiter))
+
+    def _proxy(self, key: str) -> str | None:
+        return ", ".join(shim_net.proxies_set(dict(self.plan.task(key).env))) or None
+
+    def _facts(self, wait: wd.Wait, procs, mux) -> wd.Facts:
+        target = self.plan.task(wait.target)
+        role = "server" if target.runs_server else "script"
+        proc = next((p for p in procs if p.task.key == target.key and p.role == role), None)
+        if proc is None and role == "server":
+            state, pid, code, key = "running", None, None, None      # a server from `tfcluster up`
+        elif proc is None or proc.handle is None:
+            state, pid, code, key = "not started", None, None, None
+        else:
+            key, code = proc.key, proc.exit_code
+            pid = getattr(proc.handle, "pid", None)
+            state = "running" if code is None else ("finished" if code == 0 else "failed")
+        last = mux.last_output(key) if key else None
+        port = None
+        if state == "running":
+            port = self.port_check(self.plan.task(wait.waiter).host, target.address, target.port)
+        tail = mux.tail(key, 1) if key else []
+        return wd.Facts(host=target.host, address=target.target, state=state, exit_code=code, pid=pid,
+                        port=port, quiet_for=time.monotonic() - last if last else None,
+                        last_line=tail[-1] if tail else "", proxy=self._proxy(wait.waiter))

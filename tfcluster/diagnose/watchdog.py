@@ -1,0 +1,192 @@
+"""The hang watchdog: notice waiting that will not end by itself, and say why.
+
+Fed the lines that match `MARKERS` (TensorFlow's own waiting messages, which the tasks
+print with TF_CPP_MIN_LOG_LEVEL=0, and the start-up probe's not-ready line) and asked
+every supervisor tick which waits deserve a diagnosis. It never stops anything: a run
+that waits forever ends at train.timeout. Deciding *what* to say needs facts about
+the awaited task (alive? its port open from the waiter's host? its last line?), which
+the supervisor gathers; `explain` turns them into the one line. Pure: the clock is an
+argument.
+"""
+from __future__ import annotations
+
+import re
+import threading
+from dataclasses import dataclass, field
+
+from tfcluster.plan.names import task_key
+
+SESSION_WAIT = b"CreateSession still waiting for response from worker"
+NOT_READY = b"tfcluster-not-ready: "
+UNAVAILABLE = (b"failed to connect to all addresses", b"Failed to connect to remote host")
+MARKERS = (SESSION_WAIT, NOT_READY, *UNAVAILABLE)
+# How often TF repeats each message: a wait is still going while messages keep coming.
+_REPEATS = {"session": 10.0, "not-ready": 30.0, "unavailable": 30.0}
+_TF_TASK = re.compile(rb"/job:([A-Za-z0-9_-]+)(?:/replica:\d+)?/task:(\d+)")
+_ADDRESS = re.compile(rb"(?:ipv4:|ipv6:)?\[?([A-Za-z0-9_.:-]+?)\]?:(\d+): Failed to connect")
+_MISSING = re.compile(rb"Variables not initialized: (.*)$")
+
+
+@dataclass
+class Wait:
+    waiter: str                 # task key of the task that waits
+    kind: str                   # "session" | "not-ready" | "unavailable" | "silent"
+    target: str | None          # the awaited task key, when known
+    detail: str                 # what is missing / the address that fails
+    start: float                # monotonic estimate of when the wait began
+    last: float                 # monotonic of the latest sign that it goes on
+    said: float | None = None   # when a diagnosis was last printed
+
+
+@dataclass
+class Watchdog:
+    """`saw` from any thread; `due` from the supervisor's loop."""
+
+    hang_after: float
+    targets: dict[str, str] = field(default_factory=dict)   # "address:port" -> task key
+    chief: str | None = None
+    repeat: float = 0.0
+    _waits: dict[tuple[str, str], Wait] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self.repeat = self.repeat or max(60.0, 3 * self.hang_after)
+
+    def saw(self, key: str, line: bytes, now: float) -> None:
+        """A line of `key`'s output (a script's or its server's) that matched MARKERS."""
+        waiter = key.split(".", 1)[0]          # "worker:0.server" waits as worker:0
+        found = self._classify(line)
+        if found is None:
+            return
+        kind, target, detail = found
+        with self._lock:
+            wait = self._waits.get((waiter, kind))
+            if wait is None or now - wait.last > _REPEATS[kind] * 1.5 or wait.target != target:
+                # TF prints its first CreateSession message 10 s into the wait
+                start = now - (_REPEATS["session"] if kind == "session" else 0.0)
+                self._waits[(waiter, kind)] = Wait(waiter, kind, target, detail, start, now)
+            else:
+                wait.last, wait.detail = now, detail
+
+    def silent(self, key: str, since: float, now: float) -> None:
+        """`key` (alive) has printed nothing since `since`."""
+        with self._lock:
+            wait = self._waits.get((key, "silent"))
+            if wait is None or wait.start != since:
+                self._waits[(key, "silent")] = Wait(key, "silent", None, "", since, now)
+            else:
+                wait.last = now
+
+    def due(self, now: float, running: set[str]) -> list[Wait]:
+        """Waits of running tasks that have lasted hang_after and are still going, not
+        said within `repeat` seconds. Marks them said."""
+        out = []
+        with self._lock:
+            busy = {w.waiter for w in self._waits.values() if w.kind != "silent"}
+            for k, wait in list(self._waits.items()):
+                if wait.kind == "silent" and wait.waiter in busy:
+                    continue          # a known wait explains the silence better
+                repeats = _REPEATS.get(wait.kind, self.repeat)
+                if wait.waiter not in running or (wait.kind != "silent" and now - wait.last > repeats * 1.5):
+                    del self._waits[k]
+                    continue
+                threshold = self.repeat if wait.kind == "silent" else self.hang_after
+                if now - wait.start < threshold:
+                    continue
+                if wait.said is not None and now - wait.said < self.repeat:
+                    continue
+                wait.said = now
+                out.append(wait)
+        return out
+
+    def _classify(self, line: bytes) -> tuple[str, str | None, str] | None:
+        if SESSION_WAIT in line:
+            m = _TF_TASK.search(line, line.find(SESSION_WAIT))
+            target = task_key(m.group(1).decode(), int(m.group(2))) if m else None
+            return "session", target, ""
+        if NOT_READY in line:
+            m = _MISSING.search(line)
+            missing = m.group(1).decode("utf-8", "replace").strip() if m else ""
+            return "not-ready", self.chief, missing
+        m = _ADDRESS.search(line)
+        if m:
+            address = f"{m.group(1).decode()}:{m.group(2).decode()}"
+            return "unavailable", self.targets.get(address), address
+        return None
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What the supervisor found about the awaited task when a wait became due."""
+
+    host: str = "?"
+    address: str = ""                 # "host:port" of the awaited task
+    state: str = "unknown"            # "running" | "finished" | "failed" | "not started" | "restarting" | "unknown"
+    exit_code: int | None = None
+    pid: int | None = None
+    port: str | None = "unchecked"    # None: accepts connections from the waiter's host; else why not
+    quiet_for: float | None = None    # seconds since its last output
+    last_line: str = ""
+    proxy: str | None = None          # a proxy variable set in the waiter's environment
+
+
+def explain(wait: Wait, facts: Facts | None, now: float, waiter_host: str, log_hint: str) -> str:
+    """The one-line diagnosis of a due wait."""
+    waited = f"{wait.waiter} has waited {now - wait.start:.0f}s"
+    if wait.kind == "silent":
+        return (f"{wait.waiter} on {waiter_host} has printed nothing for {now - wait.start:.0f}s and is "
+                f"still running: if it should be making progress, it may be stuck (e.g. waiting for "
+                f"another task); its log: {log_hint}")
+    if wait.kind == "not-ready":
+        what = f"for the chief to initialise its variables ({_clip(wait.detail)})"
+        target = f"{wait.target} {_state(facts)}" if wait.target and facts else "the chief"
+        return (f"{waited} {what}: {target}. Likely: the chief has not initialised them yet, "
+                f"or the workers place variables differently (the placement check names the first "
+                f"one); the chief's log: {log_hint}")
+    if wait.target is None:
+        address = f" at {wait.detail}" if wait.detail else ""
+        cause = (f"a proxy is set ({facts.proxy}): gRPC sends cluster traffic through it unless "
+                 f"no_proxy names the cluster (train.checks.proxy_guard)") if facts and facts.proxy else \
+            "the address is not one of this cluster's tasks (a stale TF_CONFIG, or the script dials another address)"
+        return f"{waited}: TensorFlow cannot connect{address}. Likely: {cause}"
+    head = f"{waited} for {wait.target}" + (f" ({facts.host}, {facts.address})" if facts else "")
+    return f"{head}: {wait.target} {_state(facts)}. {_cause(wait, facts, waiter_host, log_hint)}"
+
+
+def _state(f: Facts | None) -> str:
+    if f is None:
+        return "is in an unknown state"
+    quiet = (f", last output {f.quiet_for:.0f}s ago" if f.quiet_for is not None else ", no output yet") + \
+        (f": {_clip(f.last_line)!r}" if f.last_line else "")
+    if f.state == "running":
+        return f"is running (pid {f.pid}{quiet})" if f.pid else f"is running{quiet}"
+    if f.state in ("finished", "failed"):
+        return f"exited with code {f.exit_code}{quiet}"
+    return {"not started": "has not been started", "restarting": "is restarting"}.get(f.state, "is in an unknown state")
+
+
+def _cause(wait: Wait, f: Facts | None, waiter_host: str, log_hint: str) -> str:
+    if f is None:
+        return f"Check its log: {log_hint}"
+    if f.state == "finished":
+        return (f"Likely: it finished and {wait.waiter}'s session still waits for every task of the cluster; "
+                f"give the session config device_filters=['/job:ps', '/job:{wait.waiter.replace(':', '/task:')}'] "
+                f"so a worker depends only on the ps and itself")
+    if f.state == "failed":
+        return f"Likely: it crashed; its log: {log_hint}"
+    if f.state in ("not started", "restarting"):
+        return "It will be waited for until it (re)starts; if it never does, check the restart policy"
+    if f.port is None:
+        proxy = f" A proxy is set ({f.proxy}): gRPC may be sending the cluster's traffic through it." if f.proxy else ""
+        return (f"Its port accepts connections from {waiter_host}, yet TensorFlow gets no answer: "
+                f"another process may hold the port, or the session targets the wrong address.{proxy}")
+    if f.port == "unchecked":
+        return f"Check its log: {log_hint}"
+    return (f"Its port does not accept connections from {waiter_host} ({f.port}). Likely: it has not "
+            f"started its TF server yet (a late start), or a firewall or a wrong hosts[].address keeps "
+            f"{waiter_host} out; its log: {log_hint}")
+
+
+def _clip(text: str, n: int = 80) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= n else text[: n - 1] + "…"

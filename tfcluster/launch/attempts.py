@@ -1,0 +1,130 @@
+"""Each supervised process's attempts: start one, stream its output, restart it.
+
+A restart happens in place when the shim can (docs/ARCHITECTURE.md, "Restarts"): the
+attached shim of the attempt that failed has already started the next one, with the
+same policy and count as policy.should_restart here, and holds its output back; the
+supervisor says and counts the restart exactly as for a fresh start, then confirms it
+(AttachedTask.resume). The pump of that shim goes on; its attempts are numbered as the
+supervisor's. Any other restart (a lost connection, a shim that did not restart) is a
+fresh attached start, as before.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+from tfcluster.plan import policy
+from tfcluster.errors import TaskError
+from tfcluster.launch.session import raise_first
+from tfcluster.host.shim_protocol import RESTART_VAR
+
+
+def start_all(run, procs: list, hold: bool = False) -> None:
+    """Start processes in parallel: each start is a round trip (a handshake with its shim),
+    and 32 workers one after another would take seconds before the last one runs."""
+    run.procs.extend(p for p in procs if p not in run.procs)  # summary order = plan order
+    results = run.session.parallel(lambda i: start(run, procs[i], hold), range(len(procs)))
+    raise_first({procs[i].key: r for i, r in results.items()}, "task")
+
+
+def start(run, proc, hold: bool = False) -> None:
+    if proc.handle is not None and proc.handle.resume():   # its shim restarted it in place
+        _begin(run, proc)
+        return
+    agent = run.session.agents[proc.task.host]
+    launch = launch_of(run.session, run.run_id, proc)
+    slot = [None]
+    run.starts.append(slot)
+    proc.handle = slot[0] = agent.start_attached(launch, heartbeat_timeout=run.options.heartbeat,
+                                                 grace=run.options.grace, hold=hold,
+                                                 restart=in_place(run.plan, proc))
+    attach(run, proc)
+
+
+def attach(run, proc) -> None:
+    """proc.handle is its new attempt's shim: count the attempt, pump its output."""
+    _begin(run, proc)
+    threading.Thread(target=pump, args=(run, proc, proc.handle, proc.attempt),
+                     name=f"pump-{proc.key}", daemon=True).start()
+
+
+def launch_of(session, run_id: str, proc):
+    """proc's TaskLaunch for its next attempt (kept in proc.launch)."""
+    agent = session.agents[proc.task.host]
+    argv = agent.server_argv() if proc.role == "server" else session.plan.command(proc.task)
+    proc.launch = session.launch_for(proc.task, run_id, proc.role, argv, {RESTART_VAR: str(proc.restarts)})
+    return proc.launch
+
+
+def in_place(plan, proc) -> dict | None:
+    """The restart policy an attached shim applies itself (None: it never restarts)."""
+    restart = plan.restart
+    if restart.policy == policy.NEVER:
+        return None
+    return {"policy": restart.policy, "max_restarts": restart.max_restarts, "done": proc.restarts,
+            "zero_ends": proc.role == "script"}     # a script's exit 0 is its success, never restarted
+
+
+def _begin(run, proc) -> None:
+    if proc.attempt:
+        proc.restarted = time.time()
+    else:
+        proc.started = time.time()
+    proc.ended = proc.exit_code = None
+    proc.attempt += 1
+    if proc not in run.procs:
+        run.procs.append(proc)
+
+
+def pump(run, proc, handle, attempt: int) -> None:
+    """Feed one shim's output to the mux; report each attempt's exit on the event queue."""
+    ended = [attempt]          # the attempt whose end is reported next
+
+    def restarted(rc: int) -> None:   # an attempt the shim restarted in place; its output all fed
+        run.mux.close_task(proc.key)  # its last line shows before the note; the next starts afresh
+        run.events.put((proc, ended[0], rc))
+        ended[0] += 1
+
+    handle.on_restart = restarted
+    lost = None
+    try:
+        while chunk := handle.read():
+            run.mux.feed(proc.key, chunk)
+        rc = handle.wait(30)
+    except Exception as exc:  # noqa: BLE001 - a lost channel is an exit like any other
+        lost, rc = exc, None
+    run.mux.close_task(proc.key)
+    if lost is not None:
+        run.mux.note(proc.key, f"lost contact with {proc.task.host}: {lost}")
+    if rc is None or rc < 0:  # the channel closed with no exit status: connection lost
+        if not proc.stopping:
+            run.mux.note(proc.key, f"lost contact with {proc.task.host} (connection dropped); "
+                                   f"its shim stops the task")
+        rc = 255
+    run.events.put((proc, ended[0], rc))
+
+
+def refuse(proc) -> None:
+    """The shim restarted a task the supervisor does not restart: stop that attempt."""
+    if proc.handle is not None and proc.handle.restarted():
+        proc.handle.stop()
+
+
+def on_failure(run, proc, rc: int) -> None:
+    restart = run.plan.restart
+    what = f"{proc.task.key}{' server' if proc.role == 'server' else ''} on {proc.task.host}"
+    if policy.should_restart(restart, rc, proc.restarts):
+        proc.restarts += 1
+        count = f"{proc.restarts}/{restart.max_restarts}"
+        run.mux.note(proc.key, f"exited with code {rc}; restarting ({count})")
+        run.ui.warn(f"{what} exited with code {rc}; restarting ({count})")
+        if proc.role == "server" and proc.task.job == "ps":
+            run.ui.warn(f"{proc.task.key} lost the variables it held; training resumes from the last "
+                        f"checkpoint only if the script restores one (the templates do with --model_dir)")
+        start(run, proc)
+        return
+    refuse(proc)
+    tail = "\n".join(run.mux.tail(proc.key, 15))
+    hint = policy.known_failure(run.plan.mode, tail) or policy.restart_hint(restart, proc.restarts, rc)
+    raise TaskError(f"{what} failed with exit code {rc}", hint=hint,
+                    details=f"last lines of {proc.key}:\n{tail}" if tail else None)

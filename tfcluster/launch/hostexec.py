@@ -1,0 +1,68 @@
+"""`tfcluster exec`: one command on many hosts, output prefixed per host.
+
+The command runs as plain words through each host's agent (no shim, no Python
+needed there, so `exec` can install what the hosts lack); stderr is merged into
+stdout on the host so lines keep their order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tfcluster.errors import ExitCode, TfclusterError
+from tfcluster.launch.session import Session
+
+EXEC_FANOUT = 64
+
+
+@dataclass(frozen=True)
+class ExecOutcome:
+    exit_codes: dict[str, int]              # host -> the command's exit status
+    failures: dict[str, BaseException]      # host -> why the command could not run there
+
+
+def exec_on_hosts(session: Session, argv: list[str], mux) -> ExecOutcome:
+    """Run argv on each of the session's hosts in parallel, feeding `mux` per host."""
+    # stderr merged on the host; stdin is /dev/null (as `ssh -n`): nothing is forwarded, and
+    # a command that reads it must see its end, not wait forever; argv stays quoted
+    wrapped = ["sh", "-c", 'exec "$@" 2>&1 </dev/null', "sh", *argv]
+
+    def run_one(name: str) -> int:
+        try:
+            with session.agent(name).run_command(wrapped) as proc:
+                while chunk := proc.read(65536):
+                    mux.feed(name, chunk)
+                return proc.wait()
+        finally:
+            mux.close_task(name)
+
+    results = session.parallel(run_one, session.host_names, limit=EXEC_FANOUT)
+    mux.close()
+    return ExecOutcome(
+        exit_codes={h: r for h, r in results.items() if not isinstance(r, BaseException)},
+        failures={h: r for h, r in results.items() if isinstance(r, BaseException)})
+
+
+def exit_code_of(outcome: ExecOutcome, ui) -> int:
+    """The worst exit status; hosts where the command could not run raise one error (exit 3)."""
+    statuses = {host: _status(rc) for host, rc in outcome.exit_codes.items()}
+    for host, rc in sorted(outcome.exit_codes.items()):
+        if rc == -1:
+            ui.warn(f"host {host}: ended without an exit status (killed by a signal?): counted as 255")
+        elif rc < 0:
+            ui.warn(f"host {host}: killed by signal {-rc} (exit code {statuses[host]})")
+        elif rc:
+            ui.warn(f"host {host}: exit code {rc}")
+    if outcome.failures:
+        first_host, first = next(iter(outcome.failures.items()))
+        message = str(first) if isinstance(first, TfclusterError) else f"host {first_host}: {first}"
+        others = [h for h in outcome.failures if h != first_host]
+        if others:
+            message += f" (also failed: {', '.join(others)})"
+        raise TfclusterError(message, hint=getattr(first, "hint", None), exit_code=ExitCode.CONNECT)
+    return max(statuses.values(), default=0)
+
+
+def _status(rc: int) -> int:
+    """A command's status as a shell gives it: killed by signal N (a local process's -N) is
+    128+N; no status at all (paramiko's -1: the channel ended with a signal) is 255, as ssh(1)."""
+    return 255 if rc == -1 else 128 - rc if rc < 0 else rc

@@ -1,0 +1,97 @@
+"""Preflight: are the hosts fit for these tasks? TensorFlow importable, GPUs present,
+no two tasks on one machine sharing a port, and every port free; and do the hosts agree
+on their Python and TensorFlow versions (versions.py). Nothing is started."""
+from __future__ import annotations
+
+from tfcluster.plan import names
+
+from tfcluster.diagnose import versions
+from tfcluster.errors import PreflightError
+from tfcluster.plan import TaskPlan
+from tfcluster.ui.views import version_table
+from tfcluster.safetext import shell_join
+from tfcluster.launch.session import Session, by_host, raise_first
+
+
+def preflight(session: Session, tasks: list[TaskPlan], *, ports: bool = True,
+              busy: dict[tuple[str, int], str | None] | None = None) -> None:
+    """`ports`: the tasks bind their ports, so those must be free (`busy`: (host, port) ->
+    holder from a survey already made, else the ports are asked now)."""
+    infos = session.infos
+    for name in dict.fromkeys(t.host for t in tasks):
+        info, host = infos[name], session.plan.host(name)
+        if not info.tf_version:
+            raise PreflightError(
+                f"host {name}: tensorflow is not installed for {host.python}",
+                hint="install it there, e.g. `" + shell_join(
+                    ["tfcluster", "exec", "SPEC", "--hosts", name, "--", host.python, "-m", "pip",
+                     "install", "tensorflow"]) + "`, or set `python:` in the spec")
+        if host.gpus and info.gpus < host.gpus:
+            raise PreflightError(f"host {name}: the spec gives it {host.gpus} GPUs but it has {info.gpus}")
+    if ports:
+        _check_same_machine_ports(infos, tasks)
+        _check_ports_free(session, tasks, busy)
+
+
+def check_started_ports(servers: list[TaskPlan], live: dict) -> None:
+    """A live server (task key -> TaskStatus) whose pid file records another port than the
+    spec's: the spec changed since `up`, and reusing it would leave the spec's port closed."""
+    for task in servers:
+        st = live.get(task.key)
+        if st is not None and st.port is not None and st.port != task.port:
+            raise PreflightError(
+                f"host {task.host}: {task.key} runs on port {st.port}, not the spec's {task.port} "
+                f"(the spec changed since it was started)",
+                hint="run `tfcluster down SPEC` (it stops the cluster's servers by their tag, whatever "
+                     "their port), then `tfcluster up SPEC`")
+
+
+def check_versions(session: Session, *, allow_skew: bool, report: bool = False) -> None:
+    """Hosts on another Python or TensorFlow minor version than the rest: an error (exit 4)
+    with the version table before it, or with `allow_skew` the table and a warning. The
+    table is printed anyway with `report` (`plan --check`)."""
+    infos = {h: session.infos[h] for h in session.host_names if h in session.infos}
+    skews = versions.find_skews(infos)
+    table = version_table(infos, versions.odd_fields(skews))
+    if skews and not allow_skew:
+        raise PreflightError(
+            versions.message(skews), details=session.ui.table_text(*table),
+            hint="install the same Python and TensorFlow minor versions on every host (the table "
+                 "marks the odd ones), or pass --allow-skew to go on anyway")
+    if skews or report:
+        session.ui.table(*table, stderr=True)
+    if skews:
+        session.ui.warn(f"{versions.message(skews)} (going on: --allow-skew)")
+
+
+def _check_same_machine_ports(infos: dict, tasks: list[TaskPlan]) -> None:
+    seen: dict[tuple[str, int], TaskPlan] = {}
+    for task in tasks:
+        machine = infos[task.host].machine_id or task.host
+        other = seen.setdefault((machine, task.port), task)
+        if other is not task and other.host != task.host:
+            raise PreflightError(
+                f"hosts {other.host} and {task.host} are the same machine (machine-id) and "
+                f"{other.key} and {task.key} both use port {task.port}; a TF server binds every interface",
+                hint="give the tasks different ports")
+
+
+def _check_ports_free(session: Session, tasks: list[TaskPlan], busy=None) -> None:
+    if busy is None:
+        grouped = by_host(tasks)
+        results = session.parallel(
+            lambda h: session.agents[h].check_ports([t.port for t in grouped[h]]), grouped)
+        raise_first(results, "host")
+        busy = {(h, port): holder for h, ports in results.items() for port, holder in ports.items()}
+    for task in tasks:
+        holder = busy.get((task.host, task.port))
+        if holder:
+            raise PreflightError(
+                f"host {task.host}: port {task.port} for {task.key} is already in use ({holder})",
+                hint=_busy_hint(session.plan.name, holder))
+
+
+def _busy_hint(cluster: str, holder: str) -> str:
+    other = names.other_workdir(holder, cluster)
+    return (f"it looks like {other}" if other else
+            "stop whatever holds it (`tfcluster down` if it is an old cluster), or change the port in the spec")

@@ -1,0 +1,270 @@
+"""Reachability: before anything trains, every host that runs tasks opens a TCP connection
+to every task address of the cluster, exactly as its tasks will dial them.
+
+One `reach` shim per host (shim_net.py): each listens on the ports of its tasks that no
+live server of this cluster serves yet (a short rehearsal of the servers and scripts that
+will bind them), then all connect to all. A failing pair is a PreflightError (exit 4)
+naming the host, the task and the address, with a hint by cause; nothing is left running
+(the shims close their listeners and exit before this returns). See docs/ARCHITECTURE.md,
+"Checks before a run".
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+from tfcluster.host import shim_protocol as proto
+from tfcluster.launch.attached import json_object, tail_text
+from tfcluster.errors import HostError, PreflightError
+from tfcluster.plan import Plan, TaskPlan
+from tfcluster.launch.session import raise_first
+from tfcluster.host.shim_net import CONNECT_TIMEOUT, probe_all_bound
+from tfcluster.transport.base import Proc
+
+START_TIMEOUT = 60.0     # a shim's start over SSH (a login shell and an interpreter), listeners up
+EXIT_WAIT = 5.0          # a shim closes its listeners and exits once its stdin ends
+ANSWER_SLACK = 30.0      # a loaded host's (or connection's) delay on top of the shim's own bounds
+
+
+@dataclass(frozen=True)
+class Failure:
+    host: str          # where the connection was opened from
+    task: str          # the task whose address it was
+    target: str        # address:port
+    reason: str        # "name does not resolve", "connection refused", "timed out after 5s", ...
+
+    def line(self) -> str:
+        return f"host {self.host} cannot reach {self.task} at {self.target}: {self.reason}"
+
+
+def cluster_tasks(plan: Plan) -> list[TaskPlan]:
+    """The tasks whose addresses are in the cluster (every TF task may dial each of them)."""
+    members = {address for _job, addresses in plan.cluster for address in addresses}
+    return [t for t in plan.tasks if t.target in members]
+
+
+def check_reachability(session, tasks: list[TaskPlan] | None = None, served=frozenset(),
+                       timeout: float = CONNECT_TIMEOUT, execs: dict | None = None) -> float:
+    """Every host that runs tasks connects to every task of `tasks` (default: the cluster).
+    `served`: keys of tasks whose live server answers already (no listener there). `execs`:
+    host -> an open conversation that speaks these lines too (`up`'s, upexec.py; a held
+    script start, held.py): no exec of its own there.
+    Raises PreflightError for a failing pair; returns the seconds it took."""
+    plan, ui = session.plan, session.ui
+    tasks = cluster_tasks(plan) if tasks is None else list(tasks)
+    if not tasks:
+        return 0.0
+    sources = list(plan.hosts)          # every task's host is one of them
+    listen = {h: [t.port for t in tasks if t.host == h and t.key not in served] for h in sources}
+    targets = [[t.address, t.port] for t in tasks]
+    t0 = time.monotonic()
+    ui.info(f"Checking that {len(sources)} host(s) reach {len(tasks)} task address(es)…")
+    answers = _exchange(session, sources, listen, targets, timeout, execs or {})
+    _raise_busy(answers, tasks)
+    by_target = {t.target: t for t in tasks}
+    failures = [Failure(h, by_target[f"{a}:{p}"].key, f"{a}:{p}", reason)
+                for h in sources for a, p in targets
+                if (reason := answers[h]["results"].get(f"{a}:{p}")) is not None]
+    if failures:
+        raise _error(failures, plan)
+    seconds = time.monotonic() - t0
+    ui.info(f"reachability: {len(sources)} host(s) reach every task address ({seconds:.1f}s)")
+    return seconds
+
+
+def can_connect(session, from_host: str, targets, timeout: float = CONNECT_TIMEOUT) -> dict:
+    """Connect only (no listeners) from `from_host` to [(address, port), ...]:
+    {"address:port": None | reason}. For a watchdog asking why a task waits."""
+    agent = session.agents[from_host]
+    request = {"targets": [[a, int(p)] for a, p in targets], "timeout": timeout}
+    proc = agent.transport.spawn(agent._shim_argv(proto.REACH))   # noqa: SLF001 - a streaming shim command
+    with _Killer([proc], START_TIMEOUT + probe_all_bound(len(request["targets"]), timeout)) as killer:
+        proc.write(proto.json_line(request))
+        proc.close_stdin()
+        return _Lines(proc, agent.name, killer).next("results")["results"]
+
+
+# ------------------------------------------------------------------------- the exchange
+
+def _exchange(session, hosts: list[str], listen: dict, targets: list, timeout: float,
+              execs: dict) -> dict:
+    """Every host: listeners up (all of them before anyone connects), then connect, then
+    close (a conversation of `execs` closes its listeners on its next line, before GO).
+    host -> {"listening", "busy", "results"}."""
+    procs: dict[str, Proc] = {}
+    readers: dict[str, _Lines] = {}
+    connecting = probe_all_bound(len(targets), timeout) + ANSWER_SLACK
+    lifetime = START_TIMEOUT + connecting + ANSWER_SLACK   # the shims' own bound
+    killer = _Killer([], START_TIMEOUT)
+
+    def open_host(host: str) -> dict:
+        agent = session.agents[host]
+        if agent.cancelled.is_set():
+            raise KeyboardInterrupt()
+        if host in execs:
+            proc = execs[host].proc
+            killer.add(proc, borrowed=True)
+        else:
+            proc = procs[host] = agent.transport.spawn(agent._shim_argv(proto.REACH))   # noqa: SLF001
+            killer.add(proc)
+        proc.write(proto.json_line({"listen": listen[host], "lifetime": lifetime}))
+        readers[host] = _Lines(proc, host, killer)
+        if host in execs:
+            readers[host].buf, execs[host].buf = execs[host].buf, b""
+        return readers[host].next("listening")
+
+    def go(host: str) -> dict:
+        readers[host].proc.write(proto.json_line({"targets": targets, "timeout": timeout}))
+        answer = readers[host].next("results")
+        if host in execs:
+            execs[host].buf = readers[host].buf
+        return answer
+
+    def close_held(host: str) -> None:
+        """A held start (held.py) closes its listeners on a line of its own, once every
+        host is done connecting, and says so before anything binds."""
+        readers[host].proc.write(proto.json_line({"close": True}))
+        readers[host].next("closed")
+        execs[host].buf = readers[host].buf
+
+    with killer:
+        opened = session.parallel(open_host, hosts)
+        raise_first(opened, "host")
+        killer.restart(connecting)
+        results = session.parallel(go, hosts)
+        raise_first(results, "host")
+        _close(procs)
+        raise_first(session.parallel(close_held, [h for h in hosts if getattr(execs.get(h), "closes", False)]),
+                    "host")
+    return {h: {**opened[h], **results[h]} for h in hosts}
+
+
+def _close(procs: dict[str, Proc]) -> None:
+    """End every shim's stdin and wait until it exited: its listeners must be gone before
+    a server binds the same port."""
+    for proc in procs.values():
+        try:
+            proc.close_stdin()
+        except OSError:
+            pass
+    deadline = time.monotonic() + EXIT_WAIT
+    for host, proc in procs.items():
+        if proc.wait(max(0.0, deadline - time.monotonic())) is None:
+            raise HostError(f"host {host}: reach did not exit {EXIT_WAIT:g}s after its stdin ended")
+
+
+class _Killer:
+    """Drops every process when a phase overruns its deadline (a read then returns EOF);
+    drops them all on leaving, whatever happened."""
+
+    def __init__(self, procs: list[Proc], seconds: float) -> None:
+        self.procs = list(procs)
+        self.borrowed: list[Proc] = []     # killed when a deadline passes, not on leaving
+        self.expired = False
+        self._lock = threading.Lock()
+        self._timer: threading.Timer | None = None
+        self.seconds = seconds
+        self.restart(seconds)
+
+    def add(self, proc: Proc, borrowed: bool = False) -> None:
+        with self._lock:
+            (self.borrowed if borrowed else self.procs).append(proc)
+            late = self.expired
+        if late:            # spawned after the deadline passed: never wait on it
+            proc.kill()
+
+    def restart(self, seconds: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self.seconds = seconds
+        self._timer = threading.Timer(seconds, self._expire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _expire(self) -> None:
+        with self._lock:
+            self.expired = True
+        self._kill_all(borrowed=True)
+
+    def _kill_all(self, borrowed: bool = False) -> None:
+        with self._lock:
+            procs = self.procs + (self.borrowed if borrowed else [])
+        for proc in procs:
+            proc.kill()
+
+    def __enter__(self) -> "_Killer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._kill_all()        # a borrowed conversation is its owner's to close
+
+
+class _Lines:
+    """JSON lines from a shim's stdout; its error envelope or an early end is a HostError."""
+
+    def __init__(self, proc: Proc, host: str, killer: _Killer) -> None:
+        self.proc, self.host, self.killer = proc, host, killer
+        self.buf = b""
+
+    def next(self, key: str) -> dict:
+        answer = None
+        while answer is None:            # lines that are no JSON object: a login shell's words
+            while b"\n" not in self.buf:
+                chunk = self.proc.read()
+                if not chunk:
+                    if self.killer.expired:
+                        raise HostError(f"host {self.host}: reach did not answer within "
+                                        f"{self.killer.seconds:g}s")
+                    raise HostError(f"host {self.host}: reach ended early: "
+                                    f"{tail_text(self.proc.read_stderr()) or 'no output'}")
+                self.buf += chunk
+            line, self.buf = self.buf.split(b"\n", 1)
+            answer = json_object(line)
+        problem = proto.error_of(answer)
+        if problem is not None:
+            raise HostError(f"host {self.host}: reach: {problem}")
+        if key not in answer:
+            raise HostError(f"host {self.host}: reach: unexpected answer {line[:200]!r}")
+        return answer
+
+
+# ------------------------------------------------------------------------- diagnosis
+
+def _raise_busy(answers: dict, tasks: list[TaskPlan]) -> None:
+    for task in tasks:
+        holder = answers[task.host]["busy"].get(str(task.port))
+        if holder:
+            raise PreflightError(
+                f"host {task.host}: port {task.port} of {task.key} is already in use ({holder})",
+                hint="stop whatever holds it (`tfcluster down` if it is an old cluster), "
+                     "or change the port in the spec")
+
+
+def _error(failures: list[Failure], plan: Plan) -> PreflightError:
+    first = failures[0]
+    details = None
+    if len(failures) > 1:
+        details = f"{len(failures)} failing pairs:\n" + "\n".join(f"  {f.line()}" for f in failures)
+    return PreflightError(first.line(), hint=_hint(first, plan), details=details)
+
+
+def _hint(f: Failure, plan: Plan) -> str:
+    owner = plan.task(f.task).host
+    address = f.target.rpartition(":")[0]
+    off = "or set train.checks.reachability: false to skip this check"
+    if f.reason.startswith("name does not resolve"):
+        return (f"{address} must resolve on every host, as the tasks dial it (an ~/.ssh/config "
+                f"alias only works for ssh): give host {owner} an address every host resolves "
+                f"(DNS, /etc/hosts) or its IP; {off}")
+    if f.reason == "connection refused":
+        return (f"nothing listens at {f.target} as seen from {f.host}: a firewall rejects the "
+                f"port, or {address} names another machine than host {owner}; {off}")
+    if f.reason.startswith("timed out"):
+        return (f"a firewall drops the packets from {f.host} to {f.target} (or the address is "
+                f"not routable from there): open the port between the hosts; {off}")
+    return f"check the routes and firewalls between {f.host} and {owner}; {off}"
+
+

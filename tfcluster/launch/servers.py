@@ -1,0 +1,158 @@
+"""Starting the cluster's TF servers and waiting until each listens on its port.
+
+`up` starts detached servers (they outlive it) with one `launch` round trip per host;
+`train` starts attached ones through the supervisor and waits here. Both report each
+server as it becomes ready, and name the first that did not, with its log's tail. Ready
+means the listening socket on the port is the started process's own: a port someone else
+took after the preflight is reported with its holder.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+from tfcluster.plan import names
+from tfcluster.errors import DeadlineError, HostError, PreflightError, TfclusterError
+from tfcluster.plan import TaskPlan
+from tfcluster.launch.session import Session, by_host, raise_first
+from tfcluster.host.shim_protocol import DEFAULT_GRACE
+
+READY_TIMEOUT = 120.0
+
+
+@dataclass
+class Started:
+    task: TaskPlan
+    tag: str
+    pid: int
+    log: str
+
+
+def start_detached(session: Session, tasks: list[TaskPlan], run_id: str,
+                   timeout: float = READY_TIMEOUT, execs: dict | None = None) -> list[Started]:
+    """Start a detached server per task and wait until each is ready (one round trip per
+    host, or none: `execs` are `up`'s open conversations, upexec.py). On any failure, or
+    Ctrl-C, everything started here is stopped first."""
+    grouped = by_host(tasks)
+    started: dict[str, Started] = {}
+    progress = _Progress(session, [t.key for t in tasks])
+
+    def run_host(host: str) -> list[tuple[str, str, str | None]]:
+        agent = session.agents[host]
+        launches = {t.key: (t, session.launch_for(t, run_id, "server", agent.server_argv()))
+                    for t in grouped[host]}
+        decided = []
+        events = (execs[host].go(list(launches)) if execs and host in execs
+                  else agent.launch([(k, t.port, l) for k, (t, l) in launches.items()], timeout))
+        for key, state, value in events:
+            task, launch = launches[key]
+            if state == "started":
+                started[key] = Started(task, launch.tag, value, launch.log)
+                continue
+            decided.append((key, state, value))
+            if state == "ready":
+                progress.ready(key)
+        return decided
+
+    try:
+        try:
+            results = session.parallel(run_host, grouped)
+        finally:
+            progress.close()
+        _raise_unready(session, results, started, timeout)
+    except BaseException:
+        session.stop_run(names.run_prefix(session.plan.name, run_id), DEFAULT_GRACE)
+        raise
+    return list(started.values())
+
+
+def wait_ready(session: Session, started: list[Started], timeout: float = READY_TIMEOUT) -> None:
+    """Block until every started server listens on its port (its own socket); raise naming
+    the first that did not."""
+    grouped = by_host(started, lambda s: s.task.host)
+    progress = _Progress(session, [s.task.key for s in started])
+
+    def wait_host(host: str) -> list[tuple[str, str, str | None]]:
+        items = [(s.task.key, s.task.port, s.pid) for s in grouped[host]]
+        decided = []
+        for key, outcome, holder in session.agents[host].wait_ready(items, timeout):
+            decided.append((key, outcome, holder))
+            if outcome == "ready":
+                progress.ready(key)
+        return decided
+
+    try:
+        results = session.parallel(wait_host, grouped)
+    finally:
+        progress.close()
+    _raise_unready(session, results, {s.task.key: s for s in started}, timeout)
+
+
+def _raise_unready(session: Session, results: dict, started: dict[str, Started], timeout: float) -> None:
+    raise_first(results, "host")
+    for decided in results.values():
+        for key, outcome, holder in decided:
+            if outcome == "taken":
+                task = started[key].task
+                other = names.other_workdir(holder, session.plan.name)
+                raise PreflightError(f"host {task.host}: port {task.port} for {key} was taken by "
+                                     f"{holder} before the server could listen on it",
+                                     hint=f"it looks like {other}" if other else
+                                     "choose another port in the spec, or stop that process")
+            if outcome != "ready":
+                _raise_not_ready(session, started[key], outcome, timeout)
+
+
+class _Progress:
+    """A line per server as it becomes ready, naming the ones still awaited, and every
+    TICK seconds without news a line saying what is still awaited and for how long."""
+
+    TICK = 5.0
+    NAMED = 4           # names shown before "+N more"
+
+    def __init__(self, session: Session, keys: list[str]) -> None:
+        self.session, self.total, self.t0 = session, len(keys), time.monotonic()
+        self.pending = list(keys)
+        self.lock = threading.Lock()
+        self.done = threading.Event()
+        self.last_news = self.t0
+        threading.Thread(target=self._tick, name="tfcluster-progress", daemon=True).start()
+
+    def ready(self, key: str) -> None:
+        with self.lock:
+            if key in self.pending:
+                self.pending.remove(key)
+            count = self.total - len(self.pending)
+            self.last_news = now = time.monotonic()
+            waiting = f"; waiting for {self._names()}" if self.pending else ""
+            self.session.ui.info(f"  ✓ {key:<10} ready on {self.session.plan.task(key).target}"
+                                 f"  ({now - self.t0:.1f}s, {count}/{self.total}{waiting})")
+
+    def _tick(self) -> None:
+        while not self.done.wait(1.0):
+            with self.lock:
+                now = time.monotonic()
+                if self.pending and now - self.last_news >= self.TICK:
+                    self.last_news = now
+                    self.session.ui.info(f"  … {now - self.t0:.0f}s: still waiting for {self._names()}")
+
+    def _names(self) -> str:
+        shown = ", ".join(self.pending[:self.NAMED])
+        more = len(self.pending) - self.NAMED
+        return shown + (f" (+{more} more)" if more > 0 else "")
+
+    def close(self) -> None:
+        self.done.set()
+
+
+def _raise_not_ready(session: Session, s: Started, outcome: str, timeout: float) -> None:
+    try:
+        tail = session.agents[s.task.host].tail(s.log, 15)
+    except TfclusterError:
+        tail = ""
+    where = f"{s.task.key} on {s.task.host} ({s.task.target})"
+    details = f"last lines of {s.task.key}'s log ({s.log}):\n{tail}" if tail.strip() else None
+    if outcome == "timeout":
+        raise DeadlineError(f"{where}: server not ready after {timeout:.0f}s", details=details)
+    raise HostError(f"{where}: server exited before it was ready", details=details)

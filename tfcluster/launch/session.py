@@ -1,0 +1,248 @@
+"""A session on the plan's hosts: one HostAgent per host, opened in parallel, and the
+steps `up` and `train` share (preflight, survey, starting servers, stopping a run).
+
+Work on several hosts runs in daemon threads through `Session.parallel`. Ctrl-C (or
+SIGTERM) reaches the main thread only: it stops waiting at once, tells every agent
+to start nothing more and to drop what it is starting, and propagates as itself,
+never as a host failure. The caller's cleanup then sweeps by tag.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Callable, Iterable, TypeVar
+
+from tfcluster.plan import names
+from tfcluster.launch.agent import HostAgent, HostInfo, Survey, TaskLaunch
+from tfcluster.errors import Terminated, TfclusterError
+from tfcluster.plan import HostPlan, Plan, TaskPlan
+from tfcluster.host.shim_protocol import FLUSH_VAR, PROBE_VAR
+from tfcluster.diagnose.proxy import no_proxy_for
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+SETTLE_AFTER_INTERRUPT = 2.0   # seconds the host threads get to notice a Ctrl-C
+STDOUT_FLUSH = "0.01"          # a script's stdout reaches its log at least this often (seconds)
+
+
+def parallel(fn: Callable[[T], R], items: Iterable[T], limit: int = 32,
+             on_interrupt: Callable[[], None] | None = None) -> dict[T, R | BaseException]:
+    """Run fn over items in daemon threads; every item gets its result or its exception.
+
+    An interrupt while waiting (KeyboardInterrupt, Terminated) calls `on_interrupt`,
+    gives the threads SETTLE_AFTER_INTERRUPT seconds to wind down, and re-raises."""
+    items = list(items)
+    results: dict = {}
+    if not items:
+        return results
+    pending = iter(items)
+    lock = threading.Lock()
+    done = threading.Event()
+    stop = threading.Event()
+    remaining = [len(items)]
+
+    def worker() -> None:
+        while not stop.is_set():
+            with lock:
+                item = next(pending, _END)
+            if item is _END:
+                return
+            try:
+                result = fn(item)
+            except BaseException as exc:  # noqa: BLE001 - reported per item by the caller
+                result = exc
+            with lock:
+                results[item] = result
+                remaining[0] -= 1
+                if not remaining[0]:
+                    done.set()
+
+    try:  # an interrupt may land while the threads are being started, too
+        for _ in range(min(limit, len(items))):
+            threading.Thread(target=worker, daemon=True, name="tfcluster-host").start()
+        done.wait()
+    except BaseException:
+        stop.set()
+        if on_interrupt is not None:
+            on_interrupt()
+        done.wait(SETTLE_AFTER_INTERRUPT)
+        raise
+    return {item: results[item] for item in items}
+
+
+_END = object()
+
+
+class Background:
+    """fn(*args) on a thread; result() joins it and returns its value or raises its error."""
+
+    def __init__(self, fn, *args) -> None:
+        self._out: list = []
+        self._thread = threading.Thread(target=self._run, args=(fn, args), daemon=True,
+                                        name="tfcluster-background")
+        self._thread.start()
+
+    def _run(self, fn, args) -> None:
+        try:
+            self._out.append((True, fn(*args)))
+        except BaseException as exc:  # noqa: BLE001 - raised by result()
+            self._out.append((False, exc))
+
+    def result(self):
+        self._thread.join()
+        ok, value = self._out[0]
+        if not ok:
+            raise value
+        return value
+
+
+def raise_first(results: dict, what: str) -> None:
+    """Raise the first failure, mentioning how many other items failed too. An interrupt
+    that reached a host thread is re-raised as itself."""
+    failures = [(k, e) for k, e in results.items() if isinstance(e, BaseException)]
+    for _key, exc in failures:
+        if isinstance(exc, (KeyboardInterrupt, Terminated)):
+            raise exc
+    if not failures:
+        return
+    key, exc = failures[0]
+    if not isinstance(exc, TfclusterError):
+        exc = TfclusterError(f"{what} {key}: {type(exc).__name__}: {exc}")
+    if len(failures) > 1:
+        others = ", ".join(str(k) for k, _ in failures[1:])
+        exc.message = f"{exc.message} (also failed: {others})"
+        exc.args = (exc.message,)
+    raise exc
+
+
+def by_host(items, host=lambda t: t.host) -> dict[str, list]:
+    grouped: dict[str, list] = {}
+    for item in items:
+        grouped.setdefault(host(item), []).append(item)
+    return grouped
+
+
+def make_agent(host: HostPlan, cluster_dir: str) -> HostAgent:
+    from tfcluster.transport import make_transport
+
+    transport = make_transport(host.name, host.address, local=host.local, ssh=host.ssh)
+    return HostAgent(host.name, transport, host.python, cluster_dir, bindir=host.bindir)
+
+
+class Session:
+    """One HostAgent per host of the plan, prepared (connected, shim shipped) in parallel."""
+
+    def __init__(self, plan: Plan, ui, hosts: Iterable[str] | None = None, *, light: bool = False) -> None:
+        """`light`: each host's `info` says only which machine it is (down, status), so no
+        `nvidia-smi` or version lookup runs there; infos then hold no versions or GPUs."""
+        self.plan = plan
+        self.light = light
+        self.ui = ui
+        self.paths = names.ClusterPaths(plan.cluster_dir)
+        self.host_names = tuple(hosts) if hosts is not None else plan.hosts
+        self.agents: dict[str, HostAgent] = {}
+        self.infos: dict[str, HostInfo] = {}
+        self.no_proxy = no_proxy_for(plan)    # every task's start request carries these
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def parallel(self, fn: Callable[[T], R], items: Iterable[T], limit: int = 32) -> dict:
+        return parallel(fn, items, limit, on_interrupt=self.interrupt)
+
+    def interrupt(self) -> None:
+        for agent in list(self.agents.values()):
+            agent.interrupt()
+
+    def agent(self, name: str) -> HostAgent:
+        """The host's agent, created (not yet connected) on first use."""
+        if name not in self.agents:
+            self.agents[name] = make_agent(self.plan.host(name), self.plan.cluster_dir)
+            self.agents[name].info_request = {"light": True} if self.light else {}
+        return self.agents[name]
+
+    def open(self, *, strict: bool = True, survey: list[TaskPlan] | None = None,
+             ship: tuple[list, str, set[str]] | None = None, prepare: Callable | None = None) -> dict:
+        """Connect and prepare every host; returns name -> HostInfo | exception.
+
+        `survey`: tasks whose ports (and this cluster's processes) the same round trip
+        should look at, for a survey() that follows. `ship` = (files, run dir, hosts): the
+        same round trip places those files from each host's cache (shipping.ship then
+        sends only what a cache lacked). `prepare(name, survey, files)`: prepares the host
+        in place of HostAgent.prepare (train also starts its held scripts, startup.py)."""
+        for name in self.host_names:
+            self.agent(name)
+        ports = by_host(survey or [])
+        prefix = names.cluster_prefix(self.plan.name)
+
+        def one(name: str) -> HostInfo:
+            wanted = (prefix, [t.port for t in ports.get(name, [])]) if survey is not None else None
+            agent = self.agents[name]
+            files = agent.files_request(ship[0], ship[1]) if ship and name in ship[2] and ship[0] else None
+            return prepare(name, wanted, files) if prepare is not None else agent.prepare(wanted, files)
+
+        results = self.parallel(one, self.host_names)
+        for name, result in results.items():
+            if not isinstance(result, BaseException):
+                self.infos[name] = result
+        if strict:
+            raise_first(results, "host")
+        return results
+
+    def drop(self, hosts: Iterable[str]) -> None:
+        """Forget hosts that could not be opened (their agents hold nothing)."""
+        for name in hosts:
+            agent = self.agents.pop(name, None)
+            if agent is not None:
+                agent.close()
+
+    def close(self) -> None:
+        parallel(lambda a: a.close(), list(self.agents.values()))
+        self.agents.clear()
+
+    # -- naming what a run starts -------------------------------------------------------
+
+    def launch_for(self, task: TaskPlan, run_id: str, role: str, argv,
+                   extra_env: dict[str, str] | None = None) -> TaskLaunch:
+        tag = names.Tag(self.plan.name, run_id, task.job, task.index, role)
+        env = dict(task.env)
+        if role == "script":
+            env.update(task.script_env)
+            probe = self.plan.probes()
+            if probe:
+                env[PROBE_VAR] = probe
+            env.setdefault(FLUSH_VAR, STDOUT_FLUSH)   # the spec's `env:` may set "0": unbuffered
+        env["TFCLUSTER_RUN_ID"] = run_id
+        env.update(extra_env or {})
+        return TaskLaunch(tag=str(tag), argv=tuple(argv), env=env, cwd=self.paths.rundir(run_id),
+                          log=self.paths.log(run_id, task.key, role), pidfile=self.paths.pidfile(tag),
+                          no_proxy=self.no_proxy)
+
+    def survey(self, tasks: list[TaskPlan]) -> tuple[dict[str, object], dict]:
+        """One round trip per host: live servers of this cluster (task key -> TaskStatus) and
+        who holds the given tasks' ports ((host, port) -> holder or None)."""
+        ports = by_host(tasks)
+        prefix = names.cluster_prefix(self.plan.name)
+        results: dict[str, Survey | BaseException] = self.parallel(
+            lambda h: self.agents[h].survey(prefix, [t.port for t in ports.get(h, [])]),
+            list(self.agents))
+        raise_first(results, "host")
+        live, busy = {}, {}
+        for host, found in results.items():
+            busy.update({(host, port): holder for port, holder in found.ports.items()})
+            for st in found.statuses:
+                tag = names.Tag.parse(st.tag)
+                if st.alive and not st.warm and not st.unrecorded and tag is not None and tag.role == "server":
+                    live[tag.key] = st
+        return live, busy
+
+    def stop_run(self, prefix: str, grace: float) -> dict:
+        """Stop every process with this tag prefix on every connected host."""
+        return parallel(lambda h: self.agents[h].stop(prefix, grace), list(self.agents))
+
+
+def server_tasks(plan: Plan) -> list[TaskPlan]:
+    return [t for t in plan.tasks if t.runs_server]

@@ -1,0 +1,192 @@
+"""The start of a `train`: the checks, the servers, the files and the scripts, overlapped.
+
+Every remote execution costs a login shell and an interpreter start on the host, so the
+steps that need one run side by side (docs/ARCHITECTURE.md, "Checks before a run"):
+the files were placed from each host's cache in the bootstrap's round trip (Session.open),
+and only stale ones ship, on a thread, from the end of the preflight; the scripts' shims
+start **held** (held.py) and the servers warm, both before reachability, which the held
+shims carry; after it passed, the servers get GO and become ready, then the scripts get
+GO. Nothing of a script runs before reachability passed, and a failed check leaves
+nothing running: the held shims exit on EOF, the warm servers are stopped by the run's
+shutdown. Starting, pumping and restarting one process: attempts.py.
+"""
+from __future__ import annotations
+
+import queue
+from dataclasses import dataclass, field
+
+from tfcluster.launch import attempts
+
+from tfcluster.plan import names
+from tfcluster.errors import TfclusterError
+from tfcluster.launch.records import HostInfo
+from tfcluster.launch.held import HeldStart, prepare_holding
+from tfcluster.plan import Plan, TaskPlan
+from tfcluster.launch.preflight import check_started_ports, check_versions, preflight
+from tfcluster.launch.reach import check_reachability
+from tfcluster.watch.runs import ProgressLog
+from tfcluster.launch.servers import Started, wait_ready
+from tfcluster.launch.session import Background, Session, raise_first, server_tasks
+from tfcluster.launch.shipping import ship
+
+
+@dataclass
+class Supervised:
+    """One supervised process: a script, or a server this run owns."""
+
+    task: TaskPlan
+    role: str                       # "script" | "server"
+    key: str                        # LogMux key
+    handle: object = None           # AttachedTask
+    launch: object = None           # TaskLaunch of the current attempt
+    started: float = 0.0            # its first attempt's start: the summary's and manifest's
+    restarted: float | None = None  # its last restart's start (None: never restarted)
+    ended: float | None = None
+    exit_code: int | None = None
+    restarts: int = 0
+    attempt: int = 0
+    stopping: bool = False
+
+    @property
+    def attempt_started(self) -> float:
+        """When the current attempt started."""
+        return self.restarted or self.started
+
+
+@dataclass
+class Run:
+    plan: Plan
+    ui: object
+    options: object                 # supervisor.Options
+    run_id: str
+    session: Session
+    mux: object
+    events: "queue.Queue[tuple[Supervised, int, int]]" = field(default_factory=queue.Queue)
+    procs: list[Supervised] = field(default_factory=list)
+    owns_servers: bool = False
+    checks: object = None           # diagnoses.RunChecks
+    board: object = None            # board.Board: TensorBoard on the chief's host, if asked for
+    progress: ProgressLog | None = None   # each script's step, loss and rate (progress.tsv)
+    footer: object = None           # footer.LiveFooter on a terminal, from the scripts' start
+    starts: list = field(default_factory=list)   # per attached start: [its AttachedTask or None]
+    files: list | None = None       # shipping.collect_files(plan), read before connecting
+
+
+class Holder:
+    """The scripts' held starts (held.py), made on each host's thread by Session.open's
+    `prepare`: a host's first one is its bootstrap's exec too, the others follow it, and
+    they start while the other hosts are prepared and the checks run. Nothing of a script
+    runs before GO."""
+
+    def __init__(self, session: Session, run_id: str, options) -> None:
+        self.session, self.run_id, self.options = session, run_id, options
+        self.procs = [Supervised(t, "script", t.key) for t in session.plan.tasks if t.runs_script]
+        self.held: dict[str, HeldStart] = {}
+
+    def prepare(self, host: str, survey, files: dict | None) -> HostInfo:
+        """Session.open's preparation of one host: with a script there, the bootstrap's exec
+        is that script's held start (one exec for both); the host's other scripts follow."""
+        agent = self.session.agents[host]
+        mine = [p for p in self.procs if p.task.host == host]
+        hb, grace = self.options.heartbeat, self.options.grace
+        plan = self.session.plan
+        if mine and not agent.in_process:
+            info, self.held[mine[0].key] = prepare_holding(
+                agent, survey, files, attempts.launch_of(self.session, self.run_id, mine[0]), hb, grace,
+                restart=attempts.in_place(plan, mine[0]))
+            mine = mine[1:]
+        else:
+            info = agent.prepare(survey, files)
+        for p in mine:
+            self.held[p.key] = HeldStart(agent, attempts.launch_of(self.session, self.run_id, p), hb, grace,
+                                         restart=attempts.in_place(plan, p))
+        return info
+
+    def first_per_host(self) -> dict[str, HeldStart]:
+        first: dict[str, HeldStart] = {}
+        for p in self.procs:
+            first.setdefault(p.task.host, self.held[p.key])
+        return first
+
+    def drop(self) -> None:
+        """Those not started: each shim exits on EOF, having run nothing."""
+        for key in list(self.held):
+            self.held.pop(key).drop()
+
+
+def begin(run: Run, holder: Holder) -> None:
+    """Checks, servers, files, scripts: returns once every script has started."""
+    plan, ui, session = run.plan, run.ui, run.session
+    try:
+        check_versions(session, allow_skew=run.options.allow_skew)
+        servers, live = _prepare_servers(run)
+        # In classic mode the scripts build their own servers: their ports must be free too.
+        preflight(session, [p.task for p in holder.procs], ports=plan.mode == "classic")
+        shipping = Background(ship, session, [p.task for p in holder.procs], run.run_id, run.files)
+        # The servers start warm (TF imported, port not bound) while reachability runs.
+        warm = _warm_servers(run, servers, hold=plan.checks.reachability)
+        if plan.checks.reachability:   # live servers are dialled; other ports get a rehearsal
+            check_reachability(session, served=live, execs=holder.first_per_host())
+        _release_servers(run, warm)      # on failure the shipping thread is left to end (a daemon)
+        ui.info(shipping.result())
+        ui.info(f"Starting the script on {len(holder.procs)} task(s): "
+                f"{', '.join(p.key for p in holder.procs)}")
+        _go_all(run, holder.procs, holder.held)
+    finally:
+        holder.drop()
+
+
+def _go_all(run: Run, procs: list[Supervised], held: dict) -> None:
+    run.procs.extend(p for p in procs if p not in run.procs)  # summary order = plan order
+
+    def one(i: int) -> None:
+        p = procs[i]
+        slot = [None]
+        run.starts.append(slot)
+        proc = held.pop(p.key)
+        p.handle = slot[0] = proc.go()
+        attempts.attach(run, p)
+    raise_first({procs[i].key: r for i, r in run.session.parallel(one, range(len(procs))).items()}, "task")
+
+
+def _prepare_servers(run: Run) -> tuple[list[TaskPlan], set[str]]:
+    """(servers this run starts, keys of the live `up` servers it reuses instead)."""
+    servers = server_tasks(run.plan)
+    if not servers:
+        return [], set()
+    live, busy = run.session.survey(servers)
+    gone = sorted(set(live) - {t.key for t in servers})
+    if gone:       # their TF servers were started with a cluster that has them: not this spec's
+        raise TfclusterError(
+            f"cluster {run.plan.name!r} runs {len(gone)} server(s) the spec no longer has: {', '.join(gone)}",
+            hint="run `tfcluster down SPEC` (it stops every server of the cluster), then `tfcluster up SPEC` "
+                 "or `tfcluster train SPEC`")
+    check_started_ports(servers, live)
+    if live and len(live) == len(servers):
+        run.ui.info(f"Using the running cluster ({len(live)} servers from `tfcluster up`)")
+        return [], set(live)
+    if live:
+        raise TfclusterError(
+            f"cluster {run.plan.name!r} is partly up ({len(live)} of {len(servers)} servers running)",
+            hint="run `tfcluster up SPEC` to start the missing servers, or `tfcluster down SPEC`")
+    preflight(run.session, servers, busy=busy)
+    return servers, set()
+
+
+def _warm_servers(run: Run, servers: list[TaskPlan], hold: bool) -> list[Supervised]:
+    """Start the servers attached; with `hold` they import TF and wait for GO unbound."""
+    if not servers:
+        return []
+    run.owns_servers = True
+    procs = [Supervised(t, "server", names.mux_key(t.key, "server", t.runs_script)) for t in servers]
+    attempts.start_all(run, procs, hold=hold)
+    return procs
+
+
+def _release_servers(run: Run, procs: list[Supervised]) -> None:
+    if not procs:
+        return
+    run.ui.info(f"Starting {len(procs)} server(s)…")
+    for p in procs:
+        p.handle.go()
+    wait_ready(run.session, [Started(p.task, p.launch.tag, p.handle.pid, p.launch.log) for p in procs])

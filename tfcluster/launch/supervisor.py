@@ -1,0 +1,279 @@
+"""`tfcluster train`: run the training script on the cluster and supervise it.
+
+The supervisor brings up the servers the mode needs (attached, so they die with
+it) or reuses a cluster that is `up`, ships the script, starts one attached
+script per task, streams every output into the LogMux, applies the restart
+policy, and stops everything in order on success, failure, timeout or Ctrl-C.
+Once the scripts run, the supervisor waits on one event queue fed by one reader
+thread per process; the decisions (retry? succeeded? what stops when?) are pure
+functions in policy.py.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import re
+import signal
+import threading
+import time
+from dataclasses import dataclass
+
+from tfcluster.launch import attempts
+
+from tfcluster.watch import footer
+
+from tfcluster.plan import names
+
+from tfcluster.plan import policy
+
+from tfcluster.launch import state
+from tfcluster.diagnose.checks import RunChecks
+from tfcluster.errors import DeadlineError, ExitCode, Terminated, TfclusterError, UsageError
+from tfcluster.localfs import private_dir
+from tfcluster.watch.metrics import DEFAULT_LOSS
+from tfcluster.plan import Plan
+from tfcluster.ui.views import print_summary
+from tfcluster.watch.runs import Manifest, ProgressLog
+from tfcluster.launch.session import Session, server_tasks
+from tfcluster.host.shim_protocol import DEFAULT_HEARTBEAT_TIMEOUT
+from tfcluster.launch.shipping import collect_files
+from tfcluster.launch.startup import Holder, Run, begin
+
+LOSS_LINE = re.compile(DEFAULT_LOSS)   # `loss=0.25`, not a traceback's `loss = train_step(it)`
+SCRIPT_GRACE = 10.0         # a script's last checkpoint after Ctrl-C, before KILL
+SERVER_STOP_GRACE = 2.0     # servers hold no state worth waiting for
+
+
+@dataclass
+class Options:
+    show: tuple[str, ...] = ()
+    quiet: bool = False
+    runs_dir: str = "runs"
+    grace: float = SCRIPT_GRACE
+    heartbeat: float = DEFAULT_HEARTBEAT_TIMEOUT
+    verbose: bool = False           # show TF's start-up chatter too
+    allow_skew: bool = False        # hosts on other Python/TF minor versions: warn, go on
+
+
+def train(plan: Plan, ui, options: Options) -> int:
+    _check_task_filter(plan, options.show)
+    run_id = names.new_run_id(plan.name)
+    with state.lock(plan, "train"), Session(plan, ui) as session:
+        files = collect_files(plan)     # read (and refused if changed) before connecting
+        ui.info(f"run {run_id}: connecting to {len(plan.hosts)} host(s)…")
+        # the bootstrap's round trip also places the files from each host's cache
+        holder = Holder(session, run_id, options)     # the scripts' shims start held, per host
+        session.open(survey=server_tasks(plan), prepare=holder.prepare,
+                     ship=(files, session.paths.rundir(run_id), {t.host for t in plan.tasks if t.runs_script}))
+        events: queue.Queue = queue.Queue()
+        checks = RunChecks(plan, ui, os.path.join(options.runs_dir, run_id), lambda: events.put(None),
+                           session)
+        mux, progress = _make_mux(plan, ui, options, run_id, checks)
+        run = Run(plan, ui, options, run_id, session, mux, events, checks=checks, progress=progress,
+                  files=files)
+        manifest = Manifest(plan, run_id, os.path.join(options.runs_dir, run_id))
+        outcome: tuple[int, str] = (int(ExitCode.ERROR), "did not start")
+        try:
+            outcome = _run(run, holder)
+            return outcome[0]
+        except (KeyboardInterrupt, Terminated) as exc:
+            outcome = (int(ExitCode.TERMINATED if isinstance(exc, Terminated) else ExitCode.INTERRUPTED),
+                       "terminated" if isinstance(exc, Terminated) else "interrupted")
+            raise
+        except TfclusterError as exc:
+            outcome = (int(exc.exit_code), exc.message)
+            raise
+        finally:
+            if run.footer is not None:
+                run.footer.close()
+                ui.pause = contextlib.nullcontext
+            if run.board is not None:
+                run.board.close()
+            _shutdown(run, interrupted=outcome[0] in (ExitCode.INTERRUPTED, ExitCode.TERMINATED))
+            mux.close()
+            progress.close()
+            manifest.finish(run.procs, outcome, checks.summary(), progress.summary())
+            _summary(run, outcome)
+
+
+def _check_task_filter(plan: Plan, show: tuple[str, ...]) -> None:
+    keys = {t.key for t in plan.tasks}
+    for key in show:
+        if key not in keys:
+            raise UsageError(f"--task {key}: no such task (tasks: {', '.join(sorted(keys))})")
+
+
+def _make_mux(plan: Plan, ui, options: Options, run_id: str, checks: RunChecks):
+    from tfcluster.watch.logmux import LogMux
+
+    keys = [t.key for t in plan.tasks if t.runs_script or t.runs_server]
+    keys += [names.mux_key(t.key, "server", True) for t in plan.tasks if t.runs_script and t.runs_server]
+
+    def show(key: str) -> bool:
+        if options.quiet or key.endswith(".server"):
+            return False
+        return not options.show or key in options.show
+
+    save_dir = os.path.join(options.runs_dir, run_id)
+    # runs/ and this run's dir are judged; the levels above are the user's choice
+    private_dir(save_dir, "runs", top=options.runs_dir)
+    progress = ProgressLog(plan, save_dir)
+    return LogMux(ui.byte_stdout, keys, color=ui.color, show=show, save_dir=save_dir,
+                  hide_noise=not options.verbose,
+                  watch=progress.watch((checks.markers, checks.on_line) if checks.markers else None)), progress
+
+
+# -- the run ---------------------------------------------------------------------------------
+
+def _run(run: Run, holder: Holder) -> tuple[int, str]:
+    plan, ui = run.plan, run.ui
+    begin(run, holder)          # checks, servers, files, scripts (startup.py)
+    if footer.wanted(ui.stdout, run.options.quiet):
+        run.footer = footer.LiveFooter(run.mux, run.progress, plan.restart.max_restarts)
+        ui.pause = run.mux.pause_footer
+    if plan.tensorboard:
+        from tfcluster.watch import board
+        run.board = board.start(run.session, plan, run.run_id, ui,
+                                os.path.join(run.options.runs_dir, run.run_id), run.options.heartbeat)
+    return _supervise(run)
+
+
+def _supervise(run: Run) -> tuple[int, str]:
+    deadline = time.monotonic() + run.plan.timeout if run.plan.timeout else None
+    chief_done_at: float | None = None
+    while True:
+        if policy.run_succeeded(run.plan.mode, _script_states(run)):
+            return int(ExitCode.OK), "succeeded"
+        if deadline is not None and time.monotonic() > deadline:
+            raise DeadlineError(f"run {run.run_id} hit its timeout ({run.plan.timeout:.0f}s); "
+                                f"stopped every task")
+        if chief_done_at and time.monotonic() - chief_done_at > policy.PEER_GRACE:
+            run.ui.warn(f"workers still running {policy.PEER_GRACE:.0f}s after the chief finished; "
+                        f"stopping them")
+            return int(ExitCode.OK), "succeeded (stragglers stopped)"
+        run.checks.tick(run.procs, run.mux)
+        if run.footer is not None:
+            run.footer.refresh(run.procs)
+        try:
+            event = run.events.get(timeout=0.5)
+        except queue.Empty:
+            continue
+        if event is None:
+            continue        # a check woke us
+        proc, attempt, rc = event
+        if attempt != proc.attempt:
+            continue  # an earlier attempt's exit, already handled
+        proc.exit_code, proc.ended = rc, time.time()
+        if proc.stopping:
+            continue
+        if rc == 0 and proc.role == "script":
+            if policy.starts_peer_grace(run.plan.mode, proc.task.is_chief, rc):
+                chief_done_at = time.monotonic()
+            continue
+        if chief_done_at and proc.role == "script":
+            attempts.refuse(proc)
+            run.ui.warn(f"{proc.task.key} exited with code {rc} after the chief had finished")
+            continue
+        attempts.on_failure(run, proc, rc)
+
+
+def _script_states(run: Run) -> list[policy.ScriptState]:
+    return [policy.ScriptState(p.task.job, p.task.is_chief, p.exit_code)
+            for p in run.procs if p.role == "script"]
+
+
+# -- shutdown --------------------------------------------------------------------------------
+
+def _shutdown(run: Run, interrupted: bool = False) -> None:
+    """Scripts first (TERM, grace for a last checkpoint), then servers; a second Ctrl-C
+    drops everything at once (its handler is in place before the user is told so)."""
+    signals = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.getsignal(sig) for sig in signals}
+    fast = threading.Event()
+
+    def second_ctrl_c(signum, frame) -> None:
+        fast.set()
+        run.ui.warn("second Ctrl-C: stopping everything now")
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    if main_thread:
+        for sig in signals:
+            signal.signal(sig, second_ctrl_c)
+    if interrupted:
+        run.ui.info("Stopping every task (Ctrl-C again to stop at once)…")
+    try:
+        for role in policy.STOP_ORDER:
+            _stop_role(run, role, fast)
+        if (run.owns_servers or run.procs) and not _swept_by_shims(run):
+            prefix = names.run_prefix(run.plan.name, run.run_id)
+            run.session.stop_run(prefix, grace=0 if fast.is_set() else SERVER_STOP_GRACE)
+        if run.board is not None and not fast.is_set():
+            run.board.wait_stopped()
+    finally:
+        if main_thread:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def _swept_by_shims(run: Run) -> bool:
+    """Every process this run started was an attached task whose shim said, as it exited,
+    that its own sweep left nothing of the task's tag: the run's stop sweep (one remote
+    execution per host) would find nothing."""
+    return (run.board is None and bool(run.starts)
+            and all(slot[0] is not None and slot[0].swept() for slot in run.starts))
+
+
+def _stop_role(run: Run, role: str, fast: threading.Event) -> None:
+    live = [p for p in run.procs if p.role == role and p.exit_code is None and p.handle is not None]
+    for proc in run.procs:      # restarted in place, not confirmed: nothing to wait for
+        if proc.role == role and proc not in live:
+            attempts.refuse(proc)
+    for proc in live:
+        proc.stopping = True
+        try:
+            proc.handle.detach_kill() if fast.is_set() else proc.handle.stop()
+        except Exception:  # noqa: BLE001 - the sweep below catches what this misses
+            pass
+    deadline = time.monotonic() + run.options.grace + 5
+    while any(p.exit_code is None for p in live) and time.monotonic() < deadline and not fast.is_set():
+        try:
+            event = run.events.get(timeout=0.2)
+            if event is None:
+                continue
+            proc, _attempt, rc = event
+            if proc.exit_code is None:
+                proc.exit_code, proc.ended = rc, time.time()
+        except queue.Empty:
+            pass
+    killed = [p.key for p in live if p.exit_code == 128 + signal.SIGKILL]   # the shim's KILL after grace
+    if role == "script" and killed and not fast.is_set():
+        run.ui.warn(policy.ignored_term(run.plan.mode, killed, run.options.grace))
+
+
+def _summary(run: Run, outcome: tuple[int, str]) -> None:
+    """One row per script, then one per server that restarted or failed (named by its log's
+    key: `ps:0`, `worker:1.server`); a server that only served is left out."""
+    rows, steps = [], {}
+    shown = [p for p in run.procs if p.role == "script"]
+    shown += [p for p in run.procs if p.role == "server" and (p.restarts or _failed(p))]
+    for p in shown:
+        last = ""
+        if p.role == "script":
+            got = run.progress.tracker.state(p.key) if run.progress else None
+            rate = got.steps_per_s if got else None
+            steps[p.key] = ("-" if not got or got.step is None else str(got.step),
+                            "-" if rate is None else f"{rate:.3g}")
+            last = (run.mux.last_line_matching(p.key, LOSS_LINE) or "").replace("tfcluster-result: ", "")
+        duration = (p.ended or time.time()) - p.started if p.started else 0     # every attempt
+        code = "stopped" if p.stopping and p.exit_code else p.exit_code    # the run's end: no failure
+        rows.append((p.key, p.task.host, "-" if code is None else str(code),
+                     str(p.restarts), f"{duration:.1f}s", last))
+    checks = run.checks.summary() if run.checks and steps else {}    # said only once scripts ran
+    print_summary(run.ui, run.run_id, rows, outcome, os.path.join(run.options.runs_dir, run.run_id), checks,
+                  steps)
+
+
+def _failed(proc) -> bool:
+    """The process ended on its own, not by the run's stop."""
+    return proc.exit_code is not None and not proc.stopping

@@ -1,0 +1,347 @@
+"""Spec -> Plan: a pure function (no I/O, no clock, no environment reads).
+
+The plan says, for every host, how to reach it and which interpreter runs there,
+and for every task where it runs, which GPUs it sees, its TF_CONFIG, its
+environment and its exact command. Everything later (up, down, train, exec) takes
+only the plan, so tests compare whole plans and nothing past this module reads the
+spec. The one environment fact a plan depends on, the interpreter running
+tfcluster, is an argument.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass, field, fields
+
+from tfcluster.host import HOST_DIR
+from tfcluster.plan.names import task_key
+from tfcluster.spec import JOB_NAMES, Checks, Progress, Restart, Spec, is_secret, layout_tasks
+from tfcluster.transport.ssh_config import SshOptions
+
+DEFAULT_PYTHON = Spec.python
+
+REDACTED = "***"                         # for env names is_secret picks (the rule lives in spec)
+
+# Which jobs get a tfcluster-started server, and which run the user's script, per mode.
+SERVER_JOBS = {
+    "between-graph": ("chief", "ps", "worker"),
+    "classic": (),
+    "coordinator": ("ps", "worker"),
+    "mirrored": (),
+}
+SCRIPT_JOBS = {
+    "between-graph": ("chief", "worker", "evaluator"),
+    "classic": ("chief", "ps", "worker", "evaluator"),
+    "coordinator": ("chief", "evaluator"),
+    "mirrored": ("chief", "worker", "evaluator"),
+}
+# Env defaults the spec may override; everything tfcluster-specific it may not.
+# TF's C++ INFO lines reach the saved logs and the hang watchdog; the live view hides them.
+ENV_DEFAULTS = {"PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "0"}
+
+
+@dataclass(frozen=True)
+class HostPlan:
+    name: str
+    address: str
+    local: bool
+    gpus: int
+    python: str                          # the interpreter every process on this host runs
+    bindir: str                          # where the shim and the TF server live there
+    ssh: SshOptions | None = None        # None for a local host
+
+
+@dataclass(frozen=True)
+class TaskPlan:
+    job: str
+    index: int
+    host: str
+    address: str
+    port: int
+    gpus: tuple[int, ...]
+    is_chief: bool
+    runs_server: bool
+    tf_config: str                       # JSON, sorted keys
+    env: tuple[tuple[str, str], ...]     # sorted by name; run-independent
+    argv: tuple[str, ...] = ()           # the script and its arguments (no interpreter); ()
+                                         # when no script runs here
+    script_env: tuple[tuple[str, str], ...] = ()  # what the script's env changes from `env`
+
+    @property
+    def key(self) -> str:
+        return task_key(self.job, self.index)
+
+    @property
+    def target(self) -> str:
+        return f"{self.address}:{self.port}"
+
+    @property
+    def runs_script(self) -> bool:
+        return bool(self.argv)
+
+
+@dataclass(frozen=True)
+class Plan:
+    name: str
+    mode: str
+    python: str
+    cluster_dir: str                     # workdir/name, possibly starting with "~/"
+    cluster: tuple[tuple[str, tuple[str, ...]], ...]
+    tasks: tuple[TaskPlan, ...]
+    spec_digest: str
+    all_hosts: tuple[HostPlan, ...] = ()  # every host of the spec, by name
+    script: str | None = None            # local path of the training script
+    # (local path, path in the run dir, bytes), script first, as check_train_files listed them;
+    # () when not checked (only `train` and `plan` check), with files_problem when refused
+    files: tuple[tuple[str, str, int], ...] = ()
+    files_problem: str | None = None
+    secret_env: tuple[str, ...] = ()     # the spec's explicit lists (is_secret)
+    public_env: tuple[str, ...] = ()
+    restart: Restart = field(default_factory=Restart)
+    timeout: float | None = None
+    checks: Checks = field(default_factory=Checks)
+    tensorboard: str | None = None       # LOGDIR on the chief's host, placeholders filled
+    args: tuple[str, ...] = ()           # train.args as written (placeholders unfilled): the
+                                         # engines of `render` fill them where the tasks run
+    image: str | None = None             # train.image, for `render --to tfjob`
+    progress: Progress = field(default_factory=Progress)   # train.progress, for metrics.py
+
+    @property
+    def chief(self) -> TaskPlan | None:
+        """The task whose script is the chief (None when no script runs)."""
+        return next((t for t in self.tasks if t.is_chief and t.runs_script), None)
+
+    def probes(self) -> str:
+        """What the start-up probe reports in a script process ("" : no probe): the
+        variables' placement, and model-not-ready waits, for TF1-style modes only."""
+        if self.mode not in ("between-graph", "classic"):
+            return ""
+        wanted = (("placement", self.checks.placement), ("waits", self.checks.hang_after > 0))
+        return ",".join(name for name, on in wanted if on)
+
+    def is_secret(self, env_name: str) -> bool:
+        """Whether env `env_name` is secret in this plan (the spec's rule and its lists)."""
+        return is_secret(env_name, self.secret_env, self.public_env)
+
+    def task(self, key: str) -> TaskPlan:
+        for t in self.tasks:
+            if t.key == key:
+                return t
+        raise KeyError(key)
+
+    def host(self, name: str) -> HostPlan:
+        for h in self.all_hosts:
+            if h.name == name:
+                return h
+        raise KeyError(name)
+
+    def hosts_named(self, names) -> tuple[HostPlan, ...]:
+        return tuple(self.host(n) for n in names)
+
+    def command(self, task: TaskPlan, role: str = "script") -> tuple[str, ...]:
+        """Exactly what runs for a task's script or server, interpreter included."""
+        host = self.host(task.host)
+        if role == "server":
+            return (host.python, f"{host.bindir}/tfserver.py")
+        return (host.python, *task.argv)
+
+    @property
+    def hosts(self) -> tuple[str, ...]:
+        """Host names that run at least one task, in first-use order."""
+        return tuple(dict.fromkeys(t.host for t in self.tasks))
+
+    def tasks_on(self, host: str) -> tuple[TaskPlan, ...]:
+        return tuple(t for t in self.tasks if t.host == host)
+
+
+def redact_env(env: tuple[tuple[str, str], ...] | dict[str, str], marked=(), public=()) -> dict[str, str]:
+    """`env` with every secret value (is_secret, with the spec's secret_env and public_env) as ***."""
+    items = env.items() if isinstance(env, dict) else env
+    return {k: (REDACTED if is_secret(k, marked, public) else v) for k, v in items}
+
+
+def env_redactor(marked=(), public=()):
+    """redact_env for many envs that share their names (every task of a plan): each name is
+    judged once."""
+    secret: dict[str, bool] = {}
+
+    def redact(env) -> dict[str, str]:
+        out = {}
+        for k, v in (env.items() if isinstance(env, dict) else env):
+            s = secret.get(k)
+            if s is None:
+                s = secret[k] = is_secret(k, marked, public)
+            out[k] = REDACTED if s else v
+        return out
+    return redact
+
+
+def interpreter(spec_python: str, local: bool, local_python: str) -> str:
+    """The one decision of which Python runs on a host: the spec's, except that a local
+    host left at the default `python3` runs tfcluster's own (it has TensorFlow when
+    tfcluster was installed with [tf]; a `python3` on PATH outside the venv may not)."""
+    return local_python if local and spec_python == DEFAULT_PYTHON else spec_python
+
+
+def _host_plan(host, spec: Spec, cluster_dir: str, local_python: str) -> HostPlan:
+    python = interpreter(spec.python, host.local, local_python)
+    # tfcluster's own interpreter on this machine runs the shim straight from the package
+    own = host.local and python == local_python
+    # the spec's SshSettings and the transport's SshOptions carry the same fields; neither
+    # layer imports the other, so the plan copies one into the other by name
+    ssh = None if host.local else SshOptions(**{f.name: getattr(host.ssh, f.name)
+                                                for f in fields(SshOptions)})
+    return HostPlan(name=host.name, address=host.address, local=host.local, gpus=host.gpus,
+                    python=python, bindir=HOST_DIR if own else f"{cluster_dir}/bin", ssh=ssh)
+
+
+def build_plan(spec: Spec, local_python: str | None = None, *,
+               files: tuple[tuple[str, str, int], ...] = (), files_problem: str | None = None) -> Plan:
+    """`local_python`: the interpreter running tfcluster (default sys.executable). `files`:
+    what check_train_files listed (the plan of a command that ships nothing has none)."""
+    local_python = local_python or sys.executable
+    slots = layout_tasks(spec)
+    addresses = {h.name: h.address for h in spec.hosts}
+    cluster_dir = _join(spec.workdir, spec.name)
+    cluster = _cluster_dict(spec.train.mode, slots, addresses)
+    chief = "chief:0" if any(s.job == "chief" for s in slots) else "worker:0"
+    placeholders = {
+        "workdir": cluster_dir,
+        "num_workers": str(sum(1 for s in slots if s.job == "worker")),
+        **{f"{job}_hosts": ",".join(cluster.get(job, ())) for job in ("chief", "ps", "worker")},
+    }
+    # Every TF_CONFIG embeds the whole cluster: serialise it once, not once per task
+    # (1,000 tasks would otherwise cost 1,000 dumps of a 1,000-entry cluster).
+    cluster_json = json.dumps(cluster, sort_keys=True, separators=(",", ":"))
+    tasks = tuple(
+        _task_plan(spec, slot, addresses[slot.host], cluster_json, chief, placeholders)
+        for slot in slots
+    )
+    return Plan(
+        name=spec.name,
+        mode=spec.train.mode,
+        python=spec.python,
+        cluster_dir=cluster_dir,
+        cluster=tuple((job, tuple(cluster[job])) for job in JOB_NAMES if job in cluster),
+        tasks=tasks,
+        spec_digest=spec.digest,
+        all_hosts=tuple(_host_plan(h, spec, cluster_dir, local_python)
+                        for h in sorted(spec.hosts, key=lambda h: h.name)),
+        script=spec.train.script,
+        files=files,
+        files_problem=files_problem,
+        secret_env=spec.secret_env,
+        public_env=spec.public_env,
+        restart=spec.train.restart,
+        timeout=spec.train.timeout,
+        checks=spec.train.checks,
+        tensorboard=_tensorboard(spec, slots, placeholders),
+        args=spec.train.args,
+        image=spec.train.image,
+        progress=spec.train.progress,
+    )
+
+
+def _tensorboard(spec: Spec, slots, placeholders: dict[str, str]) -> str | None:
+    """train.tensorboard with the chief's placeholders filled (TensorBoard runs there)."""
+    if not spec.train.tensorboard:
+        return None
+    chief = next((s for s in slots if s.job == "chief"), None) or next(
+        (s for s in slots if s.job == "worker"), None)
+    values = {**placeholders, "job": chief.job if chief else "", "index": str(chief.index) if chief else "0"}
+    return spec.train.tensorboard.format(**values)
+
+
+def _join(workdir: str, name: str) -> str:
+    return workdir.rstrip("/") + "/" + name
+
+
+def _cluster_dict(mode: str, slots, addresses: dict[str, str]) -> dict[str, list[str]]:
+    """The TF cluster: job -> ["address:port", ...]. The evaluator is never part of it."""
+    jobs = ("chief", "worker") if mode == "mirrored" else ("chief", "ps", "worker")
+    cluster: dict[str, list[str]] = {}
+    for slot in slots:
+        if slot.job in jobs:
+            cluster.setdefault(slot.job, []).append(f"{addresses[slot.host]}:{slot.port}")
+    return cluster
+
+
+def tf_config_json(cluster_json: str, job: str, index: int) -> str:
+    """Exactly json.dumps({"cluster": ..., "task": {...}}, sort_keys=True, compact)."""
+    return f'{{"cluster":{cluster_json},"task":{{"index":{index},"type":{json.dumps(job)}}}}}'
+
+
+def _task_plan(spec: Spec, slot, address: str, cluster_json: str, chief: str, placeholders) -> TaskPlan:
+    mode = spec.train.mode
+    key = task_key(slot.job, slot.index)
+    runs_server = slot.job in SERVER_JOBS[mode]
+    tf_config = tf_config_json(cluster_json, slot.job, slot.index)
+    env = dict(ENV_DEFAULTS)
+    env.update(spec.env)
+    env.update({
+        "TF_CONFIG": tf_config,
+        "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in slot.gpus),
+        "TFCLUSTER_CLUSTER": spec.name,
+        "TFCLUSTER_JOB": slot.job,
+        "TFCLUSTER_TASK_INDEX": str(slot.index),
+        "TFCLUSTER_IS_CHIEF": "1" if key == chief else "0",
+        "TFCLUSTER_NUM_WORKERS": placeholders["num_workers"],
+    })
+    if runs_server:
+        env["TFCLUSTER_MASTER"] = f"grpc://{address}:{slot.port}"
+    argv: tuple[str, ...] = ()
+    if slot.job in SCRIPT_JOBS[mode] and spec.train.script:
+        values = {**placeholders, "job": slot.job, "index": str(slot.index)}
+        args = tuple(a.format(**values) for a in spec.train.args)
+        argv = (os.path.basename(spec.train.script), *args)
+    # A between-graph script is only a client of its task's server, which owns the GPU:
+    # a client that touched the GPU would take nearly all of its memory by default.
+    client_only = mode == "between-graph" and runs_server and argv and slot.gpus
+    return TaskPlan(
+        job=slot.job, index=slot.index, host=slot.host, address=address, port=slot.port,
+        gpus=tuple(slot.gpus), is_chief=key == chief, runs_server=runs_server,
+        tf_config=tf_config, env=tuple(sorted(env.items())), argv=argv,
+        script_env=(("CUDA_VISIBLE_DEVICES", ""),) if client_only else (),
+    )
+
+
+def plan_to_dict(plan: Plan, *, redact: bool = True) -> dict:
+    """A JSON-ready view of the plan (secrets redacted unless asked otherwise).
+
+    The cluster appears once; each task's TF_CONFIG is {"cluster": <cluster>, "task":
+    <tf_config_task>} (repeating the cluster per task would grow with tasks squared)."""
+    hosts = {h.name: h for h in plan.all_hosts}
+    redactor = env_redactor(plan.secret_env, plan.public_env)
+
+    def task(t: TaskPlan) -> dict:
+        env = redactor(t.env) if redact else dict(t.env)
+        del env["TF_CONFIG"]
+        host = hosts[t.host]
+        return {
+            "task": t.key, "job": t.job, "index": t.index, "host": t.host,
+            "address": t.address, "port": t.port, "gpus": list(t.gpus),
+            "chief": t.is_chief, "server": t.runs_server,
+            "server_command": [host.python, f"{host.bindir}/tfserver.py"] if t.runs_server else [],
+            "script": [host.python, *t.argv] if t.runs_script else [],
+            "script_env": dict(t.script_env),
+            "tf_config_task": {"type": t.job, "index": t.index}, "env": env,
+        }
+    restart = plan.restart
+    return {
+        "name": plan.name, "mode": plan.mode, "python": plan.python,
+        "cluster_dir": plan.cluster_dir, "spec_sha256": plan.spec_digest,
+        "restart": {"policy": restart.policy, "max_restarts": restart.max_restarts},
+        "timeout": plan.timeout,
+        "checks": {"placement": plan.checks.placement, "reachability": plan.checks.reachability,
+                   "proxy_guard": plan.checks.proxy_guard, "hang_after": plan.checks.hang_after},
+        "tensorboard": plan.tensorboard,
+        "progress": {"step": plan.progress.step, "loss": plan.progress.loss,
+                     "target": plan.progress.target},
+        "files": [{"path": path, "to": dest, "bytes": size} for path, dest, size in plan.files],
+        "files_problem": plan.files_problem,
+        "hosts": [{"name": h.name, "address": h.address, "local": h.local, "gpus": h.gpus,
+                   "python": h.python} for h in plan.all_hosts],
+        "cluster": {job: list(addrs) for job, addrs in plan.cluster},
+        "tasks": [task(t) for t in plan.tasks],
+    }

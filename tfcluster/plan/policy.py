@@ -1,0 +1,101 @@
+"""The run's decisions as pure functions: is this exit retried, has the run succeeded,
+what stops when. The supervisor does the I/O; these say what to do, so they are tested
+with tables in milliseconds, without TensorFlow.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+from tfcluster.host import shim_protocol as proto
+class Restart(Protocol):
+    """train.restart as the plan carries it."""
+
+    policy: str            # never | on-failure | exit-code
+    max_restarts: int
+
+NEVER, ON_FAILURE, EXIT_CODE = "never", proto.ON_FAILURE, proto.EXIT_CODE
+RETRYABLE = proto.RETRYABLE     # exit-code's retries: killed by a signal, lost host (128-255)
+CHIEF_ENDS_RUN = ("between-graph", "coordinator")   # other modes need every worker
+TRAINING_JOBS = ("chief", "worker")
+STOP_ORDER = ("script", "server")                    # scripts first: a last checkpoint
+PEER_GRACE = 60.0        # how long other workers may take to finish after the chief succeeded
+
+
+@dataclass(frozen=True)
+class ScriptState:
+    job: str
+    is_chief: bool
+    exit_code: int | None          # None while running
+
+
+def retryable(restart: Restart, rc: int) -> bool:
+    """Whether the policy restarts a process that exited with `rc` at all."""
+    return proto.retryable(restart.policy, rc)
+
+
+def should_restart(restart: Restart, rc: int, restarts_done: int) -> bool:
+    """Defined once, in shim_protocol: an attached shim applies it to restart in place."""
+    return proto.should_restart(restart.policy, restart.max_restarts, rc, restarts_done)
+
+
+def run_succeeded(mode: str, scripts: Sequence[ScriptState]) -> bool:
+    """between-graph / coordinator: the chief exited 0 and every other training script
+    has ended (or PEER_GRACE runs out, which the supervisor times); mirrored / classic:
+    every chief and worker exited 0."""
+    training = [s for s in scripts if s.job in TRAINING_JOBS]
+    if mode not in CHIEF_ENDS_RUN:
+        return bool(training) and all(s.exit_code == 0 for s in training)
+    chiefs = [s for s in scripts if s.is_chief]
+    if not chiefs or chiefs[0].exit_code != 0:
+        return False
+    return all(s.exit_code is not None for s in training)
+
+
+def starts_peer_grace(mode: str, is_chief: bool, rc: int) -> bool:
+    """A chief that succeeds in a chief-ends-the-run mode gives the others PEER_GRACE."""
+    return rc == 0 and is_chief and mode in CHIEF_ENDS_RUN
+
+
+def restart_hint(restart: Restart, restarts_done: int, rc: int) -> str | None:
+    """What to tell the user when a failed process is not restarted."""
+    if retryable(restart, rc):
+        return (f"it failed {restarts_done + 1} times "
+                f"(train.restart.max_restarts = {restart.max_restarts})")
+    if restart.policy == NEVER and rc in RETRYABLE:
+        # 1-127 is the script's own verdict (SyntaxError, ImportError, bad arguments): a
+        # restart would fail the same way, so no hint to restart it
+        return "set train.restart: {policy: on-failure} in the spec to restart failed tasks"
+    return None
+
+
+# Known failure signatures in a task's last lines, and what to do about them.
+DIAGNOSES = (
+    (("Could not start gRPC server", "Address already in use"),
+     "between-graph", "in between-graph mode tfcluster already runs this task's TF server; a script that "
+     "builds its own tf.train.Server (old --job_name/--task_index style) needs `train.mode: classic`"),
+    (("No module named 'tensorflow'",), None,
+     "tensorflow is not importable by this interpreter on the host: set `python:` in the spec"),
+    (("error: unrecognized arguments", "error: the following arguments are required"), None,
+     "the script rejected its arguments: check train.args (or the arguments after `--`)"),
+)
+
+
+def known_failure(mode: str, tail: str) -> str | None:
+    """What to do about a failure whose last lines (`tail`) carry a known signature."""
+    for needles, only_in, hint in DIAGNOSES:
+        if (only_in is None or mode == only_in) and any(n in tail for n in needles):
+            return hint
+    return None
+
+
+def ignored_term(mode: str, keys: Sequence[str], grace: float) -> str:
+    """What to say of scripts the run's stop killed: they still ran `grace` seconds after
+    SIGTERM. MultiWorkerMirroredStrategy installs a SIGTERM handler of its own (a preemption
+    notice, docs/ARCHITECTURE.md "Ctrl-C and SIGTERM") and trains on."""
+    text = (f"{', '.join(keys)} still ran {grace:.0f}s after SIGTERM, so "
+            f"{'it was' if len(keys) == 1 else 'they were'} killed")
+    if mode == "mirrored":
+        text += ("; TensorFlow's MultiWorkerMirroredStrategy takes SIGTERM as a preemption notice and "
+                 "trains on: have the script exit on it (a SIGTERM handler, as the mirrored template has)")
+    return text

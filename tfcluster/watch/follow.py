@@ -1,0 +1,176 @@
+"""Watching runs from their saved files: the table of past runs (`runs`) and following a
+live run's logs (`logs -f`). Reads only runs/<run id>/ on this machine."""
+from __future__ import annotations
+
+import os
+import time
+
+from tfcluster.watch import runs
+from tfcluster.watch.metrics import Tracker
+from tfcluster.plan.names import log_file
+
+FOLLOW_POLL = 0.2         # seconds between looks at the logs while nothing new came
+
+
+def run_rows(runs_dir: str, name: str, progress=None) -> list[dict]:
+    """One dict per saved run of `name`, oldest first: id, started, ended, duration,
+    mode, outcome, restarts, task (the chief's), step, loss. `progress`: the current
+    spec's train.progress, for runs whose manifest has none."""
+    out = []
+    for run_id in runs.run_dirs(runs_dir, name):
+        directory = os.path.join(runs_dir, run_id)
+        doc = runs.read_manifest(directory)
+        started, ended = _num(doc.get("started")), _num(doc.get("ended"))
+        state = runs.run_state(doc)
+        end = ended if ended is not None else (time.time() if state == "running" else None)
+        chief = _chief(doc)
+        step, loss = _final(directory, doc, chief, progress)
+        out.append({"run": run_id, "started": started, "ended": ended,
+                    "duration": None if started is None or end is None else round(end - started, 1),
+                    "mode": doc.get("mode") if isinstance(doc.get("mode"), str) else None,
+                    "outcome": _outcome(state, doc.get("exit_code")), "exit_code": doc.get("exit_code"),
+                    "message": _message(state, doc.get("outcome")),
+                    "restarts": _restarts(doc), "task": chief, "step": step, "loss": loss})
+    return out
+
+
+OUTCOMES = {0: "succeeded", 6: "timeout", 130: "interrupted", 143: "terminated"}
+
+
+def _message(state: str, written) -> str | None:
+    """The manifest's outcome text; a died run's still says "running", which it is not."""
+    if state == "died":
+        return "tfcluster ended without writing the outcome (killed, or its machine went down)"
+    return written if isinstance(written, str) else None
+
+
+def _outcome(state: str, code) -> str:
+    """running, died, running? (an old manifest), unknown, or by the exit code: succeeded,
+    timeout, interrupted, terminated, failed (the manifest's message says how)."""
+    if state in ("running", "died", "running?", "unknown") or not isinstance(code, int):
+        return state
+    return OUTCOMES.get(code, "failed")
+
+
+def _num(value) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _chief(doc: dict) -> str | None:
+    """The task whose script decides the run (the plan's chief), else the first script's."""
+    tasks = [t for t in (doc.get("plan") or {}).get("tasks") or [] if isinstance(t, dict) and t.get("script")]
+    chief = next((t for t in tasks if t.get("chief")), tasks[0] if tasks else None)
+    return chief.get("task") if chief else None
+
+
+def _restarts(doc: dict) -> int:
+    total = 0
+    for entry in (doc.get("tasks") or {}).values():
+        for role in ("script", "server"):
+            value = entry.get(role, {}).get("restarts") if isinstance(entry, dict) else None
+            total += value if isinstance(value, int) else 0
+    return total
+
+
+def _final(directory: str, doc: dict, key: str | None, progress) -> tuple[int | None, float | None]:
+    """The chief's last step and loss: recorded in the manifest at the end of the run, else
+    read from its saved log (older runs, a run still going or killed)."""
+    if key is None:
+        return None, None
+    recorded = (doc.get("progress") or {}).get(key)
+    if isinstance(recorded, dict) and doc.get("outcome") != "running":
+        return recorded.get("step"), recorded.get("loss")
+    tracker = Tracker(patterns_of(doc, progress))
+    try:
+        with open(os.path.join(directory, log_file(key)), "rb") as f:
+            for line in f:
+                tracker.feed(key, line)
+    except OSError:
+        return None, None
+    state = tracker.state(key)
+    return (state.step, state.loss) if state else (None, None)
+
+
+class _Patterns:
+    def __init__(self, step, loss, target) -> None:
+        self.step, self.loss, self.target = step, loss, target
+
+
+def patterns_of(doc: dict, progress=None):
+    """The run's own train.progress from its manifest, else `progress` (the spec's now)."""
+    found = (doc.get("plan") or {}).get("progress")
+    if isinstance(found, dict):
+        return _Patterns(found.get("step"), found.get("loss"), found.get("target"))
+    return progress
+
+
+def print_runs(ui, name: str, rows: list[dict], runs_dir: str) -> None:
+    def when(t):
+        return "-" if t is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+    def outcome(r):
+        return f"failed (exit {r['exit_code']})" if r["outcome"] == "failed" else r["outcome"]
+
+    table = [(r["run"], when(r["started"]), duration(r["duration"]), r["mode"] or "-", outcome(r),
+              str(r["restarts"]), "-" if r["step"] is None else str(r["step"]),
+              "-" if r["loss"] is None else f"{r['loss']:.4g}") for r in rows]
+    ui.table(f"runs of {name!r} in {runs_dir}/ (oldest first)",
+             ["run", "started", "duration", "mode", "outcome", "restarts", "step", "loss"], table)
+
+
+def duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    s = int(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def follow(ui, name: str, runs_dir: str, run: str | None, task: str | None, out,
+           poll: float = FOLLOW_POLL) -> int:
+    """`logs -f`: the run's saved logs, prefixed, then every line appended to them until
+    the manifest says the run ended (or its tfcluster died). A run that is not running is
+    shown to its end at once. Returns 0."""
+    from tfcluster.watch.logmux import LogMux
+
+    run = runs.pick_run(runs_dir, name, run)
+    directory = os.path.join(runs_dir, run)
+    keys = runs.task_logs(directory, run, task)
+    live = runs.run_state(runs.read_manifest(directory)) == "running"
+    ui.info(f"run {run}" + (" is running: following its logs until it ends (Ctrl-C to stop)" if live
+                            else f" is not running ({runs.run_state(runs.read_manifest(directory))}); "
+                                 f"its logs as saved"))
+    mux = LogMux(out, keys, color=ui.color)
+    files = {key: open(os.path.join(directory, log_file(key)), "rb") for key in keys}
+    try:
+        while True:
+            got = _drain(files, mux)
+            if got:
+                continue
+            if not live:
+                break
+            state = runs.run_state(runs.read_manifest(directory))
+            if state != "running":
+                live = False        # one more drain: what was written before the manifest
+                continue
+            time.sleep(poll)
+        for key in keys:
+            mux.close_task(key)
+        mux.close()
+    finally:
+        for f in files.values():
+            f.close()
+    ui.info(f"run {run}: {runs.run_state(runs.read_manifest(directory))}")
+    return 0
+
+
+def _drain(files: dict, mux) -> bool:
+    got = False
+    for key, f in files.items():
+        chunk = f.read(1 << 16)
+        while chunk:
+            got = True
+            mux.feed(key, chunk)
+            chunk = f.read(1 << 16)
+    return got

@@ -1,0 +1,232 @@
+"""What a run leaves on this machine: runs/<run id>/ with each task's log,
+manifest.json and progress.tsv, and reading them back (`tfcluster logs`, `runs`, `plot`).
+
+manifest.json says `"outcome": "running"` with the writer's pid (and its start time) from
+the start of a run until `finish` writes the outcome: a run is live while that says
+running and that process still lives (a tfcluster killed with SIGKILL never finishes it).
+progress.tsv has one line per progress line of a script, as it reached this machine:
+`<unix time>\t<task>\t<step or ->\t<loss or ->`; the saved logs have no times, so
+steps per second come from here."""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import threading
+import time
+from dataclasses import replace
+
+from tfcluster.errors import UsageError
+from tfcluster.localfs import NOFOLLOW, private_dir, write_private
+from tfcluster.watch.metrics import Tracker, target_of
+from tfcluster.plan.names import is_run_of, key_of_log, log_file
+from tfcluster.plan import JOB_NAMES, Plan, plan_to_dict
+
+PROGRESS_FILE = "progress.tsv"
+
+
+class Manifest:
+    """runs/<run id>/manifest.json: spec hash, plan (secrets redacted), per-task outcome
+    (per process: `started` its first attempt, `last_restart` its last restart or null)."""
+
+    def __init__(self, plan: Plan, run_id: str, directory: str) -> None:
+        self.plan = plan
+        self.run_id = run_id
+        self.path = os.path.join(directory, "manifest.json")
+        self.started = time.time()
+        private_dir(directory, "runs", top=os.path.dirname(directory))
+        self._write({"outcome": "running", "pid": os.getpid(), "pid_start": _start_ticks(os.getpid())})
+
+    def finish(self, procs, outcome: tuple[int, str], checks: dict[str, str] | None = None,
+               progress: dict | None = None) -> None:
+        tasks = {}
+        for p in procs:
+            entry = tasks.setdefault(p.task.key, {"host": p.task.host})
+            entry[p.role] = {"exit_code": p.exit_code, "restarts": p.restarts,
+                             "started": p.started, "last_restart": p.restarted, "ended": p.ended}
+        self._write({"outcome": outcome[1], "exit_code": outcome[0], "ended": time.time(),
+                     "tasks": tasks, "checks": checks or {}, "progress": progress or {}})
+
+    def _write(self, extra: dict) -> None:
+        doc = {"run_id": self.run_id, "cluster": self.plan.name, "mode": self.plan.mode,
+               "spec_sha256": self.plan.spec_digest, "started": self.started,
+               "script": self.plan.script, **extra, "plan": plan_to_dict(self.plan, redact=True)}
+        write_private(self.path, json.dumps(doc, indent=2).encode())
+
+
+def run_dirs(runs_dir: str, name: str) -> list[str]:
+    """This cluster's saved runs, oldest first (only its own: not those of `name-x`)."""
+    try:
+        entries = os.listdir(runs_dir)
+    except FileNotFoundError:
+        return []
+    except OSError as e:     # a file, or another user's directory
+        raise UsageError(f"runs directory {runs_dir}: cannot list it: {e.strerror}",
+                         hint="--runs-dir names the directory `train` saved the runs in") from None
+    runs = [e for e in entries if is_run_of(name, e)
+            and os.path.isfile(os.path.join(runs_dir, e, "manifest.json"))]
+    return sorted(runs)
+
+
+def pick_run(runs_dir: str, name: str, run: str | None) -> str:
+    """The run id asked for (the latest when None); UsageError naming what there is."""
+    runs = run_dirs(runs_dir, name)
+    if not runs:
+        raise UsageError(f"no saved runs of cluster {name!r} under {runs_dir}/")
+    if run is None:
+        return runs[-1]
+    if run not in runs:
+        raise UsageError(f"no run {run!r} under {runs_dir}/ (latest: {runs[-1]})")
+    return run
+
+
+def task_logs(directory: str, run: str, task: str | None = None) -> list[str]:
+    """The task keys with a saved log in the run (only `task` when given)."""
+    # only task logs: another file's name would land in every line's prefix
+    keys = sorted(k for k in map(key_of_log, os.listdir(directory))
+                  if k is not None and k.split(":")[0] in JOB_NAMES)
+    if task is not None:
+        if task not in keys:
+            raise UsageError(f"run {run} has no log for {task} (has: {', '.join(keys)})")
+        keys = [task]
+    return keys
+
+
+def read_manifest(directory: str) -> dict:
+    """The run's manifest ({} when unreadable: a run is listed whatever its state)."""
+    try:
+        with open(os.path.join(directory, "manifest.json"), "rb") as f:
+            doc = json.loads(f.read())
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def run_state(doc: dict) -> str:
+    """The manifest's outcome; a `running` one whose tfcluster is gone is `died`."""
+    outcome = doc.get("outcome")
+    if not isinstance(outcome, str):
+        return "unknown"
+    if outcome != "running":
+        return outcome
+    pid = doc.get("pid")
+    if not isinstance(pid, int):
+        return "running?"           # written before runs recorded their pid
+    recorded = doc.get("pid_start")      # None where /proc was not there to read it
+    alive = _start_ticks(pid) == recorded if recorded is not None else _pid_exists(pid)
+    return "running" if alive else "died"
+
+
+def _start_ticks(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (None: no such process, no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class ProgressLog:
+    """Records every progress line's arrival (progress.tsv) and keeps each task's latest
+    step, loss and rate for the summary and the manifest. `on_line` is LogMux's watch
+    callback (called from the pump threads)."""
+
+    def __init__(self, plan: Plan, directory: str) -> None:
+        targets = {t.key: target_of(plan.progress, t.argv[1:]) for t in plan.tasks if t.runs_script}
+        self.tracker = Tracker(plan.progress, targets=targets)
+        self._lock = threading.Lock()
+        self._fd: int | None = os.open(os.path.join(directory, PROGRESS_FILE),
+                                       os.O_WRONLY | os.O_CREAT | os.O_APPEND | NOFOLLOW, 0o600)
+
+    def watch(self, other=None) -> tuple:
+        """LogMux's `watch`: this log's markers and callback, and `other`'s (markers,
+        callback) if given, each called only for the lines with its own markers."""
+        mine = self.tracker.markers
+        if other is None:
+            return mine, self.on_line
+        theirs, callback = other
+
+        def both(key: str, line: bytes) -> None:
+            if any(m in line for m in theirs):
+                callback(key, line)
+            if any(m in line for m in mine):
+                self.on_line(key, line)
+        return tuple(theirs) + mine, both
+
+    def on_line(self, key: str, line: bytes) -> None:
+        if key.endswith(".server"):
+            return
+        step, loss = self.tracker.parse(line)
+        if step is None and loss is None:
+            return
+        now = time.time()
+        with self._lock:
+            self.tracker.feed(key, line, now)
+            if self._fd is not None:
+                os.write(self._fd, f"{now:.3f}\t{key}\t{'-' if step is None else step}\t"
+                                   f"{'-' if loss is None else repr(loss)}\n".encode())
+
+    def states(self) -> dict:
+        """task -> a copy of its metrics.TaskProgress (its last 16 samples), taken under
+        the lock: for a reader on another thread (the live footer)."""
+        with self._lock:
+            return {key: replace(t, samples=collections.deque(list(t.samples)[-16:], maxlen=16))
+                    for key, t in self.tracker.tasks.items()}
+
+    def summary(self) -> dict:
+        """task -> {step, loss, steps_per_s, target}, for the manifest."""
+        with self._lock:
+            return {key: {"step": t.step, "loss": t.loss, "target": t.target,
+                          "steps_per_s": None if t.steps_per_s is None else round(t.steps_per_s, 3)}
+                    for key, t in self.tracker.tasks.items()}
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+
+
+def read_progress(directory: str) -> dict[str, list[tuple[float, int]]]:
+    """progress.tsv as task -> [(time, step)] of the lines that gave a step ({} without one)."""
+    out: dict[str, list[tuple[float, int]]] = {}
+    try:
+        with open(os.path.join(directory, PROGRESS_FILE), "rb") as f:
+            data = f.read()
+    except OSError:
+        return out
+    for line in data.split(b"\n"):
+        parts = line.split(b"\t")
+        if len(parts) == 4 and parts[2] != b"-":
+            try:
+                out.setdefault(parts[1].decode(), []).append((float(parts[0]), int(parts[2])))
+            except ValueError:
+                continue
+    return out
+
+
+def show_logs(ui, name: str, runs_dir: str, run: str | None, task: str | None, out) -> int:
+    from tfcluster.watch.logmux import LogMux
+
+    run = pick_run(runs_dir, name, run)
+    directory = os.path.join(runs_dir, run)
+    keys = task_logs(directory, run, task)
+    ui.info(f"run {run}")
+    mux = LogMux(out, keys, color=ui.color)
+    for key in keys:
+        with open(os.path.join(directory, log_file(key)), "rb") as f:
+            while chunk := f.read(1 << 16):
+                mux.feed(key, chunk)
+        mux.close_task(key)
+    mux.close()
+    return 0
