@@ -9,13 +9,13 @@ attempt's output ends and confirms the next (docs/ARCHITECTURE.md, "Restarts").
 from __future__ import annotations
 
 import collections
-import json
 import threading
 import time
 import zlib
 
 from tfcluster.host import shim_protocol as proto
 from tfcluster.errors import HostError
+from tfcluster.launch.lines import Lines, checked, json_object, tail_text
 from tfcluster.transport.base import Proc
 
 HANDSHAKE_TIMEOUT = 60.0
@@ -48,10 +48,8 @@ class AttachedTask:
         self._restarts: collections.deque = collections.deque()   # restarts whose boundary is ahead
         self._next: dict | None = None  # the restart passed, waiting for resume() or stop()
         self.on_restart = None          # callable(rc), set by the reader before its first read()
-        proc.on_stderr = self._heard
         if said is not None:
             self.started(said, err)
-        self._heard()
 
     def started(self, said: dict, err: bytes = b"") -> None:
         """The shim's handshake (see handshake()): the task's pid, what followed it on
@@ -60,6 +58,8 @@ class AttachedTask:
             self.pid, self._err = int(said["pid"]), err
             if said.get("deflate") is True:
                 self._inflate, self._before_mark = zlib.decompressobj(-15), b""
+        self._proc.on_stderr = self._heard   # from now on its stderr is the task's:
+        self._heard()                        # restarts in place, its last word
 
     def read(self) -> bytes:
         """Next chunk of the task's output; b"" at EOF."""
@@ -149,11 +149,8 @@ class AttachedTask:
         if final and self._err:
             lines, self._err = lines + [self._err], b""
         for line in lines:
-            try:
-                said = json.loads(line)
-            except ValueError:
-                continue
-            if not isinstance(said, dict):
+            said = json_object(line)
+            if said is None:
                 continue
             if said.get(proto.SWEPT) is True:
                 self._swept = True
@@ -208,38 +205,27 @@ def handshake(proc: Proc, where: str) -> tuple[dict, bytes]:
     said): AttachedTask.started() takes both. Lines before
     it are the host's login shell (a .bashrc's warnings; pyenv's rehash races when shells
     start together): skipped, and quoted only if the shim then exits without a word."""
-    buf, noise = b"", b""
+    lines = Lines(proc, where, read=_stderr_until_exit(proc, where))
+    control = lines.next()
+    if control is None:
+        raise HostError(f"{where}: shim exited: {tail_text(lines.noise + lines.buf) or 'no output'}")
+    return checked(control, where), lines.buf
+
+
+def _stderr_until_exit(proc: Proc, where: str):
+    """A read() of the shim's stderr that waits for bytes: b"" once the shim exited."""
     deadline = time.monotonic() + HANDSHAKE_TIMEOUT
-    while True:
-        while b"\n" in buf:
-            line, buf = buf.split(b"\n", 1)
-            control = json_object(line)
-            if control is None:
-                noise += line + b"\n"
-                continue
-            problem = proto.error_of(control)
-            if problem is not None:
-                raise HostError(f"{where}: {problem}")
-            return control, buf
-        chunk = proc.read_stderr()
-        buf += chunk
-        if chunk:
-            continue
-        if proc.wait(0.02) is not None:
-            buf += proc.read_stderr()
-            if b"\n" not in buf:
-                raise HostError(f"{where}: shim exited: {tail_text(noise + buf) or 'no output'}")
-        elif time.monotonic() > deadline:
-            raise HostError(f"{where}: shim did not start the task within {HANDSHAKE_TIMEOUT:g}s")
 
-
-def json_object(line: bytes) -> dict | None:
-    """`line` as a JSON object; None for anything else (a host's login shell may talk)."""
-    try:
-        value = json.loads(line)
-    except ValueError:
-        return None
-    return value if isinstance(value, dict) else None
+    def read() -> bytes:
+        while True:
+            chunk = proc.read_stderr()
+            if chunk:
+                return chunk
+            if proc.wait(0.02) is not None:
+                return proc.read_stderr()
+            if time.monotonic() > deadline:
+                raise HostError(f"{where}: shim did not start the task within {HANDSHAKE_TIMEOUT:g}s")
+    return read
 
 
 class Heartbeats:
@@ -277,8 +263,3 @@ class Heartbeats:
             tasks, self._tasks = self._tasks, []
         for task in tasks:
             task.detach_kill()
-
-
-def tail_text(data: bytes, limit: int = 300) -> str:
-    text = data.decode(errors="replace").strip()
-    return text[-limit:].replace("\n", " | ")

@@ -10,9 +10,14 @@ bytes it hashed, so a warm host costs one remote execution. docs/ARCHITECTURE.md
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 from pathlib import Path
 
-from tfcluster.host import HOST_DIR
+from tfcluster.errors import PreflightError
+from tfcluster.host import HOST_DIR, shim_fs
+from tfcluster.host import shim_protocol as proto
+from tfcluster.launch.lines import checked, json_object, tail_text
 
 SHIPPED = ("shim.py", "shim_down.py", "shim_facts.py", "shim_fs.py", "shim_net.py", "shim_ports.py",
            "shim_procs.py", "shim_protocol.py", "shim_tasks.py", "shim_up.py", "tfserver.py", "probe/sitecustomize.py")
@@ -117,3 +122,98 @@ def cluster_tree(paths, bindir: str) -> list[str]:
 def shipped() -> dict[str, bytes]:
     """name -> content of every file the host needs."""
     return {name: (Path(HOST_DIR) / name).read_bytes() for name in SHIPPED}
+
+
+class ShimPlace:
+    """Where one host's shim lives and how it gets there (HostAgent's, and only its): the
+    bootstrap's request and verdict, stale files shipped, the shim's command line."""
+
+    def __init__(self, host: str, transport, python: str, paths, bindir: str) -> None:
+        self.host, self.transport, self.python, self.paths = host, transport, python, paths
+        self.wanted = bindir             # as the plan wrote it (`~/` is expanded there)
+        self.bindir: str | None = None   # absolute, once the bootstrap said (or in-process)
+
+    def request(self, command: str) -> tuple[dict, dict[str, bytes]]:
+        """Connect; the bootstrap's request line (it then runs the shim's `command`) and
+        the shipped files by name."""
+        self.transport.connect()
+        files = shipped()
+        return {"bindir": self.wanted, "dirs": cluster_tree(self.paths, self.wanted),
+                "files": {n: hashlib.sha256(d).hexdigest() for n, d in files.items()},
+                "command": command}, files
+
+    def verdict(self, rc: int | None, first: dict | None, stderr: bytes) -> list[str]:
+        """The stale files the bootstrap's first answer names, or the PreflightError that
+        says why there is none. `rc`: None while the bootstrap still runs."""
+        if rc == 127 or (rc and b"not found" in stderr):
+            raise PreflightError(f"host {self.host}: {self.python} not found",
+                                 hint="set `python:` in the spec to an interpreter that has tensorflow")
+        if first is not None:            # its error: too old, or the tree is not private
+            checked(first, f"host {self.host}", PreflightError)
+        if rc or first is None:
+            raise PreflightError(f"host {self.host}: {self.python}: {tail_text(stderr) or f'exit status {rc}'}")
+        self.bindir = first["bindir"]
+        return first["stale"]
+
+    def verdict_of(self, lines) -> list[str]:
+        """verdict() on a running bootstrap's Lines (its exit and stderr: when it said nothing)."""
+        first = lines.next()
+        if first is not None:
+            return self.verdict(None, first, b"")
+        rc = lines.proc.wait(10.0)
+        return self.verdict(1 if rc is None else rc, None, lines.proc.read_stderr())
+
+    def ship(self, stale: list[str], files: dict[str, bytes]) -> None:
+        self.transport.put_many([(files[name], f"{self.bindir}/{name}", 0o700) for name in stale])
+
+    def here(self) -> None:
+        """In-process: the cluster tree made private here, the shim run from the package."""
+        try:
+            shim_fs.private_tree(cluster_tree(self.paths, self.wanted))
+        except (shim_fs.Refused, OSError) as e:
+            raise PreflightError(f"host {self.host}: {proto.describe_exception(e)}") from None
+        self.bindir = self.wanted
+
+    def argv(self, command: str) -> list[str]:
+        return [self.python, NO_SITE, f"{self.bindir}/shim.py", command]
+
+    def open(self, spawn, command: str, data: bytes, in_process: bool):
+        """The shim's `command` on its request `data` as a running process, through the
+        bootstrap (in-process: from the package, the tree made private here); stale files
+        are shipped and the command runs again by path. `spawn(argv, data)` starts one
+        process and returns its Lines, positioned after the bootstrap's verdict."""
+        if in_process:
+            self.here()
+            return spawn(self.argv(command), data)
+        boot, files = self.request(command)
+        lines = spawn(bootstrap_argv(self.python), proto.json_line(boot) + data)
+        stale = self.verdict_of(lines)
+        if stale:
+            lines.proc.wait(10.0)
+            self.ship(stale, files)
+            lines = spawn(self.argv(command), data)
+        return lines
+
+    def run(self, commands: dict, timeout: float) -> dict | None:
+        """The bootstrap as one run answering a batch of `commands`: their answers, or None
+        when it found stale files (shipped now: ask again by path)."""
+        request, files = self.request(proto.BATCH)
+        result = self.transport.run(bootstrap_argv(self.python),
+                                    proto.json_line(request) + proto.json_line({"commands": commands}),
+                                    timeout=timeout)
+        lines = [x for x in map(json_object, result.stdout.splitlines()) if x is not None]
+        stale = self.verdict(result.rc, lines[0] if lines else None, result.stderr)
+        if not stale and len(lines) > 1 and "answers" in lines[1]:
+            return lines[1]["answers"]
+        self.ship(stale, files)
+        return None
+
+
+def call_here(command: str, request: dict):
+    """A one-shot shim command answered in this process (shim_protocol.IN_PROCESS), its
+    request copied as if it had travelled as JSON."""
+    from tfcluster.host import shim
+    try:
+        return shim.COMMANDS[command](json.loads(json.dumps(request)))
+    except (proto.ShimError, OSError, KeyError, ValueError) as e:
+        return proto.error_answer(proto.describe_exception(e))

@@ -8,8 +8,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from tfcluster.launch import downexec
-
 from tfcluster.plan import names
 
 from tfcluster.diagnose import proxy
@@ -78,9 +76,9 @@ def down(plan: Plan, ui, grace: float = DEFAULT_GRACE) -> int:
     the local state says `up` started servers on; name the hosts that could not be reached."""
     recorded = state.started_on(state.load(state.key(plan)))
     with state.lock(plan, "down"), Session(plan, ui, _hosts_to_look_at(plan), light=True) as session:
-        # One exec per warm host (downexec.py): info, the stop, and the wait, on the host,
+        # One exec per warm host (HostAgent.down): info, the stop, and the wait, on the host,
         # until its ports of the cluster bind again (up to PORT_SETTLE).
-        opened, reports = downexec.stop_all(session, names.cluster_prefix(plan.name), grace, PORT_SETTLE)
+        opened, reports = _stop_all(session, names.cluster_prefix(plan.name), grace, PORT_SETTLE)
         unreachable = {h: e for h, e in opened.items() if isinstance(e, BaseException)}
         session.drop(unreachable)
         unreachable = _warn_spare(ui, plan, unreachable, recorded)
@@ -113,6 +111,24 @@ def down(plan: Plan, ui, grace: float = DEFAULT_GRACE) -> int:
             return ExitCode.OK
         ui.ok(f"cluster {plan.name!r} is down: nothing of it runs and its ports are free")
         return ExitCode.OK
+
+
+def _stop_all(session: Session, prefix: str, grace: float, settle: float) -> tuple[dict, dict]:
+    """Open every host of the session and stop what `prefix` names there, in that round trip.
+
+    Returns (host -> HostInfo or the error that kept it closed, host -> StopReport or the
+    HostError of its stop) for the hosts opened; a report's `busy` names this host's
+    ports of the plan still held `settle` seconds after the stop."""
+    if not prefix:
+        raise ValueError("stop needs a tag prefix (an empty one would match every cluster)")
+    reports: dict = {}
+
+    def down(name: str, _survey, _files):
+        info, reports[name] = session.agents[name].down(
+            prefix, grace, settle, [t.port for t in session.plan.tasks_on(name)])
+        return info
+
+    return session.open(strict=False, prepare=down), reports
 
 
 def _unreached(host: str, error: BaseException) -> str:

@@ -10,12 +10,11 @@ naming the host, the task and the address, with a hint by cause; nothing is left
 """
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass
 
 from tfcluster.host import shim_protocol as proto
-from tfcluster.launch.attached import json_object, tail_text
+from tfcluster.launch.lines import Deadline, Lines, close_input
 from tfcluster.errors import HostError, PreflightError
 from tfcluster.plan import Plan, TaskPlan
 from tfcluster.launch.session import raise_first
@@ -78,11 +77,11 @@ def can_connect(session, from_host: str, targets, timeout: float = CONNECT_TIMEO
     {"address:port": None | reason}. For a watchdog asking why a task waits."""
     agent = session.agents[from_host]
     request = {"targets": [[a, int(p)] for a, p in targets], "timeout": timeout}
-    proc = agent.transport.spawn(agent._shim_argv(proto.REACH))   # noqa: SLF001 - a streaming shim command
-    with _Killer([proc], START_TIMEOUT + probe_all_bound(len(request["targets"]), timeout)) as killer:
+    proc = agent.spawn_shim(proto.REACH)
+    with Deadline(START_TIMEOUT + probe_all_bound(len(request["targets"]), timeout), [proc]) as deadline:
         proc.write(proto.json_line(request))
         proc.close_stdin()
-        return _Lines(proc, agent.name, killer).next("results")["results"]
+        return Lines(proc, f"host {agent.name}: reach").answer("results", deadline=deadline)["results"]
 
 
 # ------------------------------------------------------------------------- the exchange
@@ -90,52 +89,42 @@ def can_connect(session, from_host: str, targets, timeout: float = CONNECT_TIMEO
 def _exchange(session, hosts: list[str], listen: dict, targets: list, timeout: float,
               execs: dict) -> dict:
     """Every host: listeners up (all of them before anyone connects), then connect, then
-    close (a conversation of `execs` closes its listeners on its next line, before GO).
+    close. A conversation of `execs` (upexec.UpExec, held.HeldStart) lends its lines and
+    ends its part itself (end_reach); elsewhere a `reach` shim of its own runs.
     host -> {"listening", "busy", "results"}."""
     procs: dict[str, Proc] = {}
-    readers: dict[str, _Lines] = {}
+    lines: dict[str, Lines] = {}
     connecting = probe_all_bound(len(targets), timeout) + ANSWER_SLACK
     lifetime = START_TIMEOUT + connecting + ANSWER_SLACK   # the shims' own bound
-    killer = _Killer([], START_TIMEOUT)
+    deadline = Deadline(START_TIMEOUT)
+
+    def where(host: str) -> str:
+        return f"host {host}: reach"
 
     def open_host(host: str) -> dict:
-        agent = session.agents[host]
-        if agent.cancelled.is_set():
-            raise KeyboardInterrupt()
+        session.agents[host].check_cancelled()
         if host in execs:
-            proc = execs[host].proc
-            killer.add(proc, borrowed=True)
+            lines[host] = execs[host].lines
+            deadline.add(lines[host].proc, borrowed=True)
         else:
-            proc = procs[host] = agent.transport.spawn(agent._shim_argv(proto.REACH))   # noqa: SLF001
-            killer.add(proc)
-        proc.write(proto.json_line({"listen": listen[host], "lifetime": lifetime}))
-        readers[host] = _Lines(proc, host, killer)
-        if host in execs:
-            readers[host].buf, execs[host].buf = execs[host].buf, b""
-        return readers[host].next("listening")
+            proc = procs[host] = session.agents[host].spawn_shim(proto.REACH)
+            deadline.add(proc)
+            lines[host] = Lines(proc, where(host))
+        lines[host].proc.write(proto.json_line({"listen": listen[host], "lifetime": lifetime}))
+        return lines[host].answer("listening", where(host), deadline)
 
     def go(host: str) -> dict:
-        readers[host].proc.write(proto.json_line({"targets": targets, "timeout": timeout}))
-        answer = readers[host].next("results")
-        if host in execs:
-            execs[host].buf = readers[host].buf
-        return answer
+        lines[host].proc.write(proto.json_line({"targets": targets, "timeout": timeout}))
+        return lines[host].answer("results", where(host), deadline)
 
-    def close_held(host: str) -> None:
-        """A held start (held.py) closes its listeners on a line of its own, once every
-        host is done connecting, and says so before anything binds."""
-        readers[host].proc.write(proto.json_line({"close": True}))
-        readers[host].next("closed")
-        execs[host].buf = readers[host].buf
-
-    with killer:
+    with deadline:
         opened = session.parallel(open_host, hosts)
         raise_first(opened, "host")
-        killer.restart(connecting)
+        deadline.restart(connecting)
         results = session.parallel(go, hosts)
         raise_first(results, "host")
         _close(procs)
-        raise_first(session.parallel(close_held, [h for h in hosts if getattr(execs.get(h), "closes", False)]),
+        raise_first(session.parallel(lambda h: execs[h].end_reach(deadline), [h for h in hosts if h in execs]),
                     "host")
     return {h: {**opened[h], **results[h]} for h in hosts}
 
@@ -144,91 +133,11 @@ def _close(procs: dict[str, Proc]) -> None:
     """End every shim's stdin and wait until it exited: its listeners must be gone before
     a server binds the same port."""
     for proc in procs.values():
-        try:
-            proc.close_stdin()
-        except OSError:
-            pass
+        close_input(proc)
     deadline = time.monotonic() + EXIT_WAIT
     for host, proc in procs.items():
         if proc.wait(max(0.0, deadline - time.monotonic())) is None:
             raise HostError(f"host {host}: reach did not exit {EXIT_WAIT:g}s after its stdin ended")
-
-
-class _Killer:
-    """Drops every process when a phase overruns its deadline (a read then returns EOF);
-    drops them all on leaving, whatever happened."""
-
-    def __init__(self, procs: list[Proc], seconds: float) -> None:
-        self.procs = list(procs)
-        self.borrowed: list[Proc] = []     # killed when a deadline passes, not on leaving
-        self.expired = False
-        self._lock = threading.Lock()
-        self._timer: threading.Timer | None = None
-        self.seconds = seconds
-        self.restart(seconds)
-
-    def add(self, proc: Proc, borrowed: bool = False) -> None:
-        with self._lock:
-            (self.borrowed if borrowed else self.procs).append(proc)
-            late = self.expired
-        if late:            # spawned after the deadline passed: never wait on it
-            proc.kill()
-
-    def restart(self, seconds: float) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        self.seconds = seconds
-        self._timer = threading.Timer(seconds, self._expire)
-        self._timer.daemon = True
-        self._timer.start()
-
-    def _expire(self) -> None:
-        with self._lock:
-            self.expired = True
-        self._kill_all(borrowed=True)
-
-    def _kill_all(self, borrowed: bool = False) -> None:
-        with self._lock:
-            procs = self.procs + (self.borrowed if borrowed else [])
-        for proc in procs:
-            proc.kill()
-
-    def __enter__(self) -> "_Killer":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        self._kill_all()        # a borrowed conversation is its owner's to close
-
-
-class _Lines:
-    """JSON lines from a shim's stdout; its error envelope or an early end is a HostError."""
-
-    def __init__(self, proc: Proc, host: str, killer: _Killer) -> None:
-        self.proc, self.host, self.killer = proc, host, killer
-        self.buf = b""
-
-    def next(self, key: str) -> dict:
-        answer = None
-        while answer is None:            # lines that are no JSON object: a login shell's words
-            while b"\n" not in self.buf:
-                chunk = self.proc.read()
-                if not chunk:
-                    if self.killer.expired:
-                        raise HostError(f"host {self.host}: reach did not answer within "
-                                        f"{self.killer.seconds:g}s")
-                    raise HostError(f"host {self.host}: reach ended early: "
-                                    f"{tail_text(self.proc.read_stderr()) or 'no output'}")
-                self.buf += chunk
-            line, self.buf = self.buf.split(b"\n", 1)
-            answer = json_object(line)
-        problem = proto.error_of(answer)
-        if problem is not None:
-            raise HostError(f"host {self.host}: reach: {problem}")
-        if key not in answer:
-            raise HostError(f"host {self.host}: reach: unexpected answer {line[:200]!r}")
-        return answer
 
 
 # ------------------------------------------------------------------------- diagnosis

@@ -2,7 +2,6 @@
 them and the shim's JSON answers (shim_protocol.py, docs/ARCHITECTURE.md "The shim protocol")."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 
@@ -78,12 +77,19 @@ def statuses_of(answer: list) -> list[TaskStatus]:
             for s in answer]
 
 
-def last_json(out: bytes):
-    lines = [line for line in out.splitlines() if line.strip()]
-    try:
-        return json.loads(lines[-1]) if lines else None
-    except ValueError:
-        return None
+def stop_report(answer: dict) -> StopReport:
+    """A `stop` answer, or `down`'s (with `ports`: port -> holder, None once bindable)."""
+    return StopReport(stopped=tuple((s["tag"], int(s["pid"])) for s in answer["stopped"]),
+                      survivors=tuple((s["tag"], int(s["pid"])) for s in answer["survivors"]),
+                      busy=tuple((int(p), holder) for p, holder in (answer.get("ports") or {}).items() if holder))
+
+
+def event_of(answer: dict) -> tuple[str, str, object]:
+    """A line of `launch`, `wait` or `up`'s GO as (key, "started", pid), or (key, state,
+    holder) once that server is decided."""
+    if "pid" in answer:
+        return answer["key"], "started", int(answer["pid"])
+    return answer["key"], answer["state"], answer.get("holder")
 
 
 def start_request(t: TaskLaunch, cluster_dir: str, port: int | None = None) -> dict:

@@ -36,31 +36,21 @@ def start_detached(session: Session, tasks: list[TaskPlan], run_id: str,
     Ctrl-C, everything started here is stopped first."""
     grouped = by_host(tasks)
     started: dict[str, Started] = {}
-    progress = _Progress(session, [t.key for t in tasks])
 
-    def run_host(host: str) -> list[tuple[str, str, str | None]]:
+    def events(host: str):
         agent = session.agents[host]
         launches = {t.key: (t, session.launch_for(t, run_id, "server", agent.server_argv()))
                     for t in grouped[host]}
-        decided = []
-        events = (execs[host].go(list(launches)) if execs and host in execs
+        stream = (execs[host].go(list(launches)) if execs and host in execs
                   else agent.launch([(k, t.port, l) for k, (t, l) in launches.items()], timeout))
-        for key, state, value in events:
-            task, launch = launches[key]
+        for key, state, value in stream:
             if state == "started":
+                task, launch = launches[key]
                 started[key] = Started(task, launch.tag, value, launch.log)
-                continue
-            decided.append((key, state, value))
-            if state == "ready":
-                progress.ready(key)
-        return decided
+            yield key, state, value
 
     try:
-        try:
-            results = session.parallel(run_host, grouped)
-        finally:
-            progress.close()
-        _raise_unready(session, results, started, timeout)
+        _raise_unready(session, _decide(session, grouped, [t.key for t in tasks], events), started, timeout)
     except BaseException:
         session.stop_run(names.run_prefix(session.plan.name, run_id), DEFAULT_GRACE)
         raise
@@ -71,22 +61,34 @@ def wait_ready(session: Session, started: list[Started], timeout: float = READY_
     """Block until every started server listens on its port (its own socket); raise naming
     the first that did not."""
     grouped = by_host(started, lambda s: s.task.host)
-    progress = _Progress(session, [s.task.key for s in started])
 
-    def wait_host(host: str) -> list[tuple[str, str, str | None]]:
-        items = [(s.task.key, s.task.port, s.pid) for s in grouped[host]]
+    def events(host: str):
+        return session.agents[host].wait_ready([(s.task.key, s.task.port, s.pid) for s in grouped[host]], timeout)
+
+    results = _decide(session, grouped, [s.task.key for s in started], events)
+    _raise_unready(session, results, {s.task.key: s for s in started}, timeout)
+
+
+def _decide(session: Session, hosts, keys: list[str], events) -> dict:
+    """Every host's `events(host)` ((key, state, value) as its servers start and are
+    decided), in parallel, each ready one reported as it comes: host -> the decided
+    (key, state, holder), or the host's error."""
+    progress = _Progress(session, keys)
+
+    def one(host: str) -> list[tuple[str, str, str | None]]:
         decided = []
-        for key, outcome, holder in session.agents[host].wait_ready(items, timeout):
-            decided.append((key, outcome, holder))
-            if outcome == "ready":
+        for key, state, value in events(host):
+            if state == "started":
+                continue
+            decided.append((key, state, value))
+            if state == "ready":
                 progress.ready(key)
         return decided
 
     try:
-        results = session.parallel(wait_host, grouped)
+        return session.parallel(one, hosts)
     finally:
         progress.close()
-    _raise_unready(session, results, {s.task.key: s for s in started}, timeout)
 
 
 def _raise_unready(session: Session, results: dict, started: dict[str, Started], timeout: float) -> None:

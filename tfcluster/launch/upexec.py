@@ -10,17 +10,17 @@ trips of `up`".
 from __future__ import annotations
 
 import threading
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
-from tfcluster.host import shim_fs
+from tfcluster.errors import HostError
 from tfcluster.host import shim_protocol as proto
-from tfcluster.launch.agent import HostAgent
-from tfcluster.launch.records import TaskLaunch, start_request
-from tfcluster.launch.attached import json_object, tail_text
-from tfcluster.host import HOST_DIR
-from tfcluster.launch.bootstrap import NO_SITE, bootstrap_argv, cluster_tree
-from tfcluster.errors import HostError, PreflightError
+from tfcluster.launch.lines import Lines, close_input
+from tfcluster.plan import names
+from tfcluster.launch.records import HostInfo, TaskLaunch, event_of, start_request
 from tfcluster.transport.base import Proc
+
+if TYPE_CHECKING:
+    from tfcluster.launch.agent import HostAgent
 
 EXIT_WAIT = 15.0     # the shim stops its warm servers (TERM, at most the grace, KILL) and exits
 
@@ -31,7 +31,7 @@ class UpExec:
     def __init__(self, agent: HostAgent) -> None:
         self.agent = agent
         self.proc: Proc | None = None
-        self.buf = b""
+        self.lines: Lines | None = None
         self.warm: tuple[str, ...] = ()
         self.done = False            # every server of go() decided: nothing left to stop there
         self.starts = False          # its request started servers (warm ones, maybe)
@@ -39,40 +39,37 @@ class UpExec:
 
     def server_argv(self) -> tuple[str, ...]:
         """The server's argv before the host is known (its `~/` is expanded there)."""
-        a = self.agent
-        bindir = HOST_DIR if a._in_process else a._wanted_bindir   # noqa: SLF001
-        return (a.python, f"{bindir}/tfserver.py")
+        return (self.agent.python, f"{self.agent.bindir}/tfserver.py")
 
     def open(self, survey: tuple[str, list[int]], servers: list[tuple[str, int, TaskLaunch]],
-             timeout: float, warm: bool = True) -> None:
+             timeout: float, warm: bool = True) -> HostInfo:
         """Connect, bootstrap, answer info + survey (the agent adopts them), start `servers`
-        warm when this host's own checks pass."""
-        a = self.agent
-        request = {"commands": {proto.INFO: {}, **a._survey_commands(*survey)},   # noqa: SLF001
-                   "starts": [{"key": k, "port": p, "req": start_request(t, a.paths.root, p)} for k, p, t in servers],
+        warm when this host's own checks pass. Returns the host's info."""
+        request = {"starts": [{"key": k, "port": p, "req": start_request(t, self.agent.paths.root, p)}
+                              for k, p, t in servers],
                    "warm": warm, "timeout": timeout}
         self.starts = bool(servers)
-        if a._in_process:   # noqa: SLF001 - tfcluster's own interpreter on this machine
-            try:
-                shim_fs.private_tree(cluster_tree(a.paths, a._wanted_bindir))   # noqa: SLF001
-            except (shim_fs.Refused, OSError) as e:
-                raise PreflightError(f"host {a.name}: {proto.describe_exception(e)}") from None
-            a._bindir = HOST_DIR   # noqa: SLF001
-            self._spawn([a.python, NO_SITE, f"{HOST_DIR}/shim.py", proto.UP], proto.json_line(request))
-        else:
-            boot, files = a.bootstrap_request(proto.UP)
-            self._spawn(bootstrap_argv(a.python), proto.json_line(boot) + proto.json_line(request))
-            boot = a.boot_verdict(self.next_line(), self.proc)
-            if boot["stale"]:
-                self.proc.wait(10.0)
-                self._drop()
-                a.ship_stale(boot["stale"], files)
-                self._spawn([a.python, NO_SITE, f"{a._bindir}/shim.py", proto.UP], proto.json_line(request))   # noqa: SLF001
-        answer = self.next_line()
-        if answer is None or "answers" not in answer:
-            raise self._ended(answer)
+        answer = self.agent.open_conversation(self, proto.UP, request, survey=survey,
+                                              batch=lambda req, commands: {"commands": commands, **req})
         self.warm = tuple(answer.get("warm") or ())
-        a.adopt(a._checked_answers(answer["answers"]), survey)   # noqa: SLF001
+        return self.agent.info
+
+    def attach(self, proc: Proc) -> Lines:
+        """The process of this conversation (HostAgent.open_conversation); one before it (a
+        bootstrap that found stale files) is dropped."""
+        if self.proc is not None:
+            self.proc.kill()
+        self.proc = proc
+        self.lines = Lines(proc, f"host {self.agent.name}: up")
+        return self.lines
+
+    def interrupt(self) -> None:
+        proc = self.proc
+        if proc is not None:
+            proc.kill()
+
+    def end_reach(self, deadline) -> None:
+        """Reachability is done: its listeners close at GO, not before (nothing to say)."""
 
     def go(self, keys: list[str]) -> Iterator[tuple[str, str, object]]:
         """Start these servers (warm ones get GO): (key, "started", pid), then (key, state,
@@ -80,29 +77,20 @@ class UpExec:
         self.proc.write(proto.json_line({"go": list(keys)}))
         pending = set(keys)
         while pending:
-            answer = self.next_line()
-            if answer is None or proto.error_of(answer) is not None:
-                self.agent._check_cancelled()   # noqa: SLF001
-                raise self._ended(answer)
-            if "pid" in answer:
-                yield answer["key"], "started", int(answer["pid"])
-            else:
-                pending.discard(answer["key"])
+            try:
+                answer = self.lines.check(self.lines.next())
+            except HostError:
+                self.agent.check_cancelled()     # dropped by Ctrl-C: that, not its early end
+                raise
+            key, state, value = event_of(answer)
+            if state != "started":
+                pending.discard(key)
                 self.done = not pending
-                yield answer["key"], answer["state"], answer.get("holder")
+            yield key, state, value
 
     def next_line(self) -> dict | None:
         """The next JSON line (non-JSON noise, such as a login banner, is skipped); None at EOF."""
-        while True:
-            while b"\n" not in self.buf:
-                chunk = self.proc.read()
-                if not chunk:
-                    return None
-                self.buf += chunk
-            line, self.buf = self.buf.split(b"\n", 1)
-            answer = json_object(line)
-            if answer is not None:
-                return answer
+        return self.lines.next()
 
     def close(self) -> bool:
         """End the conversation: before GO the shim stops its warm servers; wait for its exit
@@ -111,71 +99,32 @@ class UpExec:
         it started may still run."""
         with self._lock:
             proc, self.proc = self.proc, None
-        if proc is None:
+        if proc is None or self.done:
             return True
-        if self.done:
-            self.agent.untrack(proc)
-            return True
-        try:
-            proc.close_stdin()
-        except OSError:
-            pass
+        close_input(proc)
         rc = proc.wait(EXIT_WAIT)
         if rc is None:
             proc.kill()
-        self.agent.untrack(proc)
         return rc == 0
-
-    def _spawn(self, argv: list[str], data: bytes) -> None:
-        self.agent._check_cancelled()   # noqa: SLF001
-        self.proc = self.agent.transport.spawn(argv)
-        self.agent.track(self.proc)
-        self.buf = b""
-        try:
-            self.proc.write(data)
-        except BrokenPipeError:     # it ended unread (no such python): its exit says why
-            pass
-
-    def _drop(self) -> None:
-        proc, self.proc = self.proc, None
-        self.agent.untrack(proc)
-        proc.kill()
-
-    def _ended(self, answer) -> HostError:
-        problem = proto.error_of(answer)
-        if problem is None:
-            problem = "ended early: " + (tail_text(self.proc.read_stderr()) or "no output")
-        return HostError(f"host {self.agent.name}: up: {problem}")
 
 
 def open_all(session, servers, run_id: str, timeout: float) -> dict[str, UpExec]:
-    """One conversation per host of the session, opened in parallel; the session's infos
-    and the agents' surveys are filled as Session.open(survey=servers) fills them."""
-    from tfcluster.plan import names
-    from tfcluster.launch.session import by_host, raise_first
-
-    prefix = names.cluster_prefix(session.plan.name)
-    grouped = by_host(servers)
+    """One conversation per host of the session, opened in parallel as Session.open opens
+    them (the session's infos and the agents' surveys filled alike)."""
     execs = {name: UpExec(session.agent(name)) for name in session.host_names}
 
-    def open_host(name: str):
+    def open_host(name: str, survey, _files) -> HostInfo:
         ex = execs[name]
-        tasks = grouped.get(name, [])
-        launches = [(t.key, t.port, session.launch_for(t, run_id, "server", ex.server_argv())) for t in tasks]
-        ex.open((prefix, [t.port for t in tasks]), launches, timeout)
-        return ex.agent._info   # noqa: SLF001
+        launches = [(t.key, t.port, session.launch_for(t, run_id, "server", ex.server_argv()))
+                    for t in servers if t.host == name]
+        return ex.open(survey, launches, timeout)
 
     try:
-        results = session.parallel(open_host, session.host_names)
-        for name, result in results.items():
-            if not isinstance(result, BaseException):
-                session.infos[name] = result
-        raise_first(results, "host")
+        session.open(survey=list(servers), prepare=open_host)
     except BaseException:
         close_all(session, execs, names.run_prefix(session.plan.name, run_id))
         raise
     return execs
-
 
 def close_all(session, execs: dict[str, UpExec], run_prefix: str) -> None:
     """Close every conversation; where one did not end cleanly (its shim killed, so its warm

@@ -51,6 +51,12 @@ class HostPlan:
     bindir: str                          # where the shim and the TF server live there
     ssh: SshOptions | None = None        # None for a local host
 
+    @property
+    def in_process(self) -> bool:
+        """The shim runs from the package on tfcluster's own interpreter: one-shot commands
+        need no process (shim_protocol.IN_PROCESS)."""
+        return runs_in_process(self.bindir)
+
 
 @dataclass(frozen=True)
 class TaskPlan:
@@ -184,16 +190,27 @@ def interpreter(spec_python: str, local: bool, local_python: str) -> str:
     return local_python if local and spec_python == DEFAULT_PYTHON else spec_python
 
 
+def shim_bindir(local: bool, python: str, cluster_dir: str, local_python: str | None = None) -> str:
+    """The one decision of where a host's shim and TF server live: tfcluster's own
+    interpreter on this machine runs them straight from the package (and answers one-shot
+    commands in-process); every other host from the cluster's bin directory."""
+    own = local and python == (local_python or sys.executable)
+    return HOST_DIR if own else f"{cluster_dir}/bin"
+
+
+def runs_in_process(bindir: str) -> bool:
+    """`bindir` (shim_bindir's) is the package's own: the host is answered in-process."""
+    return bindir == HOST_DIR
+
+
 def _host_plan(host, spec: Spec, cluster_dir: str, local_python: str) -> HostPlan:
     python = interpreter(spec.python, host.local, local_python)
-    # tfcluster's own interpreter on this machine runs the shim straight from the package
-    own = host.local and python == local_python
     # the spec's SshSettings and the transport's SshOptions carry the same fields; neither
     # layer imports the other, so the plan copies one into the other by name
     ssh = None if host.local else SshOptions(**{f.name: getattr(host.ssh, f.name)
                                                 for f in fields(SshOptions)})
     return HostPlan(name=host.name, address=host.address, local=host.local, gpus=host.gpus,
-                    python=python, bindir=HOST_DIR if own else f"{cluster_dir}/bin", ssh=ssh)
+                    python=python, bindir=shim_bindir(host.local, python, cluster_dir, local_python), ssh=ssh)
 
 
 def build_plan(spec: Spec, local_python: str | None = None, *,
