@@ -126,7 +126,7 @@ def make_agent(host: HostPlan, cluster_dir: str) -> HostAgent:
     from tfcluster.transport import make_transport
 
     transport = make_transport(host.name, host.address, local=host.local, ssh=host.ssh)
-    return HostAgent(host.name, transport, host.python, cluster_dir, bindir=host.bindir)
+    return HostAgent(host.name, transport, host.python, cluster_dir, bindir=host.bindir, in_process=host.in_process)
 
 
 class Session:
