@@ -144,7 +144,7 @@ def test_tfserver_held_exits_unbound_when_its_stdin_ends(tmp_path):
     port = free_port()
     env = dict(os.environ, TFCLUSTER_HOLD="1", CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="2",
                TF_CONFIG='{"cluster": {"ps": ["127.0.0.1:%d"]}, "task": {"type": "ps", "index": 0}}' % port)
-    proc = subprocess.run([sys.executable, str(REPO / "tfcluster/tfserver.py")], env=env,
+    proc = subprocess.run([sys.executable, str(REPO / "tfcluster/host/tfserver.py")], env=env,
                           stdin=subprocess.DEVNULL, capture_output=True, timeout=180)
     assert proc.returncode == 0 and b"listening" not in proc.stdout
     assert bindable(port)
