@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import tagged_processes, wait_for
-from tests.train_helpers import kill_group, local_spec, manifest, only_run, read_until, start_tfcluster, tfcluster
+from tests.helpers import kill_group, local_spec, manifest, only_run, read_until, start_tfcluster, tfcluster
 from tfcluster.diagnose import placement as pl
 from tfcluster.diagnose import watchdog as wd
 SCRIPTS = Path(__file__).parent / "scripts"

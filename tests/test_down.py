@@ -19,7 +19,7 @@ import pytest
 from tests.conftest import tagged_processes, wait_for
 from tests.test_lifecycle import bindable, state_path
 from tests.tf_launch import free_ports
-from tests.train_helpers import tfcluster
+from tests.helpers import tfcluster
 
 pytestmark = [pytest.mark.timeout(180)]
 

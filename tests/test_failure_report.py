@@ -10,7 +10,7 @@ import pytest
 from tests.conftest import tagged_processes, wait_for
 from tests.test_down import STANDIN
 from tests.tf_launch import free_ports
-from tests.train_helpers import kill_tagged_once_seen, start_tfcluster
+from tests.helpers import kill_tagged_once_seen, start_tfcluster
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from tests.tf_launch import free_ports
-from tests.train_helpers import cli_env
+from tests.helpers import cli_env
 
 pytestmark = [pytest.mark.tf, pytest.mark.timeout(240)]
 

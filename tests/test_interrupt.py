@@ -14,7 +14,7 @@ import time
 import pytest
 
 from tests.conftest import tagged_processes, wait_for
-from tests.train_helpers import kill_group, local_spec, read_until, ssh_spec, start_tfcluster
+from tests.helpers import kill_group, local_spec, read_until, ssh_spec, start_tfcluster
 from tfcluster.launch.supervisor import SCRIPT_GRACE   # a script's last checkpoint after Ctrl-C
 
 pytestmark = [pytest.mark.tf, pytest.mark.timeout(240)]
@@ -94,5 +94,5 @@ def test_ctrl_c_at_varied_moments_of_starting_servers_leaves_nothing(delay, tmp_
     finally:
         kill_group(proc)
         if tagged_processes():
-            from tests.train_helpers import tfcluster
+            from tests.helpers import tfcluster
             tfcluster("down", str(spec), home=home, cwd=cwd)

@@ -12,7 +12,7 @@ import pytest
 
 from tests.conftest import tagged_processes, wait_for
 from tests.tf_launch import free_ports
-from tests.train_helpers import (kill_group, local_spec, read_until, ssh_spec, start_tfcluster,
+from tests.helpers import (kill_group, local_spec, read_until, ssh_spec, start_tfcluster,
                                  tfcluster)
 
 pytestmark = [pytest.mark.timeout(240)]

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from tests.tf_launch import free_ports
-from tests.train_helpers import cli_env
+from tests.helpers import cli_env, this_python_renamed
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -33,8 +33,7 @@ def test_down_and_status_run_no_nvidia_smi_where_plan_check_does(tmp_path, home,
     (bin_dir / "nvidia-smi").chmod(0o755)
     python = ""
     if shim == "subprocess":      # another path to this interpreter: the shim runs as a process of its own
-        (bin_dir / "py").symlink_to(sys.executable)
-        python = f"python: {bin_dir / 'py'}\n"
+        python = f"python: {this_python_renamed(bin_dir)}\n"
     ps, worker = free_ports(2)
     spec = tmp_path / "gpus.yaml"
     spec.write_text(f"name: lightinfo\n{python}hosts:\n  - {{name: a, address: 127.0.0.1, gpus: 2}}\n"

@@ -12,7 +12,7 @@ import pytest
 
 from tests.conftest import tagged_processes
 from tests.test_agent import C, CLUSTER_DIR, free_port, launch, with_tag
-from tests.train_helpers import tfcluster
+from tests.helpers import tfcluster
 from tfcluster.launch.agent import HostAgent
 from tfcluster.transport.local import LocalTransport
 

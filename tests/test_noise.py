@@ -7,7 +7,7 @@ import io
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from tests.train_helpers import local_spec, only_run, tfcluster
+from tests.helpers import local_spec, only_run, tfcluster
 from tfcluster.watch.logmux import LogMux
 
 # Captured from a coordinator-mode worker server (TF 2.21, protobuf's randomised DebugString

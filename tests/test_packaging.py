@@ -8,7 +8,7 @@ import zipfile
 
 import pytest
 
-from tests.train_helpers import ROOT
+from tests.helpers import ROOT
 
 pytestmark = pytest.mark.timeout(180)
 

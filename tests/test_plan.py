@@ -13,7 +13,7 @@ from tfcluster.spec import templates
 from tfcluster.errors import SpecError
 from tfcluster.plan import (HOST_DIR, HostPlan, Plan, Restart, TaskPlan, build_plan, interpreter,
                             plan_to_dict, redact_env)
-from tfcluster.transport.ssh_config import SshOptions
+from tfcluster.transport.options import SshOptions
 from tfcluster.spec import check_train_files, load_spec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -12,7 +12,7 @@ import pytest
 
 from tests.conftest import tagged_processes
 from tests.tf_launch import HandLaunch, make_cluster, port_of, wait_port
-from tests.train_helpers import TEMPLATES, cli_env, local_spec, only_run
+from tests.helpers import TEMPLATES, cli_env, local_spec, only_run
 from tfcluster.host import shim_net
 from tfcluster.host import shim_tasks
 pytestmark = [pytest.mark.timeout(240)]

@@ -19,7 +19,7 @@ import pytest
 
 from tests.conftest import tagged_processes, wait_for
 from tests.tf_launch import free_ports
-from tests.train_helpers import tfcluster
+from tests.helpers import tfcluster
 from tfcluster.host import shim_net
 from tfcluster.plan import build_plan
 from tfcluster.launch.reach import Failure, _error, can_connect

@@ -21,7 +21,7 @@ import pytest
 from tests.conftest import tagged_processes, wait_for
 from tests.test_agent import C, agent, gone, launch, with_tag  # noqa: F401 - agent: a fixture
 from tests.tf_launch import free_ports
-from tests.train_helpers import kill_group, manifest, only_run, read_until, start_tfcluster, tfcluster
+from tests.helpers import kill_group, manifest, only_run, read_until, start_tfcluster, tfcluster
 from tfcluster.launch.attempts import pump
 from tfcluster.watch.logmux import LogMux
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.tf_launch import free_ports
-from tests.train_helpers import cli_env
+from tests.helpers import cli_env, this_python_renamed
 from tfcluster.host import shim
 from tfcluster.launch.agent import HostAgent
 from tfcluster.launch.bootstrap import BOOTSTRAP, SHIPPED, shipped
@@ -84,15 +84,6 @@ def error_line(result: subprocess.CompletedProcess) -> str:
     return errors[0]
 
 
-def other_python(tmp: Path) -> str:
-    """This interpreter under another name: the local host then goes through the bootstrap
-    (a local host on tfcluster's own interpreter runs the shim in-process)."""
-    link = tmp / "python-link"
-    if not link.exists():
-        link.symlink_to(sys.executable)
-    return str(link)
-
-
 def levels(top: Path, leaf: Path) -> list[Path]:
     """`top` and every directory below it down to `leaf`."""
     parts = leaf.relative_to(top).parts
@@ -110,7 +101,7 @@ def test_a_workdir_another_user_made_world_writable_is_refused_and_left_empty(
         route, shared, other_user, home, tmp_path):
     lab = shared / "shared" / "lab"
     as_b(other_user, f"mkdir -p {lab}")
-    python = sys.executable if route == "in-process" else other_python(tmp_path)
+    python = sys.executable if route == "in-process" else this_python_renamed(tmp_path)
 
     spec = write_spec(tmp_path, lab, python=python)
     result = tfc("plan", "--check", str(spec), home=home, cwd=tmp_path)
@@ -130,7 +121,7 @@ def test_a_world_writable_workdir_root_is_refused_even_when_root_owns_it(home, t
     workdir.mkdir()
     workdir.chmod(0o777)
 
-    result = tfc("plan", "--check", str(write_spec(tmp_path, workdir, python=other_python(tmp_path))),
+    result = tfc("plan", "--check", str(write_spec(tmp_path, workdir, python=this_python_renamed(tmp_path))),
                  home=home, cwd=tmp_path)
 
     assert result.returncode == 4, result.stderr
@@ -145,7 +136,7 @@ def test_every_level_tfcluster_creates_is_0700_whatever_the_umask(route, home, t
     sticky.mkdir()
     sticky.chmod(0o1777)
     workdir = sticky / "a" / "b"
-    python = sys.executable if route == "in-process" else other_python(tmp_path)
+    python = sys.executable if route == "in-process" else this_python_renamed(tmp_path)
 
     result = tfc("plan", "--check", str(write_spec(tmp_path, workdir, python=python)),
                  home=home, cwd=tmp_path, umask=0)
@@ -166,7 +157,7 @@ def test_a_cache_file_planted_in_another_users_tree_never_runs(shared, other_use
     script.write_bytes(GOOD)
     planted = shared / "w" / "sd" / "cache" / hashlib.sha256(GOOD).hexdigest()
     as_b(other_user, f"mkdir -p {planted.parent}", f"cat > {planted} <<'EOF'\n{evil(marker).decode()}EOF")
-    spec = write_spec(tmp_path, shared / "w", python=other_python(tmp_path), script=True)
+    spec = write_spec(tmp_path, shared / "w", python=this_python_renamed(tmp_path), script=True)
 
     result = tfc("train", str(spec), home=home, cwd=tmp_path)
 
@@ -179,7 +170,7 @@ def test_a_cache_file_planted_in_another_users_tree_never_runs(shared, other_use
 
 def test_train_runs_the_real_script_when_the_cache_holds_other_bytes_under_its_name(home, tmp_path):
     (tmp_path / "train.py").write_bytes(GOOD)
-    spec = write_spec(tmp_path, tmp_path / "wd", python=other_python(tmp_path), script=True)
+    spec = write_spec(tmp_path, tmp_path / "wd", python=this_python_renamed(tmp_path), script=True)
     assert tfc("plan", "--check", str(spec), home=home, cwd=tmp_path).returncode == 0   # makes the tree
     marker = tmp_path / "ran"
     cached = tmp_path / "wd" / "sd" / "cache" / hashlib.sha256(GOOD).hexdigest()

@@ -21,7 +21,7 @@ import pytest
 
 from tests.conftest import tagged_processes, wait_for
 from tests.tf_launch import free_ports
-from tests.train_helpers import cli_env, tfcluster
+from tests.helpers import cli_env, tfcluster
 from tfcluster.host import shim_ports
 from tfcluster.host import shim_procs
 from tfcluster.launch.agent import HostAgent, TaskLaunch

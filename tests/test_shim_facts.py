@@ -61,7 +61,9 @@ def test_a_venvs_own_tensorflow_is_found_not_the_base_interpreters(tmp_path):
 
 def test_a_venv_with_system_site_packages_sees_the_base_tensorflow(tmp_path):
     python, _ = venv(tmp_path / "v", system=True)
-    base = info(sys.executable)["tf_version"]
+    # a venv's system site-packages are its base interpreter's, whether or not the tests
+    # themselves run in a venv (there, this interpreter's packages are not the base's)
+    base = info(getattr(sys, "_base_executable", sys.executable))["tf_version"]
     assert info(python, NO_SITE)["tf_version"] == info(python)["tf_version"] == base
 
 

@@ -23,7 +23,7 @@ from tests.test_down import STANDIN
 from tests.test_lifecycle import state_path
 from tests.test_shared_kill import LISTENER
 from tests.tf_launch import free_ports
-from tests.train_helpers import tfcluster
+from tests.helpers import tfcluster
 from tfcluster.launch import state
 from tfcluster.errors import PreflightError
 from tfcluster.plan import build_plan

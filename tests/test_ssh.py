@@ -18,7 +18,7 @@ from tfcluster.errors import ConnectError, DeadlineError
 from tfcluster.transport import make_transport
 from tfcluster.transport.base import home_relative
 from tfcluster.transport.ssh import MAX_CHANNEL_DIALS, SshTransport
-from tfcluster.transport.ssh_config import SshOptions
+from tfcluster.transport.options import SshOptions
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -453,7 +453,7 @@ def test_handshakes_dropped_by_maxstartups_print_no_paramiko_traceback(ssh_home,
     transport threads of paramiko log each drop at ERROR with a traceback, and with no
     handler configured logging's last resort printed them (~10 lines a drop) on the user's
     terminal, even when every retry then succeeded."""
-    from tests.train_helpers import cli_env
+    from tests.helpers import cli_env
 
     strict = sshd_factory(("127.0.0.12",), MaxStartups=2)
     strict.write_known_hosts(ssh_home / "known_hosts", mode="a")

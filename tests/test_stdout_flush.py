@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import wait_for
-from tests.train_helpers import local_spec, only_run, tfcluster
+from tests.helpers import local_spec, only_run, tfcluster
 
 PROBE_DIR = Path(__file__).resolve().parent.parent / "tfcluster" / "host" / "probe"
 

@@ -7,7 +7,7 @@ import pytest
 
 from tests.conftest import tagged_processes
 from tests.tf_launch import free_ports
-from tests.train_helpers import tfcluster
+from tests.helpers import tfcluster
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -12,7 +12,7 @@ import pytest
 
 from tests.conftest import tagged_processes
 from tests.sshd import SFTP_SERVER
-from tests.train_helpers import ssh_spec, tfcluster
+from tests.helpers import ssh_spec, tfcluster
 
 pytestmark = [pytest.mark.ssh, pytest.mark.timeout(240)]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import tagged_processes
-from tests.train_helpers import manifest, only_run, result_of, ssh_spec, tfcluster
+from tests.helpers import manifest, only_run, result_of, ssh_spec, tfcluster
 
 pytestmark = [pytest.mark.tf, pytest.mark.ssh, pytest.mark.timeout(300)]
 
@@ -40,7 +40,7 @@ def test_dropped_ssh_connection_is_survived_under_on_failure(tmp_path, home, ssh
 
     import psutil
 
-    from tests.train_helpers import kill_group, read_until, start_tfcluster
+    from tests.helpers import kill_group, read_until, start_tfcluster
 
     cwd = tmp_path / "cwd"
     cwd.mkdir()

@@ -17,7 +17,7 @@ import pytest
 from tests.conftest import tagged_processes
 from tests.test_lifecycle import state_path
 from tests.tf_launch import free_ports
-from tests.train_helpers import tfcluster
+from tests.helpers import tfcluster
 from tfcluster.launch.agent import HostInfo
 from tfcluster.host.shim_facts import _build_info, tf_version
 from tfcluster.diagnose.versions import find_skew, find_skews, message, odd_fields

@@ -357,9 +357,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(ExitCode.INTERRUPTED)
     except (BrokenPipeError, SystemExit) as exc:
         # `tfcluster plan ... | head`: the reader left; not an error worth a traceback. click
-        # answers a broken pipe itself (it wraps the streams and exits 1) before we see it.
-        if isinstance(exc, SystemExit) and not (
-                exc.code == 1 and type(sys.stdout).__name__ == "PacifyFlushWrapper"):
+        # answers a broken pipe itself (it wraps the streams and exits 1) before we see it:
+        # its exit is raised while it handles the BrokenPipeError, in every click release.
+        if isinstance(exc, SystemExit) and not isinstance(exc.__context__, BrokenPipeError):
             raise
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # what is still buffered
         return 0

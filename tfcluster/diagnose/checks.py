@@ -22,11 +22,16 @@ from tfcluster.plan.names import log_file
 from tfcluster.plan import Plan
 
 PORT_CHECK_TIMEOUT = 3.0
+# (from_host, [(address, port)], timeout) -> {"address:port": None | why not}
+Connect = Callable[[str, list, float], dict]
 
 
 class RunChecks:
-    def __init__(self, plan: Plan, ui, log_dir: str, wake: Callable[[], None], session=None) -> None:
-        self.plan, self.ui, self.log_dir, self.wake, self.session = plan, ui, log_dir, wake, session
+    def __init__(self, plan: Plan, ui, log_dir: str, wake: Callable[[], None],
+                 connect: Connect | None = None) -> None:
+        """`connect` probes from a remote host (the launcher's reach check, which this side
+        of the system may not import); without it a remote host's ports go unchecked."""
+        self.plan, self.ui, self.log_dir, self.wake, self.connect = plan, ui, log_dir, wake, connect
         probes = plan.probes().split(",")
         scripts = [t.key for t in plan.tasks if t.runs_script and t.job in ("chief", "worker")]
         self.placement = pl.PlacementCheck(scripts) if "placement" in probes else None
@@ -102,11 +107,9 @@ class RunChecks:
         reach check's own probe: here for a local host, through its shim for a remote one)."""
         if self.plan.host(from_host).local:
             return shim_net.probe(address, port, PORT_CHECK_TIMEOUT)
-        if self.session is None:
+        if self.connect is None:
             return "unchecked"
-        from tfcluster.launch.reach import can_connect
-
-        answer = can_connect(self.session, from_host, [(address, port)], timeout=PORT_CHECK_TIMEOUT)
+        answer = self.connect(from_host, [(address, port)], PORT_CHECK_TIMEOUT)
         return answer.get(f"{address}:{port}", "unchecked")
 
     def _proxy_only(self, wait: wd.Wait) -> wd.Facts:

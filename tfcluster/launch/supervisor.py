@@ -35,6 +35,7 @@ from tfcluster.watch.metrics import DEFAULT_LOSS
 from tfcluster.plan import Plan
 from tfcluster.ui.views import print_summary
 from tfcluster.watch.runs import Manifest, ProgressLog
+from tfcluster.launch.reach import can_connect
 from tfcluster.launch.session import Session, server_tasks
 from tfcluster.host.shim_protocol import DEFAULT_HEARTBEAT_TIMEOUT
 from tfcluster.launch.shipping import collect_files
@@ -68,7 +69,7 @@ def train(plan: Plan, ui, options: Options) -> int:
                      ship=(files, session.paths.rundir(run_id), {t.host for t in plan.tasks if t.runs_script}))
         events: queue.Queue = queue.Queue()
         checks = RunChecks(plan, ui, os.path.join(options.runs_dir, run_id), lambda: events.put(None),
-                           session)
+                           lambda host, targets, timeout: can_connect(session, host, targets, timeout))
         mux, progress = _make_mux(plan, ui, options, run_id, checks)
         run = Run(plan, ui, options, run_id, session, mux, events, checks=checks, progress=progress,
                   files=files)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields
 from tfcluster.host import HOST_DIR
 from tfcluster.plan.names import task_key
 from tfcluster.spec import JOB_NAMES, Checks, Progress, Restart, Spec, is_secret, layout_tasks
-from tfcluster.transport.ssh_config import SshOptions
+from tfcluster.transport.options import SshOptions
 
 DEFAULT_PYTHON = Spec.python
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tfcluster.errors import ConnectError
+from tfcluster.transport.options import SshOptions
 
 if TYPE_CHECKING:
     from tfcluster.transport._paramiko import paramiko
@@ -29,19 +30,6 @@ SYSTEM_CONFIG = "/etc/ssh/ssh_config"
 USER_KNOWN_HOSTS = "~/.ssh/known_hosts ~/.ssh/known_hosts2"
 GLOBAL_KNOWN_HOSTS = "/etc/ssh/ssh_known_hosts /etc/ssh/ssh_known_hosts2"
 FIRST_PROXY = "tfcluster-first-proxy"    # which of ProxyCommand/ProxyJump a block names first
-
-
-@dataclass(frozen=True)
-class SshOptions:
-    """How to reach one host; None means "ask ~/.ssh/config, then ssh's default"."""
-
-    user: str | None = None
-    port: int | None = None
-    identity_file: str | None = None
-    known_hosts: str | None = None
-    host_key_policy: str = "reject"     # or "accept-new"; a changed key is always refused
-    jump_host: str | None = None        # "user@host:port[,...]" or a config alias
-    connect_timeout: float = 10.0
 
 
 @dataclass(frozen=True)

@@ -130,3 +130,15 @@ def ssh_spec(tmp: Path, sshd, *, name: str = "sshc", ssh_extra: str = "", env: s
     path = tmp / f"{name}.yaml"
     path.write_text(text)
     return path
+
+
+def this_python_renamed(directory: Path, name: str = "python-other") -> str:
+    """This interpreter under another path, as a user's wrapper script would give it: the
+    local host then runs the shim as a process of its own (its own interpreter runs it
+    in-process). A wrapper, not a symlink: a symlink to a venv's python outside the venv
+    no longer finds the venv's packages."""
+    wrapper = Path(directory) / name
+    if not wrapper.exists():
+        wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+        wrapper.chmod(0o755)
+    return str(wrapper)
