@@ -1,4 +1,4 @@
-"""Suite-wide fixtures: isolated HOME, and a leak check after every test.
+"""Suite-wide fixtures: isolated HOME, a leak check after every test, and the speed classes.
 
 Every process tfcluster starts carries TFCLUSTER_JOB_ID in its environment
 (see docs/ARCHITECTURE.md). After each test, no such process that was not there before the
@@ -7,6 +7,7 @@ test may remain (a leaked TF server fails the suite).
 from __future__ import annotations
 
 import os
+import threading
 import time
 import uuid
 
@@ -53,6 +54,56 @@ def wait_for(predicate, timeout: float, interval: float = 0.05, what: str = "con
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
+
+
+# The speed classes (pyproject's markers) come from what a test starts, not from memory: a
+# test that uses a fixture starting an sshd or Slurm gets that mark here, and one that starts
+# TensorFlow without the `tf` mark fails (tf_free). `-m "not tf and not ssh and not slurm"`
+# is then the fast subset.
+FIXTURE_MARKS = {"sshd_factory": "ssh", "slurm_cluster": "slurm"}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for fixture, mark in FIXTURE_MARKS.items():
+            if fixture in item.fixturenames and item.get_closest_marker(mark) is None:
+                item.add_marker(mark)
+
+
+def _tensorflow_processes(root: psutil.Process) -> list[str]:
+    """The descendants of `root` that have TensorFlow's library mapped."""
+    found = []
+    for child in root.children(recursive=True):
+        try:
+            with open(f"/proc/{child.pid}/maps", "rb") as f:
+                if b"tensorflow" in f.read():
+                    found.append(f"{child.pid} {' '.join(child.cmdline())[:120]}")
+        except (OSError, psutil.Error):
+            continue
+    return found
+
+
+@pytest.fixture(autouse=True)
+def tf_free(request):
+    """A test without the `tf` mark must start no TensorFlow (TF takes seconds to import):
+    its descendants are looked at while it runs."""
+    if request.node.get_closest_marker("tf") is not None:
+        yield
+        return
+    me, seen, done = psutil.Process(), [], threading.Event()
+
+    def watch() -> None:
+        while not seen and not done.wait(0.5):
+            seen.extend(_tensorflow_processes(me))
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    yield
+    done.set()
+    watcher.join()
+    if seen:
+        pytest.fail(f"started TensorFlow without the `tf` mark: {seen[0]}")
 
 
 @pytest.fixture(autouse=True)

@@ -239,7 +239,7 @@ def test_wrong_key_fails_authentication_naming_host_and_user(ssh_home, sshd, tra
 
 
 def test_closed_port_is_refused_naming_the_host(ssh_home, transports):
-    port = free_port()
+    port = free_port("127.0.0.2")
     err = connect_error(transports(Target("gpu0", "127.0.0.2", SshOptions(port=port))))
     assert err.message == (f"host gpu0 (127.0.0.2:{port}): connection refused "
                            "(is sshd running on that port?)")
@@ -289,7 +289,7 @@ def test_match_exec_in_ssh_config_still_works_though_paramiko_loads_without_invo
 
 
 def test_explicit_options_win_over_ssh_config(ssh_home, sshd, transports):
-    (ssh_home / "config").write_text(f"Host 127.0.0.4\n  Port {free_port()}\n  User nobody\n")
+    (ssh_home / "config").write_text(f"Host 127.0.0.4\n  Port {free_port("127.0.0.2")}\n  User nobody\n")
     t = transports(Target("gpu0", "127.0.0.4", SshOptions(port=sshd.port, user="root")))
     assert where(t) == f"127.0.0.4:{sshd.port}"
 
