@@ -7,12 +7,18 @@ test may remain (a leaked TF server fails the suite).
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 import uuid
 
 import psutil
 import pytest
+
+from tfcluster.launch.agent import HostAgent
+from tfcluster.transport.local import LocalTransport
+
+CLUSTER_DIR = "~/.tfcluster/lab"     # tests.helpers.CLUSTER_DIR: the agents' cluster
 
 pytest_plugins = ["tests.sshd", "tests.users", "tests.slurm"]
 
@@ -132,3 +138,21 @@ def home(tmp_path, monkeypatch):
     h.mkdir()
     monkeypatch.setenv("HOME", str(h))
     return h
+
+
+@pytest.fixture
+def deflating(home):
+    transport = LocalTransport()
+    transport.deflate_logs = True
+    a = HostAgent("local", transport, sys.executable, CLUSTER_DIR)
+    a.prepare()
+    yield a
+    a.close()
+
+
+@pytest.fixture
+def agent(home):
+    a = HostAgent("local", LocalTransport(), sys.executable, CLUSTER_DIR)
+    a.prepare()
+    yield a
+    a.close()

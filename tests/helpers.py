@@ -5,12 +5,25 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
+import textwrap
 import time
+import uuid
 from pathlib import Path
 
+import psutil
+import pytest
+
+from tests.conftest import tagged_processes
 from tests.tf_launch import free_ports
+from tfcluster.errors import ConnectError
+from tfcluster.launch.agent import HostAgent
+from tfcluster.launch.records import TaskLaunch
+from tfcluster.host import shim_procs
+from tfcluster.plan.names import ClusterPaths
+from tfcluster.transport.ssh import SshTransport
 
 ROOT = Path(__file__).resolve().parent.parent
 TEMPLATES = ROOT / "templates"
@@ -142,3 +155,164 @@ def this_python_renamed(directory: Path, name: str = "python-other") -> str:
         wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
         wrapper.chmod(0o755)
     return str(wrapper)
+
+
+def keygen(path) -> str:
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path)],
+                   check=True, capture_output=True)
+    return str(path)
+
+
+def fingerprint(pubkey_path: str) -> str:
+    out = subprocess.run(["ssh-keygen", "-lf", pubkey_path], check=True,
+                         capture_output=True, text=True).stdout
+    return out.split()[1]
+
+
+def connect_error(transport: SshTransport) -> ConnectError:
+    with pytest.raises(ConnectError) as info:
+        transport.connect()
+    assert "\n" not in info.value.message
+    return info.value
+
+
+def where(t: SshTransport) -> str:
+    """The server address and port the session landed on, from sshd's SSH_CONNECTION."""
+    out = t.run(["sh", "-c", 'printf %s "$SSH_CONNECTION"']).stdout.decode().split()
+    return f"{out[2]}:{out[3]}"
+
+
+def assert_went_through_jump(t: SshTransport, jump_sshd) -> None:
+    import paramiko
+    conn = t._conns[0]
+    assert isinstance(conn.transport.sock, paramiko.Channel)
+    assert conn.jumps[0].transport.getpeername() == ("127.0.0.5", jump_sshd.port)
+
+
+LISTENER = ("import socket, sys, time\ns = socket.socket()\n"
+            "s.bind(('0.0.0.0', int(sys.argv[1])))\ns.listen()\ntime.sleep(300)\n")
+
+
+def noisy_python(tmp_path):
+    noisy = tmp_path / "noisy-python"
+    noisy.write_text("#!/bin/sh\necho 'Welcome to the lab. Quota: 93% used.'\necho\n"
+                     f"exec {sys.executable} \"$@\"\n")
+    noisy.chmod(0o755)
+    return noisy
+
+
+def state_path(home: Path, spec: Path) -> Path:
+    """Where `up` keeps the local state of the spec's cluster."""
+    from tfcluster.plan import build_plan
+    from tfcluster.spec import load_spec
+    from tfcluster.launch.state import key
+
+    return home / ".local" / "state" / "tfcluster" / key(build_plan(load_spec(str(spec)))) / "state.json"
+
+
+def bindable(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("0.0.0.0", port))
+            return True
+        except OSError:
+            return False
+
+
+# tfserver.py's hold protocol, then a listener on the task's port. The task whose port is
+# ESCAPE_PORT first forks a child that leaves its session and its tag behind (its
+# environment without TFCLUSTER_JOB_ID) and keeps the listening socket: nothing of the
+# cluster by tag, ours by uid, a survivor down must not stop and must report.
+STANDIN = '''
+import json, os, signal, socket, sys, time
+c = json.loads(os.environ["TF_CONFIG"])
+port = int(c["cluster"][c["task"]["type"]][c["task"]["index"]].rsplit(":", 1)[1])
+if os.environ.pop("TFCLUSTER_HOLD", None) == "1" and sys.stdin.readline() != "GO\\n":
+    raise SystemExit(0)
+if os.environ.get("LINGER"):   # a server slow to stop: TERM, then LINGER seconds before it exits
+    def linger(*_):
+        time.sleep(float(os.environ["LINGER"]))
+        os._exit(0)
+    signal.signal(signal.SIGTERM, linger)
+s = socket.create_server(("", port))
+if str(port) == os.environ.get("ESCAPE_PORT"):
+    s.set_inheritable(True)
+    pid = os.fork()
+    if pid == 0:
+        os.setsid()
+        env = {k: v for k, v in os.environ.items() if k != "TFCLUSTER_JOB_ID"}
+        os.execve(sys.executable, [sys.executable, "-c", "import signal; signal.pause()", "escapee"], env)
+    with open(os.environ["ESCAPE_PIDFILE"] + ".tmp", "w") as f:
+        f.write(str(pid))
+    os.rename(os.environ["ESCAPE_PIDFILE"] + ".tmp", os.environ["ESCAPE_PIDFILE"])
+while True:
+    signal.pause()
+'''
+
+
+
+
+LOCAL = os.path.join(ROOT, "sample_clusters", "local.yaml")
+
+
+GPU_LAB = os.path.join(ROOT, "sample_clusters", "gpu_lab.yaml")
+
+
+def tfc(*args: str, cwd: str | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tfcluster", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd, env={**os.environ, "NO_COLOR": "1"})
+
+
+CLUSTER_DIR = "~/.tfcluster/lab"
+PATHS = ClusterPaths(CLUSTER_DIR)
+
+
+# Stop sweeps the whole machine by tag prefix: a cluster name of our own keeps concurrent
+# test sessions on this machine out of each other's way.
+C = f"agent{uuid.uuid4().hex[:8]}"
+
+
+# Ignores SIGTERM and leaves a grandchild in a session of its own, which ignores it too.
+STUBBORN = textwrap.dedent("""
+    import signal, subprocess, sys, time
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    subprocess.Popen(["setsid", sys.executable, "-c",
+                      "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
+    time.sleep(600)
+""")
+
+
+def launch(agent: HostAgent, tag: str, argv, env=None, cwd: str = "~") -> TaskLaunch:
+    stem = tag.replace(":", "_")
+    return TaskLaunch(tag=tag, argv=tuple(argv), env=dict(env or {}), cwd=cwd,
+                      log=f"{CLUSTER_DIR}/logs/{stem}.log", pidfile=PATHS.pidfile(tag))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def with_tag(prefix: str) -> dict[int, str]:
+    return {p: t for p, t in tagged_processes().items() if t.startswith(q(prefix))}
+
+
+def read_all(task) -> bytes:
+    out = b""
+    while chunk := task.read():
+        out += chunk
+    return out
+
+
+def q(text: str) -> str:
+    """A tag or prefix as the host writes it: with the identity of CLUSTER_DIR (under this HOME)."""
+    return shim_procs.qualify(text, CLUSTER_DIR)

@@ -21,6 +21,7 @@ import pytest
 
 from tests.conftest import SESSION_VAR
 
+from tfcluster.transport.ssh import SshTransport
 from tfcluster.transport.ssh_config import SYSTEM_CONFIG_VAR, SshOptions
 
 SSHD = "/usr/sbin/sshd"
@@ -213,3 +214,17 @@ def make_target(name: str, address: str, sshd: Sshd, **ssh_overrides) -> Target:
     ssh_overrides.setdefault("port", sshd.port)
     ssh_overrides.setdefault("connect_timeout", 5.0)
     return Target(name, address, SshOptions(**ssh_overrides))
+
+
+@pytest.fixture
+def transports():
+    """Build SshTransports that are all closed after the test."""
+    made: list[SshTransport] = []
+
+    def build(target: Target) -> SshTransport:
+        made.append(SshTransport(*target))
+        return made[-1]
+
+    yield build
+    for t in made:
+        t.close()

@@ -9,35 +9,20 @@ import subprocess
 import sys
 import textwrap
 import time
-import uuid
 from pathlib import Path
 
 import psutil
 import pytest
 
-from tests.conftest import tagged_processes, wait_for
+from tests.conftest import wait_for
 from tfcluster.host import shim_facts
-from tfcluster.host import shim_procs
 from tfcluster.launch.agent import HostAgent, TaskLaunch
 from tfcluster.errors import HostError
-from tfcluster.plan.names import ClusterPaths
 from tfcluster.transport.local import LocalTransport
+from tests.helpers import C, CLUSTER_DIR, PATHS, STUBBORN, free_port, gone, launch, q, read_all, with_tag
 
 REPO = Path(__file__).resolve().parent.parent
-CLUSTER_DIR = "~/.tfcluster/lab"
-PATHS = ClusterPaths(CLUSTER_DIR)
-# Stop sweeps the whole machine by tag prefix: a cluster name of our own keeps concurrent
-# test sessions on this machine out of each other's way.
-C = f"agent{uuid.uuid4().hex[:8]}"
 
-# Ignores SIGTERM and leaves a grandchild in a session of its own, which ignores it too.
-STUBBORN = textwrap.dedent("""
-    import signal, subprocess, sys, time
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    subprocess.Popen(["setsid", sys.executable, "-c",
-                      "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
-    time.sleep(600)
-""")
 
 LAUNCHER = textwrap.dedent("""
     import sys, time
@@ -55,53 +40,10 @@ LAUNCHER = textwrap.dedent("""
 """)
 
 
-@pytest.fixture
-def agent(home):
-    a = HostAgent("local", LocalTransport(), sys.executable, CLUSTER_DIR)
-    a.prepare()
-    yield a
-    a.close()
-
-
-def launch(agent: HostAgent, tag: str, argv, env=None, cwd: str = "~") -> TaskLaunch:
-    stem = tag.replace(":", "_")
-    return TaskLaunch(tag=tag, argv=tuple(argv), env=dict(env or {}), cwd=cwd,
-                      log=f"{CLUSTER_DIR}/logs/{stem}.log", pidfile=PATHS.pidfile(tag))
-
-
 def start_detached(agent: HostAgent, t: TaskLaunch, port: int = 0, timeout: float = 0.2) -> int:
     """Start one detached task through `launch` (start + readiness in one round trip)."""
     events = list(agent.launch([("k", port, t)], timeout))
     return next(pid for _key, state, pid in events if state == "started")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
-def q(text: str) -> str:
-    """A tag or prefix as the host writes it: with the identity of CLUSTER_DIR (under this HOME)."""
-    return shim_procs.qualify(text, CLUSTER_DIR)
-
-
-def with_tag(prefix: str) -> dict[int, str]:
-    return {p: t for p, t in tagged_processes().items() if t.startswith(q(prefix))}
-
-
-def read_all(task) -> bytes:
-    out = b""
-    while chunk := task.read():
-        out += chunk
-    return out
 
 
 @pytest.mark.tf

@@ -5,16 +5,7 @@ import json
 import os
 import subprocess
 import sys
-
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LOCAL = os.path.join(ROOT, "sample_clusters", "local.yaml")
-GPU_LAB = os.path.join(ROOT, "sample_clusters", "gpu_lab.yaml")
-
-
-def tfc(*args: str, cwd: str | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tfcluster", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd, env={**os.environ, "NO_COLOR": "1"})
+from tests.helpers import GPU_LAB, LOCAL, tfc
 
 
 def test_version_and_help_exit_0_and_help_has_an_example_per_command():

@@ -11,10 +11,8 @@ import textwrap
 import pytest
 
 from tests.sshd import make_target
-from tests.test_agent import C, CLUSTER_DIR, launch, read_all
-from tests.test_login_noise import noisy_python
-from tests.test_restart_in_place import \
-    test_a_failed_task_restarts_in_place_under_the_same_shim as restart_in_place_checks
+from tests.helpers import C, CLUSTER_DIR, launch, read_all
+from tests.helpers import noisy_python
 from tfcluster.launch.agent import HostAgent
 from tfcluster.launch.records import TaskLaunch
 from tfcluster.plan.names import ClusterPaths
@@ -69,16 +67,6 @@ def counted(task) -> Counting:
     return task._proc                   # noqa: SLF001
 
 
-@pytest.fixture
-def deflating(home):
-    transport = LocalTransport()
-    transport.deflate_logs = True
-    a = HostAgent("local", transport, sys.executable, CLUSTER_DIR)
-    a.prepare()
-    yield a
-    a.close()
-
-
 def test_a_deflated_log_arrives_byte_for_byte_and_the_channel_carries_less(deflating):
     task = deflating.start_attached(launch(deflating, f"{C}:z1:worker:0", [sys.executable, "-c", WRITER]))
     channel = counted(task)
@@ -100,11 +88,6 @@ def test_without_deflate_the_channel_carries_the_log_as_it_is(home):
         assert channel.raw == len(expected_output())
     finally:
         a.close()
-
-
-def test_restarts_in_place_cut_a_deflated_stream_at_each_attempts_end(deflating):
-    # the same checks as for a plain stream: each end heard after that attempt's last byte
-    restart_in_place_checks(deflating)
 
 
 def test_a_login_shell_talking_on_stdout_does_not_corrupt_a_deflated_stream(home, tmp_path):

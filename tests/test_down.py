@@ -17,43 +17,15 @@ import psutil
 import pytest
 
 from tests.conftest import tagged_processes, wait_for
-from tests.test_lifecycle import bindable, state_path
+from tests.helpers import bindable, state_path
 from tests.tf_launch import free_ports
 from tests.helpers import tfcluster
+from tests.helpers import STANDIN
 
 pytestmark = [pytest.mark.timeout(180)]
 
 ADDRESSES = ("127.0.0.8", "127.0.0.9")
 
-# tfserver.py's hold protocol, then a listener on the task's port. The task whose port is
-# ESCAPE_PORT first forks a child that leaves its session and its tag behind (its
-# environment without TFCLUSTER_JOB_ID) and keeps the listening socket: nothing of the
-# cluster by tag, ours by uid, a survivor down must not stop and must report.
-STANDIN = '''
-import json, os, signal, socket, sys, time
-c = json.loads(os.environ["TF_CONFIG"])
-port = int(c["cluster"][c["task"]["type"]][c["task"]["index"]].rsplit(":", 1)[1])
-if os.environ.pop("TFCLUSTER_HOLD", None) == "1" and sys.stdin.readline() != "GO\\n":
-    raise SystemExit(0)
-if os.environ.get("LINGER"):   # a server slow to stop: TERM, then LINGER seconds before it exits
-    def linger(*_):
-        time.sleep(float(os.environ["LINGER"]))
-        os._exit(0)
-    signal.signal(signal.SIGTERM, linger)
-s = socket.create_server(("", port))
-if str(port) == os.environ.get("ESCAPE_PORT"):
-    s.set_inheritable(True)
-    pid = os.fork()
-    if pid == 0:
-        os.setsid()
-        env = {k: v for k, v in os.environ.items() if k != "TFCLUSTER_JOB_ID"}
-        os.execve(sys.executable, [sys.executable, "-c", "import signal; signal.pause()", "escapee"], env)
-    with open(os.environ["ESCAPE_PIDFILE"] + ".tmp", "w") as f:
-        f.write(str(pid))
-    os.rename(os.environ["ESCAPE_PIDFILE"] + ".tmp", os.environ["ESCAPE_PIDFILE"])
-while True:
-    signal.pause()
-'''
 
 PYWRAP = '''#!/bin/sh
 case "$1" in */tfserver.py) shift; exec {python} {standin} "$@";; esac
@@ -202,7 +174,6 @@ def test_a_cold_host_ships_its_files_then_takes_one_more_exec(tmp_path, home, ss
         assert set(kinds[1:-1]) == {"subsystem 'sftp'"}, sessions
     _again, sessions = run_down(spec, home, cwd, verbose_sshd)
     assert sessions == {a: ["command"] for a in ADDRESSES}, sessions
-
 
 
 def test_two_hosts_of_one_machine_stopping_the_same_servers_count_each_once(

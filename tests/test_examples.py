@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from tests.test_cli import GPU_LAB, ROOT, tfc
+from tests.helpers import GPU_LAB, ROOT, tfc
 
 EXAMPLES = os.path.join(ROOT, "examples", "gpu_lab")
 COMMANDS = {

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from tests.conftest import tagged_processes, wait_for
-from tests.test_down import STANDIN
+from tests.helpers import STANDIN
 from tests.tf_launch import free_ports
 from tests.helpers import kill_tagged_once_seen, start_tfcluster
 

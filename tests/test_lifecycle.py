@@ -14,6 +14,7 @@ from tests.conftest import tagged_processes, wait_for
 from tests.tf_launch import free_ports
 from tests.helpers import (kill_group, local_spec, read_until, ssh_spec, start_tfcluster,
                                  tfcluster)
+from tests.helpers import bindable, state_path
 
 pytestmark = [pytest.mark.timeout(240)]
 
@@ -23,25 +24,6 @@ def ports_of(spec: Path) -> list[int]:
     from tfcluster.spec import load_spec
 
     return [t.port for t in build_plan(load_spec(str(spec))).tasks]
-
-
-def state_path(home: Path, spec: Path) -> Path:
-    """Where `up` keeps the local state of the spec's cluster."""
-    from tfcluster.plan import build_plan
-    from tfcluster.spec import load_spec
-    from tfcluster.launch.state import key
-
-    return home / ".local" / "state" / "tfcluster" / key(build_plan(load_spec(str(spec)))) / "state.json"
-
-
-def bindable(port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("0.0.0.0", port))
-            return True
-        except OSError:
-            return False
 
 
 @pytest.fixture

@@ -11,10 +11,11 @@ import textwrap
 import pytest
 
 from tests.conftest import tagged_processes
-from tests.test_agent import C, CLUSTER_DIR, free_port, launch, with_tag
+from tests.helpers import C, CLUSTER_DIR, free_port, launch, with_tag
 from tests.helpers import tfcluster
 from tfcluster.launch.agent import HostAgent
 from tfcluster.transport.local import LocalTransport
+from tests.helpers import noisy_python
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -23,14 +24,6 @@ LISTENER = textwrap.dedent("""
     s = socket.create_server(("127.0.0.1", int(sys.argv[1])))
     time.sleep(600)
 """)
-
-
-def noisy_python(tmp_path):
-    noisy = tmp_path / "noisy-python"
-    noisy.write_text("#!/bin/sh\necho 'Welcome to the lab. Quota: 93% used.'\necho\n"
-                     f"exec {sys.executable} \"$@\"\n")
-    noisy.chmod(0o755)
-    return noisy
 
 
 def test_the_launch_stream_skips_a_banner_before_the_shims_lines(home, tmp_path):

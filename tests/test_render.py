@@ -11,7 +11,7 @@ import tarfile
 
 import pytest
 
-from tests.test_cli import GPU_LAB, LOCAL, tfc
+from tests.helpers import GPU_LAB, LOCAL, tfc
 
 
 def bundle_of(script: str) -> dict[str, bytes]:

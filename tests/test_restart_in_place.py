@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from tests.conftest import tagged_processes, wait_for
-from tests.test_agent import C, agent, gone, launch, with_tag  # noqa: F401 - agent: a fixture
+from tests.helpers import C, gone, launch, with_tag
 from tests.tf_launch import free_ports
 from tests.helpers import kill_group, manifest, only_run, read_until, start_tfcluster, tfcluster
 from tfcluster.launch.attempts import pump
@@ -72,7 +72,7 @@ class Launcher:
         return self.out
 
 
-def start(agent, run: str, good: int, rc: int = 3, hang: bool = False, max_restarts: int = 3,  # noqa: F811
+def start(agent, run: str, good: int, rc: int = 3, hang: bool = False, max_restarts: int = 3,
           zero_ends: bool = True):
     argv = [sys.executable, "-c", ATTEMPT, str(good), str(rc), "hang" if hang else "-"]
     policy = {"policy": "on-failure", "max_restarts": max_restarts, "done": 0, "zero_ends": zero_ends}
@@ -85,7 +85,10 @@ def attempts(out: bytes) -> list[tuple[int, int, int]]:
 
 
 @pytest.mark.timeout(30)
-def test_a_failed_task_restarts_in_place_under_the_same_shim(agent):  # noqa: F811
+@pytest.mark.parametrize("stream", ["plain", "deflated"])
+def test_a_failed_task_restarts_in_place_under_the_same_shim(stream, request):
+    # deflated: each end is still heard after that attempt's last byte (docs/design/logs.md)
+    agent = request.getfixturevalue("agent" if stream == "plain" else "deflating")
     task = start(agent, "r1", good=2)
     launcher = Launcher(task)
 
@@ -106,7 +109,7 @@ def test_a_failed_task_restarts_in_place_under_the_same_shim(agent):  # noqa: F8
 
 
 @pytest.mark.timeout(30)
-def test_the_shim_honours_max_restarts(agent):  # noqa: F811
+def test_the_shim_honours_max_restarts(agent):
     task = start(agent, "r2", good=99, max_restarts=2)
     launcher = Launcher(task)
     ends = []
@@ -121,7 +124,7 @@ def test_the_shim_honours_max_restarts(agent):  # noqa: F811
 
 
 @pytest.mark.timeout(30)
-def test_a_script_that_succeeds_is_not_restarted(agent):  # noqa: F811
+def test_a_script_that_succeeds_is_not_restarted(agent):
     task = start(agent, "r3", good=0)
     launcher = Launcher(task)
 
@@ -131,7 +134,7 @@ def test_a_script_that_succeeds_is_not_restarted(agent):  # noqa: F811
 
 
 @pytest.mark.timeout(30)
-def test_a_restart_the_launcher_refuses_shows_nothing_and_leaves_nothing(agent):  # noqa: F811
+def test_a_restart_the_launcher_refuses_shows_nothing_and_leaves_nothing(agent):
     task = start(agent, "r4", good=1, hang=True)
     launcher = Launcher(task)
     assert launcher.next_end() == 3
@@ -146,7 +149,7 @@ def test_a_restart_the_launcher_refuses_shows_nothing_and_leaves_nothing(agent):
 
 
 @pytest.mark.timeout(30)
-def test_a_shim_whose_launcher_left_during_a_restart_leaves_nothing(agent):  # noqa: F811
+def test_a_shim_whose_launcher_left_during_a_restart_leaves_nothing(agent):
     task = start(agent, "r5", good=1, hang=True)
     launcher = Launcher(task)
     assert launcher.next_end() == 3
@@ -161,7 +164,7 @@ def test_a_shim_whose_launcher_left_during_a_restart_leaves_nothing(agent):  # n
 
 
 @pytest.mark.timeout(30)
-def test_a_shim_whose_launcher_left_restarts_nothing(agent):  # noqa: F811
+def test_a_shim_whose_launcher_left_restarts_nothing(agent):
     task = start(agent, "r6", good=1, hang=True)
     launcher = Launcher(task)
     assert launcher.next_end() == 3
@@ -192,7 +195,7 @@ LEAVES = textwrap.dedent("""
 
 
 @pytest.mark.timeout(30)
-def test_a_restart_sweeps_what_the_attempt_left_and_spares_the_new_one(agent):  # noqa: F811
+def test_a_restart_sweeps_what_the_attempt_left_and_spares_the_new_one(agent):
     policy = {"policy": "on-failure", "max_restarts": 3, "done": 0, "zero_ends": True}
     task = agent.start_attached(launch(agent, f"{C}:r7:worker:0:script", [sys.executable, "-c", LEAVES],
                                        env={"TFCLUSTER_RESTART": "0"}), grace=0.5, restart=policy)

@@ -34,13 +34,12 @@ from tfcluster.launch.session import Session, server_tasks
 from tfcluster.spec import load_spec
 from tfcluster.transport.local import LocalTransport
 from tfcluster.ui import UI
+from tests.helpers import LISTENER
 
 pytestmark = [pytest.mark.timeout(120)]
 
 PACKAGE = Path(__file__).resolve().parent.parent / "tfcluster" / "host"
 RUN = "up-20261123-010203-b0b0"
-LISTENER = ("import socket, sys, time\ns = socket.socket()\n"
-            "s.bind(('0.0.0.0', int(sys.argv[1])))\ns.listen()\ntime.sleep(300)\n")
 
 
 @pytest.fixture

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import os
 import re
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import wait_for
-from tests.test_cli import LOCAL, tfc
+from tests.helpers import LOCAL, tfc
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(300)]
 

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import SESSION_VAR, tagged_processes, wait_for
-from tests.test_down import STANDIN
-from tests.test_lifecycle import state_path
-from tests.test_shared_kill import LISTENER
+from tests.helpers import STANDIN
+from tests.helpers import state_path
+from tests.helpers import LISTENER
 from tests.tf_launch import free_ports
 from tests.helpers import tfcluster
 from tfcluster.launch import state

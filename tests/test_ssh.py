@@ -19,22 +19,9 @@ from tfcluster.transport import make_transport
 from tfcluster.transport.base import home_relative
 from tfcluster.transport.ssh import MAX_CHANNEL_DIALS, SshTransport
 from tfcluster.transport.options import SshOptions
+from tests.helpers import assert_went_through_jump, connect_error, fingerprint, keygen, where
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def transports():
-    """Build SshTransports that are all closed after the test."""
-    made: list[SshTransport] = []
-
-    def build(target: Target) -> SshTransport:
-        made.append(SshTransport(*target))
-        return made[-1]
-
-    yield build
-    for t in made:
-        t.close()
 
 
 @pytest.fixture
@@ -46,25 +33,6 @@ def free_port(addr: str = "127.0.0.2") -> int:
     with socket.socket() as s:
         s.bind((addr, 0))
         return s.getsockname()[1]
-
-
-def keygen(path) -> str:
-    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path)],
-                   check=True, capture_output=True)
-    return str(path)
-
-
-def fingerprint(pubkey_path: str) -> str:
-    out = subprocess.run(["ssh-keygen", "-lf", pubkey_path], check=True,
-                         capture_output=True, text=True).stdout
-    return out.split()[1]
-
-
-def connect_error(transport: SshTransport) -> ConnectError:
-    with pytest.raises(ConnectError) as info:
-        transport.connect()
-    assert "\n" not in info.value.message
-    return info.value
 
 
 # --- run / spawn / put --------------------------------------------------------------
@@ -253,11 +221,6 @@ def test_missing_identity_file_is_named(ssh_home, sshd, transports):
 
 # --- ~/.ssh/config and ProxyJump -----------------------------------------------------
 
-def where(t: SshTransport) -> str:
-    """The server address and port the session landed on, from sshd's SSH_CONNECTION."""
-    out = t.run(["sh", "-c", 'printf %s "$SSH_CONNECTION"']).stdout.decode().split()
-    return f"{out[2]}:{out[3]}"
-
 
 def test_ssh_config_alias_gives_hostname_port_and_identity(ssh_home, sshd, transports):
     os.rename(ssh_home / "id_ed25519", ssh_home / "lab_key")   # only IdentityFile can work now
@@ -289,7 +252,7 @@ def test_match_exec_in_ssh_config_still_works_though_paramiko_loads_without_invo
 
 
 def test_explicit_options_win_over_ssh_config(ssh_home, sshd, transports):
-    (ssh_home / "config").write_text(f"Host 127.0.0.4\n  Port {free_port("127.0.0.2")}\n  User nobody\n")
+    (ssh_home / "config").write_text(f"Host 127.0.0.4\n  Port {free_port('127.0.0.2')}\n  User nobody\n")
     t = transports(Target("gpu0", "127.0.0.4", SshOptions(port=sshd.port, user="root")))
     assert where(t) == f"127.0.0.4:{sshd.port}"
 
@@ -298,13 +261,6 @@ def test_explicit_options_win_over_ssh_config(ssh_home, sshd, transports):
 def trust_jump(ssh_home, jump_sshd):
     jump_sshd.write_known_hosts(ssh_home / "known_hosts", mode="a")
     return jump_sshd
-
-
-def assert_went_through_jump(t: SshTransport, jump_sshd) -> None:
-    import paramiko
-    conn = t._conns[0]
-    assert isinstance(conn.transport.sock, paramiko.Channel)
-    assert conn.jumps[0].transport.getpeername() == ("127.0.0.5", jump_sshd.port)
 
 
 def test_spec_jump_host_tunnels_through_the_second_sshd(sshd, trust_jump, transports):

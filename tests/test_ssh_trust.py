@@ -14,14 +14,12 @@ import pytest
 
 from tests.conftest import wait_for
 from tests.sshd import Target, make_target
-from tests.test_ssh import (assert_went_through_jump, connect_error, fingerprint, free_port, keygen,
-                            transports, where)
+from tests.helpers import assert_went_through_jump, connect_error, fingerprint, free_port, keygen, where
 from tfcluster.errors import ExitCode
 from tfcluster.transport.ssh_config import (GLOBAL_KNOWN_HOSTS, SYSTEM_CONFIG_VAR, SshOptions,
                                             load_ssh_config, resolve)
 
 pytestmark = pytest.mark.timeout(60)
-__all__ = ["transports"]                          # the fixture, shared with test_ssh.py
 
 
 @pytest.fixture(autouse=True)

@@ -74,6 +74,7 @@ def run_between_graph(launch, cluster, run_id, steps, extra=()):
     return procs
 
 
+@pytest.mark.tf
 @pytest.mark.timeout(150)
 def test_between_graph_resumes_from_model_dir_after_everything_restarts(tmp_path):
     steps = 800
@@ -97,6 +98,7 @@ def test_between_graph_resumes_from_model_dir_after_everything_restarts(tmp_path
         assert first_step > steps // 10, f"did not resume: first step {first_step}"
 
 
+@pytest.mark.tf
 @pytest.mark.timeout(120)
 def test_classic_builds_its_own_servers_and_ends_at_exact_step(tmp_path):
     steps = 200
@@ -118,6 +120,7 @@ def test_classic_builds_its_own_servers_and_ends_at_exact_step(tmp_path):
         assert_trained([p.output() for p in workers], steps)
 
 
+@pytest.mark.tf
 @pytest.mark.timeout(120)
 def test_coordinator_finishes_when_a_worker_is_killed_mid_run(tmp_path):
     steps = 600
@@ -137,6 +140,7 @@ def test_coordinator_finishes_when_a_worker_is_killed_mid_run(tmp_path):
         assert result(chief.output())[0] >= steps
 
 
+@pytest.mark.tf
 @pytest.mark.timeout(90)
 def test_every_template_rejects_an_unknown_flag_with_exit_2(tmp_path):
     with HandLaunch(tmp_path, tag="test:handlaunch") as launch:
@@ -149,6 +153,7 @@ def test_every_template_rejects_an_unknown_flag_with_exit_2(tmp_path):
             assert "unrecognized arguments: --bogus" in proc.output()
 
 
+@pytest.mark.tf
 @pytest.mark.timeout(150)
 def test_mirrored_ends_on_sigterm_though_its_strategy_catches_it(tmp_path):
     """MultiWorkerMirroredStrategy, built with a cluster, installs its own SIGTERM handler (a

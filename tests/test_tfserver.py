@@ -52,6 +52,7 @@ def test_the_default_is_the_lean_import_and_its_server_serves():
     assert got == {"module": "tensorflow.python.training.server_lib", "api": False, "plugins": []}
 
 
+@pytest.mark.tf
 def test_a_plugin_directory_or_the_variable_means_the_full_import(tmp_path):
     plugins = tmp_path / "tensorflow-plugins"
     plugins.mkdir()
@@ -74,6 +75,7 @@ if os.environ.get("TFCLUSTER_SERVER_IMPORT") != "full":
 """
 
 
+@pytest.mark.tf
 def test_a_failed_lean_import_becomes_the_full_one_in_the_same_process(tmp_path):
     (tmp_path / "sitecustomize.py").write_text(POISON)
     port = free_port()

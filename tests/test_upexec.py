@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import tagged_processes
-from tests.test_lifecycle import bindable
+from tests.helpers import bindable
 from tfcluster.plan import names
 from tfcluster.host import shim_protocol as proto
 from tfcluster.launch.agent import HostAgent, TaskLaunch

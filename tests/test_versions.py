@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import tagged_processes
-from tests.test_lifecycle import state_path
+from tests.helpers import state_path
 from tests.tf_launch import free_ports
 from tests.helpers import tfcluster
 from tfcluster.launch.agent import HostInfo
