@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Installs everything the test suite needs (OpenSSH server, Slurm + MUNGE, TensorFlow CPU,
 # test tools) and runs it. Slurm is optional: if it cannot be installed, its tests skip.
-# Usage: bash scripts/test.sh [pytest args...]
+# Python packages go into the active virtual environment; with none active, into .venv here
+# (made if missing: a system Python may refuse `pip install`, PEP 668).
+# Usage: bash scripts/test.sh [pytest args...]   e.g. -m "not tf and not ssh and not slurm"
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -29,13 +31,20 @@ if [ ${#need_slurm[@]} -gt 0 ]; then
     || echo "slurm not installed: apt-get install ${need_slurm[*]} failed; the Slurm tests skip" >&2
 fi
 
-python3 -m pip install -q --disable-pip-version-check -e '.[test]'
+if [ -n "${VIRTUAL_ENV:-}" ]; then
+  PY="$VIRTUAL_ENV/bin/python"
+else
+  [ -x .venv/bin/python ] || python3 -m venv .venv
+  PY=.venv/bin/python
+  echo "no virtual environment active: using $(pwd)/.venv"
+fi
+"$PY" -m pip install -q --disable-pip-version-check -e '.[test]'
 # An editable install writes no .pyc; under PYTHONDONTWRITEBYTECODE=1 (some CI images set it)
 # every CLI start the tests make would compile tfcluster from source. Python still reads them.
-python3 -m compileall -q tfcluster >/dev/null
+"$PY" -m compileall -q tfcluster >/dev/null
 
 set +e
-python3 -m pytest -q "$@"
+"$PY" -m pytest -q "$@"
 rc=$?
 set -e
 if [ $rc -eq 5 ]; then
