@@ -235,9 +235,9 @@ def test_a_local_python_that_does_not_exist_is_a_preflight_error_naming_it(tmp_p
 
 
 def test_timeout_options_take_the_durations_the_spec_takes(tmp_path):
-    from tfcluster.cli import _seconds
+    from tfcluster.cli.app import seconds
 
-    assert [_seconds(t) for t in ("25", "90s", "1.5m", "2h")] == [25.0, 90.0, 90.0, 7200.0]
+    assert [seconds(t) for t in ("25", "90s", "1.5m", "2h")] == [25.0, 90.0, 90.0, 7200.0]
     for command in ("up", "train"):
         ok = tfc(command, LOCAL, "--dry-run", "--timeout", "90s", cwd=str(tmp_path))
         assert ok.returncode == 0, ok.stderr

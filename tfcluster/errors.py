@@ -6,8 +6,6 @@ else raises with a one-line message that names the file/line, host or task.
 from __future__ import annotations
 
 import enum
-import os
-import sys
 
 
 class ExitCode(enum.IntEnum):
@@ -93,36 +91,3 @@ class Terminated(BaseException):
     """SIGTERM, turned into the same orderly stop as Ctrl-C (tasks stopped, state kept).
 
     Not a KeyboardInterrupt: typer turns those into a silent exit 130."""
-
-
-def terminate_like_ctrl_c() -> None:
-    """SIGTERM (from `timeout`, a scheduler, systemd) stops a run as Ctrl-C does, so the
-    tasks are stopped in order and the run's manifest and summary are still written (cli.main)."""
-    import signal
-    import threading
-
-    def handler(signum, frame) -> None:
-        raise Terminated()
-
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, handler)
-
-
-def exit_now(rc: int) -> None:
-    """Flush what was written and exit without the interpreter's teardown (cli.run).
-
-    Every command has finished its work when main() returns: remote stops are waited for,
-    files are closed, and the threads still alive are daemons (paramiko's transports, idle
-    pumps) that teardown would abandon anyway. Tearing down ~600 modules and collecting the
-    run's objects took 35-60 ms after a `train`'s last line (docs/ARCHITECTURE.md,
-    "Start-up cost"); nothing is registered with atexit that must run.
-    """
-    import logging
-
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):   # a reader that left (BrokenPipe) or a closed stream
-            pass
-    logging.shutdown()
-    os._exit(rc)

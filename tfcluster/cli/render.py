@@ -1,4 +1,4 @@
-"""`tfcluster render`: registered on cli.app (cli.py imports this module last)."""
+"""`render`: the spec as a job for a bigger engine (a Kubeflow TFJob, a Slurm batch script)."""
 from __future__ import annotations
 
 import os
@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from tfcluster.cli import SpecArg, _load, _ui, app
+from tfcluster.cli.app import SpecArg, app, load, ui
 from tfcluster.errors import ExitCode, UsageError
 
 
@@ -41,33 +41,23 @@ def render(
 
     if to not in ENGINES:
         raise UsageError(f"--to {to!r}: unknown engine; choose one of {', '.join(ENGINES)}")
-    _spec, plan = _load(spec_path, preview=True)
+    _spec, plan = load(spec_path, preview=True)
     rendered = render_plan(plan, to, image=image, namespace=namespace)
     if to != "tfjob" and image is not None:
-        _ui.warn(f"--image is for --to tfjob; ignored for --to {to}")
+        ui.warn(f"--image is for --to tfjob; ignored for --to {to}")
     for note in rendered.notes:
-        _ui.warn(note)
+        ui.warn(note)
     if output is None:
         for name, text in rendered.files:
-            _ui.stdout.write(text if len(rendered.files) == 1 else f"# --- {name}\n{text}")
-        _ui.stdout.flush()
-        _ui.info(f"next: save it and run `{rendered.apply}`")
+            ui.stdout.write(text if len(rendered.files) == 1 else f"# --- {name}\n{text}")
+        ui.stdout.flush()
+        ui.info(f"next: save it and run `{rendered.apply}`")
         return ExitCode.OK
     os.makedirs(output, exist_ok=True)
     for name, text in rendered.files:
         path = os.path.join(output, name)
         with open(path, "w", encoding="utf-8") as f:
             f.write(text)
-        _ui.ok(f"wrote {path}")
-    _ui.info(f"next: cd {shlex.quote(output)} && {rendered.apply}")    # the file names are relative
+        ui.ok(f"wrote {path}")
+    ui.info(f"next: cd {shlex.quote(output)} && {rendered.apply}")    # the file names are relative
     return ExitCode.OK
-
-
-def print_ranks(plan) -> None:
-    """`plan --to slurm`: which Slurm rank plays which task."""
-    from tfcluster.engines.slurm import rank_table, shape
-
-    nodes, per_node, gpus = shape(plan)
-    title = (f"render --to slurm: {nodes} node(s) x {per_node} task(s)"
-             + (f", {gpus} GPU(s) per node" if gpus else "") + "; node i plays the i-th host")
-    _ui.table(title, ("rank", "node", "local", "task", "spec host", "GPUs"), [tuple(map(str, row)) for row in rank_table(plan)])

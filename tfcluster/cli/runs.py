@@ -1,16 +1,13 @@
-"""`logs`, `runs`, `plot` and `status --watch`: watching runs. Registered on cli.app (cli.py
-imports this module last); the commands read runs/<run id>/ here, never the hosts
-(`status --watch` excepted)."""
+"""`logs`, `runs` and `plot`: a cluster's saved runs. The commands read runs/<run id>/
+here, never the hosts."""
 from __future__ import annotations
 
-import math
 import os
-import time
 from typing import Optional
 
 import typer
 
-from tfcluster.cli import STOPPED_WATCHING, SpecArg, _plan, _ui, app
+from tfcluster.cli.app import SpecArg, StoppedWatching, app, plan_of, ui
 from tfcluster.errors import ExitCode, TfclusterError, UsageError
 
 RunsDir = typer.Option("runs", "--runs-dir", help="Where runs were saved.")
@@ -35,17 +32,17 @@ def logs(
     if task_option is not None and task not in (None, task_option):
         raise UsageError(f"logs: TASK {task} and --task {task_option} differ; give one")
     task = task or task_option
-    name = _plan(spec_path).name
+    name = plan_of(spec_path).name
     if not follow:
         from tfcluster.watch.runs import show_logs
 
-        return show_logs(_ui, name, runs_dir, run, task, _ui.byte_stdout)
+        return show_logs(ui, name, runs_dir, run, task, ui.byte_stdout)
     from tfcluster.watch.follow import follow as follow_run
 
     try:
-        return follow_run(_ui, name, runs_dir, run, task, _ui.byte_stdout)
+        return follow_run(ui, name, runs_dir, run, task, ui.byte_stdout)
     except KeyboardInterrupt:
-        return _stopped()
+        raise StoppedWatching() from None
 
 
 @app.command("runs")
@@ -63,14 +60,14 @@ def runs_(
     """
     from tfcluster.watch.follow import print_runs, run_rows
 
-    plan = _plan(spec_path)
+    plan = plan_of(spec_path)
     rows = run_rows(runs_dir, plan.name, plan.progress)
     if json_:
-        _ui.json({"cluster": plan.name, "runs_dir": runs_dir, "order": "oldest first", "runs": rows})
+        ui.json({"cluster": plan.name, "runs_dir": runs_dir, "order": "oldest first", "runs": rows})
     elif not rows:
-        _ui.info(f"no saved runs of cluster {plan.name!r} under {runs_dir}/")
+        ui.info(f"no saved runs of cluster {plan.name!r} under {runs_dir}/")
     else:
-        print_runs(_ui, plan.name, rows, runs_dir)
+        print_runs(ui, plan.name, rows, runs_dir)
     return ExitCode.OK
 
 
@@ -92,7 +89,7 @@ def plot(
     from tfcluster.watch import runs
     from tfcluster.watch.plotting import run_series, text_plot, write_png
 
-    plan = _plan(spec_path)
+    plan = plan_of(spec_path)
     if output is not None:
         if not output.lower().endswith(".png"):
             raise UsageError(f"-o {output}: plot writes PNG files; name it FILE.png")
@@ -107,42 +104,8 @@ def plot(
                                   "train.progress: {step: REGEX, loss: REGEX} in the spec")
     if output is None:
         for line in text_plot(run_id, series):
-            _ui.text(line)
+            ui.text(line)
         return ExitCode.OK
     write_png(output, run_id, series)
-    _ui.ok(f"wrote {output} (run {run_id}, {len(series)} task(s))")
+    ui.ok(f"wrote {output} (run {run_id}, {len(series)} task(s))")
     return ExitCode.OK
-
-
-def watch_status(plan, interval: float, json_: bool) -> int:
-    """`status --watch`: the status table again every `interval` seconds until Ctrl-C
-    (exit 130, quietly). A terminal is cleared before each table; anything else gets each
-    table after the last, a blank line between (JSON: one document per line)."""
-    from tfcluster.launch import lifecycle
-    from tfcluster.ui.views import print_status, status_json
-
-    if not 0 < interval < math.inf:
-        raise UsageError("--interval must be a positive number of seconds")
-    tty = _ui.stdout.isatty()
-    try:
-        for n in range(1_000_000_000):
-            rows, unreachable = lifecycle.status(plan, _ui)
-            if json_:
-                _ui.json(status_json(plan, rows))
-            else:
-                _ui.stdout.write("\x1b[H\x1b[2J" if tty else "\n" if n else "")
-                _ui.text(f"{time.strftime('%H:%M:%S')}  every {interval:g}s, Ctrl-C to stop")
-                print_status(_ui, plan, rows)
-            if unreachable:
-                _ui.warn(lifecycle.unreachable_error(unreachable).message)
-            _ui.stdout.flush()
-            time.sleep(interval)
-    except KeyboardInterrupt:
-        return _stopped()
-    return ExitCode.OK
-
-
-def _stopped() -> int:
-    """Ctrl-C is how one stops watching: exit 130 without an error line (or a traceback)."""
-    STOPPED_WATCHING.append(True)
-    return int(ExitCode.INTERRUPTED)

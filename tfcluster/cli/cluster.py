@@ -1,0 +1,193 @@
+"""`plan`, `up`, `down`, `status` and `exec`: the cluster's lifecycle from the command line. Heavy modules (paramiko, the session machinery) are imported inside the
+commands that need them, so `--help` and `plan` stay instant.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import List, Optional
+
+import typer
+
+from tfcluster.cli.app import SKEW_HELP, SpecArg, StoppedWatching, app, load, plan_of, seconds, ui
+from tfcluster.errors import ExitCode, UsageError
+
+
+@app.command()
+def plan(
+    spec_path: str = SpecArg,
+    json_: bool = typer.Option(False, "--json", help="One JSON document on stdout, nothing else."),
+    commands: bool = typer.Option(False, "--commands", "-c",
+                                  help="Show each task's exact command and environment."),
+    check: bool = typer.Option(False, "--check",
+                               help="Also connect to every host and run the preflight checks "
+                                    "(python, tensorflow, GPUs, ports free). Starts nothing."),
+    allow_skew: bool = typer.Option(False, "--allow-skew", help=SKEW_HELP + " (only with --check)."),
+    to: Optional[str] = typer.Option(None, "--to", metavar="ENGINE",
+                                     help="slurm: also show which Slurm rank plays which task."),
+) -> int:
+    """Show what would run where: tasks, ports, GPUs, TF_CONFIG. No network unless --check.
+
+    Example:  tfcluster plan lab.yaml --commands
+    """
+    from tfcluster.ui.views import print_plan, plan_json
+
+    spec, p = load(spec_path, preview=True)
+    if json_:
+        ui.json(plan_json(p))
+    else:
+        print_plan(ui, p, commands=commands)
+    if to is not None:
+        if to != "slurm":
+            raise UsageError(f"plan --to {to!r}: only slurm has a rank mapping to show")
+        print_ranks(p)
+    if check:
+        from tfcluster.launch import lifecycle
+        lifecycle.check(p, ui, allow_skew=allow_skew)
+    return ExitCode.OK
+
+
+@app.command()
+def up(
+    spec_path: str = SpecArg,
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan; touch nothing."),
+    timeout: float = typer.Option(120.0, "--timeout", parser=seconds, metavar="DURATION",
+                                  help="How long to wait for every server: seconds, or 90s, 5m."),
+    allow_skew: bool = typer.Option(False, "--allow-skew", help=SKEW_HELP + "."),
+) -> int:
+    """Start the cluster's TF servers and wait until each listens on its port.
+
+    Runs preflight first (reachable, python + tensorflow, GPUs, ports free); if any
+    server fails, everything this `up` started is stopped again. Running `up` on a
+    cluster that is already up starts nothing.
+
+    Example:  tfcluster up lab.yaml
+    """
+    p = plan_of(spec_path)
+    if dry_run:
+        from tfcluster.ui.views import print_plan
+
+        print_plan(ui, p, commands=True)
+        return ExitCode.OK
+    from tfcluster.launch import lifecycle
+    return lifecycle.up(p, ui, timeout=timeout, allow_skew=allow_skew)
+
+
+@app.command()
+def down(
+    spec_path: str = SpecArg,
+    grace: float = typer.Option(5.0, "--grace", help="Seconds between TERM and KILL."),
+) -> int:
+    """Stop every task of the cluster on every host and verify nothing survived.
+
+    Works without local state (reads the hosts' pid files) and is safe to repeat.
+
+    Example:  tfcluster down lab.yaml
+    """
+    from tfcluster.launch import lifecycle
+    return lifecycle.down(plan_of(spec_path), ui, grace=grace)
+
+
+@app.command()
+def status(
+    spec_path: str = SpecArg,
+    json_: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    watch: bool = typer.Option(False, "--watch", "-w", help="Refresh until Ctrl-C (exit 130)."),
+    interval: float = typer.Option(2.0, "--interval", help="Seconds between refreshes with --watch."),
+) -> int:
+    """Each task: running or stopped, pid, uptime, port open.
+
+    Exits 3 (after the table) when a host could not be reached; with --watch it keeps
+    refreshing (in place on a terminal, one table after another otherwise).
+
+    Example:  tfcluster status lab.yaml --json
+    """
+    from tfcluster.launch import lifecycle
+    from tfcluster.ui.views import print_status, status_json
+
+    p = plan_of(spec_path)
+    if watch:
+        return watch_status(p, interval, json_)
+    rows, unreachable = lifecycle.status(p, ui)
+    if json_:
+        ui.json(status_json(p, rows))
+    else:
+        print_status(ui, p, rows)
+    if unreachable:
+        raise lifecycle.unreachable_error(unreachable)
+    return ExitCode.OK
+
+
+@app.command("exec")
+def exec_(
+    spec_path: str = SpecArg,
+    command: List[str] = typer.Argument(..., help="The command, after `--`.", metavar="-- CMD..."),
+    hosts: Optional[str] = typer.Option(None, "--hosts", help="Comma-separated host names (default all)."),
+) -> int:
+    """Run a command on every host in parallel, output prefixed by host.
+
+    Exit code is the worst of the hosts'. The command is passed as words (no shell);
+    use `sh -c '...'` for pipes.
+
+    Example:  tfcluster exec lab.yaml --hosts gpu0,gpu1 -- nvidia-smi -L
+    """
+    from tfcluster.launch.hostexec import exec_on_hosts, exit_code_of
+    from tfcluster.watch.logmux import LogMux
+    from tfcluster.launch.session import Session
+
+    spec, p = load(spec_path)
+    names = _select_hosts(spec.path, [h.name for h in p.all_hosts], hosts)
+    with Session(p, ui, names) as session:
+        outcome = exec_on_hosts(session, command, LogMux(ui.byte_stdout, names, color=ui.color))
+    return exit_code_of(outcome, ui)
+
+
+def _select_hosts(path: str, known: list[str], hosts: str | None) -> list[str]:
+    from tfcluster.spec import did_you_mean
+
+    if not hosts:
+        return known
+    names = list(dict.fromkeys(h.strip() for h in hosts.split(",") if h.strip()))   # a,a: once
+    for name in names:
+        if name not in known:
+            raise UsageError(f"--hosts: no host named {name!r} in {path}"
+                             + did_you_mean(name, known))
+    return names
+
+
+def watch_status(plan, interval: float, json_: bool) -> int:
+    """`status --watch`: the status table again every `interval` seconds until Ctrl-C
+    (exit 130, quietly). A terminal is cleared before each table; anything else gets each
+    table after the last, a blank line between (JSON: one document per line)."""
+    from tfcluster.launch import lifecycle
+    from tfcluster.ui.views import print_status, status_json
+
+    if not 0 < interval < math.inf:
+        raise UsageError("--interval must be a positive number of seconds")
+    tty = ui.stdout.isatty()
+    try:
+        for n in range(1_000_000_000):
+            rows, unreachable = lifecycle.status(plan, ui)
+            if json_:
+                ui.json(status_json(plan, rows))
+            else:
+                ui.stdout.write("\x1b[H\x1b[2J" if tty else "\n" if n else "")
+                ui.text(f"{time.strftime('%H:%M:%S')}  every {interval:g}s, Ctrl-C to stop")
+                print_status(ui, plan, rows)
+            if unreachable:
+                ui.warn(lifecycle.unreachable_error(unreachable).message)
+            ui.stdout.flush()
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        raise StoppedWatching() from None
+    return ExitCode.OK
+
+
+def print_ranks(plan) -> None:
+    """`plan --to slurm`: which Slurm rank plays which task."""
+    from tfcluster.engines.slurm import rank_table, shape
+
+    nodes, per_node, gpus = shape(plan)
+    title = (f"render --to slurm: {nodes} node(s) x {per_node} task(s)"
+             + (f", {gpus} GPU(s) per node" if gpus else "") + "; node i plays the i-th host")
+    ui.table(title, ("rank", "node", "local", "task", "spec host", "GPUs"), [tuple(map(str, row)) for row in rank_table(plan)])

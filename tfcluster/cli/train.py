@@ -1,0 +1,73 @@
+"""`train`, and `init` for a script to start from (a run's logs, runs and plot: cli/runs.py)."""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import typer
+
+from tfcluster.cli.app import SKEW_HELP, SpecArg, app, seconds, ui
+from tfcluster.errors import ExitCode, UsageError
+
+
+@app.command(context_settings={"allow_interspersed_args": True})
+def train(
+    spec_path: str = SpecArg,
+    args: Optional[List[str]] = typer.Argument(None, help="Script arguments after `--` (replace train.args).",
+                                               metavar="[-- ARGS...]"),
+    script: Optional[str] = typer.Option(None, "--script", help="Training script (overrides train.script)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan; touch nothing."),
+    timeout: Optional[float] = typer.Option(None, "--timeout", parser=seconds, metavar="DURATION",
+                                            help="End the run after this long: seconds, or 90s, 30m, 2h."),
+    task: Optional[List[str]] = typer.Option(None, "--task", help="Show only this task live, e.g. worker:0 (repeatable)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No live task output; summary only."),
+    runs_dir: str = typer.Option("runs", "--runs-dir", help="Where per-run logs and manifest are saved."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Also show TF's start-up log noise."),
+    allow_skew: bool = typer.Option(False, "--allow-skew", help=SKEW_HELP + "."),
+    tensorboard: Optional[str] = typer.Option(
+        None, "--tensorboard", metavar="LOGDIR",
+        help="Run TensorBoard on LOGDIR on the chief's host for the run and print its URL "
+             "(overrides train.tensorboard; same placeholders)."),
+) -> int:
+    """Run the training script on the cluster with live, prefixed logs.
+
+    Brings up the servers the mode needs (or reuses a cluster that is `up`), ships the
+    script, runs it on each task, saves logs under runs/<run id>/ and prints a summary.
+    Exit code follows the chief (all workers in mirrored/classic mode). Ctrl-C stops
+    everything in order (exit 130).
+
+    Example:  tfcluster train sample_clusters/local.yaml -- --steps 500
+    """
+    from tfcluster.launch import supervisor
+    from tfcluster.plan import build_plan
+    from tfcluster.spec import check_train_files, load_spec, with_train_overrides
+
+    spec = with_train_overrides(load_spec(spec_path), script=script, args=args, timeout=timeout,
+                                tensorboard=tensorboard)
+    if not spec.train.script:
+        raise UsageError(f"{spec.path}: no training script: set train.script or pass --script",
+                         hint="`tfcluster init` writes a template script to start from")
+    p = build_plan(spec, files=check_train_files(spec))
+    if dry_run:
+        from tfcluster.ui.views import print_plan
+
+        print_plan(ui, p, commands=True)
+        return ExitCode.OK
+    options = supervisor.Options(show=tuple(task or ()), quiet=quiet, runs_dir=runs_dir,
+                                 verbose=verbose, allow_skew=allow_skew)
+    return supervisor.train(p, ui, options)
+
+
+@app.command()
+def init(
+    mode: str = typer.Argument("between-graph", help="between-graph | classic | coordinator | mirrored"),
+    dest: Optional[str] = typer.Argument(None, help="Where to write it (default: train_<mode>.py)."),
+) -> int:
+    """Copy the training-script template for a mode into the current directory.
+
+    Example:  tfcluster init coordinator my_train.py
+    """
+    from tfcluster.spec.templates import copy_template
+
+    path = copy_template(mode, dest)
+    ui.ok(f"wrote {path}")
+    return ExitCode.OK
