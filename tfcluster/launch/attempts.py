@@ -12,14 +12,22 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from tfcluster.plan import policy
 from tfcluster.errors import TaskError
 from tfcluster.launch.session import raise_first
 from tfcluster.host.shim_protocol import RESTART_VAR
+from tfcluster.launch.runstate import Run, StartSlot, Supervised
+
+if TYPE_CHECKING:
+    from tfcluster.launch.attached import AttachedTask
+    from tfcluster.launch.records import TaskLaunch
+    from tfcluster.launch.session import Session
+    from tfcluster.plan import Plan
 
 
-def start_all(run, procs: list, hold: bool = False) -> None:
+def start_all(run: Run, procs: list[Supervised], hold: bool = False) -> None:
     """Start processes in parallel: each start is a round trip (a handshake with its shim),
     and 32 workers one after another would take seconds before the last one runs."""
     run.procs.extend(p for p in procs if p not in run.procs)  # summary order = plan order
@@ -27,28 +35,28 @@ def start_all(run, procs: list, hold: bool = False) -> None:
     raise_first({procs[i].key: r for i, r in results.items()}, "task")
 
 
-def start(run, proc, hold: bool = False) -> None:
+def start(run: Run, proc: Supervised, hold: bool = False) -> None:
     if proc.handle is not None and proc.handle.resume():   # its shim restarted it in place
         _begin(run, proc)
         return
     agent = run.session.agents[proc.task.host]
     launch = launch_of(run.session, run.run_id, proc)
-    slot = [None]
+    slot = StartSlot()
     run.starts.append(slot)
-    proc.handle = slot[0] = agent.start_attached(launch, heartbeat_timeout=run.options.heartbeat,
+    proc.handle = slot.handle = agent.start_attached(launch, heartbeat_timeout=run.options.heartbeat,
                                                  grace=run.options.grace, hold=hold,
                                                  restart=in_place(run.plan, proc))
     attach(run, proc)
 
 
-def attach(run, proc) -> None:
+def attach(run: Run, proc: Supervised) -> None:
     """proc.handle is its new attempt's shim: count the attempt, pump its output."""
     _begin(run, proc)
     threading.Thread(target=pump, args=(run, proc, proc.handle, proc.attempt),
                      name=f"pump-{proc.key}", daemon=True).start()
 
 
-def launch_of(session, run_id: str, proc):
+def launch_of(session: Session, run_id: str, proc: Supervised) -> TaskLaunch:
     """proc's TaskLaunch for its next attempt (kept in proc.launch)."""
     agent = session.agents[proc.task.host]
     argv = agent.server_argv() if proc.role == "server" else session.plan.command(proc.task)
@@ -56,7 +64,7 @@ def launch_of(session, run_id: str, proc):
     return proc.launch
 
 
-def in_place(plan, proc) -> dict | None:
+def in_place(plan: Plan, proc: Supervised) -> dict | None:
     """The restart policy an attached shim applies itself (None: it never restarts)."""
     restart = plan.restart
     if restart.policy == policy.NEVER:
@@ -65,7 +73,7 @@ def in_place(plan, proc) -> dict | None:
             "zero_ends": proc.role == "script"}     # a script's exit 0 is its success, never restarted
 
 
-def _begin(run, proc) -> None:
+def _begin(run: Run, proc: Supervised) -> None:
     if proc.attempt:
         proc.restarted = time.time()
     else:
@@ -76,7 +84,7 @@ def _begin(run, proc) -> None:
         run.procs.append(proc)
 
 
-def pump(run, proc, handle, attempt: int) -> None:
+def pump(run: Run, proc: Supervised, handle: AttachedTask, attempt: int) -> None:
     """Feed one shim's output to the mux; report each attempt's exit on the event queue."""
     ended = [attempt]          # the attempt whose end is reported next
 
@@ -104,13 +112,13 @@ def pump(run, proc, handle, attempt: int) -> None:
     run.events.put((proc, ended[0], rc))
 
 
-def refuse(proc) -> None:
+def refuse(proc: Supervised) -> None:
     """The shim restarted a task the supervisor does not restart: stop that attempt."""
     if proc.handle is not None and proc.handle.restarted():
         proc.handle.stop()
 
 
-def on_failure(run, proc, rc: int) -> None:
+def on_failure(run: Run, proc: Supervised, rc: int) -> None:
     restart = run.plan.restart
     what = f"{proc.task.key}{' server' if proc.role == 'server' else ''} on {proc.task.host}"
     if policy.should_restart(restart, rc, proc.restarts):

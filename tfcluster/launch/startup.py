@@ -12,64 +12,20 @@ shutdown. Starting, pumping and restarting one process: attempts.py.
 """
 from __future__ import annotations
 
-import queue
-from dataclasses import dataclass, field
 
 from tfcluster.launch import attempts
+from tfcluster.launch.runstate import Run, StartSlot, Supervised
 
 from tfcluster.plan import names
 from tfcluster.errors import TfclusterError
 from tfcluster.launch.records import HostInfo
 from tfcluster.launch.held import HeldStart, prepare_holding
-from tfcluster.plan import Plan, TaskPlan
+from tfcluster.plan import TaskPlan
 from tfcluster.launch.preflight import check_started_ports, check_versions, preflight
 from tfcluster.launch.reach import check_reachability
-from tfcluster.watch.runs import ProgressLog
 from tfcluster.launch.servers import Started, wait_ready
 from tfcluster.launch.session import Background, Session, raise_first, server_tasks
 from tfcluster.launch.shipping import ship
-
-
-@dataclass
-class Supervised:
-    """One supervised process: a script, or a server this run owns."""
-
-    task: TaskPlan
-    role: str                       # "script" | "server"
-    key: str                        # LogMux key
-    handle: object = None           # AttachedTask
-    launch: object = None           # TaskLaunch of the current attempt
-    started: float = 0.0            # its first attempt's start: the summary's and manifest's
-    restarted: float | None = None  # its last restart's start (None: never restarted)
-    ended: float | None = None
-    exit_code: int | None = None
-    restarts: int = 0
-    attempt: int = 0
-    stopping: bool = False
-
-    @property
-    def attempt_started(self) -> float:
-        """When the current attempt started."""
-        return self.restarted or self.started
-
-
-@dataclass
-class Run:
-    plan: Plan
-    ui: object
-    options: object                 # supervisor.Options
-    run_id: str
-    session: Session
-    mux: object
-    events: "queue.Queue[tuple[Supervised, int, int]]" = field(default_factory=queue.Queue)
-    procs: list[Supervised] = field(default_factory=list)
-    owns_servers: bool = False
-    checks: object = None           # diagnoses.RunChecks
-    board: object = None            # board.Board: TensorBoard on the chief's host, if asked for
-    progress: ProgressLog | None = None   # each script's step, loss and rate (progress.tsv)
-    footer: object = None           # footer.LiveFooter on a terminal, from the scripts' start
-    starts: list = field(default_factory=list)   # per attached start: [its AttachedTask or None]
-    files: list | None = None       # shipping.collect_files(plan), read before connecting
 
 
 class Holder:
@@ -141,10 +97,10 @@ def _go_all(run: Run, procs: list[Supervised], held: dict) -> None:
 
     def one(i: int) -> None:
         p = procs[i]
-        slot = [None]
+        slot = StartSlot()
         run.starts.append(slot)
         proc = held.pop(p.key)
-        p.handle = slot[0] = proc.go()
+        p.handle = slot.handle = proc.go()
         attempts.attach(run, p)
     raise_first({procs[i].key: r for i, r in run.session.parallel(one, range(len(procs))).items()}, "task")
 

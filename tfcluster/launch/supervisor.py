@@ -39,7 +39,8 @@ from tfcluster.launch.reach import can_connect
 from tfcluster.launch.session import Session, server_tasks
 from tfcluster.host.shim_protocol import DEFAULT_HEARTBEAT_TIMEOUT
 from tfcluster.launch.shipping import collect_files
-from tfcluster.launch.startup import Holder, Run, begin
+from tfcluster.launch.runstate import Run
+from tfcluster.launch.startup import Holder, begin
 
 LOSS_LINE = re.compile(DEFAULT_LOSS)   # `loss=0.25`, not a traceback's `loss = train_step(it)`
 SCRIPT_GRACE = 10.0         # a script's last checkpoint after Ctrl-C, before KILL
@@ -222,7 +223,7 @@ def _swept_by_shims(run: Run) -> bool:
     that its own sweep left nothing of the task's tag: the run's stop sweep (one remote
     execution per host) would find nothing."""
     return (run.board is None and bool(run.starts)
-            and all(slot[0] is not None and slot[0].swept() for slot in run.starts))
+            and all(slot.handle is not None and slot.handle.swept() for slot in run.starts))
 
 
 def _stop_role(run: Run, role: str, fast: threading.Event) -> None:
