@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tfcluster.spec import templates as scaffold
+from tfcluster.spec import templates
 from tfcluster.errors import SpecError, UsageError
 from tfcluster.spec import (Host, Job, Restart, Slot, Spec, SshSettings, Train, check_train_files,
                             layout_tasks, load_spec, with_train_overrides)
@@ -254,8 +254,8 @@ def test_rejects_with_exact_message(tmp_path, text, expected):
     (tmp_path / "sub").mkdir()
     path = tmp_path / "c.yaml"
     path.write_text(text)
-    templates = ", ".join(scaffold.template_names())
-    want = f"{path}:" + expected.replace("{dir}", str(tmp_path)).replace("{templates}", templates)
+    names = ", ".join(templates.template_names())
+    want = f"{path}:" + expected.replace("{dir}", str(tmp_path)).replace("{templates}", names)
     assert str(error(str(path))) == want
 
 
@@ -342,7 +342,7 @@ def test_load_spec_accepts_a_script_and_files_that_do_not_exist(tmp_path):
 
 
 def test_check_train_files_skips_templates_and_command_line_scripts(tmp_path, monkeypatch):
-    monkeypatch.setattr(scaffold, "templates_root", lambda: tmp_path / "tpl")
+    monkeypatch.setattr(templates, "templates_root", lambda: tmp_path / "tpl")
     (tmp_path / "tpl").mkdir()
     (tmp_path / "tpl" / "mirrored.py").write_text("# template\n")
     check_train_files(load_spec(write(tmp_path, BASE + "train: {script: 'template:mirrored'}\n")))
@@ -479,7 +479,7 @@ def test_timeout_accepts_seconds_and_durations(tmp_path, text, seconds):
 
 
 def test_template_script_resolves_in_the_package(tmp_path, monkeypatch):
-    monkeypatch.setattr(scaffold, "templates_root", lambda: tmp_path / "tpl")
+    monkeypatch.setattr(templates, "templates_root", lambda: tmp_path / "tpl")
     (tmp_path / "tpl").mkdir()
     (tmp_path / "tpl" / "mirrored.py").write_text("# template\n")
     path = write(tmp_path, BASE + "train: {script: 'template:mirrored'}\n")
@@ -489,7 +489,7 @@ def test_template_script_resolves_in_the_package(tmp_path, monkeypatch):
 
 
 def test_shipped_template_resolves(tmp_path):
-    names = scaffold.template_names()
+    names = templates.template_names()
     assert names == ["between_graph", "classic", "coordinator", "mirrored"]
     path = write(tmp_path, BASE + f"train: {{script: 'template:{names[0]}'}}\n")
     script = load_spec(path).train.script

@@ -10,18 +10,18 @@ import re
 
 import yaml
 
-from tfcluster.spec.yamltree import _Bad, _line, _str
+from tfcluster.spec.yamltree import BadValue, line_of, as_str
 
-_USER_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}")
+USER_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}")
 _LABEL_RE = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
 _SHELL_CHARS = set(";|&$`'\"<>(){}[]*?!\\#~^%,=")
 
 
-def _address(node: yaml.Node, field: str) -> str:
-    value = _str(node, field)
+def parse_address(node: yaml.Node, field: str) -> str:
+    value = as_str(node, field)
     problem = _address_problem(value)
     if problem:
-        raise _Bad(_line(node), field, f"{problem}: {value!r}")
+        raise BadValue(line_of(node), field, f"{problem}: {value!r}")
     return value
 
 
@@ -56,7 +56,7 @@ def _is_hostname(value: str) -> bool:
     return not all(label.isdigit() for label in labels)   # 10.1.0.300 is a broken IPv4
 
 
-def _machine(address: str) -> str:
+def machine_of(address: str) -> str:
     """One key per machine. Every loopback address is this machine: a TF server binds every
     interface, so 127.0.0.2:P and 127.0.0.3:P are the same port."""
     try:
@@ -66,17 +66,17 @@ def _machine(address: str) -> str:
     return "loopback" if ip.is_loopback else ip.compressed
 
 
-def _jump_host(node: yaml.Node, field: str) -> str:
-    value = _str(node, field)
+def parse_jump_host(node: yaml.Node, field: str) -> str:
+    value = as_str(node, field)
     user, _, rest = value.rpartition("@")
     host, port = rest, None
     if rest.count(":") == 1:       # host:port; a bare IPv6 address has several colons
         host, _, port = rest.partition(":")
-    ok = (not user or _USER_RE.fullmatch(user)) and (
+    ok = (not user or USER_RE.fullmatch(user)) and (
         port is None or re.fullmatch(r"[0-9]{1,5}", port))
     problem = _address_problem(host) if ok else "must be [user@]host[:port]"
     if not problem and port and not 1 <= int(port) <= 65535:
         problem = "port must be from 1 to 65535"
     if problem:
-        raise _Bad(_line(node), field, f"{problem}: {value!r}")
+        raise BadValue(line_of(node), field, f"{problem}: {value!r}")
     return value

@@ -11,7 +11,7 @@ import yaml
 
 from tfcluster.spec.model import (MAX_ARG_BYTES, MAX_ENV_BYTES, MAX_ENV_ENTRIES, MIN_SECRET_CHARS,
                                   SECRET_MARKERS)
-from tfcluster.spec.yamltree import (_AnyKey, _Bad, _fields, _is_null, _kind, _line, _list, _str, _sub,
+from tfcluster.spec.yamltree import (AnyKey, BadValue, fields_of, is_null, kind_of, line_of, as_list, as_str, sub_field,
                                      did_you_mean)
 
 _ENV_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -41,31 +41,31 @@ def _size(text: str) -> int:
 
 def parse_env(node: yaml.Node, line: int) -> tuple[tuple[str, str], ...]:
     """env: (name, value) pairs in file order; `line`: the line of the `env:` key."""
-    found = _fields(node, "env", _AnyKey())
+    found = fields_of(node, "env", AnyKey())
     if len(found) > MAX_ENV_ENTRIES:
-        raise _Bad(line, "env", f"{len(found)} entries; at most {MAX_ENV_ENTRIES}")
+        raise BadValue(line, "env", f"{len(found)} entries; at most {MAX_ENV_ENTRIES}")
     pairs, total = [], 0
     for key, (key_node, value) in found.items():
         if not _ENV_RE.fullmatch(key):
-            raise _Bad(_line(key_node), _sub("env", key), "invalid variable name",
+            raise BadValue(line_of(key_node), sub_field("env", key), "invalid variable name",
                        hint="letters, digits and '_', not starting with a digit")
         why = _reserved(key)
         if why:
-            raise _Bad(_line(key_node), _sub("env", key), f"{key} is set by tfcluster for each task", hint=why)
-        if not isinstance(value, yaml.ScalarNode) or _is_null(value):
-            raise _Bad(_line(value), _sub("env", key), f"value must be a string, got {_kind(value)}",
+            raise BadValue(line_of(key_node), sub_field("env", key), f"{key} is set by tfcluster for each task", hint=why)
+        if not isinstance(value, yaml.ScalarNode) or is_null(value):
+            raise BadValue(line_of(value), sub_field("env", key), f"value must be a string, got {kind_of(value)}",
                        hint=f'quote it: {key}: "..."')
         if "\0" in value.value:
-            raise _Bad(_line(value), _sub("env", key), "value must not contain NUL")
+            raise BadValue(line_of(value), sub_field("env", key), "value must not contain NUL")
         size = _size(key) + 1 + _size(value.value)
         if size > MAX_ARG_BYTES:
-            raise _Bad(_line(value), _sub("env", key),
+            raise BadValue(line_of(value), sub_field("env", key),
                        f"{key}=VALUE is {size} bytes; one environment string may be at most "
                        f"{MAX_ARG_BYTES} (execve's MAX_ARG_STRLEN)")
         total += size
         pairs.append((key, value.value))
     if total > MAX_ENV_BYTES:
-        raise _Bad(line, "env", f"{total} bytes in all; at most {MAX_ENV_BYTES}",
+        raise BadValue(line, "env", f"{total} bytes in all; at most {MAX_ENV_BYTES}",
                    hint="put large values in a file shipped with train.files")
     return tuple(pairs)
 
@@ -75,14 +75,14 @@ def parse_names(node: yaml.Node, field: str, env: tuple[tuple[str, str], ...],
     """secret_env / public_env: names set in env:. `other`: secret_env, when reading public_env."""
     names = [k for k, _ in env]
     out: list[str] = []
-    for i, item in enumerate(_list(node, field)):
-        name = _str(item, _sub(field, i))
+    for i, item in enumerate(as_list(node, field)):
+        name = as_str(item, sub_field(field, i))
         if name not in names:
-            raise _Bad(_line(item), _sub(field, i), f"{name!r} is not set in env" + did_you_mean(name, names))
+            raise BadValue(line_of(item), sub_field(field, i), f"{name!r} is not set in env" + did_you_mean(name, names))
         if name in other:
-            raise _Bad(_line(item), _sub(field, i), f"{name} is also listed in secret_env")
+            raise BadValue(line_of(item), sub_field(field, i), f"{name} is also listed in secret_env")
         if field == "public_env" and not any(m in name.upper() for m in SECRET_MARKERS):
-            raise _Bad(_line(item), _sub(field, i),
+            raise BadValue(line_of(item), sub_field(field, i),
                        f"{name} is shown anyway: public_env only un-marks names containing "
                        f"{', '.join(SECRET_MARKERS)}")
         if name not in out:

@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from tfcluster.errors import SpecError
-from tfcluster.spec.addresses import _machine
+from tfcluster.spec.addresses import machine_of
 from tfcluster.spec.model import JOB_NAMES, Host, Job, Slot, Spec
-from tfcluster.spec.yamltree import _spec_error, _sub
+from tfcluster.spec.yamltree import spec_error, sub_field
 
 _LOOPBACK_NOTE = "127.0.0.x addresses are one machine and a TF server binds every interface"
 
@@ -40,7 +40,7 @@ def _assign_gpus(path: str, placed: list[tuple[Job, int, str, int, int]],
     for job, index, host, port, k in placed:
         start = used.get(host, 0)
         if start + k > hosts[host].gpus:
-            raise _spec_error(path, job.line, _sub("jobs", job.name),
+            raise spec_error(path, job.line, sub_field("jobs", job.name),
                               f"host {host} has {hosts[host].gpus} GPUs but its tasks need {need[host]}")
         used[host] = start + k
         yield Slot(job.name, index, host, port, tuple(range(start, start + k)))
@@ -58,7 +58,7 @@ def _place(job: Job, hosts: dict[str, Host]) -> list[tuple[Job, int, str, int, i
     return [(job, i, job.hosts[i % n], port + i // n, job.gpus) for i in range(job.count or 0)]
 
 
-def _per_host(job: Job, hosts: dict[str, Host]) -> dict[str, int]:
+def per_host(job: Job, hosts: dict[str, Host]) -> dict[str, int]:
     """How many tasks of a count/per_gpu job land on each of its hosts (as _place puts them)."""
     if job.per_gpu:
         return {name: hosts[name].gpus for name in job.hosts}
@@ -67,24 +67,24 @@ def _per_host(job: Job, hosts: dict[str, Host]) -> dict[str, int]:
             for i, name in enumerate(job.hosts)}
 
 
-def _task_count(job: Job, hosts: dict[str, Host]) -> int:
+def task_count(job: Job, hosts: dict[str, Host]) -> int:
     if job.tasks is not None:
         return len(job.tasks)
-    return sum(_per_host(job, hosts).values())
+    return sum(per_host(job, hosts).values())
 
 
 # --------------------------------------------------------------------------- cross checks
 
-def _check_conflicts(spec: Spec, slots: tuple[Slot, ...]) -> None:
+def check_conflicts(spec: Spec, slots: tuple[Slot, ...]) -> None:
     hosts = {h.name: h for h in spec.hosts}
-    machines = {h.name: _machine(h.address) for h in spec.hosts}   # once per host, not per task
+    machines = {h.name: machine_of(h.address) for h in spec.hosts}   # once per host, not per task
     seen: dict[tuple[str, int], Slot] = {}
     for slot in slots:
         key = (machines[slot.host], slot.port)
         first = seen.setdefault(key, slot)
         if first is not slot:
             job = spec.job(slot.job)
-            raise _spec_error(spec.path, job.line if job else None, _sub("jobs", slot.job),
+            raise spec_error(spec.path, job.line if job else None, sub_field("jobs", slot.job),
                               _conflict(slot, first, hosts))
 
 
@@ -99,17 +99,17 @@ def _conflict(slot: Slot, first: Slot, hosts: dict[str, Host]) -> str:
             f"{b.name} at {b.address}): {_LOOPBACK_NOTE}")
 
 
-def _check_loopback_mix(spec: Spec, slots: tuple[Slot, ...]) -> None:
+def check_loopback_mix(spec: Spec, slots: tuple[Slot, ...]) -> None:
     """A task dials every other task at its host's address: a loopback address in a cluster
     that also has other hosts would make the tasks on those hosts dial themselves."""
     used = dict.fromkeys(s.host for s in slots)
     hosts = [(i, h) for i, h in enumerate(spec.hosts) if h.name in used]
-    loop = [(i, h) for i, h in hosts if _machine(h.address) == "loopback"]
-    other = [h for _, h in hosts if _machine(h.address) != "loopback"]
+    loop = [(i, h) for i, h in hosts if machine_of(h.address) == "loopback"]
+    other = [h for _, h in hosts if machine_of(h.address) != "loopback"]
     if loop and other:
         i, h = loop[0]
-        raise _spec_error(
-            spec.path, h.line, _sub(_sub("hosts", i), "address"),
+        raise spec_error(
+            spec.path, h.line, sub_field(sub_field("hosts", i), "address"),
             f"host {h.name} is at loopback address {h.address} but host {other[0].name} is at "
             f"{other[0].address}: tasks on {other[0].name} would dial {h.address} and reach "
             f"themselves, not {h.name}",
@@ -117,14 +117,14 @@ def _check_loopback_mix(spec: Spec, slots: tuple[Slot, ...]) -> None:
                  f"put every task on loopback")
 
 
-def _check_mode(spec: Spec, slots: tuple[Slot, ...], jobs_line: int) -> None:
+def check_mode(spec: Spec, slots: tuple[Slot, ...], jobs_line: int) -> None:
     mode = spec.train.mode
     have = {name: sum(1 for s in slots if s.job == name) for name in JOB_NAMES}
 
     def bad(name: str, problem: str, hint: str | None = None) -> SpecError:
         job = spec.job(name)
-        field = _sub("jobs", name) if job else "jobs"
-        return _spec_error(spec.path, job.line if job else jobs_line, field, problem, hint)
+        field = sub_field("jobs", name) if job else "jobs"
+        return spec_error(spec.path, job.line if job else jobs_line, field, problem, hint)
 
     if have["chief"] > 1:
         raise bad("chief", f"at most 1 chief task, got {have['chief']}")

@@ -11,7 +11,7 @@ import string
 from tfcluster.spec.envs import secret_in, secret_problem
 from tfcluster.spec.model import (MAX_ARG_BYTES, MAX_ARGS, MAX_PLAN_BYTES, MAX_TASK_BYTES, Slot,
                                   Spec)
-from tfcluster.spec.yamltree import _Bad
+from tfcluster.spec.yamltree import BadValue
 
 OVERHEAD = 64       # bytes a plan spends per env entry or argument besides its text
 FIXED_ENV = 512     # tfcluster's own variables per task (TFCLUSTER_*, CUDA_VISIBLE_DEVICES, ...)
@@ -30,11 +30,11 @@ def check_args(spec: Spec) -> None:
     args, secrets = spec.train.args, spec.secrets()
     if len(args) > MAX_ARGS:
         where = (spec.train.args_line, "train.args") if spec.train.args_lines else (0, "script arguments")
-        raise _Bad(*where, f"{len(args)} arguments; at most {MAX_ARGS}")
+        raise BadValue(*where, f"{len(args)} arguments; at most {MAX_ARGS}")
     for i, arg in enumerate(args):
         name = secret_in(arg, secrets)
         if name:
-            raise _Bad(*_arg_field(spec, i), *secret_problem(name))
+            raise BadValue(*_arg_field(spec, i), *secret_problem(name))
 
 
 def _values(spec: Spec, slots: tuple[Slot, ...]) -> dict[str, int]:
@@ -66,7 +66,7 @@ def check_plan_size(spec: Spec, slots: tuple[Slot, ...], jobs_line: int, env_lin
     sizes = [expanded_size(a, values) for a in spec.train.args]
     for i, size in enumerate(sizes):
         if size > MAX_ARG_BYTES:
-            raise _Bad(*_arg_field(spec, i),
+            raise BadValue(*_arg_field(spec, i),
                        f"expands to {size} bytes; one argument may be at most {MAX_ARG_BYTES} "
                        "(execve's MAX_ARG_STRLEN)", hint=_HINT)
     cluster = sum(values[f"{job}_hosts"] + 16 for job in ("chief", "ps", "worker"))
@@ -78,13 +78,13 @@ def check_plan_size(spec: Spec, slots: tuple[Slot, ...], jobs_line: int, env_lin
     largest = f"the largest part is {_PARTS[field]}"
     task = sum(parts.values())
     if task > MAX_TASK_BYTES:
-        raise _Bad(lines[field], field,
+        raise BadValue(lines[field], field,
                    f"a task's TF_CONFIG, env and arguments come to {task} bytes ({largest}); "
                    f"at most {MAX_TASK_BYTES}, as execve takes about 2 MiB", hint=_HINT)
     per_task = task + OVERHEAD * (len(spec.env) + len(spec.train.args) + 12)
     total = per_task * len(slots)
     if total > MAX_PLAN_BYTES:
-        raise _Bad(lines[field], field,
+        raise BadValue(lines[field], field,
                    f"{len(slots)} tasks × {per_task} bytes each (TF_CONFIG, env and arguments; "
                    f"{largest}) make a plan of {total / 2**20:.0f} MiB; at most "
                    f"{MAX_PLAN_BYTES >> 20} MiB", hint=_HINT)

@@ -7,12 +7,12 @@ import os
 from dataclasses import replace
 
 from tfcluster.errors import SpecError, UsageError
-from tfcluster.spec.layout import _check_conflicts, _check_loopback_mix, _check_mode, layout_tasks
+from tfcluster.spec.layout import check_conflicts, check_loopback_mix, check_mode, layout_tasks
 from tfcluster.spec.limits import check_args, check_plan_size
 from tfcluster.spec.model import Spec
-from tfcluster.spec.schema import _build, _check_placeholders
+from tfcluster.spec.schema import build, check_placeholders
 from tfcluster.spec.shipped import Shipped, ship_list
-from tfcluster.spec.yamltree import _Bad, _compose, _decode, _one_line, _read, _spec_error
+from tfcluster.spec.yamltree import BadValue, compose, decode, one_line, read_text, spec_error
 
 
 def load_spec(path: str) -> Spec:
@@ -22,20 +22,20 @@ def load_spec(path: str) -> Spec:
     commands that never ship them must work after a script moved.
     """
     try:
-        data = _read(path)
-        spec, lines = _build(path, _compose(_decode(data)))
+        data = read_text(path)
+        spec, lines = build(path, compose(decode(data)))
         check_args(spec)
-    except _Bad as bad:
-        raise _spec_error(path, bad.line, bad.field, bad.problem, bad.hint) from None
+    except BadValue as bad:
+        raise spec_error(path, bad.line, bad.field, bad.problem, bad.hint) from None
     spec = replace(spec, digest=hashlib.sha256(data).hexdigest())
     slots = layout_tasks(spec)
-    _check_conflicts(spec, slots)
-    _check_loopback_mix(spec, slots)
-    _check_mode(spec, slots, lines["jobs"])
+    check_conflicts(spec, slots)
+    check_loopback_mix(spec, slots)
+    check_mode(spec, slots, lines["jobs"])
     try:
         check_plan_size(spec, slots, lines["jobs"], lines["env"])
-    except _Bad as bad:
-        raise _spec_error(path, bad.line, bad.field, bad.problem, bad.hint) from None
+    except BadValue as bad:
+        raise spec_error(path, bad.line, bad.field, bad.problem, bad.hint) from None
     return spec
 
 
@@ -49,8 +49,8 @@ def check_train_files(spec: Spec) -> Shipped:
     """
     try:
         return ship_list(spec)
-    except _Bad as bad:
-        raise _spec_error(spec.path, bad.line, bad.field, bad.problem, bad.hint) from None
+    except BadValue as bad:
+        raise spec_error(spec.path, bad.line, bad.field, bad.problem, bad.hint) from None
 
 
 def preview_train_files(spec: Spec) -> tuple[Shipped, str | None]:
@@ -73,15 +73,15 @@ def with_train_overrides(spec: Spec, *, script: str | None = None, args: list[st
     changes: dict = {}
     if script is not None:
         if not os.path.isfile(script):
-            raise UsageError(_one_line(f"--script: no such file: {script}"))
+            raise UsageError(one_line(f"--script: no such file: {script}"))
         # no longer the spec's script: check_train_files must not look for that one
         changes.update(script=os.path.abspath(script), script_source=None, script_line=0)
     if args:
         for i, arg in enumerate(args):
             try:
-                _check_placeholders(arg, 0, "")
-            except _Bad as bad:
-                raise UsageError(_one_line(f"script argument {i + 1} ({arg!r}): {bad.problem}"),
+                check_placeholders(arg, 0, "")
+            except BadValue as bad:
+                raise UsageError(one_line(f"script argument {i + 1} ({arg!r}): {bad.problem}"),
                                  hint=bad.hint) from None
         changes.update(args=tuple(args), args_line=0, args_lines=())
     if timeout is not None:
@@ -92,11 +92,11 @@ def with_train_overrides(spec: Spec, *, script: str | None = None, args: list[st
         if not tensorboard:
             raise UsageError("--tensorboard needs a log directory, got an empty string")
         if "\0" in tensorboard or "\n" in tensorboard:
-            raise UsageError(_one_line(f"--tensorboard {tensorboard!r}: must not contain NUL or newline"))
+            raise UsageError(one_line(f"--tensorboard {tensorboard!r}: must not contain NUL or newline"))
         try:
-            _check_placeholders(tensorboard, 0, "")
-        except _Bad as bad:
-            raise UsageError(_one_line(f"--tensorboard {tensorboard!r}: {bad.problem}"),
+            check_placeholders(tensorboard, 0, "")
+        except BadValue as bad:
+            raise UsageError(one_line(f"--tensorboard {tensorboard!r}: {bad.problem}"),
                              hint=bad.hint) from None
         changes["tensorboard"] = tensorboard
     if not changes:
@@ -106,6 +106,6 @@ def with_train_overrides(spec: Spec, *, script: str | None = None, args: list[st
         try:
             check_args(spec)
             check_plan_size(spec, layout_tasks(spec), 0, 0)
-        except _Bad as bad:
-            raise UsageError(_one_line(f"{bad.field}: {bad.problem}"), hint=bad.hint) from None
+        except BadValue as bad:
+            raise UsageError(one_line(f"{bad.field}: {bad.problem}"), hint=bad.hint) from None
     return spec

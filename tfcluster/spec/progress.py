@@ -6,30 +6,30 @@ import re
 import yaml
 
 from tfcluster.spec.model import Progress
-from tfcluster.spec.yamltree import _Bad, _fields, _int, _line, _str
+from tfcluster.spec.yamltree import BadValue, fields_of, as_int, line_of, as_str
 
 MAX_PATTERN = 500       # characters: a pattern runs on every line of every task
 
 
 def parse_progress(node: yaml.Node) -> Progress:
-    f = _fields(node, "train.progress", ("step", "loss", "target"))
+    f = fields_of(node, "train.progress", ("step", "loss", "target"))
     found = {k: _pattern(f[k][1], f"train.progress.{k}") for k in ("step", "loss") if k in f}
     if "target" in f:
-        found["target"] = _int(f["target"][1], "train.progress.target", 1, 10**12)
+        found["target"] = as_int(f["target"][1], "train.progress.target", 1, 10**12)
     return Progress(**found)
 
 
 def _pattern(node: yaml.Node, field: str) -> str:
-    value = _str(node, field)
+    value = as_str(node, field)
     if not value or len(value) > MAX_PATTERN:
-        raise _Bad(_line(node), field, f"must be a regular expression of 1 to {MAX_PATTERN} characters")
+        raise BadValue(line_of(node), field, f"must be a regular expression of 1 to {MAX_PATTERN} characters")
     try:
         regex = re.compile(value.encode("utf-8"))   # lines are matched as bytes
     except re.error as exc:
-        raise _Bad(_line(node), field, f"invalid regular expression {value!r}: {exc}",
+        raise BadValue(line_of(node), field, f"invalid regular expression {value!r}: {exc}",
                    hint="e.g. 'iter (\\d+)': Python's re syntax, one capturing group") from None
     if regex.groups != 1:
-        raise _Bad(_line(node), field, f"{value!r} has {regex.groups} capturing groups; it needs "
+        raise BadValue(line_of(node), field, f"{value!r} has {regex.groups} capturing groups; it needs "
                                        f"exactly one, around the number",
                    hint="write (?:...) for a group that is not the number")
     return value

@@ -14,7 +14,7 @@ import os
 import stat
 
 from tfcluster.spec.model import MAX_SHIP_BYTES, MAX_SHIP_FILES, Spec
-from tfcluster.spec.yamltree import _Bad, _sub
+from tfcluster.spec.yamltree import BadValue, sub_field
 
 Shipped = tuple[tuple[str, str, int], ...]
 
@@ -24,7 +24,7 @@ _KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR,
           (stat.S_ISBLK, "a block device"))
 
 
-def _kind(mode: int) -> str:
+def kind_of(mode: int) -> str:
     return next((name for test, name in _KINDS if test(mode)), "not a regular file")
 
 
@@ -47,32 +47,32 @@ class _Files:
         if not self.inside(real):
             where = "the spec's directory" + (" and train.allow_outside" if len(self.roots) > 1 else "")
             shown = f"{path} is" if real == path else f"{path} resolves to {real},"
-            raise _Bad(line, field, f"{shown} outside {where} ({self.base})", hint=_OUTSIDE_HINT)
+            raise BadValue(line, field, f"{shown} outside {where} ({self.base})", hint=_OUTSIDE_HINT)
         return real
 
     def count(self, line: int, field: str, path: str) -> None:
         self.entries += 1
         if self.entries > MAX_SHIP_FILES:
-            raise _Bad(line, field, f"more than {MAX_SHIP_FILES} files and directories to ship "
+            raise BadValue(line, field, f"more than {MAX_SHIP_FILES} files and directories to ship "
                                     f"(at {path})", hint="put data on the hosts instead")
 
     def add(self, real: str, dest: str, size: int, line: int, field: str) -> None:
         self.count(line, field, real)
         if not os.access(real, os.R_OK):
-            raise _Bad(line, field, f"cannot read {real}: permission denied")
+            raise BadValue(line, field, f"cannot read {real}: permission denied")
         if dest in self.dests:
             if self.dests[dest] == real:     # listed twice (a directory and a file in it)
                 return
-            raise _Bad(line, field, f"{real} and {self.dests[dest]} would both be {dest} in the "
+            raise BadValue(line, field, f"{real} and {self.dests[dest]} would both be {dest} in the "
                                     "run directory")
         parents = [os.path.dirname(dest)]
         while parents[-1]:
             parents.append(os.path.dirname(parents[-1]))
         clash = dest if dest in self.dirs else next((p for p in parents if p in self.dests), None)
         if clash:
-            raise _Bad(line, field, f"{clash} would be both a file and a directory in the run directory")
+            raise BadValue(line, field, f"{clash} would be both a file and a directory in the run directory")
         if size > MAX_SHIP_BYTES or self.total + size > MAX_SHIP_BYTES:
-            raise _Bad(line, field, f"{real} is {size} bytes and brings what a run ships to "
+            raise BadValue(line, field, f"{real} is {size} bytes and brings what a run ships to "
                                     f"{self.total + size}; at most {MAX_SHIP_BYTES} (256 MiB)",
                        hint="put data on the hosts instead")
         self.total += size
@@ -82,7 +82,7 @@ class _Files:
 
     def walk(self, top: str, dest: str, line: int, field: str) -> None:
         def refuse(exc: OSError) -> None:
-            raise _Bad(line, field, f"cannot read {exc.filename}: {exc.strerror}")
+            raise BadValue(line, field, f"cannot read {exc.filename}: {exc.strerror}")
 
         for root, dirs, names in os.walk(top, onerror=refuse):
             dirs.sort()
@@ -91,14 +91,14 @@ class _Files:
                 self.count(line, field, path)
                 if os.path.islink(path):
                     self.resolve(path, line, field)
-                    raise _Bad(line, field, f"{path} is a symbolic link to a directory, which is "
+                    raise BadValue(line, field, f"{path} is a symbolic link to a directory, which is "
                                             "not followed", hint="list its target in train.files")
             for name in sorted(names):
                 path = os.path.join(root, name)
                 real = self.resolve(path, line, field)
                 st = _stat(real, line, field)
                 if not stat.S_ISREG(st.st_mode):
-                    raise _Bad(line, field, f"{path} is {_kind(st.st_mode)}; only regular files and "
+                    raise BadValue(line, field, f"{path} is {kind_of(st.st_mode)}; only regular files and "
                                             "directories are shipped")
                 self.add(real, os.path.normpath(os.path.join(dest, os.path.relpath(path, top))),
                          st.st_size, line, field)
@@ -108,14 +108,14 @@ def _stat(path: str, line: int, field: str) -> os.stat_result:
     try:
         return os.stat(path)
     except OSError as exc:
-        raise _Bad(line, field, f"cannot read {path}: {exc.strerror}") from None
+        raise BadValue(line, field, f"cannot read {path}: {exc.strerror}") from None
 
 
 def _allowed(spec: Spec, i: int) -> str:
     train = spec.train
     full = os.path.join(spec.base_dir, train.allow_outside[i])
     if not os.path.isdir(full):
-        raise _Bad(train.allow_outside_lines[i], _sub("train.allow_outside", i), f"not a directory: {full}")
+        raise BadValue(train.allow_outside_lines[i], sub_field("train.allow_outside", i), f"not a directory: {full}")
     return os.path.realpath(full)
 
 
@@ -138,15 +138,15 @@ def ship_list(spec: Spec) -> Shipped:
         full = os.path.join(base, source) if own else train.script
         if not os.path.isfile(full):
             what = "is a directory, not a file" if os.path.isdir(full) else "file not found"
-            raise _Bad(train.script_line, "train.script", f"{what}: {full}",
+            raise BadValue(train.script_line, "train.script", f"{what}: {full}",
                        hint="script paths are relative to the spec's directory")
         real = files.resolve(full, train.script_line, "train.script") if own else os.path.realpath(full)
         files.add(real, os.path.basename(train.script), os.stat(real).st_size, train.script_line,
                   "train.script")
     for i, (value, line) in enumerate(zip(train.files, train.files_lines)):
-        field, full = _sub("train.files", i), os.path.join(base, value)
+        field, full = sub_field("train.files", i), os.path.join(base, value)
         if not os.path.exists(full):
-            raise _Bad(line, field, f"not found: {full}", hint="file paths are relative to the spec's directory")
+            raise BadValue(line, field, f"not found: {full}", hint="file paths are relative to the spec's directory")
         real = files.resolve(full, line, field)
         st, dest = _stat(real, line, field), _dest(base, full)
         if stat.S_ISDIR(st.st_mode):
@@ -154,6 +154,6 @@ def ship_list(spec: Spec) -> Shipped:
         elif stat.S_ISREG(st.st_mode):
             files.add(real, dest, st.st_size, line, field)
         else:
-            raise _Bad(line, field, f"{full} is {_kind(st.st_mode)}; only regular files and "
+            raise BadValue(line, field, f"{full} is {kind_of(st.st_mode)}; only regular files and "
                                     "directories are shipped")
     return tuple(files.out)

@@ -1,7 +1,7 @@
 """From a spec file to a checked YAML node tree, and typed scalars read off its nodes.
 
 No schema knowledge lives here: this module knows files, YAML and scalar types (integers,
-booleans, durations, names), never which keys a spec has. Problems are raised as `_Bad`
+booleans, durations, names), never which keys a spec has. Problems are raised as `BadValue`
 (a line, a field path, a problem and maybe a hint); load_spec adds the file name.
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ except AttributeError:  # pragma: no cover - PyYAML built without libyaml
 
 # --------------------------------------------------------------------------- errors
 
-class _Bad(Exception):
+class BadValue(Exception):
     """Raised deep in the walk without the file name; load_spec adds it."""
 
     def __init__(self, line: int, field: str, problem: str, hint: str | None = None) -> None:
@@ -43,23 +43,23 @@ class _Bad(Exception):
         self.line, self.field, self.problem, self.hint = line, field, problem, hint
 
 
-def _one_line(text: str) -> str:
+def one_line(text: str) -> str:
     # user text (keys, values, paths) lands in the message; it must stay one line
     return escape(text)
 
 
-def _spec_error(path: str, line: int | None, field: str, problem: str,
+def spec_error(path: str, line: int | None, field: str, problem: str,
                 hint: str | None = None) -> SpecError:
     where = f"{path}:{line}" if line else path
     head = f"{where}: {field}: " if field else f"{where}: "
-    return SpecError(_one_line(head + problem), hint=hint)
+    return SpecError(one_line(head + problem), hint=hint)
 
 
-def _line(node: yaml.Node) -> int:
+def line_of(node: yaml.Node) -> int:
     return node.start_mark.line + 1
 
 
-def _sub(field: str, key: str | int) -> str:
+def sub_field(field: str, key: str | int) -> str:
     if isinstance(key, int):
         return f"{field}[{key}]"
     return f"{field}.{key}" if field else key
@@ -71,7 +71,7 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str:
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
-def _suggest(word: str, choices: Iterable[str], what: str) -> str:
+def suggest(word: str, choices: Iterable[str], what: str) -> str:
     choices = list(choices)
     close = difflib.get_close_matches(word, choices, n=1)
     if close:
@@ -81,53 +81,53 @@ def _suggest(word: str, choices: Iterable[str], what: str) -> str:
 
 # --------------------------------------------------------------------------- reading
 
-def _read(path: str) -> bytes:
+def read_text(path: str) -> bytes:
     try:
         st = os.stat(path)
         if not stat.S_ISREG(st.st_mode):   # a FIFO or device would block or never end
-            raise _Bad(0, "", "not a regular file")
+            raise BadValue(0, "", "not a regular file")
         if st.st_size > MAX_SPEC_BYTES:
-            raise _Bad(0, "", f"file is {st.st_size} bytes; a spec may be at most 1 MiB")
+            raise BadValue(0, "", f"file is {st.st_size} bytes; a spec may be at most 1 MiB")
         with open(path, "rb") as f:
             data = f.read(MAX_SPEC_BYTES + 1)
     except (OSError, ValueError) as exc:
-        raise _Bad(0, "", f"cannot read spec: {getattr(exc, 'strerror', None) or exc}") from None
+        raise BadValue(0, "", f"cannot read spec: {getattr(exc, 'strerror', None) or exc}") from None
     if len(data) > MAX_SPEC_BYTES:         # it grew between stat and read
-        raise _Bad(0, "", "file is larger than 1 MiB; a spec may be at most 1 MiB")
+        raise BadValue(0, "", "file is larger than 1 MiB; a spec may be at most 1 MiB")
     return data
 
 
-def _decode(data: bytes) -> str:
+def decode(data: bytes) -> str:
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         line = data.count(b"\n", 0, exc.start) + 1
-        raise _Bad(line, "spec", f"not UTF-8 text (byte 0x{data[exc.start]:02x})") from None
+        raise BadValue(line, "spec", f"not UTF-8 text (byte 0x{data[exc.start]:02x})") from None
 
 
-def _yaml_problem(exc: yaml.YAMLError, text: str) -> _Bad:
+def _yaml_problem(exc: yaml.YAMLError, text: str) -> BadValue:
     if isinstance(exc, yaml.reader.ReaderError):
         # libyaml reports a byte offset, pure PyYAML a character offset; both are near enough
         line = text.encode("utf-8", "replace").count(b"\n", 0, max(exc.position, 0)) + 1
-        return _Bad(line, "yaml", exc.reason)
+        return BadValue(line, "yaml", exc.reason)
     mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
     problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
     context = getattr(exc, "context", None)
     problem = f"{problem} ({context})" if context else problem
     lines = text.splitlines()
     if mark and mark.line < len(lines) and "\t" in lines[mark.line][:mark.column + 1]:
-        return _Bad(mark.line + 1, "yaml", f"a tab character; YAML indents with spaces only ({problem})",
+        return BadValue(mark.line + 1, "yaml", f"a tab character; YAML indents with spaces only ({problem})",
                     hint="replace the tabs on that line with spaces")
-    return _Bad(mark.line + 1 if mark else 1, "yaml", problem)
+    return BadValue(mark.line + 1 if mark else 1, "yaml", problem)
 
 
-def _compose(text: str) -> yaml.Node:
+def compose(text: str) -> yaml.Node:
     try:
         root = _tree(yaml.parse(text, Loader=_Loader))
     except yaml.YAMLError as exc:
         raise _yaml_problem(exc, text) from None
     if root is None:
-        raise _Bad(1, "spec", "file is empty; expected a mapping with name, hosts and jobs")
+        raise BadValue(1, "spec", "file is empty; expected a mapping with name, hosts and jobs")
     return root
 
 
@@ -164,13 +164,13 @@ def _tree(events: Iterable[yaml.Event]) -> yaml.Node | None:
 
 def _refuse(event: yaml.Event, depth: int, root: yaml.Node | None) -> None:
     if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
-        raise _Bad(_line(event), "yaml", "YAML anchors/aliases are not supported")
+        raise BadValue(line_of(event), "yaml", "YAML anchors/aliases are not supported")
     if getattr(event, "tag", None) not in (None, "!"):
-        raise _Bad(_line(event), "yaml", f"YAML tags are not supported ({event.tag})")
+        raise BadValue(line_of(event), "yaml", f"YAML tags are not supported ({event.tag})")
     if isinstance(event, yaml.CollectionStartEvent) and depth >= MAX_DEPTH:
-        raise _Bad(_line(event), "yaml", f"nested more than {MAX_DEPTH} levels deep")
+        raise BadValue(line_of(event), "yaml", f"nested more than {MAX_DEPTH} levels deep")
     if isinstance(event, yaml.DocumentStartEvent) and root is not None:
-        raise _Bad(_line(event), "yaml", "a second YAML document; a spec is a single document")
+        raise BadValue(line_of(event), "yaml", "a second YAML document; a spec is a single document")
 
 
 def _node(event: yaml.Event) -> yaml.Node | None:
@@ -196,7 +196,7 @@ def _attach(parent: yaml.Node, keys: list[yaml.Node | None], node: yaml.Node) ->
 
 # --------------------------------------------------------------------------- typed scalars
 
-def _kind(node: yaml.Node, typed: bool = False) -> str:
+def kind_of(node: yaml.Node, typed: bool = False) -> str:
     """What a node is, for an error. `typed`: the field wants a number or true/false, so a
     quoted scalar is named as one (`port: "22"`)."""
     if isinstance(node, yaml.MappingNode):
@@ -205,101 +205,101 @@ def _kind(node: yaml.Node, typed: bool = False) -> str:
         return "a list"
     if typed and isinstance(node, yaml.ScalarNode) and node.style in ("'", '"'):
         return f"the quoted string {node.value!r} (write it without quotes)"
-    return "null" if _is_null(node) else f"{node.value!r}"
+    return "null" if is_null(node) else f"{node.value!r}"
 
 
-def _is_plain(node: yaml.Node) -> bool:
+def is_plain(node: yaml.Node) -> bool:
     return isinstance(node, yaml.ScalarNode) and not node.style
 
 
-def _is_null(node: yaml.Node) -> bool:
-    return _is_plain(node) and node.value in _NULLS
+def is_null(node: yaml.Node) -> bool:
+    return is_plain(node) and node.value in _NULLS
 
 
-class _AnyKey:
+class AnyKey:
     """`allowed` for mappings whose keys are data (env names, job names), not schema."""
 
     def __contains__(self, key: object) -> bool:
         return True
 
 
-def _fields(node: yaml.Node, field: str, allowed: Sequence[str] | _AnyKey,
+def fields_of(node: yaml.Node, field: str, allowed: Sequence[str] | AnyKey,
             required: Sequence[str] = ()) -> dict[str, tuple[yaml.Node, yaml.Node]]:
     """key -> (key node, value node), refusing duplicates, unknown and missing keys."""
     if not isinstance(node, yaml.MappingNode):
-        raise _Bad(_line(node), field or "spec", f"must be a mapping, got {_kind(node)}")
+        raise BadValue(line_of(node), field or "spec", f"must be a mapping, got {kind_of(node)}")
     found: dict[str, tuple[yaml.Node, yaml.Node]] = {}
     for key_node, value in node.value:
         key = _key(key_node, field)
         if key in found:  # YAML itself would silently keep the last one
-            first = _line(found[key][0])
-            raise _Bad(_line(key_node), _sub(field, key), f"duplicate key (first on line {first})")
+            first = line_of(found[key][0])
+            raise BadValue(line_of(key_node), sub_field(field, key), f"duplicate key (first on line {first})")
         if key not in allowed:
-            raise _Bad(_line(key_node), _sub(field, key), _suggest(key, allowed, "key"),
+            raise BadValue(line_of(key_node), sub_field(field, key), suggest(key, allowed, "key"),
                        hint=f"allowed keys here: {', '.join(allowed)}")
         found[key] = (key_node, value)
     for key in required:
         if key not in found:
-            raise _Bad(_line(node), _sub(field, key), "missing required key")
+            raise BadValue(line_of(node), sub_field(field, key), "missing required key")
     return found
 
 
 def _key(node: yaml.Node, field: str) -> str:
     if not isinstance(node, yaml.ScalarNode):
-        raise _Bad(_line(node), field or "spec", f"keys must be strings, got {_kind(node)}")
+        raise BadValue(line_of(node), field or "spec", f"keys must be strings, got {kind_of(node)}")
     return node.value
 
 
-def _str(node: yaml.Node, field: str) -> str:
+def as_str(node: yaml.Node, field: str) -> str:
     """The scalar's text as written: `no` stays "no" and `2` stays "2" (no YAML typing)."""
-    if not isinstance(node, yaml.ScalarNode) or _is_null(node):
-        raise _Bad(_line(node), field, f"must be a string, got {_kind(node)}")
+    if not isinstance(node, yaml.ScalarNode) or is_null(node):
+        raise BadValue(line_of(node), field, f"must be a string, got {kind_of(node)}")
     return node.value
 
 
-def _word(node: yaml.Node, field: str) -> str:
+def as_word(node: yaml.Node, field: str) -> str:
     """A string that ends up in a command line: no whitespace or control characters."""
-    value = _str(node, field)
+    value = as_str(node, field)
     if not value:
-        raise _Bad(_line(node), field, "must not be empty")
+        raise BadValue(line_of(node), field, "must not be empty")
     if any(c.isspace() or not c.isprintable() for c in value):
-        raise _Bad(_line(node), field, f"must not contain whitespace or control characters: {value!r}")
+        raise BadValue(line_of(node), field, f"must not contain whitespace or control characters: {value!r}")
     return value
 
 
-def _path(node: yaml.Node, field: str) -> str:
-    value = _str(node, field)
+def as_path(node: yaml.Node, field: str) -> str:
+    value = as_str(node, field)
     if "\0" in value or "\n" in value:
-        raise _Bad(_line(node), field, "must not contain NUL or newline")
+        raise BadValue(line_of(node), field, "must not contain NUL or newline")
     return value
 
 
-def _name(node: yaml.Node, field: str) -> str:
-    value = _str(node, field)
+def as_name(node: yaml.Node, field: str) -> str:
+    value = as_str(node, field)
     if not _NAME_RE.fullmatch(value) or ".." in value:
-        raise _Bad(_line(node), field, f"invalid name {value!r}",
+        raise BadValue(line_of(node), field, f"invalid name {value!r}",
                    hint="1-63 characters: letters, digits, '_', '.', '-'; starts with a letter "
                         "or digit; no '..'")
     return value
 
 
-def _int(node: yaml.Node, field: str, lo: int, hi: int) -> int:
+def as_int(node: yaml.Node, field: str, lo: int, hi: int) -> int:
     """Plain decimal digits only: `22:22` (sexagesimal), `0x10`, `1_000`, `true` are refused."""
-    if not _is_plain(node) or not _INT_RE.fullmatch(node.value):
-        raise _Bad(_line(node), field, f"must be a decimal integer, got {_kind(node, typed=True)}")
+    if not is_plain(node) or not _INT_RE.fullmatch(node.value):
+        raise BadValue(line_of(node), field, f"must be a decimal integer, got {kind_of(node, typed=True)}")
     # Python refuses to parse huge digit strings; anything this long is out of range anyway
     value = int(node.value) if len(node.value) <= 12 else hi + 1
     if not lo <= value <= hi:
-        raise _Bad(_line(node), field, f"must be an integer from {lo} to {hi}, got {node.value[:20]}")
+        raise BadValue(line_of(node), field, f"must be an integer from {lo} to {hi}, got {node.value[:20]}")
     return value
 
 
-def _positive(node: yaml.Node, field: str) -> float:
-    if not _is_plain(node) or not _NUM_RE.fullmatch(node.value) or len(node.value) > 15:
-        raise _Bad(_line(node), field, f"must be a positive number, got {_kind(node, typed=True)}")
+def as_positive(node: yaml.Node, field: str) -> float:
+    if not is_plain(node) or not _NUM_RE.fullmatch(node.value) or len(node.value) > 15:
+        raise BadValue(line_of(node), field, f"must be a positive number, got {kind_of(node, typed=True)}")
     value = float(node.value)
     if value <= 0:
-        raise _Bad(_line(node), field, f"must be a positive number, got {node.value}")
+        raise BadValue(line_of(node), field, f"must be a positive number, got {node.value}")
     return value
 
 
@@ -314,28 +314,28 @@ def parse_duration(text: str) -> float | None:
     return float(match.group(1)) * _UNITS[match.group(2)]
 
 
-def _duration(node: yaml.Node, field: str) -> float:
+def as_duration(node: yaml.Node, field: str) -> float:
     seconds = parse_duration(node.value if isinstance(node, yaml.ScalarNode) else "")
     if seconds is None:
-        raise _Bad(_line(node), field, f"must be {DURATION_WORDS}; got {_kind(node, typed=True)}")
+        raise BadValue(line_of(node), field, f"must be {DURATION_WORDS}; got {kind_of(node, typed=True)}")
     return seconds
 
 
-def _bool(node: yaml.Node, field: str) -> bool:
-    if not _is_plain(node) or node.value.lower() not in ("true", "false"):
-        raise _Bad(_line(node), field, f"must be true or false, got {_kind(node, typed=True)}")
+def as_bool(node: yaml.Node, field: str) -> bool:
+    if not is_plain(node) or node.value.lower() not in ("true", "false"):
+        raise BadValue(line_of(node), field, f"must be true or false, got {kind_of(node, typed=True)}")
     return node.value.lower() == "true"
 
 
-def _choice(node: yaml.Node, field: str, choices: Sequence[str], what: str) -> str:
-    value = _str(node, field)
+def as_choice(node: yaml.Node, field: str, choices: Sequence[str], what: str) -> str:
+    value = as_str(node, field)
     if value not in choices:
-        raise _Bad(_line(node), field, _suggest(value, choices, what),
+        raise BadValue(line_of(node), field, suggest(value, choices, what),
                    hint=f"one of: {', '.join(choices)}")
     return value
 
 
-def _list(node: yaml.Node, field: str) -> list[yaml.Node]:
+def as_list(node: yaml.Node, field: str) -> list[yaml.Node]:
     if not isinstance(node, yaml.SequenceNode):
-        raise _Bad(_line(node), field, f"must be a list, got {_kind(node)}")
+        raise BadValue(line_of(node), field, f"must be a list, got {kind_of(node)}")
     return node.value
