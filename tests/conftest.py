@@ -63,8 +63,8 @@ def wait_for(predicate, timeout: float, interval: float = 0.05, what: str = "con
 
 
 # The speed classes (pyproject's markers) come from what a test starts, not from memory: a
-# test that uses a fixture starting an sshd or Slurm gets that mark here, and one that starts
-# TensorFlow without the `tf` mark fails (tf_free). `-m "not tf and not ssh and not slurm"`
+# test that uses a fixture starting an sshd or Slurm gets that mark here, and one of the fast
+# subset that starts TensorFlow fails (tf_free). `-m "not tf and not ssh and not slurm"`
 # is then the fast subset.
 FIXTURE_MARKS = {"sshd_factory": "ssh", "slurm_cluster": "slurm"}
 
@@ -92,9 +92,9 @@ def _tensorflow_processes(root: psutil.Process) -> list[str]:
 
 @pytest.fixture(autouse=True)
 def tf_free(request):
-    """A test without the `tf` mark must start no TensorFlow (TF takes seconds to import):
-    its descendants are looked at while it runs."""
-    if request.node.get_closest_marker("tf") is not None:
+    """A test of the fast subset (no tf, ssh or slurm mark) must start no TensorFlow (TF takes
+    seconds to import): its descendants are looked at while it runs."""
+    if any(request.node.get_closest_marker(m) is not None for m in ("tf", "ssh", "slurm")):
         yield
         return
     me, seen, done = psutil.Process(), [], threading.Event()

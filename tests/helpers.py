@@ -289,9 +289,9 @@ def launch(agent: HostAgent, tag: str, argv, env=None, cwd: str = "~") -> TaskLa
                       log=f"{CLUSTER_DIR}/logs/{stem}.log", pidfile=PATHS.pidfile(tag))
 
 
-def free_port() -> int:
+def free_port(addr: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((addr, 0))
         return s.getsockname()[1]
 
 

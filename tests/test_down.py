@@ -1,4 +1,4 @@
-"""`down` in one remote execution per warm host (HostAgent.down + shim_down.py), counted on a
+"""`down` in one remote execution per warm host (HostAgent.down + shim.cmd_down), counted on a
 real OpenSSH sshd's own log, and a port that a surviving process holds still reported.
 
 The tasks are a stand-in for tfserver.py (no TensorFlow: this is about down's round trips):

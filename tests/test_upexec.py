@@ -1,4 +1,4 @@
-"""`up`'s one exec per host (upexec.py + shim_up.py) through the local transport: warm
+"""`up`'s one exec per host (upexec.py + shim_launch.py) through the local transport: warm
 servers, GO, and what an aborted conversation leaves (nothing). The server here is a small
 program speaking tfserver.py's hold protocol (tfserver.py itself: the last test, with TF)."""
 from __future__ import annotations

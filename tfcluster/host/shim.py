@@ -17,30 +17,29 @@ import base64
 import hashlib
 import json
 import os
-import select
 import sys
 import time
 
 if __package__:
-    from . import shim_down as down
     from . import shim_facts as facts
     from . import shim_fs as fs
     from . import shim_net as net
     from . import shim_ports as ports
     from . import shim_procs as procs
     from . import shim_protocol as proto
+    from . import shim_talk as talk
     from . import shim_tasks as tasks
-    from . import shim_up as up
+    from . import shim_launch as launch
 else:  # shipped: this file's directory is first on sys.path
-    import shim_down as down
     import shim_facts as facts
     import shim_fs as fs
     import shim_net as net
     import shim_ports as ports
     import shim_procs as procs
     import shim_protocol as proto
+    import shim_talk as talk
     import shim_tasks as tasks
-    import shim_up as up
+    import shim_launch as launch
 
 expand, is_alive, kill_tasks = procs.expand, procs.is_alive, procs.kill_tasks
 remove_quietly, write_all = procs.remove_quietly, procs.write_all
@@ -76,15 +75,17 @@ def cmd_start(req: dict):
     req = qualified(req)
     if req.get("batch"):          # a held start that is also the bootstrap's command (held.py)
         write_all(1, proto.json_line(cmd_batch(req["batch"])))
-    lines = tasks.held(req) if req.get("attached") and req.get("defer") else None   # until GO
-    if req.get("attached") and (up._eof(lines) if lines is not None else launcher_gone()):
+    lines = None
+    if req.get("attached") and req.get("defer"):
+        lines = tasks.held(req)              # until GO
+        if lines is None:
+            return 0                         # the launcher ended it before GO: nothing started
+    if req.get("attached") and (talk.at_eof(lines) if lines is not None else launch.launcher_gone()):
         raise ShimError("the launcher went away before the task started")
     proc, log, offset = spawn(req)
     if not req.get("attached"):
         return {"pid": proc.pid}
-    code = Attached(proc, req, log, offset, lines).run()
-    # Threads may still block on the pipes; nothing is left to clean up.
-    os._exit(code)
+    return Attached(proc, req, log, offset, lines).run()     # the task's exit status is ours
 
 
 # ---------------------------------------------------------------- stop / status
@@ -110,6 +111,22 @@ def cmd_stop(req: dict) -> dict:
             remove_quietly(path)
     return {"stopped": [{"tag": t, "pid": p} for p, t in sorted(stopped.items())],
             "survivors": [{"tag": t, "pid": p} for p, t in sorted(left.items())]}
+
+
+def cmd_down(req: dict) -> dict:
+    """`down` in one remote execution, batched after `info` in the bootstrap's exec: `stop`,
+    then poll here until every port of `ports` binds again or `settle` seconds passed (a
+    just-killed server's socket may take a moment to go). `stop`'s answer plus `ports`:
+    port -> null (bindable) or who holds it (docs/ARCHITECTURE.md, "The shim protocol")."""
+    answer = cmd_stop(req)
+    wanted = [int(p) for p in req.get("ports", [])]
+    answer["ports"] = ports.wait_bindable(wanted, float(req.get("settle", proto.PORT_SETTLE)))
+    return answer
+
+
+def cmd_up(req: dict) -> None:
+    """`up` in one remote execution: this host's batch, then the conversation (shim_launch)."""
+    return launch.up(req, cmd_batch({"commands": req["commands"]})["answers"])
 
 
 def cmd_status(req: dict) -> list:
@@ -147,77 +164,7 @@ def unrecorded(prefix: str, known: set) -> list:
     return found
 
 
-# ---------------------------------------------------------------- wait / launch / tail
-
-def cmd_wait(req: dict, gone=None) -> None:
-    """A line per server: ready (the listening socket on its port is the started process's
-    or a descendant's), taken (someone else listens there: `holder`), exited or timeout.
-    `gone`: how to tell the launcher went away (default: EOF on stdin, with `watch_stdin`)."""
-    pending = list(req["items"])
-    deadline = time.monotonic() + float(req.get("timeout", 60))
-    gone = gone or (launcher_gone if req.get("watch_stdin") else None)
-    while pending:
-        if gone is not None and gone():
-            raise ShimError("the launcher went away before the servers were ready")
-        asked = time.monotonic()
-        table = ports.listeners()
-        cost = time.monotonic() - asked   # sock_diag: ~0.1 ms; the /proc fallback: ms
-        for item in list(pending):
-            pid = int(item["pid"])
-            state, holder = ports.readiness(pid, int(item["port"]), table)
-            if state is None and not is_alive(pid):
-                state = "exited"
-            elif state is None and time.monotonic() > deadline:
-                state = "timeout"
-            if state:
-                pending.remove(item)
-                answer = {"key": item["key"], "state": state}
-                if holder:
-                    answer["holder"] = holder
-                write_all(1, proto.json_line(answer))
-        if pending:
-            time.sleep(min(0.05, max(0.01, 5 * cost)))
-    return None
-
-
-def launcher_gone() -> bool:
-    """The launcher keeps a launch's stdin open; EOF means it was interrupted or died."""
-    try:
-        readable, _, _ = select.select([sys.stdin.buffer], [], [], 0)
-        return bool(readable) and not os.read(sys.stdin.buffer.fileno(), 1)
-    except (OSError, ValueError):
-        return True
-
-
-def cmd_launch(req: dict) -> None:
-    """Start detached servers, then wait for them, in one exec: a line {"key", "pid"} per
-    start, then cmd_wait's lines. Saves `up` a round trip (a login shell + an interpreter).
-
-    With `watch_stdin` the launcher keeps our stdin open until every server is decided:
-    if it goes away first (Ctrl-C, a dropped connection), no further server is started
-    and those already started are stopped here, so nothing outlives an interrupted `up`
-    whatever the timing of its own stop sweep."""
-    watch = bool(req.get("watch_stdin"))
-    started = {}
-    try:
-        items = []
-        for start in req["starts"]:
-            if watch and launcher_gone():
-                raise ShimError("the launcher went away; no more servers started")
-            start_req = qualified(start["req"])
-            proc, _log, _offset = spawn(start_req)
-            started[proc.pid] = start_req["tag"]
-            write_all(1, proto.json_line({"key": start["key"], "pid": proc.pid}))
-            items.append({"key": start["key"], "port": start["port"], "pid": proc.pid})
-        cmd_wait({"items": items, "timeout": req.get("timeout", 60), "watch_stdin": watch})
-    except BaseException:
-        if watch and started:
-            tags = set(started.values())
-            match = lambda t: t in tags  # noqa: E731
-            groups = [procs.group_of(pid, match) for pid in started]
-            kill_tasks([g for g in groups if g], match, proto.DEFAULT_GRACE)
-        raise
-
+# ---------------------------------------------------------------- tail / files / batch
 
 def cmd_tail(req: dict) -> dict:
     lines = int(req.get("lines", 20))
@@ -299,11 +246,10 @@ def cmd_batch(req: dict) -> dict:
 # ---------------------------------------------------------------- main
 
 COMMANDS = {proto.INFO: cmd_info, proto.PORTS: cmd_ports, proto.START: cmd_start,
-            proto.STOP: cmd_stop, proto.STATUS: cmd_status, proto.WAIT: cmd_wait,
+            proto.STOP: cmd_stop, proto.STATUS: cmd_status, proto.WAIT: launch.cmd_wait,
             proto.TAIL: cmd_tail, proto.FILES: cmd_files, proto.BATCH: cmd_batch,
-            proto.LAUNCH: cmd_launch, proto.REACH: net.cmd_reach,
-            proto.UP: lambda req: up.cmd_up(req, cmd_batch, cmd_wait),
-            proto.DOWN: lambda req: down.cmd_down(req, cmd_stop)}
+            proto.LAUNCH: launch.cmd_launch, proto.REACH: talk.cmd_reach,
+            proto.UP: cmd_up, proto.DOWN: cmd_down}
 
 
 def main(argv: list) -> int:
@@ -318,16 +264,19 @@ def main(argv: list) -> int:
         fd = 2 if req.get("attached") else 1
         write_all(fd, proto.json_line(proto.error_answer(proto.describe_exception(e))))
         return proto.EXIT_ERROR
+    if isinstance(answer, int) and not isinstance(answer, bool):
+        return answer                # an attached task's exit status
     if answer is not None:
         write_all(1, proto.json_line(answer))
     return 0
 
 
 def run() -> None:
-    """main(), then leave at once. A daemon thread may still sit in a read of stdin (the
-    launcher keeps its end open), holding the buffer's lock: the interpreter's teardown
-    waited 1 s for that lock and then aborted ("Fatal Python error: _enter_buffered_busy",
-    SIGABRT) after every `up`. Answers are written with os.write; nothing is left buffered."""
+    """main(), then leave at once: the one exit of the shim. A daemon thread may still sit
+    in a read of stdin or of a task's pipes (the launcher keeps its end open), holding the
+    buffer's lock: the interpreter's teardown waited 1 s for that lock and then aborted
+    ("Fatal Python error: _enter_buffered_busy", SIGABRT) after every `up`. Answers are
+    written with os.write; nothing is left buffered."""
     try:
         code = main(sys.argv)
     except SystemExit as e:

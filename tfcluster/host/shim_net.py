@@ -1,40 +1,27 @@
-"""The host's side of the network checks: `reach` (listen on task ports, connect to every
-task address) and the proxy guard (the no_proxy a task gets). See docs/ARCHITECTURE.md,
-"Checks before a run".
+"""The host's side of the network checks: listeners on task ports, connections to every
+task address (the `reach` exchange itself is spoken in shim_talk.py), and the proxy guard
+(the no_proxy a task gets). See docs/ARCHITECTURE.md, "Checks before a run".
 
 Shipped beside shim.py (standard library only, Python >= 3.8, no tfcluster imports).
-
-`reach` runs in three phases driven over stdin/stdout, one JSON line each way:
-  1. request {"listen": [port, ...], "lifetime": s} -> bind a listener on each port
-     (dual-stack `::`, else 0.0.0.0) -> {"listening": [...], "busy": {port: holder}}
-  2. GO {"targets": [[address, port], ...], "timeout": s} -> connect to all of them in
-     parallel -> {"results": {"address:port": null | "one-line reason"}}
-  3. stdin ends (or `lifetime` passes: nothing outlives a lost launcher) -> listeners closed,
-     exit.
-A request that carries "targets" itself skips the listeners: one answer, then exit.
+A listener binds dual-stack `::`, else 0.0.0.0; a port someone else holds is reported with
+its holder; connections go out in parallel and each gets a one-line reason or null.
 """
 from __future__ import annotations
 
 import errno
-import json
 import os
 import queue
 import re
 import selectors
 import socket
 import struct
-import sys
 import threading
 import time
 
 if __package__:
     from . import shim_ports
-    from . import shim_procs as procs
-    from .shim_protocol import json_line as _line
 else:  # shipped: the shim's directory is first on sys.path
     import shim_ports
-    import shim_procs as procs
-    from shim_protocol import json_line as _line
 
 CONNECT_TIMEOUT = 5.0    # per target: one SYN retransmit (1 s) and then some
 LIFETIME = 120.0         # a reach whose launcher went silent closes its listeners by then
@@ -293,67 +280,6 @@ def _reason(code: int) -> str:
     if code == errno.ECONNREFUSED:
         return "connection refused"
     return os.strerror(code).lower()
-
-
-# ---------------------------------------------------------------- the command
-
-def cmd_reach(req: dict):
-    timeout = float(req.get("timeout", CONNECT_TIMEOUT))
-    if "targets" in req:
-        return {"results": probe_all(req["targets"], timeout)}
-    deadline = time.monotonic() + float(req.get("lifetime", LIFETIME))
-    sockets, busy = listen(req.get("listen") or [])
-    acceptor = Acceptor(sockets.values())
-    lines = _stdin_lines()
-    try:
-        procs.write_all(1, _line({"listening": sorted(sockets), "busy": busy}))
-        go = _next_line(lines, deadline)
-        if go is not None:
-            go = json.loads(go)
-            results = probe_all(go.get("targets") or [], float(go.get("timeout", timeout)))
-            procs.write_all(1, _line({"results": results}))
-            while _next_line(lines, deadline) is not None:
-                pass                     # hold the listeners until stdin ends
-    finally:
-        acceptor.close()
-    # A reader thread may still block on stdin (lifetime passed): leave without joining it.
-    os._exit(0)
-
-
-def _stdin_lines() -> queue.Queue:
-    """Lines of stdin as they come, None at EOF (a thread: the buffered reader that read
-    the request may hold more, so select() on the descriptor would not see it)."""
-    lines = queue.Queue()
-
-    def read() -> None:
-        while True:
-            try:
-                line = sys.stdin.buffer.readline()
-            except (OSError, ValueError):
-                line = b""
-            lines.put(line or None)
-            if not line:
-                return
-
-    threading.Thread(target=read, daemon=True).start()
-    return lines
-
-
-def _next_line(lines: queue.Queue, deadline: float):
-    """The next non-empty line, or None at EOF or once the deadline passed."""
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return None
-        try:
-            line = lines.get(timeout=left)
-        except queue.Empty:
-            return None
-        if line is None:
-            lines.put(None)
-            return None
-        if line.strip():
-            return line
 
 
 # ---------------------------------------------------------------- proxy guard

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
+import time
 
 if __package__:
     from . import shim_procs as procs
@@ -195,3 +196,17 @@ def port_holder(port: int) -> str:
     it is not ours."""
     inodes = {inode: uid for p, _state, uid, inode in sockets() if p == port}
     return describe_holder(inodes) if inodes else "in use"
+
+
+BINDABLE_POLL = 0.05     # between two tries of a port a killed server held
+
+
+def wait_bindable(wanted: list, settle: float) -> dict:
+    """port -> None once it binds, else its holder after `settle` seconds of trying."""
+    deadline, nap = time.monotonic() + max(0.0, settle), BINDABLE_POLL / 10
+    while True:
+        busy = [p for p in wanted if not port_free(p)]
+        if not busy or time.monotonic() >= deadline:
+            return {str(p): (port_holder(p) if p in busy else None) for p in wanted}
+        time.sleep(nap)            # a killed server's socket goes within ms: soon, then less often
+        nap = min(BINDABLE_POLL, nap * 2)

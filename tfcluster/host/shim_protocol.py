@@ -26,8 +26,8 @@ START = "start"          # one task; attached (dies with the launcher) or detach
 WAIT = "wait"            # stream: each server's readiness
 LAUNCH = "launch"        # stream: start detached servers, then wait for them
 REACH = "reach"          # stream: listen on task ports, connect to every task address
-UP = "up"                # stream: batch, warm the servers, reach, then launch on GO (shim_up.py)
-DOWN = "down"            # stop, then wait until the ports can be bound again (shim_down.py)
+UP = "up"                # stream: batch, warm the servers, reach, then launch on GO (shim_launch.py)
+DOWN = "down"            # stop, then wait until the ports can be bound again (shim.cmd_down)
 
 ONE_SHOT = (INFO, PORTS, STATUS, STOP, TAIL, FILES, BATCH, DOWN)
 BATCHABLE = (INFO, PORTS, STATUS, STOP, TAIL, FILES, DOWN)

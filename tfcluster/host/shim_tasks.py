@@ -20,11 +20,13 @@ if __package__:
     from . import shim_net as net
     from . import shim_procs as procs
     from . import shim_protocol as proto
+    from . import shim_talk as talk
 else:  # shipped: the shim's directory is first on sys.path
     import shim_fs as fs
     import shim_net as net
     import shim_procs as procs
     import shim_protocol as proto
+    import shim_talk as talk
 
 expand, proc_stat, kill_tasks = procs.expand, procs.proc_stat, procs.kill_tasks
 exit_code, remove_quietly, write_pidfile = procs.exit_code, procs.remove_quietly, procs.write_pidfile
@@ -97,7 +99,7 @@ def spawn(req: dict) -> tuple[subprocess.Popen, str, int]:
     env.update({str(k): str(v) for k, v in (req.get("env") or {}).items()})
     env.update(net.guard_env(env, req.get("no_proxy") or ()))  # the cluster's addresses
     env[TAG_VAR] = tag
-    if req.get("hold"):      # a warm server: imports TF, then waits for GO on its stdin (shim_up.py)
+    if req.get("hold"):      # a warm server: imports TF, then waits for GO on its stdin (shim_launch.py)
         env[proto.HOLD_VAR] = "1"
     if env.get(proto.PROBE_VAR) or env.get(proto.FLUSH_VAR, "0") not in ("", "0"):
         _add_probe(env)
@@ -151,39 +153,27 @@ def _add_probe(env: dict) -> None:
 
 def held(req: dict):
     """A deferred attached start (`defer`): nothing is spawned before the launcher's GO line.
-    Until then the launcher may hold reach's conversation here (docs/ARCHITECTURE.md, "Checks
-    before a run"): `{"listen"}` -> `{"listening", "busy"}`, `{"targets"}` -> `{"results"}`,
-    `{"close"}` -> `{"closed"}` once the listeners are gone, answers on stdout (the task's
-    output comes only after GO). EOF, STOP, or silence (heartbeats included) longer than the
-    heartbeat timeout: exit at once, nothing started. Returns stdin's line queue at GO."""
-    lines = net._stdin_lines()   # noqa: SLF001 - the one reader of stdin from here on
+    Until then the launcher may hold reach's conversation here (shim_talk.Reach; a `{"close"}`
+    line -> `{"closed"}` once the listeners are gone); answers on stdout (the task's output
+    comes only after GO). Returns stdin's line queue at GO; None on EOF, STOP, or silence
+    (heartbeats included) longer than the heartbeat timeout: nothing was started, and the
+    listeners close with the process."""
+    lines = talk.stdin_lines()
     silence = float(req.get("heartbeat_timeout") or proto.DEFAULT_HEARTBEAT_TIMEOUT)
-    acceptor = None
+    reach = talk.Reach()
     try:
         while True:
-            line = net._next_line(lines, time.monotonic() + silence)   # noqa: SLF001
+            line = talk.next_line(lines, time.monotonic() + silence)
             if line is None or line.strip() == proto.STOP_LINE.strip():
-                os._exit(0)          # nothing was started; the listeners die with the process
+                return None
             if line == proto.GO_LINE:
                 return lines
             if line == proto.HEARTBEAT_LINE:
                 continue
-            msg = json.loads(line)
-            if acceptor is not None and "targets" not in msg:
-                acceptor.close()
-                acceptor = None
-            if "listen" in msg:
-                sockets, busy = net.listen(msg["listen"] or [])
-                acceptor = net.Acceptor(sockets.values())
-                write_all(1, proto.json_line({"listening": sorted(sockets), "busy": busy}))
-            elif "targets" in msg:
-                results = net.probe_all(msg["targets"], float(msg.get("timeout", net.CONNECT_TIMEOUT)))
-                write_all(1, proto.json_line({"results": results}))   # listeners kept up
-            else:
+            if not reach.answer(json.loads(line)):
                 write_all(1, proto.json_line({"closed": True}))
     finally:
-        if acceptor is not None:
-            acceptor.close()
+        reach.close()
 
 
 class Attached:

@@ -378,7 +378,7 @@ class HostAgent:
     def down(self, tag_prefix: str, grace: float, settle: float,
              ports: list[int]) -> tuple[HostInfo, StopReport | HostError]:
         """prepare(), and in its round trip stop() then wait until `ports` bind again, up to
-        `settle` seconds (shim_down.py). Returns the host's info and its StopReport (`busy`:
+        `settle` seconds (shim.cmd_down). Returns the host's info and its StopReport (`busy`:
         ports still held), or the HostError of the stop: the host was reached all the same."""
         request = {**self._stop_request(tag_prefix, grace), "settle": settle, "ports": list(ports)}
         info, more = self._prepared(None, None, {proto.DOWN: request},

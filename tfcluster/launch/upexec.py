@@ -1,4 +1,4 @@
-"""`up` in one remote execution per host: the launcher's side of shim_up.py.
+"""`up` in one remote execution per host: the launcher's side of shim_launch.up.
 
 Each host gets one exec that stays open for the whole start: the bootstrap answers the
 host's info and survey and starts its servers warm (they import TensorFlow, unbound,

@@ -1,8 +1,9 @@
-"""The host's side of `up` in one remote execution (docs/ARCHITECTURE.md, "The round
-trips of `up`").
+"""Starting servers on a host and waiting until they are ready: `launch` and `wait`, and
+`up` in one remote execution (docs/ARCHITECTURE.md, "The round trips of `up`").
 
-Shipped beside shim.py (standard library only, Python >= 3.8). One request, then a
-conversation on stdin/stdout, one JSON line each way:
+Shipped beside shim.py (standard library only, Python >= 3.8). `up` is one request (its
+batch answered first, by shim.py), then a conversation on stdin/stdout, one JSON line each
+way:
 
 1. the request's `commands` (info, status, ports) are answered as `batch` would, with
    `warm`: the servers started warm. A server is started warm only when this host's own
@@ -21,59 +22,51 @@ conversation on stdin/stdout, one JSON line each way:
 from __future__ import annotations
 
 import json
+import os
+import select
+import sys
 import time
 
 if __package__:
-    from . import shim_net as net
+    from . import shim_ports as ports
     from . import shim_procs as procs
     from . import shim_protocol as proto
+    from . import shim_talk as talk
     from . import shim_tasks as tasks
 else:  # shipped: the shim's directory is first on sys.path
-    import shim_net as net
+    import shim_ports as ports
     import shim_procs as procs
     import shim_protocol as proto
+    import shim_talk as talk
     import shim_tasks as tasks
 
 LIFETIME = 120.0      # seconds the conversation waits for its next line
 
 
-def cmd_up(req: dict, batch, wait) -> None:
-    lines = net._stdin_lines()   # noqa: SLF001 - the one reader of stdin from here on
+def up(req: dict, answers: dict) -> None:
+    """`up`'s conversation, this host's batch `answers` given (shim.cmd_up)."""
+    lines = talk.stdin_lines()
     lifetime = float(req.get("lifetime", LIFETIME))
     starts = {s["key"]: dict(s, req=dict(s["req"], tag=procs.qualify(s["req"]["tag"], s["req"]["cluster_dir"])))
               for s in req.get("starts", [])}
-    answers = batch({"commands": req["commands"]})["answers"]
     warm = {}               # key -> Popen, started with hold
-    acceptor = None
+    reach = talk.Reach()
     try:
         if req.get("warm") and _may_warm(answers, starts.values()):
             for key, start in starts.items():
                 warm[key] = (tasks.spawn(dict(start["req"], hold=True))[0], start["req"])
         procs.write_all(1, proto.json_line({"answers": answers, "warm": sorted(warm)}))
         while True:
-            line = net._next_line(lines, time.monotonic() + lifetime)   # noqa: SLF001
+            line = talk.next_line(lines, time.monotonic() + lifetime)
             msg = json.loads(line) if line is not None else {}
-            if acceptor is not None:
-                acceptor.close()
-                acceptor = None
-            if "listen" in msg:
-                sockets, busy = net.listen(msg["listen"] or [])
-                acceptor = net.Acceptor(sockets.values())
-                procs.write_all(1, proto.json_line({"listening": sorted(sockets), "busy": busy}))
-                go = net._next_line(lines, time.monotonic() + lifetime)   # noqa: SLF001
-                if go is None:
-                    continue
-                go = json.loads(go)
-                results = net.probe_all(go.get("targets") or [], float(go.get("timeout", net.CONNECT_TIMEOUT)))
-                procs.write_all(1, proto.json_line({"results": results}))
+            if reach.answer(msg):
                 continue
             if "go" not in msg:
                 return                # EOF, silence or an abort word: the finally stops the warm ones
-            _launch(msg["go"], starts, warm, lines, float(req.get("timeout", 60)), wait)
+            _launch(msg["go"], starts, warm, lines, float(req.get("timeout", 60)))
             return
     finally:
-        if acceptor is not None:
-            acceptor.close()
+        reach.close()
         _stop(warm)
 
 
@@ -85,10 +78,10 @@ def _may_warm(answers: dict, starts) -> bool:
             and all(ports.get(str(s["port"])) is None for s in starts))
 
 
-def _launch(keys: list, starts: dict, warm: dict, lines, timeout: float, wait) -> None:
+def _launch(keys: list, starts: dict, warm: dict, lines, timeout: float) -> None:
     """GO to the warm servers named, start the rest, stream readiness; a launcher gone
     before every server is decided stops them all (as `launch` does)."""
-    gone = lambda: _eof(lines)  # noqa: E731
+    gone = lambda: talk.at_eof(lines)  # noqa: E731
     released, items = {}, []
     try:
         for key in keys:
@@ -103,20 +96,10 @@ def _launch(keys: list, starts: dict, warm: dict, lines, timeout: float, wait) -
             released[proc.pid] = start["req"]["tag"]
             procs.write_all(1, proto.json_line({"key": key, "pid": proc.pid}))
             items.append({"key": key, "port": start["port"], "pid": proc.pid})
-        wait({"items": items, "timeout": timeout}, gone=gone)
+        cmd_wait({"items": items, "timeout": timeout}, gone=gone)
     except BaseException:
         _kill(released)
         raise
-
-
-def _eof(lines) -> bool:
-    """The launcher's stdin ended (its reader thread queued None)."""
-    try:
-        line = lines.get_nowait()
-    except Exception:  # noqa: BLE001 - queue.Empty: nothing yet
-        return False
-    lines.put(line)
-    return line is None
 
 
 def _stop(warm: dict) -> None:
@@ -140,3 +123,70 @@ def _kill(started: dict) -> None:
     match = lambda t: t in tags  # noqa: E731
     groups = [procs.group_of(pid, match) for pid in started]
     procs.kill_tasks([g for g in groups if g], match, proto.DEFAULT_GRACE)
+
+
+def cmd_wait(req: dict, gone=None) -> None:
+    """A line per server: ready (the listening socket on its port is the started process's
+    or a descendant's), taken (someone else listens there: `holder`), exited or timeout.
+    `gone`: how to tell the launcher went away (default: EOF on stdin, with `watch_stdin`)."""
+    pending = list(req["items"])
+    deadline = time.monotonic() + float(req.get("timeout", 60))
+    gone = gone or (launcher_gone if req.get("watch_stdin") else None)
+    while pending:
+        if gone is not None and gone():
+            raise proto.ShimError("the launcher went away before the servers were ready")
+        asked = time.monotonic()
+        table = ports.listeners()
+        cost = time.monotonic() - asked   # sock_diag: ~0.1 ms; the /proc fallback: ms
+        for item in list(pending):
+            pid = int(item["pid"])
+            state, holder = ports.readiness(pid, int(item["port"]), table)
+            if state is None and not procs.is_alive(pid):
+                state = "exited"
+            elif state is None and time.monotonic() > deadline:
+                state = "timeout"
+            if state:
+                pending.remove(item)
+                answer = {"key": item["key"], "state": state}
+                if holder:
+                    answer["holder"] = holder
+                procs.write_all(1, proto.json_line(answer))
+        if pending:
+            time.sleep(min(0.05, max(0.01, 5 * cost)))
+    return None
+
+
+def launcher_gone() -> bool:
+    """The launcher keeps a launch's stdin open; EOF means it was interrupted or died."""
+    try:
+        readable, _, _ = select.select([sys.stdin.buffer], [], [], 0)
+        return bool(readable) and not os.read(sys.stdin.buffer.fileno(), 1)
+    except (OSError, ValueError):
+        return True
+
+
+def cmd_launch(req: dict) -> None:
+    """Start detached servers, then wait for them, in one exec: a line {"key", "pid"} per
+    start, then cmd_wait's lines. Saves `up` a round trip (a login shell + an interpreter).
+
+    With `watch_stdin` the launcher keeps our stdin open until every server is decided:
+    if it goes away first (Ctrl-C, a dropped connection), no further server is started
+    and those already started are stopped here, so nothing outlives an interrupted `up`
+    whatever the timing of its own stop sweep."""
+    watch = bool(req.get("watch_stdin"))
+    started = {}
+    try:
+        items = []
+        for start in req["starts"]:
+            if watch and launcher_gone():
+                raise proto.ShimError("the launcher went away; no more servers started")
+            start_req = dict(start["req"], tag=procs.qualify(start["req"]["tag"], start["req"]["cluster_dir"]))
+            proc, _log, _offset = tasks.spawn(start_req)
+            started[proc.pid] = start_req["tag"]
+            procs.write_all(1, proto.json_line({"key": start["key"], "pid": proc.pid}))
+            items.append({"key": start["key"], "port": start["port"], "pid": proc.pid})
+        cmd_wait({"items": items, "timeout": req.get("timeout", 60), "watch_stdin": watch})
+    except BaseException:
+        if watch and started:
+            _kill(started)
+        raise
