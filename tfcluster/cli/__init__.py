@@ -71,13 +71,20 @@ def main(argv: list[str] | None = None) -> int:
         ui.error("interrupted")
         return int(ExitCode.INTERRUPTED)
     except (BrokenPipeError, SystemExit) as exc:
-        # `tfcluster plan ... | head`: the reader left; not an error worth a traceback. click
-        # answers a broken pipe itself (it wraps the streams and exits 1) before we see it:
-        # its exit is raised while it handles the BrokenPipeError, in every click release.
-        if isinstance(exc, SystemExit) and not isinstance(exc.__context__, BrokenPipeError):
+        # `tfcluster plan ... | head`: the reader left; not an error worth a traceback.
+        if isinstance(exc, SystemExit) and not _answered_broken_pipe(exc):
             raise
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # what is still buffered
         return 0
+
+
+def _answered_broken_pipe(exc: SystemExit) -> bool:
+    """Whether this exit is click's answer to a broken pipe: it wraps the streams in a
+    PacifyFlushWrapper (`_PacifyFlushWrapper` from click 8.5 on, which the name check of
+    old missed) and exits 1. Typer's copy of click's main exits while it handles the
+    BrokenPipeError; click 8.5's own main exits just after it."""
+    wrapped = type(sys.stdout).__name__.lstrip("_") == "PacifyFlushWrapper"
+    return exc.code == 1 and (wrapped or isinstance(exc.__context__, BrokenPipeError))
 
 
 def _once(message: str) -> str:

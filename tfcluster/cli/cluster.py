@@ -1,5 +1,7 @@
-"""`plan`, `up`, `down`, `status` and `exec`: the cluster's lifecycle from the command line. Heavy modules (paramiko, the session machinery) are imported inside the
-commands that need them, so `--help` and `plan` stay instant.
+"""`plan`, `up`, `down`, `status` and `exec`: the cluster's lifecycle from the command line.
+
+Heavy modules (paramiko, the session machinery) are imported inside the commands that need
+them, so `--help` and `plan` stay instant.
 """
 from __future__ import annotations
 
@@ -190,4 +192,5 @@ def print_ranks(plan) -> None:
     nodes, per_node, gpus = shape(plan)
     title = (f"render --to slurm: {nodes} node(s) x {per_node} task(s)"
              + (f", {gpus} GPU(s) per node" if gpus else "") + "; node i plays the i-th host")
-    ui.table(title, ("rank", "node", "local", "task", "spec host", "GPUs"), [tuple(map(str, row)) for row in rank_table(plan)])
+    ui.table(title, ("rank", "node", "local", "task", "spec host", "GPUs"),
+             [tuple(map(str, row)) for row in rank_table(plan)])
