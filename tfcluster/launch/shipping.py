@@ -13,6 +13,7 @@ import stat
 from tfcluster.errors import UsageError
 from tfcluster.plan import Plan, TaskPlan
 from tfcluster.launch.session import Session, raise_first
+from tfcluster.ui.units import size
 
 
 def collect_files(plan: Plan) -> list[tuple[str, bytes, int]]:
@@ -51,9 +52,5 @@ def ship(session: Session, tasks: list[TaskPlan], run_id: str,
     raise_first(results, "host")
     sent = sum(results.values())
     total = sum(len(data) for _, data, _ in files) * len(hosts)
-    return (f"Shipped {len(files)} file(s) to {len(hosts)} host(s): {_size(sent)} new, "
-            f"{_size(total - sent)} already there")
-
-
-def _size(n: int) -> str:
-    return f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n / 1e3:.1f} kB"
+    return (f"Shipped {len(files)} file(s) to {len(hosts)} host(s): {size(sent, whole_bytes=False)} new, "
+            f"{size(total - sent, whole_bytes=False)} already there")

@@ -9,6 +9,7 @@ import json
 
 from tfcluster.plan import Plan, TaskPlan, plan_to_dict, redact_env
 from tfcluster.safetext import escape, shell_join, shell_word
+from tfcluster.ui.units import duration, size
 
 FILES_SHOWN = 20      # files listed by `plan` without --commands (--json lists all)
 
@@ -55,16 +56,12 @@ def print_files(ui, plan: Plan, most: int) -> None:
         ui.warn(f"train would refuse this spec: {plan.files_problem}")
     if not plan.files:
         return
-    total = sum(size for _, _, size in plan.files)
-    ui.text(f"ships {len(plan.files)} file(s), {_size(total)}, into each script host's run directory:")
-    for path, dest, size in plan.files[:most]:
-        ui.text(f"  {path} → {dest} ({_size(size)})")
+    total = sum(nbytes for _, _, nbytes in plan.files)
+    ui.text(f"ships {len(plan.files)} file(s), {size(total)}, into each script host's run directory:")
+    for path, dest, nbytes in plan.files[:most]:
+        ui.text(f"  {path} → {dest} ({size(nbytes)})")
     if len(plan.files) > most:
         ui.text(f"  … and {len(plan.files) - most} more (--commands or --json lists them all)", style="dim")
-
-
-def _size(n: int) -> str:
-    return f"{n} B" if n < 1000 else f"{n / 1e3:.1f} kB" if n < 1e6 else f"{n / 1e6:.1f} MB"
 
 
 VERSION_COLUMNS = ("host", "python", "tensorflow", "cuda/cudnn", "driver", "GPUs")
@@ -92,15 +89,9 @@ def status_json(plan: Plan, rows) -> dict:
 
 
 def print_status(ui, plan: Plan, rows) -> None:
-    def fmt_uptime(s) -> str:
-        if s is None:
-            return "-"
-        s = int(s)
-        return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
-
     table_rows = [
         (r.task, r.host, r.address, r.status if r.in_spec else "running, not in spec", str(r.pid or "-"),
-         fmt_uptime(r.uptime_s), {True: "open", False: "closed", None: "?"}[r.port_open])
+         duration(r.uptime_s), {True: "open", False: "closed", None: "?"}[r.port_open])
         for r in rows
     ]
     ui.table(f"cluster {plan.name!r}", ["task", "host", "address", "status", "pid", "uptime", "port"],

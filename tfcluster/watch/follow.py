@@ -8,6 +8,7 @@ import time
 from tfcluster.watch import runs
 from tfcluster.watch.metrics import Tracker
 from tfcluster.plan.names import log_file
+from tfcluster.ui.units import duration
 
 FOLLOW_POLL = 0.2         # seconds between looks at the logs while nothing new came
 
@@ -111,20 +112,11 @@ def print_runs(ui, name: str, rows: list[dict], runs_dir: str) -> None:
     def outcome(r):
         return f"failed (exit {r['exit_code']})" if r["outcome"] == "failed" else r["outcome"]
 
-    table = [(r["run"], when(r["started"]), duration(r["duration"]), r["mode"] or "-", outcome(r),
+    table = [(r["run"], when(r["started"]), duration(r["duration"], tenths=True), r["mode"] or "-", outcome(r),
               str(r["restarts"]), "-" if r["step"] is None else str(r["step"]),
               "-" if r["loss"] is None else f"{r['loss']:.4g}") for r in rows]
     ui.table(f"runs of {name!r} in {runs_dir}/ (oldest first)",
              ["run", "started", "duration", "mode", "outcome", "restarts", "step", "loss"], table)
-
-
-def duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    if seconds < 60:
-        return f"{seconds:.1f}s"
-    s = int(seconds)
-    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
 def follow(ui, name: str, runs_dir: str, run: str | None, task: str | None, out,
