@@ -86,12 +86,13 @@ def _begin(run: Run, proc: Supervised) -> None:
 
 def pump(run: Run, proc: Supervised, handle: AttachedTask, attempt: int) -> None:
     """Feed one shim's output to the mux; report each attempt's exit on the event queue."""
-    ended = [attempt]          # the attempt whose end is reported next
+    ended = attempt            # the attempt whose end is reported next
 
     def restarted(rc: int) -> None:   # an attempt the shim restarted in place; its output all fed
+        nonlocal ended
         run.mux.close_task(proc.key)  # its last line shows before the note; the next starts afresh
-        run.events.put((proc, ended[0], rc))
-        ended[0] += 1
+        run.events.put((proc, ended, rc))
+        ended += 1
 
     handle.on_restart = restarted
     lost = None
@@ -109,7 +110,7 @@ def pump(run: Run, proc: Supervised, handle: AttachedTask, attempt: int) -> None
             run.mux.note(proc.key, f"lost contact with {proc.task.host} (connection dropped); "
                                    f"its shim stops the task")
         rc = 255
-    run.events.put((proc, ended[0], rc))
+    run.events.put((proc, ended, rc))
 
 
 def refuse(proc: Supervised) -> None:

@@ -12,20 +12,22 @@ shutdown. Starting, pumping and restarting one process: attempts.py.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 
-from tfcluster.launch import attempts
-from tfcluster.launch.runstate import Run, StartSlot, Supervised
-
-from tfcluster.plan import names
 from tfcluster.errors import TfclusterError
-from tfcluster.launch.records import HostInfo
+from tfcluster.launch import attempts
 from tfcluster.launch.held import HeldStart, prepare_holding
-from tfcluster.plan import TaskPlan
 from tfcluster.launch.preflight import check_started_ports, check_versions, preflight
 from tfcluster.launch.reach import check_reachability
+from tfcluster.launch.records import HostInfo
+from tfcluster.launch.runstate import Run, StartSlot, Supervised
 from tfcluster.launch.servers import Started, wait_ready
 from tfcluster.launch.session import Background, Session, raise_first, server_tasks
 from tfcluster.launch.shipping import ship
+from tfcluster.plan import TaskPlan, names
+
+if TYPE_CHECKING:
+    from tfcluster.launch.supervisor import Options
 
 
 class Holder:
@@ -34,12 +36,13 @@ class Holder:
     they start while the other hosts are prepared and the checks run. Nothing of a script
     runs before GO."""
 
-    def __init__(self, session: Session, run_id: str, options) -> None:
+    def __init__(self, session: Session, run_id: str, options: Options) -> None:
         self.session, self.run_id, self.options = session, run_id, options
         self.procs = [Supervised(t, "script", t.key) for t in session.plan.tasks if t.runs_script]
         self.held: dict[str, HeldStart] = {}
 
-    def prepare(self, host: str, survey, files: dict | None) -> HostInfo:
+    def prepare(self, host: str, survey: tuple[str, list[int]] | None,
+                files: dict | None) -> HostInfo:
         """Session.open's preparation of one host: with a script there, the bootstrap's exec
         is that script's held start (one exec for both); the host's other scripts follow."""
         agent = self.session.agents[host]
@@ -92,7 +95,7 @@ def begin(run: Run, holder: Holder) -> None:
         holder.drop()
 
 
-def _go_all(run: Run, procs: list[Supervised], held: dict) -> None:
+def _go_all(run: Run, procs: list[Supervised], held: dict[str, HeldStart]) -> None:
     run.procs.extend(p for p in procs if p not in run.procs)  # summary order = plan order
 
     def one(i: int) -> None:

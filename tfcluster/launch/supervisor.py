@@ -18,29 +18,27 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from tfcluster.launch import attempts
-
-from tfcluster.watch import footer
-
-from tfcluster.plan import names
-
-from tfcluster.plan import policy
-
-from tfcluster.launch import state
 from tfcluster.diagnose.checks import RunChecks
 from tfcluster.errors import DeadlineError, ExitCode, Terminated, TfclusterError, UsageError
-from tfcluster.localfs import private_dir
-from tfcluster.watch.metrics import DEFAULT_LOSS
-from tfcluster.plan import Plan
-from tfcluster.ui.views import print_summary
-from tfcluster.watch.runs import Manifest, ProgressLog
-from tfcluster.launch.reach import can_connect
-from tfcluster.launch.session import Session, server_tasks
 from tfcluster.host.shim_protocol import DEFAULT_HEARTBEAT_TIMEOUT
+from tfcluster.launch import attempts, state
+from tfcluster.launch.reach import can_connect
+from tfcluster.launch.runstate import Run, Supervised
+from tfcluster.launch.session import Session, server_tasks
 from tfcluster.launch.shipping import collect_files
-from tfcluster.launch.runstate import Run
 from tfcluster.launch.startup import Holder, begin
+from tfcluster.localfs import private_dir
+from tfcluster.plan import Plan, names, policy
+from tfcluster.ui.views import print_summary
+from tfcluster.watch import footer
+from tfcluster.watch.metrics import DEFAULT_LOSS
+from tfcluster.watch.runs import Manifest, ProgressLog
+
+if TYPE_CHECKING:
+    from tfcluster.ui import UI
+    from tfcluster.watch.logmux import LogMux
 
 LOSS_LINE = re.compile(DEFAULT_LOSS)   # `loss=0.25`, not a traceback's `loss = train_step(it)`
 SCRIPT_GRACE = 10.0         # a script's last checkpoint after Ctrl-C, before KILL
@@ -58,7 +56,7 @@ class Options:
     allow_skew: bool = False        # hosts on other Python/TF minor versions: warn, go on
 
 
-def train(plan: Plan, ui, options: Options) -> int:
+def train(plan: Plan, ui: UI, options: Options) -> int:
     _check_task_filter(plan, options.show)
     run_id = names.new_run_id(plan.name)
     with state.lock(plan, "train"), Session(plan, ui) as session:
@@ -106,7 +104,8 @@ def _check_task_filter(plan: Plan, show: tuple[str, ...]) -> None:
             raise UsageError(f"--task {key}: no such task (tasks: {', '.join(sorted(keys))})")
 
 
-def _make_mux(plan: Plan, ui, options: Options, run_id: str, checks: RunChecks):
+def _make_mux(plan: Plan, ui: UI, options: Options, run_id: str,
+              checks: RunChecks) -> tuple[LogMux, ProgressLog]:
     from tfcluster.watch.logmux import LogMux
 
     keys = [t.key for t in plan.tasks if t.runs_script or t.runs_server]
@@ -276,6 +275,6 @@ def _summary(run: Run, outcome: tuple[int, str]) -> None:
                   steps)
 
 
-def _failed(proc) -> bool:
+def _failed(proc: Supervised) -> bool:
     """The process ended on its own, not by the run's stop."""
     return proc.exit_code is not None and not proc.stopping
