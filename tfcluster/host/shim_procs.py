@@ -13,8 +13,10 @@ import signal
 import time
 
 if __package__:
+    from .shim_fs import expand, write_new
     from .shim_protocol import TAG_VAR, ShimError
 else:  # shipped: the shim's directory is first on sys.path
+    from shim_fs import expand, write_new
     from shim_protocol import TAG_VAR, ShimError
 
 POLL = 0.05
@@ -22,24 +24,9 @@ FIRST_NAP = 0.005       # a stop's first look after its signals; doubled up to P
 _TAG_KEY = (TAG_VAR + "=").encode()
 
 
-def atomic_write(path: str, data: bytes, mode: int = 0o600) -> None:
-    """Write a private file under a temporary name, then rename it into place."""
-    tmp = "%s.tmp.%d" % (path, os.getpid())
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.chmod(tmp, mode)
-    os.replace(tmp, path)
-
-
 def write_all(fd: int, data: bytes) -> None:
     while data:
         data = data[os.write(fd, data):]
-
-
-def expand(path: str) -> str:
-    """`~` or `~/...` is the login user's home; nothing else is expanded."""
-    return os.path.expanduser(path) if path == "~" or path.startswith("~/") else path
 
 
 def as_pid(value) -> int | None:
@@ -250,7 +237,7 @@ def _same(pid: int, start: int) -> bool:
 # ---------------------------------------------------------------- pid files
 
 def write_pidfile(path: str, record: dict) -> None:
-    atomic_write(path, json.dumps(record).encode())
+    write_new(path, json.dumps(record).encode())
 
 
 def remove_quietly(path: str) -> None:

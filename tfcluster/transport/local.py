@@ -14,14 +14,8 @@ from typing import Sequence
 
 from tfcluster.errors import DeadlineError, PreflightError
 from tfcluster.localfs import write_private
-from tfcluster.host.shim_fs import Refused, private_dir
-from tfcluster.transport.base import Forward, Proc, Result, Transport, home_relative
-
-
-def _expand(path: str) -> str:
-    """`path` with a leading "~" / "~/" made the login user's home, as SFTP does remotely."""
-    rest = home_relative(path)
-    return path if rest is None else os.path.join(os.path.expanduser("~"), rest)
+from tfcluster.host.shim_fs import Refused, expand, private_dir
+from tfcluster.transport.base import Forward, Proc, Result, Transport
 
 
 class LocalProc(Proc):
@@ -119,7 +113,7 @@ class LocalTransport(Transport):
         return LocalProc(popen)
 
     def put(self, data: bytes, path: str, mode: int = 0o600) -> None:
-        path = _expand(path)
+        path = expand(path)      # a leading "~" / "~/" is the login user's home, as SFTP does
         try:
             private_dir(os.path.dirname(path) or ".")
         except Refused as e:
