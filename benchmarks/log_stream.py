@@ -37,8 +37,18 @@ import sys
 import threading
 import time
 
-from _common import (TFCLUSTER, Bench, alternate, check_lines, loopback, parser, report,
-                     strip_prefix, write_printer, write_spec)
+from _common import (
+    TFCLUSTER,
+    Bench,
+    alternate,
+    check_lines,
+    loopback,
+    parser,
+    report,
+    strip_prefix,
+    write_printer,
+    write_spec,
+)
 
 TARGET = 0.9           # end to end at 4 x 200k lines (4 x 1 M: 0.8, --target)
 WINDOW_TARGET = 1.0

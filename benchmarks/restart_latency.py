@@ -26,7 +26,6 @@ import threading
 import time
 
 import psutil
-
 from _common import TFCLUSTER, Bench, alternate, free_ports, parser, report, write_spec
 
 TARGET = 1.1

@@ -22,7 +22,6 @@ import threading
 import time
 
 import psutil
-
 from _common import TAG, TFCLUSTER, Bench, alternate, loopback, parser, report, write_printer, write_spec
 
 TARGET_MB = 120.0

@@ -33,8 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import (TFCLUSTER, Bench, alternate, free_ports, loopback, parser, port_open, report,
-                     wait_ports, write_spec)
+from _common import TFCLUSTER, Bench, alternate, free_ports, loopback, parser, port_open, report, wait_ports, write_spec
 
 TARGET = 1.0
 PER_HOST = 4          # 1 ps + 3 workers

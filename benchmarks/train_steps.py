@@ -13,7 +13,7 @@ benchmark as it arrives on the pipe (tfcluster: its live stdout, `worker:N │ `
   * time to first step = launch -> first `step=` line (includes TF import, servers, connect);
   * end-to-end wall time of the whole launch (informative).
 
-tfcluster's servers import TensorFlow lean (docs/ARCHITECTURE.md, "The servers' import");
+tfcluster's servers import TensorFlow lean (docs/design/remote-execs.md, "The servers' import");
 `--server-import full` gives them the baseline's full `import tensorflow`.
 
     python benchmarks/train_steps.py [--steps 2000] [--log-every 50] [--reps 3] [--server-import full] [--smoke]
@@ -26,8 +26,22 @@ import sys
 import threading
 import time
 
-from _common import (ROOT, SERVER_PROGRAM, TFCLUSTER, Bench, alternate, cluster_tasks, free_ports,
-                     hand_env, parser, report, tf_config, wait_ports, wait_ports_free, write_spec)
+from _common import (
+    ROOT,
+    SERVER_PROGRAM,
+    TFCLUSTER,
+    Bench,
+    alternate,
+    cluster_tasks,
+    free_ports,
+    hand_env,
+    parser,
+    report,
+    tf_config,
+    wait_ports,
+    wait_ports_free,
+    write_spec,
+)
 
 TARGET = 0.98
 OFF = "  checks: {placement: false, reachability: false, proxy_guard: false, hang_after: off}\n"

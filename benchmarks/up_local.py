@@ -15,8 +15,21 @@ import subprocess
 import sys
 import time
 
-from _common import (SERVER_PROGRAM, Bench, alternate, cluster_tasks, free_ports, hand_env,
-                     parser, print_phases, report, up_down, wait_ports, wait_ports_free, write_spec)
+from _common import (
+    SERVER_PROGRAM,
+    Bench,
+    alternate,
+    cluster_tasks,
+    free_ports,
+    hand_env,
+    parser,
+    print_phases,
+    report,
+    up_down,
+    wait_ports,
+    wait_ports_free,
+    write_spec,
+)
 
 TARGET = 1.1
 

@@ -8,7 +8,7 @@ Baseline: 4 OpenSSH `ssh -p P -i KEY -o UserKnownHostsFile=... HOST 'cd DIR && T
 setsid nohup PYTHON -c SERVER >log 2>&1 </dev/null &'` run in parallel, then ports polled
 every 50 ms from here until all 4 accept; timed from the first ssh spawn. Killed after, untimed.
 
-tfcluster's servers import TensorFlow lean (server_lib only: docs/ARCHITECTURE.md, "The servers'
+tfcluster's servers import TensorFlow lean (server_lib only: docs/design/remote-execs.md, "The servers'
 import"); `--server-import full` gives them the full `import tensorflow` the baseline does, so
 the ratio is the orchestration alone.
 
@@ -21,8 +21,22 @@ import subprocess
 import sys
 import time
 
-from _common import (SERVER_PROGRAM, Bench, alternate, cluster_tasks, free_ports, loopback, parser,
-                     print_phases, report, tf_config, up_down, wait_ports, wait_ports_free, write_spec)
+from _common import (
+    SERVER_PROGRAM,
+    Bench,
+    alternate,
+    cluster_tasks,
+    free_ports,
+    loopback,
+    parser,
+    print_phases,
+    report,
+    tf_config,
+    up_down,
+    wait_ports,
+    wait_ports_free,
+    write_spec,
+)
 
 TARGET = 1.0
 

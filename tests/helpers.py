@@ -19,9 +19,9 @@ import pytest
 from tests.conftest import tagged_processes
 from tests.tf_launch import free_ports
 from tfcluster.errors import ConnectError
+from tfcluster.host import shim_procs
 from tfcluster.launch.agent import HostAgent
 from tfcluster.launch.records import TaskLaunch
-from tfcluster.host import shim_procs
 from tfcluster.plan.names import ClusterPaths
 from tfcluster.transport.ssh import SshTransport
 
@@ -203,9 +203,9 @@ def noisy_python(tmp_path):
 
 def state_path(home: Path, spec: Path) -> Path:
     """Where `up` keeps the local state of the spec's cluster."""
+    from tfcluster.launch.state import key
     from tfcluster.plan import build_plan
     from tfcluster.spec import load_spec
-    from tfcluster.launch.state import key
 
     return home / ".local" / "state" / "tfcluster" / key(build_plan(load_spec(str(spec)))) / "state.json"
 

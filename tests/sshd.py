@@ -20,7 +20,6 @@ from typing import NamedTuple
 import pytest
 
 from tests.conftest import SESSION_VAR
-
 from tfcluster.transport.ssh import SshTransport
 from tfcluster.transport.ssh_config import SYSTEM_CONFIG_VAR, SshOptions
 

@@ -15,11 +15,11 @@ import psutil
 import pytest
 
 from tests.conftest import wait_for
+from tests.helpers import CLUSTER_DIR, PATHS, STUBBORN, C, free_port, gone, launch, q, read_all, with_tag
+from tfcluster.errors import HostError
 from tfcluster.host import shim_facts
 from tfcluster.launch.agent import HostAgent, TaskLaunch
-from tfcluster.errors import HostError
 from tfcluster.transport.local import LocalTransport
-from tests.helpers import C, CLUSTER_DIR, PATHS, STUBBORN, free_port, gone, launch, q, read_all, with_tag
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+
 from tests.helpers import GPU_LAB, LOCAL, tfc
 
 
@@ -185,8 +186,8 @@ def test_plan_json_shows_restart_timeout_and_exact_commands(tmp_path):
 def test_run_summary_keeps_the_start_of_a_long_line_and_marks_the_cut():
     import io
 
-    from tfcluster.ui.views import print_summary
     from tfcluster.ui import UI
+    from tfcluster.ui.views import print_summary
 
     err = io.StringIO()
     ui = UI(io.StringIO(), err, color=False)

@@ -1,4 +1,4 @@
-"""Deflated logs (docs/ARCHITECTURE.md, "Deflated logs"): over SSH an attached shim
+"""Deflated logs (docs/design/logs.md, "Deflated logs"): over SSH an attached shim
 deflates its task's log and the launcher inflates it. Every byte must arrive exactly, in
 order, whatever the data, across restarts in place, and after a login shell's words on
 stdout; the channel must carry fewer bytes than the task wrote. Real shims: the local
@@ -10,9 +10,8 @@ import textwrap
 
 import pytest
 
+from tests.helpers import CLUSTER_DIR, C, launch, noisy_python, read_all
 from tests.sshd import make_target
-from tests.helpers import C, CLUSTER_DIR, launch, read_all
-from tests.helpers import noisy_python
 from tfcluster.launch.agent import HostAgent
 from tfcluster.launch.records import TaskLaunch
 from tfcluster.plan.names import ClusterPaths

@@ -17,10 +17,8 @@ import psutil
 import pytest
 
 from tests.conftest import tagged_processes, wait_for
-from tests.helpers import bindable, state_path
+from tests.helpers import STANDIN, bindable, state_path, tfcluster
 from tests.tf_launch import free_ports
-from tests.helpers import tfcluster
-from tests.helpers import STANDIN
 
 pytestmark = [pytest.mark.timeout(180)]
 

@@ -8,9 +8,8 @@ import sys
 import pytest
 
 from tests.conftest import tagged_processes, wait_for
-from tests.helpers import STANDIN
+from tests.helpers import STANDIN, kill_tagged_once_seen, start_tfcluster
 from tests.tf_launch import free_ports
-from tests.helpers import kill_tagged_once_seen, start_tfcluster
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from tests.tf_launch import free_ports
 from tests.helpers import cli_env
+from tests.tf_launch import free_ports
 
 pytestmark = [pytest.mark.tf, pytest.mark.timeout(240)]
 

@@ -11,10 +11,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import tagged_processes, wait_for
+from tests.helpers import bindable, kill_group, local_spec, read_until, ssh_spec, start_tfcluster, state_path, tfcluster
 from tests.tf_launch import free_ports
-from tests.helpers import (kill_group, local_spec, read_until, ssh_spec, start_tfcluster,
-                                 tfcluster)
-from tests.helpers import bindable, state_path
 
 pytestmark = [pytest.mark.timeout(240)]
 

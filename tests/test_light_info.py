@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from tests.tf_launch import free_ports
 from tests.helpers import cli_env, this_python_renamed
+from tests.tf_launch import free_ports
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -11,11 +11,9 @@ import textwrap
 import pytest
 
 from tests.conftest import tagged_processes
-from tests.helpers import C, CLUSTER_DIR, free_port, launch, with_tag
-from tests.helpers import tfcluster
+from tests.helpers import CLUSTER_DIR, C, free_port, launch, noisy_python, tfcluster, with_tag
 from tfcluster.launch.agent import HostAgent
 from tfcluster.transport.local import LocalTransport
-from tests.helpers import noisy_python
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -10,7 +10,8 @@ import sys
 import threading
 from pathlib import Path
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tfcluster.watch.logmux import HISTORY, PROBE_MARKS, LogMux
 

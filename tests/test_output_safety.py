@@ -16,13 +16,13 @@ from types import SimpleNamespace
 import pytest
 
 from tfcluster.errors import PreflightError
-from tfcluster.watch.logmux import LogMux
-from tfcluster.plan import HostPlan
 from tfcluster.launch.preflight import preflight
-from tfcluster.ui.views import print_summary
-from tfcluster.watch.runs import run_dirs
+from tfcluster.plan import HostPlan
 from tfcluster.safetext import escape, shell_join, shell_word
 from tfcluster.ui import UI
+from tfcluster.ui.views import print_summary
+from tfcluster.watch.logmux import LogMux
+from tfcluster.watch.runs import run_dirs
 
 OSC52 = "\x1b]52;c;ZWNobyBwd25lZA==\x07"       # writes the clipboard
 CLEAR = "\x1b[2J"                              # clears the screen

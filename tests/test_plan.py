@@ -4,17 +4,24 @@ from __future__ import annotations
 import json
 import os
 import random
+import sys
 
 import pytest
 
-import sys
-
-from tfcluster.spec import templates
 from tfcluster.errors import SpecError
-from tfcluster.plan import (HOST_DIR, HostPlan, Plan, Restart, TaskPlan, build_plan, interpreter,
-                            plan_to_dict, redact_env)
+from tfcluster.plan import (
+    HOST_DIR,
+    HostPlan,
+    Plan,
+    Restart,
+    TaskPlan,
+    build_plan,
+    interpreter,
+    plan_to_dict,
+    redact_env,
+)
+from tfcluster.spec import check_train_files, load_spec, templates
 from tfcluster.transport.options import SshOptions
-from tfcluster.spec import check_train_files, load_spec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLES = os.path.join(ROOT, "sample_clusters")

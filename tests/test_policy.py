@@ -7,10 +7,8 @@ import sys
 
 import pytest
 
-from tfcluster.plan import names
-
-from tfcluster.plan import policy
 from tfcluster.host import shim_protocol as proto
+from tfcluster.plan import names, policy
 from tfcluster.plan.policy import ScriptState
 from tfcluster.spec import Restart
 

@@ -8,6 +8,8 @@ import socket
 import pytest
 
 from tfcluster.host import shim_ports
+
+
 def proc_listeners() -> dict[int, dict[str, int]]:
     found: dict[int, dict[str, int]] = {}
     for port, state, uid, inode in shim_ports.sockets():

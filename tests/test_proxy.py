@@ -11,10 +11,10 @@ import sys
 import pytest
 
 from tests.conftest import tagged_processes
-from tests.tf_launch import HandLaunch, make_cluster, port_of, wait_port
 from tests.helpers import TEMPLATES, cli_env, local_spec, only_run
-from tfcluster.host import shim_net
-from tfcluster.host import shim_tasks
+from tests.tf_launch import HandLaunch, make_cluster, port_of, wait_port
+from tfcluster.host import shim_net, shim_tasks
+
 pytestmark = [pytest.mark.timeout(240)]
 
 # A TF1 client of one server: an op on the server, bounded by operation_timeout_in_ms.

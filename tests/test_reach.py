@@ -18,12 +18,12 @@ import psutil
 import pytest
 
 from tests.conftest import tagged_processes, wait_for
-from tests.tf_launch import free_ports
 from tests.helpers import tfcluster
+from tests.tf_launch import free_ports
 from tfcluster.host import shim_net
-from tfcluster.plan import build_plan
 from tfcluster.launch.reach import Failure, _error, can_connect
 from tfcluster.launch.session import Session
+from tfcluster.plan import build_plan
 from tfcluster.spec import load_spec
 from tfcluster.ui import UI
 

@@ -1,4 +1,4 @@
-"""Restarts in place (docs/ARCHITECTURE.md, "Restarts"): the attached shim restarts its own
+"""Restarts in place (docs/design/restarts.md, "Restarts in place"): the attached shim restarts its own
 task when the run's policy says so, on the channel already open, and holds the new
 attempt's output back until the launcher confirms. Real shims through the local transport
 (HostAgent), the live view at an attempt's end (attempts.pump), then `tfcluster train` end
@@ -19,9 +19,19 @@ import psutil
 import pytest
 
 from tests.conftest import tagged_processes, wait_for
-from tests.helpers import C, gone, launch, with_tag
+from tests.helpers import (
+    C,
+    gone,
+    kill_group,
+    launch,
+    manifest,
+    only_run,
+    read_until,
+    start_tfcluster,
+    tfcluster,
+    with_tag,
+)
 from tests.tf_launch import free_ports
-from tests.helpers import kill_group, manifest, only_run, read_until, start_tfcluster, tfcluster
 from tfcluster.launch.attempts import pump
 from tfcluster.watch.logmux import LogMux
 

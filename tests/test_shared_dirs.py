@@ -19,15 +19,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.tf_launch import free_ports
 from tests.helpers import cli_env, this_python_renamed
+from tests.tf_launch import free_ports
+from tfcluster.errors import PreflightError
 from tfcluster.host import shim
+from tfcluster.host.shim_protocol import ShimError
 from tfcluster.launch.agent import HostAgent
 from tfcluster.launch.bootstrap import BOOTSTRAP, SHIPPED, shipped
-from tfcluster.errors import PreflightError
-from tfcluster.plan.names import ClusterPaths
 from tfcluster.plan import build_plan
-from tfcluster.host.shim_protocol import ShimError
+from tfcluster.plan.names import ClusterPaths
 from tfcluster.spec import load_spec
 from tfcluster.transport.local import LocalTransport
 

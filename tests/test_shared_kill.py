@@ -20,21 +20,19 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import tagged_processes, wait_for
+from tests.helpers import LISTENER, cli_env, tfcluster
 from tests.tf_launch import free_ports
-from tests.helpers import cli_env, tfcluster
-from tfcluster.host import shim_ports
-from tfcluster.host import shim_procs
+from tfcluster.errors import PreflightError
+from tfcluster.host import shim_ports, shim_procs
 from tfcluster.launch.agent import HostAgent, TaskLaunch
 from tfcluster.launch.bootstrap import SHIPPED
-from tfcluster.errors import PreflightError
-from tfcluster.plan.names import ClusterPaths, Tag
-from tfcluster.plan import build_plan
 from tfcluster.launch.servers import start_detached
 from tfcluster.launch.session import Session, server_tasks
+from tfcluster.plan import build_plan
+from tfcluster.plan.names import ClusterPaths, Tag
 from tfcluster.spec import load_spec
 from tfcluster.transport.local import LocalTransport
 from tfcluster.ui import UI
-from tests.helpers import LISTENER
 
 pytestmark = [pytest.mark.timeout(120)]
 

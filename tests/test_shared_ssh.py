@@ -16,6 +16,7 @@ import pytest
 from tests.conftest import SESSION_VAR, wait_for
 from tests.helpers import tfcluster
 from tfcluster.host import shim_procs
+
 SYSTEM_PYTHON = "/usr/bin/python3"
 ADDRESS = "127.0.0.9"
 

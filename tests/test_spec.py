@@ -14,10 +14,21 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tfcluster.spec import templates
 from tfcluster.errors import SpecError, UsageError
-from tfcluster.spec import (Host, Job, Restart, Slot, Spec, SshSettings, Train, check_train_files,
-                            layout_tasks, load_spec, with_train_overrides)
+from tfcluster.spec import (
+    Host,
+    Job,
+    Restart,
+    Slot,
+    Spec,
+    SshSettings,
+    Train,
+    check_train_files,
+    layout_tasks,
+    load_spec,
+    templates,
+    with_train_overrides,
+)
 
 HEAD = """\
 name: t

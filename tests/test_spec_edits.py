@@ -19,17 +19,14 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import SESSION_VAR, tagged_processes, wait_for
-from tests.helpers import STANDIN
-from tests.helpers import state_path
-from tests.helpers import LISTENER
+from tests.helpers import LISTENER, STANDIN, state_path, tfcluster
 from tests.tf_launch import free_ports
-from tests.helpers import tfcluster
-from tfcluster.launch import state
 from tfcluster.errors import PreflightError
-from tfcluster.plan import build_plan
+from tfcluster.host.shim_ports import listeners
+from tfcluster.launch import state
 from tfcluster.launch.servers import start_detached
 from tfcluster.launch.session import Session, server_tasks
-from tfcluster.host.shim_ports import listeners
+from tfcluster.plan import build_plan
 from tfcluster.spec import load_spec
 from tfcluster.ui import UI
 
@@ -218,8 +215,8 @@ def test_a_port_held_by_this_cluster_under_another_workdir_names_that_workdir(tm
                                                   (["worker:1", "worker:2"], "run", "them")])
 def test_status_warnings_agree_with_how_many_tasks_they_name(tasks, verb, pronoun):
     from tfcluster.launch.lifecycle import TaskRow
-    from tfcluster.ui.views import print_status
     from tfcluster.ui import UI
+    from tfcluster.ui.views import print_status
 
     err = StringIO()
     rows = [TaskRow(t, "h", "h:1", "running", pid=7 + i, pid_file=False, in_spec=False)

@@ -13,13 +13,13 @@ import uuid
 import pytest
 
 from tests.conftest import wait_for
+from tests.helpers import assert_went_through_jump, connect_error, fingerprint, keygen, where
 from tests.sshd import Target, make_target
 from tfcluster.errors import ConnectError, DeadlineError
 from tfcluster.transport import make_transport
 from tfcluster.transport.base import home_relative
-from tfcluster.transport.ssh import MAX_CHANNEL_DIALS, SshTransport
 from tfcluster.transport.options import SshOptions
-from tests.helpers import assert_went_through_jump, connect_error, fingerprint, keygen, where
+from tfcluster.transport.ssh import MAX_CHANNEL_DIALS, SshTransport
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -13,11 +13,10 @@ import psutil
 import pytest
 
 from tests.conftest import wait_for
-from tests.sshd import Target, make_target
 from tests.helpers import assert_went_through_jump, connect_error, fingerprint, free_port, keygen, where
+from tests.sshd import Target, make_target
 from tfcluster.errors import ExitCode
-from tfcluster.transport.ssh_config import (GLOBAL_KNOWN_HOSTS, SYSTEM_CONFIG_VAR, SshOptions,
-                                            load_ssh_config, resolve)
+from tfcluster.transport.ssh_config import GLOBAL_KNOWN_HOSTS, SYSTEM_CONFIG_VAR, SshOptions, load_ssh_config, resolve
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import tagged_processes
-from tests.tf_launch import free_ports
 from tests.helpers import tfcluster
+from tests.tf_launch import free_ports
 
 pytestmark = pytest.mark.timeout(90)
 

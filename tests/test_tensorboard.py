@@ -17,9 +17,9 @@ import psutil
 import pytest
 
 from tests.conftest import tagged_processes, wait_for
+from tests.helpers import kill_group, local_spec, only_run, read_until, start_tfcluster, tfcluster
 from tests.sshd import make_target
 from tests.tf_launch import free_ports
-from tests.helpers import kill_group, local_spec, only_run, read_until, start_tfcluster, tfcluster
 
 URL_LINE = r"TensorBoard: (http://127\.0\.0\.1:(\d+)/) \(logdir (.*) on (\S+)\)"
 

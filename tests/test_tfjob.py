@@ -23,8 +23,7 @@ from tests.conftest import tagged_processes
 from tests.tf_launch import HandLaunch, free_ports
 from tfcluster.engines import render
 from tfcluster.engines.bundle import bundle_files, launch_config
-from tfcluster.engines.tfjob import (CONFIGMAP_LIMIT, MOUNT, check_operator_rules, config_keys,
-                                     render_tfjob)
+from tfcluster.engines.tfjob import CONFIGMAP_LIMIT, MOUNT, check_operator_rules, config_keys, render_tfjob
 from tfcluster.errors import UsageError
 from tfcluster.plan import build_plan
 from tfcluster.spec import load_spec, preview_train_files

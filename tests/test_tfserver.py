@@ -14,6 +14,7 @@ import pytest
 
 from tests.conftest import wait_for
 from tfcluster.host import shim_ports
+
 pytest.importorskip("tensorflow")
 
 TFSERVER = Path(__file__).resolve().parent.parent / "tfcluster" / "host" / "tfserver.py"

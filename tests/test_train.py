@@ -10,8 +10,18 @@ import time
 import pytest
 
 from tests.conftest import tagged_processes, wait_for
-from tests.helpers import (kill_group, kill_tagged_once_seen, local_spec, losses, manifest,
-                                 only_run, read_until, result_of, start_tfcluster, tfcluster)
+from tests.helpers import (
+    kill_group,
+    kill_tagged_once_seen,
+    local_spec,
+    losses,
+    manifest,
+    only_run,
+    read_until,
+    result_of,
+    start_tfcluster,
+    tfcluster,
+)
 
 pytestmark = [pytest.mark.tf, pytest.mark.timeout(300)]
 

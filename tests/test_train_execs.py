@@ -11,8 +11,8 @@ from collections import Counter
 import pytest
 
 from tests.conftest import tagged_processes
-from tests.sshd import SFTP_SERVER
 from tests.helpers import ssh_spec, tfcluster
+from tests.sshd import SFTP_SERVER
 
 pytestmark = [pytest.mark.ssh, pytest.mark.timeout(240)]
 

@@ -15,12 +15,12 @@ import pytest
 
 from tests.conftest import tagged_processes
 from tests.helpers import bindable
-from tfcluster.plan import names
 from tfcluster.host import shim_protocol as proto
 from tfcluster.launch.agent import HostAgent, TaskLaunch
+from tfcluster.launch.upexec import UpExec
+from tfcluster.plan import names
 from tfcluster.plan.names import ClusterPaths
 from tfcluster.transport.local import LocalTransport
-from tfcluster.launch.upexec import UpExec
 
 REPO = Path(__file__).resolve().parent.parent
 CLUSTER_DIR = "~/.tfcluster/uplab"

@@ -15,12 +15,11 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import tagged_processes
-from tests.helpers import state_path
+from tests.helpers import state_path, tfcluster
 from tests.tf_launch import free_ports
-from tests.helpers import tfcluster
-from tfcluster.launch.agent import HostInfo
-from tfcluster.host.shim_facts import _build_info, tf_version
 from tfcluster.diagnose.versions import find_skew, find_skews, message, odd_fields
+from tfcluster.host.shim_facts import _build_info, tf_version
+from tfcluster.launch.agent import HostInfo
 
 SHIM = Path(__file__).resolve().parent.parent / "tfcluster" / "host" / "shim.py"
 FAKE_TF = "2.12.0"

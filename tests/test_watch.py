@@ -286,8 +286,8 @@ def test_progress_log_records_each_step_line_from_many_threads_and_hands_out_cop
     import threading
 
     from tfcluster.plan import build_plan
-    from tfcluster.watch.runs import ProgressLog, read_progress
     from tfcluster.spec import load_spec
+    from tfcluster.watch.runs import ProgressLog, read_progress
 
     plan = build_plan(load_spec(str(spec_for(tmp_path, args=["--steps", "400"]))))
     log = ProgressLog(plan, str(tmp_path))

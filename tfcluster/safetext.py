@@ -1,7 +1,7 @@
 """Text that is safe to show: control characters escaped, commands quoted word by word.
 
 Every value from a spec or a host that reaches the terminal passes `escape` (the UI
-applies it to everything it prints; docs/ARCHITECTURE.md, "Spec safety"). A character is
+applies it to everything it prints; docs/design/spec-safety.md, "Spec safety"). A character is
 shown as is only when Python calls it printable: C0 and C1 controls (ESC included), DEL,
 bidi overrides, zero-width and other format characters, line and paragraph separators
 and non-ASCII spaces are written as `\\x1b`, `\\u202e`, … instead. Pure, standard library only.

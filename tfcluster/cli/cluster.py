@@ -32,7 +32,7 @@ def plan(
 
     Example:  tfcluster plan lab.yaml --commands
     """
-    from tfcluster.ui.views import print_plan, plan_json
+    from tfcluster.ui.views import plan_json, print_plan
 
     spec, p = load(spec_path, preview=True)
     if json_:
@@ -134,8 +134,8 @@ def exec_(
     Example:  tfcluster exec lab.yaml --hosts gpu0,gpu1 -- nvidia-smi -L
     """
     from tfcluster.launch.hostexec import exec_on_hosts, exit_code_of
-    from tfcluster.watch.logmux import LogMux
     from tfcluster.launch.session import Session
+    from tfcluster.watch.logmux import LogMux
 
     spec, p = load(spec_path)
     names = _select_hosts(spec.path, [h.name for h in p.all_hosts], hosts)

@@ -4,7 +4,7 @@
 marker (from any pump thread), and the supervisor's loop calls `tick` twice a second.
 A placement mismatch ends the run (InconsistentError, exit 8); a wait only ever gets a
 diagnosis, printed at a bounded rate. Facts about the awaited task are gathered off the
-supervisor's loop (a port check over SSH may take a second). docs/ARCHITECTURE.md,
+supervisor's loop (a port check over SSH may take a second). docs/design/diagnoses.md,
 "Diagnoses", says what each check costs and cannot see.
 """
 from __future__ import annotations
@@ -15,11 +15,11 @@ import time
 from typing import Callable
 
 from tfcluster.diagnose import placement as pl
-from tfcluster.host import shim_net
 from tfcluster.diagnose import watchdog as wd
 from tfcluster.errors import InconsistentError
-from tfcluster.plan.names import log_file
+from tfcluster.host import shim_net
 from tfcluster.plan import Plan
+from tfcluster.plan.names import log_file
 
 PORT_CHECK_TIMEOUT = 3.0
 # (from_host, [(address, port)], timeout) -> {"address:port": None | why not}

@@ -1,4 +1,4 @@
-"""`tfcluster render`: the same plan as a job for another engine (docs/ARCHITECTURE.md,
+"""`tfcluster render`: the same plan as a job for another engine (docs/design/engines.md,
 "Other engines"): a Kubeflow TFJob or a Slurm batch script.
 
 Rendering reads the spec's local files and never connects to a host. The tasks on the

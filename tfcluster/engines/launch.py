@@ -4,7 +4,7 @@ On every task of the other engine it gives the unchanged training script what
 `tfcluster train` gives it: TF_CONFIG, the TFCLUSTER_* variables, a TF server for the
 task in the modes that have one (the script is then its client, TFCLUSTER_MASTER), and
 every line of output prefixed with `job:index │ `. Standard library only; it reads its
-config (tfcluster-launch.json) from beside itself. docs/ARCHITECTURE.md, "Other engines".
+config (tfcluster-launch.json) from beside itself. docs/design/engines.md, "Other engines".
 
     python3 launch.py tfjob     in a TFJob pod (the operator wrote TF_CONFIG)
     python3 launch.py addrs     Slurm, on the batch node: every node's NodeAddr

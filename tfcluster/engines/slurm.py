@@ -7,7 +7,7 @@ spec's: step 1 asks every task's node for two free ports (its TF port and, for a
 a control port), step 2 runs the tasks with the cluster step 1 found, so two jobs on a
 node cannot collide. The training files travel inside the script and reach each task
 on srun's stdin; each task unpacks them into its own private directory.
-docs/ARCHITECTURE.md, "Other engines".
+docs/design/engines.md, "Other engines".
 """
 from __future__ import annotations
 

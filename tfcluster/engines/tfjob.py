@@ -1,5 +1,5 @@
 """`render --to tfjob`: the plan as a Kubeflow TFJob (training-operator v1.x, kubeflow.org/v1)
-and a ConfigMap with what every pod runs (docs/ARCHITECTURE.md, "Other engines").
+and a ConfigMap with what every pod runs (docs/design/engines.md, "Other engines").
 
 Every replica runs the shipped launcher from the ConfigMap, mounted read-only at
 /opt/tfcluster/bundle: it reads the TF_CONFIG the operator writes, fills train.args from it

@@ -23,25 +23,25 @@ import time
 if __package__:
     from . import shim_facts as facts
     from . import shim_fs as fs
+    from . import shim_launch as launch
     from . import shim_net as net
     from . import shim_ports as ports
     from . import shim_procs as procs
     from . import shim_protocol as proto
     from . import shim_talk as talk
     from . import shim_tasks as tasks
-    from . import shim_launch as launch
 else:  # shipped: this file's directory is first on sys.path
     import shim_facts as facts
     import shim_fs as fs
+    import shim_launch as launch
     import shim_net as net
     import shim_ports as ports
     import shim_procs as procs
     import shim_protocol as proto
     import shim_talk as talk
     import shim_tasks as tasks
-    import shim_launch as launch
 
-expand, is_alive, kill_tasks = procs.expand, procs.is_alive, procs.kill_tasks
+expand, is_alive, kill_tasks = fs.expand, procs.is_alive, procs.kill_tasks
 remove_quietly, write_all = procs.remove_quietly, procs.write_all
 spawn, Attached = tasks.spawn, tasks.Attached
 

@@ -1,5 +1,5 @@
 """Starting servers on a host and waiting until they are ready: `launch` and `wait`, and
-`up` in one remote execution (docs/ARCHITECTURE.md, "The round trips of `up`").
+`up` in one remote execution (docs/design/remote-execs.md, "The round trips of `up`").
 
 Shipped beside shim.py (standard library only, Python >= 3.8). `up` is one request (its
 batch answered first, by shim.py), then a conversation on stdin/stdout, one JSON line each
@@ -28,12 +28,14 @@ import sys
 import time
 
 if __package__:
+    from . import shim_fs as fs
     from . import shim_ports as ports
     from . import shim_procs as procs
     from . import shim_protocol as proto
     from . import shim_talk as talk
     from . import shim_tasks as tasks
 else:  # shipped: the shim's directory is first on sys.path
+    import shim_fs as fs
     import shim_ports as ports
     import shim_procs as procs
     import shim_protocol as proto
@@ -114,7 +116,7 @@ def _stop(warm: dict) -> None:
     _kill({proc.pid: req["tag"] for proc, req in warm.values()})
     for proc, req in warm.values():
         proc.wait()
-        procs.remove_quietly(procs.expand(req["pidfile"]))
+        procs.remove_quietly(fs.expand(req["pidfile"]))
 
 
 def _kill(started: dict) -> None:

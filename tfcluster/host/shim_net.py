@@ -1,6 +1,6 @@
 """The host's side of the network checks: listeners on task ports, connections to every
 task address (the `reach` exchange itself is spoken in shim_talk.py), and the proxy guard
-(the no_proxy a task gets). See docs/ARCHITECTURE.md, "Checks before a run".
+(the no_proxy a task gets). See docs/design/remote-execs.md, "Checks before a run".
 
 Shipped beside shim.py (standard library only, Python >= 3.8, no tfcluster imports).
 A listener binds dual-stack `::`, else 0.0.0.0; a port someone else holds is reported with

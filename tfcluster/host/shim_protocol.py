@@ -43,7 +43,7 @@ CONTINUE_LINE = b"CONT\n"       # the launcher took note of a restart in place: 
 # before it (a login shell's words) is not the task's.
 DEFLATE_MARK = b"\x00tfcluster-deflate\x00"
 
-# Restarts in place (docs/ARCHITECTURE.md, "Restarts"). A start request may carry
+# Restarts in place (docs/design/restarts.md, "Restarts in place"). A start request may carry
 # {"restart": {"policy", "max_restarts", "done", "zero_ends"}}; the shim then restarts its
 # task itself when should_restart says so (never an exit 0 with zero_ends, a script's
 # success) while its launcher is there, with RESTART_VAR set to the

@@ -28,7 +28,7 @@ else:  # shipped: the shim's directory is first on sys.path
     import shim_protocol as proto
     import shim_talk as talk
 
-expand, proc_stat, kill_tasks = procs.expand, procs.proc_stat, procs.kill_tasks
+expand, proc_stat, kill_tasks = fs.expand, procs.proc_stat, procs.kill_tasks
 exit_code, remove_quietly, write_pidfile = procs.exit_code, procs.remove_quietly, procs.write_pidfile
 write_all, POLL = procs.write_all, procs.POLL
 ShimError, TAG_VAR = proto.ShimError, proto.TAG_VAR
@@ -37,7 +37,7 @@ ShimError, TAG_VAR = proto.ShimError, proto.TAG_VAR
 # 500 reads of an idle file cost ~5 ms of CPU).
 FAST_POLL, FAST_WINDOW = 0.002, 1.0
 TAIL_CHUNK = 1 << 20     # at most this much of a log per copy to the channel
-DEFLATE_CHUNK = 1 << 18  # ... per deflated copy (docs/ARCHITECTURE.md, "Deflated logs")
+DEFLATE_CHUNK = 1 << 18  # ... per deflated copy (docs/design/logs.md, "Deflated logs")
 
 
 class _NoSendfile(Exception):

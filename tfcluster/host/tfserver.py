@@ -10,7 +10,7 @@ its Python API: it imports `tensorflow.python.training.server_lib` without runni
 `tensorflow/__init__.py` (0.5 s instead of 4-5 s of CPU, and a fraction of the memory).
 Where that cannot be exact (a TensorFlow plugin directory whose libraries the package's
 `__init__` would load) or fails, it is the full `import tensorflow`; TFCLUSTER_SERVER_IMPORT
-=full asks for that always. See docs/ARCHITECTURE.md, "The servers' import".
+=full asks for that always. See docs/design/remote-execs.md, "The servers' import".
 """
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 
 The agent ships the shim's files to the host's bin directory and then runs
 `PYTHON shim.py COMMAND` through its transport (the protocol is in shim_protocol.py
-and docs/ARCHITECTURE.md). Every one-shot command goes through `_call`, which checks
-the error envelope once and turns it into a host-level error. A local host on
+and docs/ARCHITECTURE.md). Every answer is read through lines.py, which checks the
+shim's error envelope and turns it into a host-level error. A local host on
 tfcluster's own interpreter answers the in-process-safe commands without a process.
 """
 from __future__ import annotations
@@ -15,13 +15,24 @@ import threading
 import weakref
 from typing import Callable, Iterator
 
-from tfcluster.host import shim_protocol as proto
-from tfcluster.launch.bootstrap import ShimPlace, call_here
-from tfcluster.launch.attached import AttachedTask, Heartbeats, handshake
-from tfcluster.launch.lines import Conversation, Lines, checked, checked_answers, last_json, tail_text
 from tfcluster.errors import HostError, PreflightError
-from tfcluster.launch.records import (HostInfo, StopReport, Survey, TaskLaunch, TaskStatus, host_info,
-                                      event_of, ports_of, start_request, statuses_of, stop_report)
+from tfcluster.host import shim_protocol as proto
+from tfcluster.launch.attached import AttachedTask, Heartbeats, handshake
+from tfcluster.launch.bootstrap import ShimPlace, call_here
+from tfcluster.launch.lines import Conversation, Lines, checked, checked_answers, last_json, tail_text
+from tfcluster.launch.records import (
+    HostInfo,
+    StopReport,
+    Survey,
+    TaskLaunch,
+    TaskStatus,
+    event_of,
+    host_info,
+    ports_of,
+    start_request,
+    statuses_of,
+    stop_report,
+)
 from tfcluster.plan import runs_in_process, shim_bindir
 from tfcluster.plan.names import ClusterPaths
 from tfcluster.transport.base import Proc, Transport

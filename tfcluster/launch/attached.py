@@ -4,7 +4,7 @@ The shim copies the task's log to its stdout, reads control lines (heartbeats,
 STOP) from its stdin, and stops the task when they end: a launcher that dies or
 stops beating takes its tasks with it. One thread per host sends the heartbeats.
 With a restart policy the shim restarts its task in place; this side sees where one
-attempt's output ends and confirms the next (docs/ARCHITECTURE.md, "Restarts").
+attempt's output ends and confirms the next (docs/design/restarts.md, "Restarts in place").
 """
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import threading
 import time
 import zlib
 
-from tfcluster.host import shim_protocol as proto
 from tfcluster.errors import HostError
+from tfcluster.host import shim_protocol as proto
 from tfcluster.launch.lines import Lines, checked, json_object, tail_text
 from tfcluster.transport.base import Proc
 
@@ -53,7 +53,7 @@ class AttachedTask:
 
     def started(self, said: dict, err: bytes = b"") -> None:
         """The shim's handshake (see handshake()): the task's pid, what followed it on
-        stderr, and whether its stdout is deflated (docs/ARCHITECTURE.md, "Deflated logs")."""
+        stderr, and whether its stdout is deflated (docs/design/logs.md, "Deflated logs")."""
         with self._ctl:
             self.pid, self._err = int(said["pid"]), err
             if said.get("deflate") is True:

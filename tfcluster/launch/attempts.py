@@ -1,6 +1,6 @@
 """Each supervised process's attempts: start one, stream its output, restart it.
 
-A restart happens in place when the shim can (docs/ARCHITECTURE.md, "Restarts"): the
+A restart happens in place when the shim can (docs/design/restarts.md, "Restarts in place"): the
 attached shim of the attempt that failed has already started the next one, with the
 same policy and count as policy.should_restart here, and holds its output back; the
 supervisor says and counts the restart exactly as for a fresh start, then confirms it
@@ -14,11 +14,11 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from tfcluster.plan import policy
 from tfcluster.errors import TaskError
-from tfcluster.launch.session import raise_first
 from tfcluster.host.shim_protocol import RESTART_VAR
 from tfcluster.launch.runstate import Run, StartSlot, Supervised
+from tfcluster.launch.session import raise_first
+from tfcluster.plan import policy
 
 if TYPE_CHECKING:
     from tfcluster.launch.attached import AttachedTask

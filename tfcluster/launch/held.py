@@ -6,18 +6,18 @@ overlaps reachability, the shipping of stale files and the servers' start instea
 following them. Until GO the shim starts nothing; the first one on each host also holds
 that host's side of reachability (reach.py speaks its lines to it), so the check costs no
 exec of its own there. A check that fails drops the channels: each shim reads EOF and
-exits, having started nothing. docs/ARCHITECTURE.md, "Checks before a run".
+exits, having started nothing. docs/design/remote-execs.md, "Checks before a run".
 """
 from __future__ import annotations
 
 import threading
 from typing import TYPE_CHECKING
 
+from tfcluster.errors import HostError
 from tfcluster.host import shim_protocol as proto
-from tfcluster.launch.records import HostInfo, TaskLaunch, start_request
 from tfcluster.launch.attached import AttachedTask, handshake
 from tfcluster.launch.lines import Deadline, Lines
-from tfcluster.errors import HostError
+from tfcluster.launch.records import HostInfo, TaskLaunch, start_request
 from tfcluster.transport.base import Proc
 
 if TYPE_CHECKING:

@@ -8,20 +8,15 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from tfcluster.plan import names
-
 from tfcluster.diagnose import proxy
-
-from tfcluster.launch import state
-
-from tfcluster.launch import upexec
 from tfcluster.errors import ConnectError, ExitCode, TfclusterError
-from tfcluster.plan import Plan, TaskPlan
+from tfcluster.host.shim_protocol import DEFAULT_GRACE, PORT_SETTLE
+from tfcluster.launch import state, upexec
 from tfcluster.launch.preflight import check_started_ports, check_versions, preflight
 from tfcluster.launch.reach import check_reachability
 from tfcluster.launch.servers import READY_TIMEOUT, Started, start_detached
 from tfcluster.launch.session import Session, server_tasks
-from tfcluster.host.shim_protocol import DEFAULT_GRACE, PORT_SETTLE
+from tfcluster.plan import Plan, TaskPlan, names
 
 
 def up(plan: Plan, ui, timeout: float = READY_TIMEOUT, allow_skew: bool = False) -> int:

@@ -3,14 +3,12 @@ no two tasks on one machine sharing a port, and every port free; and do the host
 on their Python and TensorFlow versions (versions.py). Nothing is started."""
 from __future__ import annotations
 
-from tfcluster.plan import names
-
 from tfcluster.diagnose import versions
 from tfcluster.errors import PreflightError
-from tfcluster.plan import TaskPlan
-from tfcluster.ui.views import version_table
-from tfcluster.safetext import shell_join
 from tfcluster.launch.session import Session, by_host, raise_first
+from tfcluster.plan import TaskPlan, names
+from tfcluster.safetext import shell_join
+from tfcluster.ui.views import version_table
 
 
 def preflight(session: Session, tasks: list[TaskPlan], *, ports: bool = True,

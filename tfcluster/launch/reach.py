@@ -5,7 +5,7 @@ One `reach` shim per host (shim_net.py): each listens on the ports of its tasks 
 live server of this cluster serves yet (a short rehearsal of the servers and scripts that
 will bind them), then all connect to all. A failing pair is a PreflightError (exit 4)
 naming the host, the task and the address, with a hint by cause; nothing is left running
-(the shims close their listeners and exit before this returns). See docs/ARCHITECTURE.md,
+(the shims close their listeners and exit before this returns). See docs/design/remote-execs.md,
 "Checks before a run".
 """
 from __future__ import annotations
@@ -13,12 +13,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from tfcluster.host import shim_protocol as proto
-from tfcluster.launch.lines import Deadline, Lines, close_input
 from tfcluster.errors import HostError, PreflightError
-from tfcluster.plan import Plan, TaskPlan
-from tfcluster.launch.session import raise_first
+from tfcluster.host import shim_protocol as proto
 from tfcluster.host.shim_net import CONNECT_TIMEOUT, probe_all_bound
+from tfcluster.launch.lines import Deadline, Lines, close_input
+from tfcluster.launch.session import raise_first
+from tfcluster.plan import Plan, TaskPlan
 from tfcluster.transport.base import Proc
 
 START_TIMEOUT = 60.0     # a shim's start over SSH (a login shell and an interpreter), listeners up

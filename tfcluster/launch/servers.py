@@ -12,11 +12,10 @@ import threading
 import time
 from dataclasses import dataclass
 
-from tfcluster.plan import names
 from tfcluster.errors import DeadlineError, HostError, PreflightError, TfclusterError
-from tfcluster.plan import TaskPlan
-from tfcluster.launch.session import Session, by_host, raise_first
 from tfcluster.host.shim_protocol import DEFAULT_GRACE
+from tfcluster.launch.session import Session, by_host, raise_first
+from tfcluster.plan import TaskPlan, names
 
 READY_TIMEOUT = 120.0
 

@@ -11,12 +11,11 @@ from __future__ import annotations
 import threading
 from typing import Callable, Iterable, TypeVar
 
-from tfcluster.plan import names
-from tfcluster.launch.agent import HostAgent, HostInfo, Survey, TaskLaunch
-from tfcluster.errors import Terminated, TfclusterError
-from tfcluster.plan import HostPlan, Plan, TaskPlan
-from tfcluster.host.shim_protocol import FLUSH_VAR, PROBE_VAR
 from tfcluster.diagnose.proxy import no_proxy_for
+from tfcluster.errors import Terminated, TfclusterError
+from tfcluster.host.shim_protocol import FLUSH_VAR, PROBE_VAR
+from tfcluster.launch.agent import HostAgent, HostInfo, Survey, TaskLaunch
+from tfcluster.plan import HostPlan, Plan, TaskPlan, names
 
 T = TypeVar("T")
 R = TypeVar("R")

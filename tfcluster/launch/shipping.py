@@ -2,7 +2,7 @@
 in the run's directory on every host that runs a script (content-addressed, so an
 unchanged file crosses the network once per host).
 
-What ships is exactly the plan's file list, which check_train_files made (docs/ARCHITECTURE.md,
+What ships is exactly the plan's file list, which check_train_files made (docs/design/spec-safety.md,
 "Spec safety"): every file is read, and must still be the regular file of the size listed,
 before the first byte goes to a host."""
 from __future__ import annotations
@@ -11,8 +11,8 @@ import os
 import stat
 
 from tfcluster.errors import UsageError
-from tfcluster.plan import Plan, TaskPlan
 from tfcluster.launch.session import Session, raise_first
+from tfcluster.plan import Plan, TaskPlan
 from tfcluster.ui.units import size
 
 

@@ -1,7 +1,7 @@
 """The start of a `train`: the checks, the servers, the files and the scripts, overlapped.
 
 Every remote execution costs a login shell and an interpreter start on the host, so the
-steps that need one run side by side (docs/ARCHITECTURE.md, "Checks before a run"):
+steps that need one run side by side (docs/design/remote-execs.md, "Checks before a run"):
 the files were placed from each host's cache in the bootstrap's round trip (Session.open),
 and only stale ones ship, on a thread, from the end of the preflight; the scripts' shims
 start **held** (held.py) and the servers warm, both before reachability, which the held

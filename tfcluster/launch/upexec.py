@@ -4,7 +4,7 @@ Each host gets one exec that stays open for the whole start: the bootstrap answe
 host's info and survey and starts its servers warm (they import TensorFlow, unbound,
 while the checks run), reachability runs in the same exec, and GO starts the servers.
 A check that fails on any host ends every conversation before GO: each host's shim stops
-its warm servers and exits, and close() waits for that. docs/ARCHITECTURE.md, "The round
+its warm servers and exits, and close() waits for that. docs/design/remote-execs.md, "The round
 trips of `up`".
 """
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Iterator
 from tfcluster.errors import HostError
 from tfcluster.host import shim_protocol as proto
 from tfcluster.launch.lines import Lines, close_input
-from tfcluster.plan import names
 from tfcluster.launch.records import HostInfo, TaskLaunch, event_of, start_request
+from tfcluster.plan import names
 from tfcluster.transport.base import Proc
 
 if TYPE_CHECKING:

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 from tfcluster.host import shim_protocol as proto
+
+
 class Restart(Protocol):
     """train.restart as the plan carries it."""
 
@@ -92,7 +94,7 @@ def known_failure(mode: str, tail: str) -> str | None:
 def ignored_term(mode: str, keys: Sequence[str], grace: float) -> str:
     """What to say of scripts the run's stop killed: they still ran `grace` seconds after
     SIGTERM. MultiWorkerMirroredStrategy installs a SIGTERM handler of its own (a preemption
-    notice, docs/ARCHITECTURE.md "Ctrl-C and SIGTERM") and trains on."""
+    notice, docs/design/processes.md "Ctrl-C and SIGTERM") and trains on."""
     text = (f"{', '.join(keys)} still ran {grace:.0f}s after SIGTERM, so "
             f"{'it was' if len(keys) == 1 else 'they were'} killed")
     if mode == "mirrored":

@@ -15,11 +15,27 @@ blow-ups), shipped (the files a run ships), loader (the entry points).
 from __future__ import annotations
 
 from tfcluster.spec.layout import layout_tasks
-from tfcluster.spec.loader import (check_train_files, load_spec, preview_train_files,
-                                   with_train_overrides)
-from tfcluster.spec.model import (HOST_KEY_POLICIES, JOB_NAMES, LOCAL_ADDRESSES, MAX_TASKS, MODES,
-                                  PLACEHOLDERS, RESTART_POLICIES, SECRET_MARKERS, Checks, Host, Job,
-                                  Progress, Restart, Slot, Spec, SshSettings, Train, is_secret)
+from tfcluster.spec.loader import check_train_files, load_spec, preview_train_files, with_train_overrides
+from tfcluster.spec.model import (
+                                   HOST_KEY_POLICIES,
+                                   JOB_NAMES,
+                                   LOCAL_ADDRESSES,
+                                   MAX_TASKS,
+                                   MODES,
+                                   PLACEHOLDERS,
+                                   RESTART_POLICIES,
+                                   SECRET_MARKERS,
+                                   Checks,
+                                   Host,
+                                   Job,
+                                   Progress,
+                                   Restart,
+                                   Slot,
+                                   Spec,
+                                   SshSettings,
+                                   Train,
+                                   is_secret,
+)
 from tfcluster.spec.yamltree import MAX_DEPTH, MAX_SPEC_BYTES, did_you_mean
 
 __all__ = [

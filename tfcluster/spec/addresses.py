@@ -10,7 +10,7 @@ import re
 
 import yaml
 
-from tfcluster.spec.yamltree import BadValue, line_of, as_str
+from tfcluster.spec.yamltree import BadValue, as_str, line_of
 
 USER_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}")
 _LABEL_RE = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")

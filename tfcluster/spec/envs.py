@@ -1,7 +1,7 @@
 """The spec's environment: `env`, `secret_env` and `public_env`, and the rule that no
 script argument carries a secret env value (arguments are visible in `ps` on every host).
 
-Which names are secret is model.is_secret (docs/ARCHITECTURE.md, "Spec safety").
+Which names are secret is model.is_secret (docs/design/spec-safety.md, "Spec safety").
 """
 from __future__ import annotations
 
@@ -9,10 +9,19 @@ import re
 
 import yaml
 
-from tfcluster.spec.model import (MAX_ARG_BYTES, MAX_ENV_BYTES, MAX_ENV_ENTRIES, MIN_SECRET_CHARS,
-                                  SECRET_MARKERS)
-from tfcluster.spec.yamltree import (AnyKey, BadValue, fields_of, is_null, kind_of, line_of, as_list, as_str, sub_field,
-                                     did_you_mean)
+from tfcluster.spec.model import MAX_ARG_BYTES, MAX_ENV_BYTES, MAX_ENV_ENTRIES, MIN_SECRET_CHARS, SECRET_MARKERS
+from tfcluster.spec.yamltree import (
+    AnyKey,
+    BadValue,
+    as_list,
+    as_str,
+    did_you_mean,
+    fields_of,
+    is_null,
+    kind_of,
+    line_of,
+    sub_field,
+)
 
 _ENV_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 

@@ -2,15 +2,14 @@
 
 Every task's TF_CONFIG lists the whole cluster and a `{worker_hosts}` argument does too,
 so a plan grows with the square of the task count. These checks compute the sizes the
-plan *would* have, from the placed tasks, before anything is built (docs/ARCHITECTURE.md, "Spec safety").
+plan *would* have, from the placed tasks, before anything is built (docs/design/spec-safety.md, "Spec safety").
 """
 from __future__ import annotations
 
 import string
 
 from tfcluster.spec.envs import secret_in, secret_problem
-from tfcluster.spec.model import (MAX_ARG_BYTES, MAX_ARGS, MAX_PLAN_BYTES, MAX_TASK_BYTES, Slot,
-                                  Spec)
+from tfcluster.spec.model import MAX_ARG_BYTES, MAX_ARGS, MAX_PLAN_BYTES, MAX_TASK_BYTES, Slot, Spec
 from tfcluster.spec.yamltree import BadValue
 
 OVERHEAD = 64       # bytes a plan spends per env entry or argument besides its text

@@ -16,7 +16,7 @@ MAX_TASKS = 10_000                # bounds the layout work whatever counts the f
 PLACEHOLDERS = ("job", "index", "ps_hosts", "worker_hosts", "chief_hosts", "workdir",
                 "num_workers")
 
-# Limits against blow-ups (docs/ARCHITECTURE.md, "Spec safety"): a page of YAML must not
+# Limits against blow-ups (docs/design/spec-safety.md, "Spec safety"): a page of YAML must not
 # become gigabytes.
 MAX_ENV_ENTRIES = 1_000
 MAX_ENV_BYTES = 256 * 1024        # all of env: together
@@ -27,7 +27,7 @@ MAX_PLAN_BYTES = 64 << 20         # every task's together, as the plan holds the
 MAX_SHIP_FILES = 10_000
 MAX_SHIP_BYTES = 256 << 20        # train.script and train.files together
 
-# Env names shown as *** (docs/ARCHITECTURE.md, "Spec safety"): any name containing one of
+# Env names shown as *** (docs/design/spec-safety.md, "Spec safety"): any name containing one of
 # these, upper-cased, plus the spec's secret_env, less its public_env.
 SECRET_MARKERS = ("PASS", "PWD", "AUTH", "PRIVATE", "CREDENTIAL", "TOKEN", "SECRET", "KEY")
 MIN_SECRET_CHARS = 4              # a shorter secret value is not looked for in train.args
@@ -89,7 +89,7 @@ class Restart:
 
 @dataclass(frozen=True)
 class Checks:
-    """train.checks: the diagnoses tfcluster runs around a training (docs/ARCHITECTURE.md)."""
+    """train.checks: the diagnoses tfcluster runs around a training (docs/design/diagnoses.md)."""
 
     placement: bool = True            # compare variable placement across workers
     reachability: bool = True         # every host reaches every task address before scripts start

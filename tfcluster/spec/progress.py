@@ -6,7 +6,7 @@ import re
 import yaml
 
 from tfcluster.spec.model import Progress
-from tfcluster.spec.yamltree import BadValue, fields_of, as_int, line_of, as_str
+from tfcluster.spec.yamltree import BadValue, as_int, as_str, fields_of, line_of
 
 MAX_PATTERN = 500       # characters: a pattern runs on every line of every task
 

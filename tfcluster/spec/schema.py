@@ -19,13 +19,43 @@ from tfcluster.spec import templates
 from tfcluster.spec.addresses import USER_RE, parse_address, parse_jump_host
 from tfcluster.spec.envs import parse_env, parse_names
 from tfcluster.spec.layout import per_host, task_count
-from tfcluster.spec.model import (HOST_KEY_POLICIES, JOB_NAMES, LOCAL_ADDRESSES, MAX_TASKS, MODES,
-                                  PLACEHOLDERS, RESTART_POLICIES, Checks, Host, Job, Progress, Restart,
-                                  Spec, SshSettings, Train)
+from tfcluster.spec.model import (
+    HOST_KEY_POLICIES,
+    JOB_NAMES,
+    LOCAL_ADDRESSES,
+    MAX_TASKS,
+    MODES,
+    PLACEHOLDERS,
+    RESTART_POLICIES,
+    Checks,
+    Host,
+    Job,
+    Progress,
+    Restart,
+    Spec,
+    SshSettings,
+    Train,
+)
 from tfcluster.spec.progress import parse_progress
-from tfcluster.spec.yamltree import (AnyKey, BadValue, as_bool, as_choice, as_duration, fields_of, as_int,
-                                     is_plain, line_of, as_list, as_name, as_path, as_positive, as_str, sub_field,
-                                     suggest, as_word)
+from tfcluster.spec.yamltree import (
+    AnyKey,
+    BadValue,
+    as_bool,
+    as_choice,
+    as_duration,
+    as_int,
+    as_list,
+    as_name,
+    as_path,
+    as_positive,
+    as_str,
+    as_word,
+    fields_of,
+    is_plain,
+    line_of,
+    sub_field,
+    suggest,
+)
 
 _TOP_KEYS = ("name", "python", "workdir", "env", "secret_env", "public_env", "ssh", "hosts", "jobs",
              "train")

@@ -1,5 +1,5 @@
 """What a run ships: train.script and train.files resolved, checked and listed before
-anything connects (docs/ARCHITECTURE.md, "Spec safety").
+anything connects (docs/design/spec-safety.md, "Spec safety").
 
 A path from the spec must resolve (symbolic links followed) inside the spec's directory
 or a `train.allow_outside` directory; a template script ships from the package and a

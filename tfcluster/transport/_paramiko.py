@@ -31,7 +31,7 @@ def enable_match_exec() -> None:
     """Give paramiko's config parser the `invoke` it left out (see above)."""
     import paramiko.config
     if paramiko.config.invoke is None:
-        import invoke                      # paramiko's own error when missing, as before
+        import invoke  # paramiko's own error when missing, as before
         paramiko.config.invoke = invoke
 
 

@@ -80,7 +80,7 @@ class Transport(abc.ABC):
 
     #: True for the local transport (no SSH involved)
     is_local: bool = False
-    #: attached shims deflate a task's log on its way here (docs/ARCHITECTURE.md, "Deflated logs")
+    #: attached shims deflate a task's log on its way here (docs/design/logs.md, "Deflated logs")
     deflate_logs: bool = True
 
     @abc.abstractmethod

@@ -3,7 +3,7 @@
 A listening socket on 127.0.0.1; each accepted connection gets its own channel (opened
 by the transport, `direct-tcpip`) and a pair of pump threads, one per direction.
 `close()` stops accepting, closes every connection and joins every thread. See
-docs/ARCHITECTURE.md, "TensorBoard on the chief".
+docs/design/tensorboard.md, "TensorBoard on the chief".
 """
 from __future__ import annotations
 

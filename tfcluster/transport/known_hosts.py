@@ -2,7 +2,7 @@
 hashed names, `@revoked`; and the host-key policy that decides on every connection.
 
 Pure Python (no paramiko): keys are compared as their public blobs. What is and is not
-like ssh(1) is listed in docs/ARCHITECTURE.md (SSH as ssh(1) would).
+like ssh(1) is listed in docs/design/ssh.md.
 """
 from __future__ import annotations
 

@@ -13,8 +13,8 @@ import threading
 from typing import Sequence
 
 from tfcluster.errors import DeadlineError, PreflightError
-from tfcluster.localfs import write_private
 from tfcluster.host.shim_fs import Refused, expand, private_dir
+from tfcluster.localfs import write_private
 from tfcluster.transport.base import Forward, Proc, Result, Transport
 
 

@@ -17,8 +17,7 @@ from typing import Callable, Sequence
 
 from tfcluster.errors import ConnectError, DeadlineError, PreflightError
 from tfcluster.transport.base import Forward, Proc, Result, Transport, home_relative
-from tfcluster.transport.ssh_config import (USER_CONFIG, Endpoint, SshOptions, load_ssh_config,
-                                            resolve)
+from tfcluster.transport.ssh_config import USER_CONFIG, Endpoint, SshOptions, load_ssh_config, resolve
 from tfcluster.transport.ssh_connect import Connection, dial
 
 MAX_CHANNEL_DIALS = 3       # fresh connections one channel request may open (MaxSessions)

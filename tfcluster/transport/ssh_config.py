@@ -4,7 +4,7 @@ Resolution follows ssh(1): explicit options first, then ~/.ssh/config and the sy
 /etc/ssh/ssh_config (each looked up by the host's address, then its name), then defaults.
 This module is imported to build `SshOptions` by commands that never connect
 (`tfcluster plan`), so paramiko is only imported inside the functions that parse a config
-file. What follows ssh(1) and what does not: docs/ARCHITECTURE.md.
+file. What follows ssh(1) and what does not: docs/design/ssh.md.
 """
 from __future__ import annotations
 

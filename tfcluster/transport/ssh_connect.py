@@ -24,7 +24,6 @@ from tfcluster.transport.ssh_config import Endpoint, SshOptions, jump_endpoint
 
 if TYPE_CHECKING:
     from tfcluster.transport._paramiko import paramiko
-
     from tfcluster.transport.ssh_proxy import ProxyProcess
 
 # Per destination: sshd's MaxStartups (default 10:30:100) randomly drops unauthenticated

@@ -3,7 +3,7 @@
 As ssh(1) does, the command runs as `$SHELL -c "exec COMMAND"`. Its stdin and stdout are
 one end of a socket pair, so paramiko gets a real socket (timeouts, EOF and select behave
 as on TCP). It runs in a session of its own: no terminal to prompt on, and a Ctrl-C meant
-for tfcluster does not cut the connections its cleanup still needs (docs/ARCHITECTURE.md).
+for tfcluster does not cut the connections its cleanup still needs (docs/design/ssh.md).
 """
 from __future__ import annotations
 

@@ -115,7 +115,7 @@ class UI:
 
 
 # Off a terminal (a pipe, a file, CI) everything is written as is: Rich is not imported on
-# the way to a command's first connection (docs/ARCHITECTURE.md, "Start-up cost"), no line
+# the way to a command's first connection (docs/design/remote-execs.md, "Start-up cost"), no line
 # is wrapped at Rich's 200 columns (a command saved from `plan --commands` stays one line),
 # and a table is plain aligned columns a reader can grep and cut. A terminal keeps Rich
 # for tables and colours; its lines are soft-wrapped (the terminal folds them, a copy of

@@ -1,7 +1,7 @@
 """How plans and status look: tables for people, JSON for programs.
 
 Commands shown for copy and paste are quoted word by word (safetext.shell_join); the UI
-escapes every other control character (docs/ARCHITECTURE.md, "Spec safety")."""
+escapes every other control character (docs/design/spec-safety.md, "Spec safety")."""
 from __future__ import annotations
 
 import dataclasses

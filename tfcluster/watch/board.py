@@ -6,7 +6,7 @@ prefix). A remote host's port is forwarded through the SSH connection already op
 URL is printed once TensorBoard answers, from a thread: training never waits for it.
 TensorBoard is optional: nothing here fails a run, a problem is one warning line.
 (Not `tensorboard.py`: this directory is first on sys.path for a local host's shim and TF
-server, and TensorFlow may import the real `tensorboard`.) See docs/ARCHITECTURE.md,
+server, and TensorFlow may import the real `tensorboard`.) See docs/design/tensorboard.md,
 "TensorBoard on the chief".
 """
 from __future__ import annotations
@@ -16,9 +16,8 @@ import os
 import threading
 import time
 
-from tfcluster.plan import names
 from tfcluster.errors import Terminated
-from tfcluster.plan import Plan, TaskPlan
+from tfcluster.plan import Plan, TaskPlan, names
 
 PORTS = range(6006, 6026)       # TensorBoard's own default, and upward
 READY_TIMEOUT = 60.0            # warn when it has not answered by then (and keep waiting)

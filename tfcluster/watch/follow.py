@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 import time
 
-from tfcluster.watch import runs
-from tfcluster.watch.metrics import Tracker
 from tfcluster.plan.names import log_file
 from tfcluster.ui.units import duration
+from tfcluster.watch import runs
+from tfcluster.watch.metrics import Tracker
 
 FOLLOW_POLL = 0.2         # seconds between looks at the logs while nothing new came
 

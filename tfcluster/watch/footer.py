@@ -1,5 +1,5 @@
 """The live footer of `train` in a terminal: two lines pinned under the scrolling task
-output (docs/ARCHITECTURE.md, "Live footer").
+output (docs/design/logs.md, "Live footer").
 
     step 1,200/2,000 (60%) · 42.1 steps/s · ETA 0:19 · elapsed 0:35 · loss 0.0123
     running worker:0,worker:1 · restarting 1/3 worker:2 · serving ps:0

@@ -22,11 +22,24 @@ import time
 from typing import BinaryIO, Callable, Sequence
 
 from tfcluster.localfs import NOFOLLOW, private_dir
-from tfcluster.watch.logscan import (PROBE_MARKS, TF_INFO_LINE, TF_NOISE, AnyOf, cut_echo,
-                               has_tf_log_line, is_echo, last_lines, PROBE, PROBE_OR_NOISE,
-                               tf_message_continues, tf_message_opens, tf_python_echo, utf8_split)
 from tfcluster.plan.names import log_file
 from tfcluster.safetext import escape
+from tfcluster.watch.logscan import (
+    PROBE,
+    PROBE_MARKS,
+    PROBE_OR_NOISE,
+    TF_INFO_LINE,
+    TF_NOISE,
+    AnyOf,
+    cut_echo,
+    has_tf_log_line,
+    is_echo,
+    last_lines,
+    tf_message_continues,
+    tf_message_opens,
+    tf_python_echo,
+    utf8_split,
+)
 
 NOTE_MARK = "[tfcluster] "
 HISTORY = 100                 # recent display lines kept per task (tail, summary)
@@ -80,7 +93,7 @@ class LogMux:
         self._out_lock = threading.Lock()
         self._broken = False      # the reader of `out` went away (e.g. `| head`)
         self._closed = False
-        self._footer = b""        # the live footer on screen (docs/ARCHITECTURE.md, "Live footer")
+        self._footer = b""        # the live footer on screen (docs/design/logs.md, "Live footer")
         self._footer_rows = 0
         shown = {key: show(key) if show is not None else True for key in keys}
         # Align on the tasks actually shown: a hidden long key must not widen every prefix.

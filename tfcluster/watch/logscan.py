@@ -2,7 +2,7 @@
 boundaries, TensorFlow's start-up noise and C++ log lines (and the lines that continue one),
 absl's echoes of TF's Python log lines, tfcluster's probe lines, the markers of the run's
 watchers. Bytes in, bytes out; every scan covers a whole block (up to a megabyte), and lines
-are cut out only where a marker is (docs/ARCHITECTURE.md, "The data path of `train`, one
+are cut out only where a marker is (docs/design/logs.md, "The data path of `train`, one
 hop per line").
 """
 from __future__ import annotations
@@ -132,7 +132,7 @@ class AnyOf:
 
 
 # The rest of one multi-line TF message, hidden with its first line: it continues only in
-# the shape its first line announces (docs/ARCHITECTURE.md, "The data path of `train`, one
+# the shape its first line announces (docs/design/logs.md, "The data path of `train`, one
 # hop per line").
 NAMES = -1        # after a line ending in ":": TF task names, one a line
 _END = -2         # the line ends the message (the empty line after a DebugString)

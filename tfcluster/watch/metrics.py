@@ -181,9 +181,9 @@ def required_literal(regex: re.Pattern) -> bytes:
     if regex.flags & re.IGNORECASE:
         return b""
     try:
-        import re._parser as parser          # Python 3.11+
+        import re._parser as parser  # Python 3.11+
     except ImportError:                      # pragma: no cover - 3.10
-        import sre_parse as parser           # type: ignore[no-redef]
+        import sre_parse as parser  # type: ignore[no-redef]
     best, run = b"", bytearray()
     for op, arg in parser.parse(regex.pattern, regex.flags):
         if op is parser.LITERAL:

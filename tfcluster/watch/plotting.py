@@ -12,11 +12,11 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from tfcluster.watch import runs
 from tfcluster.errors import UsageError
-from tfcluster.watch.metrics import Tracker, points
 from tfcluster.plan.names import log_file
+from tfcluster.watch import runs
 from tfcluster.watch.follow import patterns_of
+from tfcluster.watch.metrics import Tracker, points
 
 WIDTH = 48                # columns of a terminal plot
 BARS = "▁▂▃▄▅▆▇█"

@@ -18,9 +18,9 @@ from dataclasses import replace
 
 from tfcluster.errors import UsageError
 from tfcluster.localfs import NOFOLLOW, private_dir, write_private
-from tfcluster.watch.metrics import Tracker, target_of
-from tfcluster.plan.names import is_run_of, key_of_log, log_file
 from tfcluster.plan import JOB_NAMES, Plan, plan_to_dict
+from tfcluster.plan.names import is_run_of, key_of_log, log_file
+from tfcluster.watch.metrics import Tracker, target_of
 
 PROGRESS_FILE = "progress.tsv"
 

@@ -1,4 +1,4 @@
-"""tfcluster's start-up probe for a training script (docs/ARCHITECTURE.md, "Diagnoses").
+"""tfcluster's start-up probe for a training script (docs/design/diagnoses.md, "Diagnoses").
 
 tfcluster puts this directory first on a script's PYTHONPATH, so Python runs this file
 at start-up as `sitecustomize`. It imports nothing heavy and changes nothing until the
@@ -56,7 +56,7 @@ def _report(session):
         dtype = getattr(getattr(v, "dtype", None), "base_dtype", None)
         rows.append([v.name, v.device or "", shape, getattr(dtype, "name", str(dtype))])
     task = "%s:%s" % (os.environ.get("TFCLUSTER_JOB", "?"), os.environ.get("TFCLUSTER_TASK_INDEX", "?"))
-    import json   # here, not at start-up: 2 ms of every script's start (and every restart's)
+    import json  # here, not at start-up: 2 ms of every script's start (and every restart's)
     _emit(_MARK + json.dumps({"task": task, "pid": os.getpid(), "vars": rows,
                               "truncated": len(variables) > _MAX_VARS}, separators=(",", ":")))
 
@@ -142,7 +142,7 @@ def _chain_user_sitecustomize():
     spec = importlib.machinery.PathFinder.find_spec("sitecustomize", path)
     if spec is None or spec.loader is None:
         return
-    from importlib.util import module_from_spec   # only with a user's sitecustomize to run
+    from importlib.util import module_from_spec  # only with a user's sitecustomize to run
     module = module_from_spec(spec)
     sys.modules["sitecustomize"] = module
     spec.loader.exec_module(module)   # its errors surface exactly as site.py shows them
