@@ -17,10 +17,11 @@ from tests.conftest import tagged_processes, wait_for
 from tests.helpers import kill_group, local_spec, manifest, only_run, read_until, start_tfcluster, tfcluster
 from tfcluster.diagnose import placement as pl
 from tfcluster.diagnose import watchdog as wd
+from tfcluster.host import HOST_DIR
 
 SCRIPTS = Path(__file__).parent / "scripts"
 ALLOW_SCRIPTS = f"  allow_outside: [{SCRIPTS}]\n"   # the specs live in tmp, the scripts here
-PROBE_DIR = Path(pl.__file__).parent / "probe"
+PROBE_DIR = Path(HOST_DIR) / "probe"
 
 
 @pytest.fixture
