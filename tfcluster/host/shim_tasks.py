@@ -125,15 +125,19 @@ def spawn(req: dict) -> tuple[subprocess.Popen, str, int]:
 
 
 def release(proc: subprocess.Popen, pidfile: str) -> None:
-    """GO to a task started with `hold` (a warm server); its pid file loses the mark."""
+    """GO to a task started with `hold` (a warm server). Its pid file loses the mark first:
+    a released server binds within milliseconds, and a status read then must not call it warm."""
     if proc.stdin is None:
         return
+    _unmark_warm(expand(pidfile))
     try:
         proc.stdin.write(proto.GO_LINE)
         proc.stdin.close()
     except OSError:
         pass                        # it died warm: its exit says so
-    path = expand(pidfile)
+
+
+def _unmark_warm(path: str) -> None:
     try:
         with open(path, "rb") as f:
             record = json.loads(f.read())
