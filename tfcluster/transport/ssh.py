@@ -23,7 +23,7 @@ from tfcluster.transport.ssh_connect import Connection, dial
 MAX_CHANNEL_DIALS = 3       # fresh connections one channel request may open (MaxSessions)
 # Reads of up to 1 MiB: a partial read makes paramiko move the rest of its buffer down
 # (`del buf[:n]`); at 64 KiB a 2 MiB backlog (its window) was moved 32 times per 2 MiB read,
-# a third of the launcher's streaming CPU (issue 12). Bigger reads only cost memory.
+# a third of the launcher's streaming CPU, in benchmarks/log_stream.py. Bigger reads only cost memory.
 WHOLE = 1 << 20
 
 
