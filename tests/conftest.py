@@ -10,57 +10,15 @@ import os
 import sys
 import threading
 import time
-import uuid
 
 import psutil
 import pytest
 
+from tests.helpers import CLUSTER_DIR, tagged_processes
 from tfcluster.launch.agent import HostAgent
 from tfcluster.transport.local import LocalTransport
 
-CLUSTER_DIR = "~/.tfcluster/lab"     # tests.helpers.CLUSTER_DIR: the agents' cluster
-
 pytest_plugins = ["tests.sshd", "tests.users", "tests.slurm"]
-
-TAG = "TFCLUSTER_JOB_ID="
-# Every process this test session starts inherits this marker (the test sshd passes it on
-# with SetEnv), so the leak check judges only our own processes, never another session's.
-SESSION_VAR = "TFCLUSTER_TEST_SESSION"
-os.environ.setdefault(SESSION_VAR, uuid.uuid4().hex)
-SESSION_MARK = f"{SESSION_VAR}={os.environ[SESSION_VAR]}".encode()
-
-
-def tagged_processes() -> dict[int, str]:
-    """pid -> tag value of every live process of this test session carrying the tfcluster tag."""
-    found = {}
-    for proc in psutil.process_iter(["pid", "status"]):
-        if proc.info["status"] == psutil.STATUS_ZOMBIE:
-            continue
-        try:
-            with open(f"/proc/{proc.pid}/environ", "rb") as f:
-                environ = f.read()
-        except OSError:
-            continue
-        items = environ.split(b"\0")
-        if SESSION_MARK not in items:
-            continue
-        for item in items:
-            if item.startswith(TAG.encode()):
-                found[proc.pid] = item[len(TAG):].decode(errors="replace")
-    return found
-
-
-def wait_for(predicate, timeout: float, interval: float = 0.05, what: str = "condition"):
-    """Poll `predicate` until it returns a truthy value or `timeout` passes."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
-
 
 # The speed classes (pyproject's markers) come from what a test starts, not from memory: a
 # test that uses a fixture starting an sshd or Slurm gets that mark here, and one of the fast

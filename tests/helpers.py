@@ -16,7 +16,6 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import tagged_processes
 from tests.tf_launch import free_ports
 from tfcluster.errors import ConnectError
 from tfcluster.host import shim_procs
@@ -29,6 +28,48 @@ ROOT = Path(__file__).resolve().parent.parent
 TEMPLATES = ROOT / "templates"
 RESULT = re.compile(r"tfcluster-result: global_step=(\d+) loss=([0-9.eE+-]+|nan|inf)")
 LOSS = re.compile(r"loss=([0-9.eE+-]+)")
+
+
+# Processes of this test session: tfcluster tags every process it starts (TFCLUSTER_JOB_ID,
+# docs/ARCHITECTURE.md); conftest's leak check and many tests find them by it.
+TAG = "TFCLUSTER_JOB_ID="
+# Every process this test session starts inherits this marker (the test sshd passes it on
+# with SetEnv), so the leak check judges only our own processes, never another session's.
+SESSION_VAR = "TFCLUSTER_TEST_SESSION"
+os.environ.setdefault(SESSION_VAR, uuid.uuid4().hex)
+SESSION_MARK = f"{SESSION_VAR}={os.environ[SESSION_VAR]}".encode()
+
+
+def tagged_processes() -> dict[int, str]:
+    """pid -> tag value of every live process of this test session carrying the tfcluster tag."""
+    found = {}
+    for proc in psutil.process_iter(["pid", "status"]):
+        if proc.info["status"] == psutil.STATUS_ZOMBIE:
+            continue
+        try:
+            with open(f"/proc/{proc.pid}/environ", "rb") as f:
+                environ = f.read()
+        except OSError:
+            continue
+        items = environ.split(b"\0")
+        if SESSION_MARK not in items:
+            continue
+        for item in items:
+            if item.startswith(TAG.encode()):
+                found[proc.pid] = item[len(TAG):].decode(errors="replace")
+    return found
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.05, what: str = "condition"):
+    """Poll `predicate` until it returns a truthy value or `timeout` passes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
 
 
 def local_spec(tmp: Path, *, mode: str = "between-graph", script: str = "template:between_graph",
@@ -87,8 +128,7 @@ def kill_tagged_once_seen(proc: subprocess.Popen, pattern: str, tag_suffix: str,
     """Read a running tfcluster's output until `pattern`, SIGKILL the one task process whose
     tag ends with `tag_suffix` (`:worker:1:script`, `:ps:0:server`), then return the rest of
     the output once tfcluster exits. tfcluster's group is killed whatever happens."""
-    from tests.conftest import tagged_processes
-
+    
     try:
         read_until(proc, pattern, timeout=wait)
         victims = [pid for pid, tag in tagged_processes().items() if tag.endswith(tag_suffix)]
@@ -249,8 +289,6 @@ if str(port) == os.environ.get("ESCAPE_PORT"):
 while True:
     signal.pause()
 '''
-
-
 
 
 LOCAL = os.path.join(ROOT, "sample_clusters", "local.yaml")

@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import pytest
 
-from tests.conftest import SESSION_VAR
+from tests.helpers import SESSION_VAR
 from tfcluster.transport.ssh import SshTransport
 from tfcluster.transport.ssh_config import SYSTEM_CONFIG_VAR, SshOptions
 

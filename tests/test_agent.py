@@ -14,8 +14,19 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import wait_for
-from tests.helpers import CLUSTER_DIR, PATHS, STUBBORN, C, free_port, gone, launch, q, read_all, with_tag
+from tests.helpers import (
+    CLUSTER_DIR,
+    PATHS,
+    STUBBORN,
+    C,
+    free_port,
+    gone,
+    launch,
+    q,
+    read_all,
+    wait_for,
+    with_tag,
+)
 from tfcluster.errors import HostError
 from tfcluster.host import shim_facts
 from tfcluster.launch.agent import HostAgent, TaskLaunch

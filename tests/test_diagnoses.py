@@ -13,8 +13,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import tagged_processes, wait_for
-from tests.helpers import kill_group, local_spec, manifest, only_run, read_until, start_tfcluster, tfcluster
+from tests.helpers import (
+    kill_group,
+    local_spec,
+    manifest,
+    only_run,
+    read_until,
+    start_tfcluster,
+    tagged_processes,
+    tfcluster,
+    wait_for,
+)
 from tfcluster.diagnose import placement as pl
 from tfcluster.diagnose import watchdog as wd
 from tfcluster.host import HOST_DIR

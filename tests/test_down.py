@@ -16,8 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import tagged_processes, wait_for
-from tests.helpers import STANDIN, bindable, state_path, tfcluster
+from tests.helpers import STANDIN, bindable, state_path, tagged_processes, tfcluster, wait_for
 from tests.tf_launch import free_ports
 
 pytestmark = [pytest.mark.timeout(180)]

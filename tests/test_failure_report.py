@@ -7,8 +7,7 @@ import sys
 
 import pytest
 
-from tests.conftest import tagged_processes, wait_for
-from tests.helpers import STANDIN, kill_tagged_once_seen, start_tfcluster
+from tests.helpers import STANDIN, kill_tagged_once_seen, start_tfcluster, tagged_processes, wait_for
 from tests.tf_launch import free_ports
 
 pytestmark = pytest.mark.timeout(90)

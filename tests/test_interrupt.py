@@ -13,8 +13,15 @@ import time
 
 import pytest
 
-from tests.conftest import tagged_processes, wait_for
-from tests.helpers import kill_group, local_spec, read_until, ssh_spec, start_tfcluster
+from tests.helpers import (
+    kill_group,
+    local_spec,
+    read_until,
+    ssh_spec,
+    start_tfcluster,
+    tagged_processes,
+    wait_for,
+)
 from tfcluster.launch.supervisor import SCRIPT_GRACE  # a script's last checkpoint after Ctrl-C
 
 pytestmark = [pytest.mark.tf, pytest.mark.timeout(240)]

@@ -10,8 +10,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import tagged_processes, wait_for
-from tests.helpers import bindable, kill_group, local_spec, read_until, ssh_spec, start_tfcluster, state_path, tfcluster
+from tests.helpers import (
+    bindable,
+    kill_group,
+    local_spec,
+    read_until,
+    ssh_spec,
+    start_tfcluster,
+    state_path,
+    tagged_processes,
+    tfcluster,
+    wait_for,
+)
 from tests.tf_launch import free_ports
 
 pytestmark = [pytest.mark.timeout(240)]

@@ -10,8 +10,16 @@ import textwrap
 
 import pytest
 
-from tests.conftest import tagged_processes
-from tests.helpers import CLUSTER_DIR, C, free_port, launch, noisy_python, tfcluster, with_tag
+from tests.helpers import (
+    CLUSTER_DIR,
+    C,
+    free_port,
+    launch,
+    noisy_python,
+    tagged_processes,
+    tfcluster,
+    with_tag,
+)
 from tfcluster.launch.agent import HostAgent
 from tfcluster.transport.local import LocalTransport
 

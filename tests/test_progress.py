@@ -5,7 +5,7 @@ import io
 import sys
 from types import SimpleNamespace
 
-from tests.conftest import wait_for
+from tests.helpers import wait_for
 from tfcluster.launch import servers
 from tfcluster.plan import build_plan
 from tfcluster.spec import load_spec

@@ -10,8 +10,7 @@ import sys
 
 import pytest
 
-from tests.conftest import tagged_processes
-from tests.helpers import TEMPLATES, cli_env, local_spec, only_run
+from tests.helpers import TEMPLATES, cli_env, local_spec, only_run, tagged_processes
 from tests.tf_launch import HandLaunch, make_cluster, port_of, wait_port
 from tfcluster.host import shim_net, shim_tasks
 

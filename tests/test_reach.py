@@ -17,8 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import tagged_processes, wait_for
-from tests.helpers import tfcluster
+from tests.helpers import tagged_processes, tfcluster, wait_for
 from tests.tf_launch import free_ports
 from tfcluster.host import shim_net
 from tfcluster.launch.reach import Failure, _error, can_connect

@@ -18,7 +18,6 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
-from tests.conftest import tagged_processes, wait_for
 from tests.helpers import (
     C,
     gone,
@@ -28,7 +27,9 @@ from tests.helpers import (
     only_run,
     read_until,
     start_tfcluster,
+    tagged_processes,
     tfcluster,
+    wait_for,
     with_tag,
 )
 from tests.tf_launch import free_ports

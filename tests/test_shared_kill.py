@@ -19,8 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import tagged_processes, wait_for
-from tests.helpers import LISTENER, cli_env, tfcluster
+from tests.helpers import LISTENER, cli_env, tagged_processes, tfcluster, wait_for
 from tests.tf_launch import free_ports
 from tfcluster.errors import PreflightError
 from tfcluster.host import shim_ports, shim_procs

@@ -13,8 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import SESSION_VAR, wait_for
-from tests.helpers import tfcluster
+from tests.helpers import SESSION_VAR, tfcluster, wait_for
 from tfcluster.host import shim_procs
 
 SYSTEM_PYTHON = "/usr/bin/python3"

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import wait_for
-from tests.helpers import LOCAL, tfc
+from tests.helpers import LOCAL, tfc, wait_for
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(300)]
 

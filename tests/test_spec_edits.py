@@ -18,8 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import SESSION_VAR, tagged_processes, wait_for
-from tests.helpers import LISTENER, STANDIN, state_path, tfcluster
+from tests.helpers import LISTENER, SESSION_VAR, STANDIN, state_path, tagged_processes, tfcluster, wait_for
 from tests.tf_launch import free_ports
 from tfcluster.errors import PreflightError
 from tfcluster.host.shim_ports import listeners

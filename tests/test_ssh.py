@@ -12,8 +12,7 @@ import uuid
 
 import pytest
 
-from tests.conftest import wait_for
-from tests.helpers import assert_went_through_jump, connect_error, fingerprint, keygen, where
+from tests.helpers import assert_went_through_jump, connect_error, fingerprint, keygen, wait_for, where
 from tests.sshd import Target, make_target
 from tfcluster.errors import ConnectError, DeadlineError
 from tfcluster.transport import make_transport

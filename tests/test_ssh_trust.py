@@ -12,8 +12,15 @@ import subprocess
 import psutil
 import pytest
 
-from tests.conftest import wait_for
-from tests.helpers import assert_went_through_jump, connect_error, fingerprint, free_port, keygen, where
+from tests.helpers import (
+    assert_went_through_jump,
+    connect_error,
+    fingerprint,
+    free_port,
+    keygen,
+    wait_for,
+    where,
+)
 from tests.sshd import Target, make_target
 from tfcluster.errors import ExitCode
 from tfcluster.transport.ssh_config import GLOBAL_KNOWN_HOSTS, SYSTEM_CONFIG_VAR, SshOptions, load_ssh_config, resolve

@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import wait_for
-from tests.helpers import local_spec, only_run, tfcluster
+from tests.helpers import local_spec, only_run, tfcluster, wait_for
 
 PROBE_DIR = Path(__file__).resolve().parent.parent / "tfcluster" / "host" / "probe"
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import tagged_processes
-from tests.helpers import tfcluster
+from tests.helpers import tagged_processes, tfcluster
 from tests.tf_launch import free_ports
 
 pytestmark = pytest.mark.timeout(90)

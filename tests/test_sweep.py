@@ -9,8 +9,7 @@ import textwrap
 
 import pytest
 
-from tests.conftest import wait_for
-from tests.helpers import STUBBORN, C, gone, launch, read_all, with_tag
+from tests.helpers import STUBBORN, C, gone, launch, read_all, wait_for, with_tag
 
 # Leaves a TERM-ignoring grandchild in a session of its own, then exits 0.
 LEAVES_A_CHILD = textwrap.dedent("""

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import wait_for
+from tests.helpers import wait_for
 from tests.tf_launch import HandLaunch, make_cluster, port_of, wait_port
 
 pytest.importorskip("tensorflow")

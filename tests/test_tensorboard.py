@@ -16,8 +16,16 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import tagged_processes, wait_for
-from tests.helpers import kill_group, local_spec, only_run, read_until, start_tfcluster, tfcluster
+from tests.helpers import (
+    kill_group,
+    local_spec,
+    only_run,
+    read_until,
+    start_tfcluster,
+    tagged_processes,
+    tfcluster,
+    wait_for,
+)
 from tests.sshd import make_target
 from tests.tf_launch import free_ports
 

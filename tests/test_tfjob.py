@@ -19,7 +19,7 @@ import psutil
 import pytest
 import yaml
 
-from tests.conftest import tagged_processes
+from tests.helpers import tagged_processes
 from tests.tf_launch import HandLaunch, free_ports
 from tfcluster.engines import render
 from tfcluster.engines.bundle import bundle_files, launch_config

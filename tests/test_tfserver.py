@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import wait_for
+from tests.helpers import wait_for
 from tfcluster.host import shim_ports
 
 pytest.importorskip("tensorflow")

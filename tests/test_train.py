@@ -9,7 +9,6 @@ import time
 
 import pytest
 
-from tests.conftest import tagged_processes, wait_for
 from tests.helpers import (
     kill_group,
     kill_tagged_once_seen,
@@ -20,7 +19,9 @@ from tests.helpers import (
     read_until,
     result_of,
     start_tfcluster,
+    tagged_processes,
     tfcluster,
+    wait_for,
 )
 
 pytestmark = [pytest.mark.tf, pytest.mark.timeout(300)]

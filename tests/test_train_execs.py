@@ -10,8 +10,7 @@ from collections import Counter
 
 import pytest
 
-from tests.conftest import tagged_processes
-from tests.helpers import ssh_spec, tfcluster
+from tests.helpers import ssh_spec, tagged_processes, tfcluster
 from tests.sshd import SFTP_SERVER
 
 pytestmark = [pytest.mark.ssh, pytest.mark.timeout(240)]

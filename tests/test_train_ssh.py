@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import tagged_processes
-from tests.helpers import manifest, only_run, result_of, ssh_spec, tfcluster
+from tests.helpers import manifest, only_run, result_of, ssh_spec, tagged_processes, tfcluster
 
 pytestmark = [pytest.mark.tf, pytest.mark.ssh, pytest.mark.timeout(300)]
 

@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import tagged_processes
-from tests.helpers import bindable
+from tests.helpers import bindable, tagged_processes, wait_for
 from tfcluster.host import shim_protocol as proto
 from tfcluster.launch.agent import HostAgent, TaskLaunch
 from tfcluster.launch.upexec import UpExec
@@ -125,8 +124,6 @@ def test_reach_lines_run_in_the_conversation_and_its_listeners_close_before_go(a
 
 def test_an_attached_start_with_hold_binds_only_after_go(agent, home):
     """train's warm servers: the attached shim passes GO to the task's stdin."""
-    from tests.conftest import wait_for
-
     port = free_port()
     task = agent.start_attached(server(port, run="r-1")[2], hold=True)
     [status] = agent.status(names.cluster_prefix(C))

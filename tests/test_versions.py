@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import tagged_processes
-from tests.helpers import state_path, tfcluster
+from tests.helpers import state_path, tagged_processes, tfcluster
 from tests.tf_launch import free_ports
 from tfcluster.diagnose.versions import find_skew, find_skews, message, odd_fields
 from tfcluster.host.shim_facts import _build_info, tf_version

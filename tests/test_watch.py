@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import wait_for
-from tests.helpers import cli_env, kill_group, local_spec, read_until, start_tfcluster, tfcluster
+from tests.helpers import cli_env, kill_group, local_spec, read_until, start_tfcluster, tfcluster, wait_for
 from tfcluster.watch import metrics
 from tfcluster.watch.plotting import rates, run_series, sparkline, text_plot
 from tfcluster.watch.runs import read_manifest
