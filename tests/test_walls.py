@@ -1,13 +1,17 @@
-"""The walls of docs/ARCHITECTURE.md: import-linter's contracts (pyproject.toml) hold, and
-comments point only inside the repository."""
+"""The walls of docs/ARCHITECTURE.md: import-linter's contracts (pyproject.toml) hold, what runs
+where no tfcluster is installed imports only the standard library, and comments point only
+inside the repository."""
 from __future__ import annotations
 
+import ast
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "tfcluster"
+HOST = PACKAGE / "host"
 
 
 def test_import_linter_finds_every_wall_kept():
@@ -18,7 +22,36 @@ def test_import_linter_finds_every_wall_kept():
     assert "0 broken" in done.stdout
 
 
+def outside_imports(path: Path) -> set[str]:
+    """The top-level names of every absolute import in `path`, lazy ones and `try` fallbacks
+    included (relative imports are the file's siblings)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names - {"__future__"}
+
+
+def test_the_host_files_import_only_the_standard_library_and_each_other():
+    """They are shipped flat to hosts whose Python may have nothing else (import-linter
+    cannot say 'only the standard library'); tfserver.py alone runs TensorFlow."""
+    siblings = {p.stem for p in HOST.glob("*.py")}
+    for path in sorted(HOST.rglob("*.py")):
+        allowed = set(sys.stdlib_module_names) | siblings | ({"tensorflow"} if path.name == "tfserver.py" else set())
+        assert outside_imports(path) <= allowed, (path, outside_imports(path) - allowed)
+
+
+def test_engines_launch_stands_alone():
+    """engines/launch.py runs in TFJob pods and Slurm jobs, where no tfcluster is installed."""
+    path = PACKAGE / "engines" / "launch.py"
+    tree = ast.parse(path.read_text())
+    assert not [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level], "a relative import"
+    assert outside_imports(path) <= set(sys.stdlib_module_names), outside_imports(path)
+
+
 def test_comments_point_only_inside_the_repository():
-    for path in sorted((ROOT / "tfcluster").rglob("*.py")):
+    for path in sorted(PACKAGE.rglob("*.py")):
         text = path.read_text()
         assert "DESIGN.md" not in text and "STYLE.md" not in text and "../shared" not in text, path
