@@ -11,6 +11,10 @@ need_apt=()
 [ -x /usr/sbin/sshd ] || need_apt+=(openssh-server)
 command -v ssh >/dev/null || need_apt+=(openssh-client)
 command -v pdsh >/dev/null || need_apt+=(pdsh)
+# Debian's python3 makes a venv only with python3-venv (ensurepip) installed.
+if [ -z "${VIRTUAL_ENV:-}" ] && [ ! -x .venv/bin/python ] && ! python3 -c 'import ensurepip' 2>/dev/null; then
+  need_apt+=(python3-venv)
+fi
 # A one-node Slurm for tests/slurm.py (slurmctld, slurmd, client tools; MUNGE for auth).
 need_slurm=()
 { [ -x /usr/sbin/slurmctld ] && [ -x /usr/sbin/slurmd ] && command -v sbatch >/dev/null; } \
