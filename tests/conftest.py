@@ -51,14 +51,15 @@ def _tensorflow_processes(root: psutil.Process) -> list[str]:
 @pytest.fixture(autouse=True)
 def tf_free(request):
     """A test of the fast subset (no tf, ssh or slurm mark) must start no TensorFlow (TF takes
-    seconds to import): its descendants are looked at while it runs."""
+    seconds to import): its descendants are looked at while it runs, every 0.2 s (a process
+    that maps TensorFlow and ends sooner can slip by; its import alone takes longer)."""
     if any(request.node.get_closest_marker(m) is not None for m in ("tf", "ssh", "slurm")):
         yield
         return
     me, seen, done = psutil.Process(), [], threading.Event()
 
     def watch() -> None:
-        while not seen and not done.wait(0.5):
+        while not seen and not done.wait(0.2):
             seen.extend(_tensorflow_processes(me))
 
     watcher = threading.Thread(target=watch, daemon=True)

@@ -37,6 +37,12 @@ def venv(path: Path, system: bool = False) -> tuple[str, Path]:
     return python, Path(site)
 
 
+def base_python(venv_dir: Path) -> str:
+    """The interpreter a venv was made from, as its pyvenv.cfg says (`home`: its directory)."""
+    cfg = dict(line.split(" = ", 1) for line in (venv_dir / "pyvenv.cfg").read_text().splitlines() if " = " in line)
+    return str(Path(cfg["home"]) / f"python{sys.version_info.major}.{sys.version_info.minor}")
+
+
 def fake_dist(where: Path, name: str, version: str) -> None:
     info = where / f"{name}-{version}.dist-info"
     info.mkdir(parents=True)
@@ -61,9 +67,9 @@ def test_a_venvs_own_tensorflow_is_found_not_the_base_interpreters(tmp_path):
 
 def test_a_venv_with_system_site_packages_sees_the_base_tensorflow(tmp_path):
     python, _ = venv(tmp_path / "v", system=True)
-    # a venv's system site-packages are its base interpreter's, whether or not the tests
-    # themselves run in a venv (there, this interpreter's packages are not the base's)
-    base = info(getattr(sys, "_base_executable", sys.executable))["tf_version"]
+    # a venv's system site-packages are those of the interpreter its pyvenv.cfg names as
+    # home: this one, or, when the tests themselves run in a venv, that venv's base
+    base = info(base_python(tmp_path / "v"))["tf_version"]
     assert info(python, NO_SITE)["tf_version"] == info(python)["tf_version"] == base
 
 

@@ -106,7 +106,7 @@ def test_a_host_whose_login_shell_prints_is_a_preflight_error_naming_it(sshd_fac
     """sshd starts sftp-server through the user's shell; a ~/.bashrc that echoes a banner
     puts words before the SFTP stream: paramiko's 'Garbage packet received' was all the
     user saw, exit 1. (The sessions of this sshd get a HOME of their own.)"""
-    from tests.sshd import SESSION_VAR
+    from tests.helpers import SESSION_VAR
     from tfcluster.errors import PreflightError
 
     banner_home = tmp_path / "banner-home"

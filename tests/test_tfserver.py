@@ -17,6 +17,8 @@ from tfcluster.host import shim_ports
 
 pytest.importorskip("tensorflow")
 
+pytestmark = pytest.mark.tf   # every test here starts real TensorFlow
+
 TFSERVER = Path(__file__).resolve().parent.parent / "tfcluster" / "host" / "tfserver.py"
 
 # Which classes server_classes() chose, and whether tensorflow's Python API was loaded;
@@ -53,7 +55,6 @@ def test_the_default_is_the_lean_import_and_its_server_serves():
     assert got == {"module": "tensorflow.python.training.server_lib", "api": False, "plugins": []}
 
 
-@pytest.mark.tf
 def test_a_plugin_directory_or_the_variable_means_the_full_import(tmp_path):
     plugins = tmp_path / "tensorflow-plugins"
     plugins.mkdir()
@@ -76,7 +77,6 @@ if os.environ.get("TFCLUSTER_SERVER_IMPORT") != "full":
 """
 
 
-@pytest.mark.tf
 def test_a_failed_lean_import_becomes_the_full_one_in_the_same_process(tmp_path):
     (tmp_path / "sitecustomize.py").write_text(POISON)
     port = free_port()
