@@ -21,10 +21,12 @@ from tfcluster.transport.local import LocalTransport
 pytest_plugins = ["tests.sshd", "tests.users", "tests.slurm"]
 
 # The speed classes (pyproject's markers) come from what a test starts, not from memory: a
-# test that uses a fixture starting an sshd or Slurm gets that mark here, and one of the fast
-# subset that starts TensorFlow fails (tf_free). `-m "not tf and not ssh and not slurm"`
-# is then the fast subset.
+# test that uses a fixture starting an sshd or Slurm gets that mark here, and a test of the
+# fast subset that starts TensorFlow, an sshd or Slurm all the same fails (fast_subset_only_fast).
+# `-m "not tf and not ssh and not slurm"` is then the fast subset.
 FIXTURE_MARKS = {"sshd_factory": "ssh", "slurm_cluster": "slurm"}
+SLOW_MARKS = ("tf", "ssh", "slurm")
+SLOW_PROGRAMS = {"sshd": "ssh", "slurmctld": "slurm", "slurmd": "slurm", "munged": "slurm"}
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -35,32 +37,36 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(mark)
 
 
-def _tensorflow_processes(root: psutil.Process) -> list[str]:
-    """The descendants of `root` that have TensorFlow's library mapped."""
+def _slow_processes(root: psutil.Process) -> list[str]:
+    """The descendants of `root` that belong to a slow class: an sshd, Slurm's daemons, or any
+    process with TensorFlow's library mapped; each as `mark: pid command`."""
     found = []
     for child in root.children(recursive=True):
         try:
-            with open(f"/proc/{child.pid}/maps", "rb") as f:
-                if b"tensorflow" in f.read():
-                    found.append(f"{child.pid} {' '.join(child.cmdline())[:120]}")
+            mark = SLOW_PROGRAMS.get(child.name())
+            if mark is None:
+                with open(f"/proc/{child.pid}/maps", "rb") as f:
+                    mark = "tf" if b"tensorflow" in f.read() else None
+            if mark:
+                found.append(f"{mark}: {child.pid} {' '.join(child.cmdline())[:120]}")
         except (OSError, psutil.Error):
             continue
     return found
 
 
 @pytest.fixture(autouse=True)
-def tf_free(request):
-    """A test of the fast subset (no tf, ssh or slurm mark) must start no TensorFlow (TF takes
-    seconds to import): its descendants are looked at while it runs, every 0.2 s (a process
-    that maps TensorFlow and ends sooner can slip by; its import alone takes longer)."""
-    if any(request.node.get_closest_marker(m) is not None for m in ("tf", "ssh", "slurm")):
+def fast_subset_only_fast(request):
+    """A test of the fast subset (no tf, ssh or slurm mark) must start no TensorFlow (seconds
+    to import), sshd or Slurm: its descendants are looked at while it runs, every 0.2 s (a
+    process that ends sooner can slip by; TensorFlow's import alone takes longer)."""
+    if any(request.node.get_closest_marker(m) is not None for m in SLOW_MARKS):
         yield
         return
     me, seen, done = psutil.Process(), [], threading.Event()
 
     def watch() -> None:
         while not seen and not done.wait(0.2):
-            seen.extend(_tensorflow_processes(me))
+            seen.extend(_slow_processes(me))
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
@@ -68,7 +74,7 @@ def tf_free(request):
     done.set()
     watcher.join()
     if seen:
-        pytest.fail(f"started TensorFlow without the `tf` mark: {seen[0]}")
+        pytest.fail(f"started without its mark ({seen[0].split(':')[0]}): {seen[0]}")
 
 
 @pytest.fixture(autouse=True)
