@@ -37,11 +37,13 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(mark)
 
 
-def _slow_processes(root: psutil.Process) -> list[str]:
-    """The descendants of `root` that belong to a slow class: an sshd, Slurm's daemons, or any
-    process with TensorFlow's library mapped; each as `mark: pid command`."""
+def _slow_processes(root: psutil.Process, old: set[int]) -> list[str]:
+    """The descendants of `root` not in `old` that belong to a slow class: an sshd, Slurm's
+    daemons, or any process with TensorFlow's library mapped; each as `mark: pid command`."""
     found = []
     for child in root.children(recursive=True):
+        if child.pid in old:
+            continue
         try:
             mark = SLOW_PROGRAMS.get(child.name())
             if mark is None:
@@ -58,15 +60,17 @@ def _slow_processes(root: psutil.Process) -> list[str]:
 def fast_subset_only_fast(request):
     """A test of the fast subset (no tf, ssh or slurm mark) must start no TensorFlow (seconds
     to import), sshd or Slurm: its descendants are looked at while it runs, every 0.2 s (a
-    process that ends sooner can slip by; TensorFlow's import alone takes longer)."""
+    process that ends sooner can slip by; TensorFlow's import alone takes longer). Those that
+    were running before it began (a session's sshd started by an earlier test) are not its own."""
     if any(request.node.get_closest_marker(m) is not None for m in SLOW_MARKS):
         yield
         return
     me, seen, done = psutil.Process(), [], threading.Event()
+    old = {p.pid for p in me.children(recursive=True)}
 
     def watch() -> None:
         while not seen and not done.wait(0.2):
-            seen.extend(_slow_processes(me))
+            seen.extend(_slow_processes(me, old))
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
