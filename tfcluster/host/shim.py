@@ -54,8 +54,11 @@ def cmd_info(req: dict) -> dict:
     if req.get("light"):        # down, status: which machine it is, and nothing that costs (nvidia-smi)
         return answer
     gpus, driver = facts.nvidia()
-    answer.update({"tf_version": facts.tf_version(), "gpus": gpus, "driver_version": driver,
-                   "tensorboard_version": facts.installed_version(facts.TB_DISTRIBUTIONS),
+    tf = facts.tf_version()      # first: it may run `site`, which the others then see
+    tb, keras, tf_keras = facts.installed_versions(
+        facts.TB_DISTRIBUTIONS, facts.KERAS_DISTRIBUTIONS, facts.TF_KERAS_DISTRIBUTIONS)
+    answer.update({"tf_version": tf, "gpus": gpus, "driver_version": driver,
+                   "tensorboard_version": tb, "keras_version": keras, "tf_keras_version": tf_keras,
                    "proxy": net.proxy_report(os.environ)})
     answer.update(facts.tf_build())
     return answer

@@ -1,5 +1,5 @@
-"""The host's facts for `info`: Python, TensorFlow and TensorBoard versions, TF's CUDA
-build, GPUs, machine id; and the site directories the shim runs without.
+"""The host's facts for `info`: Python, TensorFlow, TensorBoard, Keras and tf_keras
+versions, TF's CUDA build, GPUs, machine id; and the site directories the shim runs without.
 
 Shipped beside shim.py (standard library only, Python >= 3.8). The shim runs under
 `python -S` (bootstrap.NO_SITE): site_path() finds the directories `site` would add,
@@ -16,6 +16,10 @@ import sys
 TF_DISTRIBUTIONS = ("tensorflow", "tensorflow-cpu", "tensorflow-gpu", "tf-nightly",
                     "tf-nightly-cpu", "tf-nightly-gpu", "tensorflow-intel", "tensorflow-macos")
 TB_DISTRIBUTIONS = ("tensorboard", "tb-nightly")
+# Which Keras `tf.keras` is: Keras 3 from TF 2.16 on, tf_keras (Keras 2) with
+# TF_USE_LEGACY_KERAS=1 (docs/modes.md, "Keras"). Read from their metadata, never imported.
+KERAS_DISTRIBUTIONS = ("keras", "keras-nightly")
+TF_KERAS_DISTRIBUTIONS = ("tf-keras", "tf-keras-nightly")
 
 
 def tf_version() -> str | None:
@@ -90,12 +94,22 @@ _FULL_SITE: list = []
 
 
 def installed_version(distributions) -> str | None:
-    """The version of the first of these distributions installed here, else None.
+    """The version of the first of these distributions installed here, else None."""
+    return installed_versions(distributions)[0]
+
+
+def installed_versions(*groups) -> list:
+    """For each group of distributions, the version of its first one installed here, else
+    None; sys.path is listed once for all of them.
 
     The `*.dist-info` folders on sys.path first (what importlib.metadata finds, in its
     order, without its imports and scans: a third of a remote execution's CPU); then
     importlib.metadata itself, for other kinds of installs."""
-    found = _dist_infos(site_path(), {_normalized(d) for d in distributions})
+    found = _dist_infos(site_path(), {_normalized(d) for group in groups for d in group})
+    return [_first(found, group) for group in groups]
+
+
+def _first(found: dict, distributions) -> str | None:
     for dist in distributions:
         version = found.get(_normalized(dist))
         if version:

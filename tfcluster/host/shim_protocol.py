@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 
 # Commands
-INFO = "info"            # python/TF versions, TF build (CUDA/cuDNN), GPUs + driver, machine id
+INFO = "info"            # python/TF/Keras versions, TF build (CUDA/cuDNN), GPUs + driver, machine id
                          # ({"light": true}: python version and machine id only)
 PORTS = "ports"          # port -> null (free) or who holds it
 STATUS = "status"        # pid files of a tag prefix, each verified alive or not

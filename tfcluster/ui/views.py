@@ -64,7 +64,15 @@ def print_files(ui, plan: Plan, most: int) -> None:
         ui.text(f"  … and {len(plan.files) - most} more (--commands or --json lists them all)", style="dim")
 
 
-VERSION_COLUMNS = ("host", "python", "tensorflow", "cuda/cudnn", "driver", "GPUs")
+VERSION_COLUMNS = ("host", "python", "tensorflow", "keras", "cuda/cudnn", "driver", "GPUs")
+
+
+def keras_cell(info) -> str:
+    """`3.15.1`, `3.15.1 + tf_keras 2.21.0`, `tf_keras 2.21.0` or `-`: which Keras `tf.keras`
+    can be on that host (docs/modes.md, "Keras")."""
+    parts = [info.keras_version] if info.keras_version else []
+    parts += [f"tf_keras {info.tf_keras_version}"] if info.tf_keras_version else []
+    return " + ".join(parts) or "-"
 
 
 def version_table(infos: dict, odd: dict[str, list[str]]) -> tuple:
@@ -73,7 +81,7 @@ def version_table(infos: dict, odd: dict[str, list[str]]) -> tuple:
     error's details)."""
     def row(host: str, info) -> tuple[str, ...]:
         build = (info.cuda_version, info.cudnn_version)
-        cells = (host, info.python_version, info.tf_version or "MISSING",
+        cells = (host, info.python_version, info.tf_version or "MISSING", keras_cell(info),
                  " / ".join(v or "?" for v in build) if any(build) else "-",
                  info.driver_version or "-", str(info.gpus))
         if not odd:
