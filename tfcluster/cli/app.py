@@ -70,14 +70,16 @@ def _root(
         ui.color = False
 
 
-def load(path: str, preview: bool = False):
-    """The spec and its plan; `preview`: with the files a train would ship (or why not)."""
+def load(path: str, preview: bool = False, scan: bool = False):
+    """The spec and its plan; `preview`: with the files a train would ship (or why not);
+    `preview` or `scan`: with whether the script calls `.fit(` (the Keras warning's input)."""
     from tfcluster.plan import build_plan
-    from tfcluster.spec import load_spec, preview_train_files
+    from tfcluster.spec import load_spec, preview_train_files, script_calls_fit
 
     spec = load_spec(path)
     files, problem = preview_train_files(spec) if preview else ((), None)
-    return spec, build_plan(spec, files=files, files_problem=problem)
+    fits = script_calls_fit(spec) if preview or scan else None
+    return spec, build_plan(spec, files=files, files_problem=problem, script_fits=fits)
 
 
 def plan_of(path: str):

@@ -65,7 +65,7 @@ def up(
 
     Example:  tfcluster up lab.yaml
     """
-    p = plan_of(spec_path)
+    p = load(spec_path, scan=True)[1]
     if dry_run:
         from tfcluster.ui.views import print_plan
 

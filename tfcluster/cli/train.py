@@ -39,14 +39,19 @@ def train(
     """
     from tfcluster.launch import supervisor
     from tfcluster.plan import build_plan
-    from tfcluster.spec import check_train_files, load_spec, with_train_overrides
+    from tfcluster.spec import (
+        check_train_files,
+        load_spec,
+        script_calls_fit,
+        with_train_overrides,
+    )
 
     spec = with_train_overrides(load_spec(spec_path), script=script, args=args, timeout=timeout,
                                 tensorboard=tensorboard)
     if not spec.train.script:
         raise UsageError(f"{spec.path}: no training script: set train.script or pass --script",
                          hint="`tfcluster init` writes a template script to start from")
-    p = build_plan(spec, files=check_train_files(spec))
+    p = build_plan(spec, files=check_train_files(spec), script_fits=script_calls_fit(spec))
     if dry_run:
         from tfcluster.ui.views import print_plan
 

@@ -71,11 +71,12 @@ def _who(versions: dict[str, str]) -> str:
     by_version: dict[str, list[str]] = {}
     for host, version in versions.items():
         by_version.setdefault(version, []).append(host)
-    return ", ".join(f"{_names(hosts)} {'has' if len(hosts) == 1 else 'have'} {version}"
+    return ", ".join(f"{names(hosts)} {'has' if len(hosts) == 1 else 'have'} {version}"
                      for version, hosts in by_version.items())
 
 
-def _names(hosts: list[str]) -> str:
+def names(hosts: list[str]) -> str:
+    """`a`, `a and b`, `a, b, c, d and 2 more`."""
     if len(hosts) > NAMED:
         return f"{', '.join(hosts[:NAMED])} and {len(hosts) - NAMED} more"
     return hosts[0] if len(hosts) == 1 else f"{', '.join(hosts[:-1])} and {hosts[-1]}"

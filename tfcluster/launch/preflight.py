@@ -1,9 +1,11 @@
-"""Preflight: are the hosts fit for these tasks? TensorFlow importable, GPUs present,
-no two tasks on one machine sharing a port, and every port free; and do the hosts agree
-on their Python and TensorFlow versions (versions.py). Nothing is started."""
+"""Preflight: are the hosts fit for these tasks? TensorFlow importable, tf_keras where
+the plan asks for legacy Keras, GPUs present, no two tasks on one machine sharing a port,
+and every port free; and do the hosts agree on their Python and TensorFlow versions
+(versions.py), and can their Keras run the script's model.fit (keras.py, a warning).
+Nothing is started."""
 from __future__ import annotations
 
-from tfcluster.diagnose import versions
+from tfcluster.diagnose import keras, versions
 from tfcluster.errors import PreflightError
 from tfcluster.launch.session import Session, by_host, raise_first
 from tfcluster.plan import TaskPlan, names
@@ -26,6 +28,8 @@ def preflight(session: Session, tasks: list[TaskPlan], *, ports: bool = True,
                      "install", "tensorflow"]) + "`, or set `python:` in the spec")
         if host.gpus and info.gpus < host.gpus:
             raise PreflightError(f"host {name}: the spec gives it {host.gpus} GPUs but it has {info.gpus}")
+    if session.plan.legacy_keras:
+        _check_tf_keras(session, list(dict.fromkeys(t.host for t in tasks)))
     if ports:
         _check_same_machine_ports(infos, tasks)
         _check_ports_free(session, tasks, busy)
@@ -60,6 +64,33 @@ def check_versions(session: Session, *, allow_skew: bool, report: bool = False) 
         session.ui.table(*table, stderr=True)
     if skews:
         session.ui.warn(f"{versions.message(skews)} (going on: --allow-skew)")
+    warning = keras.fit_warning(session.plan, infos)
+    if warning:
+        session.ui.warn(warning)
+
+
+def _check_tf_keras(session: Session, hosts: list[str]) -> None:
+    """Legacy Keras (TF_USE_LEGACY_KERAS=1) on a host without a matching tf_keras: TF would
+    warn and give the tasks Keras 3 anyway. One line per host, with its install command."""
+    bad = {h: p for h in hosts if (p := keras.tf_keras_problem(session.infos[h]))}
+    if not bad:
+        return
+    lines = {}
+    for name, problem in bad.items():
+        host, info = session.plan.host(name), session.infos[name]
+        command = shell_join(["tfcluster", "exec", "SPEC", "--hosts", name, "--", host.python, "-m", "pip",
+                              "install", keras.tf_keras_requirement(info.tf_version)])
+        message = (f"host {name}: legacy Keras (TF_USE_LEGACY_KERAS=1, train.keras: legacy) needs "
+                   f"tf_keras for {host.python}, but {problem}")
+        lines[name] = (message, f"`{command}`")
+    if len(bad) == 1:
+        (message, command), = lines.values()
+        raise PreflightError(message, hint=f"install it there: {command}")
+    raise PreflightError(
+        f"legacy Keras (TF_USE_LEGACY_KERAS=1, train.keras: legacy) needs tf_keras matching TensorFlow "
+        f"on every host, and {versions.names(list(bad))} lack it",
+        details="\n".join(f"{message}; install it: {command}" for message, command in lines.values()),
+        hint="install it on each host as listed, or drop train.keras: legacy")
 
 
 def _check_same_machine_ports(infos: dict, tasks: list[TaskPlan]) -> None:

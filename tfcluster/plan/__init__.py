@@ -16,7 +16,17 @@ from dataclasses import dataclass, field, fields
 
 from tfcluster.host import HOST_DIR
 from tfcluster.plan.names import task_key
-from tfcluster.spec import JOB_NAMES, Checks, Progress, Restart, Spec, is_secret, layout_tasks
+from tfcluster.spec import (
+    JOB_NAMES,
+    LEGACY_KERAS_ENV,
+    LEGACY_KERAS_VALUES,
+    Checks,
+    Progress,
+    Restart,
+    Spec,
+    is_secret,
+    layout_tasks,
+)
 from tfcluster.transport.options import SshOptions
 
 DEFAULT_PYTHON = Spec.python
@@ -112,6 +122,10 @@ class Plan:
                                          # engines of `render` fill them where the tasks run
     image: str | None = None             # train.image, for `render --to tfjob`
     progress: Progress = field(default_factory=Progress)   # train.progress, for metrics.py
+    # Every task has TF_USE_LEGACY_KERAS set (train.keras: legacy, or the spec's env): its
+    # `tf.keras` is tf_keras, which preflight requires (docs/modes.md, "Keras").
+    legacy_keras: bool = False
+    script_fits: bool | None = None      # the script calls `.fit(` (None: not read)
 
     @property
     def chief(self) -> TaskPlan | None:
@@ -214,9 +228,11 @@ def _host_plan(host, spec: Spec, cluster_dir: str, local_python: str) -> HostPla
 
 
 def build_plan(spec: Spec, local_python: str | None = None, *,
-               files: tuple[tuple[str, str, int], ...] = (), files_problem: str | None = None) -> Plan:
+               files: tuple[tuple[str, str, int], ...] = (), files_problem: str | None = None,
+               script_fits: bool | None = None) -> Plan:
     """`local_python`: the interpreter running tfcluster (default sys.executable). `files`:
-    what check_train_files listed (the plan of a command that ships nothing has none)."""
+    what check_train_files listed (the plan of a command that ships nothing has none).
+    `script_fits`: whether the script calls `.fit(` (spec.script_calls_fit; None: not read)."""
     local_python = local_python or sys.executable
     slots = layout_tasks(spec)
     addresses = {h.name: h.address for h in spec.hosts}
@@ -257,6 +273,8 @@ def build_plan(spec: Spec, local_python: str | None = None, *,
         args=spec.train.args,
         image=spec.train.image,
         progress=spec.train.progress,
+        legacy_keras=spec.train.keras == "legacy" or dict(spec.env).get(LEGACY_KERAS_ENV) in LEGACY_KERAS_VALUES,
+        script_fits=script_fits,
     )
 
 
@@ -305,6 +323,8 @@ def _task_plan(spec: Spec, slot, address: str, cluster_json: str, chief: str, pl
         "TFCLUSTER_IS_CHIEF": "1" if key == chief else "0",
         "TFCLUSTER_NUM_WORKERS": placeholders["num_workers"],
     })
+    if spec.train.keras == "legacy":     # every task, servers too: one Keras across the cluster
+        env[LEGACY_KERAS_ENV] = "1"
     if runs_server:
         env["TFCLUSTER_MASTER"] = f"grpc://{address}:{slot.port}"
     argv: tuple[str, ...] = ()
@@ -353,6 +373,7 @@ def plan_to_dict(plan: Plan, *, redact: bool = True) -> dict:
         "checks": {"placement": plan.checks.placement, "reachability": plan.checks.reachability,
                    "proxy_guard": plan.checks.proxy_guard, "hang_after": plan.checks.hang_after},
         "tensorboard": plan.tensorboard,
+        "keras": "legacy" if plan.legacy_keras else "auto",
         "progress": {"step": plan.progress.step, "loss": plan.progress.loss,
                      "target": plan.progress.target},
         "files": [{"path": path, "to": dest, "bytes": size} for path, dest, size in plan.files],

@@ -4,7 +4,8 @@
 `SpecError("FILE:LINE: field.path: problem")`; `layout_tasks(spec)` places every
 task on a host, port and GPUs (the planner's input); `check_train_files(spec)` checks
 and lists the script and files a run ships (`preview_train_files` for `plan`);
-`with_train_overrides(spec, ...)` applies the command line's train settings. Nothing here
+`with_train_overrides(spec, ...)` applies the command line's train settings;
+`script_calls_fit(spec)` says whether the script calls Keras' `.fit(`. Nothing here
 touches the network or imports TensorFlow.
 
 Modules: model (the dataclasses and constants), yamltree (file -> checked YAML nodes,
@@ -19,6 +20,9 @@ from tfcluster.spec.loader import check_train_files, load_spec, preview_train_fi
 from tfcluster.spec.model import (
                                    HOST_KEY_POLICIES,
                                    JOB_NAMES,
+                                   KERAS_CHOICES,
+                                   LEGACY_KERAS_ENV,
+                                   LEGACY_KERAS_VALUES,
                                    LOCAL_ADDRESSES,
                                    MAX_TASKS,
                                    MODES,
@@ -36,12 +40,14 @@ from tfcluster.spec.model import (
                                    Train,
                                    is_secret,
 )
+from tfcluster.spec.shipped import script_calls_fit
 from tfcluster.spec.yamltree import MAX_DEPTH, MAX_SPEC_BYTES, did_you_mean
 
 __all__ = [
-    "HOST_KEY_POLICIES", "JOB_NAMES", "LOCAL_ADDRESSES", "MAX_DEPTH", "MAX_SPEC_BYTES",
+    "HOST_KEY_POLICIES", "JOB_NAMES", "KERAS_CHOICES", "LEGACY_KERAS_ENV", "LEGACY_KERAS_VALUES",
+    "LOCAL_ADDRESSES", "MAX_DEPTH", "MAX_SPEC_BYTES",
     "MAX_TASKS", "MODES", "PLACEHOLDERS", "RESTART_POLICIES", "SECRET_MARKERS",
     "Checks", "Host", "Job", "Progress", "Restart", "Slot", "Spec", "SshSettings", "Train",
     "check_train_files", "did_you_mean", "is_secret", "layout_tasks", "load_spec",
-    "preview_train_files", "with_train_overrides",
+    "preview_train_files", "script_calls_fit", "with_train_overrides",
 ]

@@ -11,6 +11,11 @@ MODES = ("between-graph", "classic", "coordinator", "mirrored")
 JOB_NAMES = ("chief", "ps", "worker", "evaluator")   # canonical order everywhere
 RESTART_POLICIES = ("never", "on-failure", "exit-code")
 HOST_KEY_POLICIES = ("reject", "accept-new")
+# train.keras: `auto` leaves `tf.keras` to TensorFlow (Keras 3 from TF 2.16); `legacy` sets
+# LEGACY_KERAS_ENV for every task, so that `tf.keras` is tf_keras (docs/modes.md, "Keras").
+KERAS_CHOICES = ("auto", "legacy")
+LEGACY_KERAS_ENV = "TF_USE_LEGACY_KERAS"
+LEGACY_KERAS_VALUES = ("1", "true", "True")     # what TensorFlow reads as set
 LOCAL_ADDRESSES = ("localhost", "127.0.0.1", "::1")
 MAX_TASKS = 10_000                # bounds the layout work whatever counts the file asks for
 PLACEHOLDERS = ("job", "index", "ps_hosts", "worker_hosts", "chief_hosts", "workdir",
@@ -120,6 +125,8 @@ class Train:
     tensorboard: str | None = None    # LOGDIR (unexpanded placeholders) for TensorBoard on the chief
     image: str | None = None          # container image for `render --to tfjob`
     progress: Progress = field(default_factory=Progress)
+    keras: str = "auto"               # KERAS_CHOICES
+    keras_line: int = 0
     args_line: int = 0
     args_lines: tuple[int, ...] = ()  # each argument's line (empty: from the command line)
     allow_outside: tuple[str, ...] = ()   # directories, besides the spec's, files may come from

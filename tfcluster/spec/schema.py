@@ -22,6 +22,9 @@ from tfcluster.spec.layout import per_host, task_count
 from tfcluster.spec.model import (
     HOST_KEY_POLICIES,
     JOB_NAMES,
+    KERAS_CHOICES,
+    LEGACY_KERAS_ENV,
+    LEGACY_KERAS_VALUES,
     LOCAL_ADDRESSES,
     MAX_TASKS,
     MODES,
@@ -64,7 +67,7 @@ _SSH_KEYS = ("user", "port", "identity_file", "known_hosts", "host_key_policy", 
 _HOST_KEYS = ("name", "address", "gpus", "ssh")
 _JOB_KEYS = ("count", "per_gpu", "hosts", "port", "gpus", "tasks")
 _TRAIN_KEYS = ("mode", "script", "files", "allow_outside", "args", "restart", "timeout", "checks",
-               "tensorboard", "image", "progress")
+               "tensorboard", "image", "progress", "keras")
 _CHECK_KEYS = ("placement", "reachability", "proxy_guard", "hang_after")
 
 
@@ -90,6 +93,7 @@ def build(path: str, root: yaml.Node) -> tuple[Spec, dict[str, int]]:
         jobs=_parse_jobs(value["jobs"], {h.name: h for h in hosts}),
         train=_parse_train(value["train"], base_dir) if "train" in f else Train(),
     )
+    _check_keras_env(spec.train, env)
     return spec, {"jobs": line_of(f["jobs"][0]), "env": line_of(f["env"][0]) if "env" in f else 0}
 
 
@@ -300,6 +304,8 @@ def _parse_train(node: yaml.Node, base_dir: str) -> Train:
         tensorboard=_tensorboard(value["tensorboard"]) if "tensorboard" in f else None,
         image=_image(value["image"]) if "image" in f else None,
         progress=parse_progress(value["progress"]) if "progress" in f else Progress(),
+        keras=as_choice(value["keras"], "train.keras", KERAS_CHOICES, "keras") if "keras" in f else "auto",
+        keras_line=line_of(value["keras"]) if "keras" in f else 0,
         args_line=line_of(value["args"]) if "args" in f else 0,
         args_lines=tuple(line for _, line in args),
         allow_outside=tuple(d for d, _ in outside),
@@ -308,6 +314,15 @@ def _parse_train(node: yaml.Node, base_dir: str) -> Train:
         script_line=line_of(value["script"]) if "script" in f else 0,
         files_lines=tuple(line for _, line in files),
     )
+
+
+def _check_keras_env(train: Train, env: tuple[tuple[str, str], ...]) -> None:
+    """`train.keras: legacy` sets TF_USE_LEGACY_KERAS=1; an env: that unsets it contradicts it."""
+    value = dict(env).get(LEGACY_KERAS_ENV)
+    if train.keras == "legacy" and value is not None and value not in LEGACY_KERAS_VALUES:
+        raise BadValue(train.keras_line, "train.keras",
+                       f"legacy sets {LEGACY_KERAS_ENV}=1, but env: sets it to {value!r}",
+                       hint=f"drop {LEGACY_KERAS_ENV} from env:, or train.keras")
 
 
 def _script(node: yaml.Node, value: str, base_dir: str) -> str:

@@ -11,6 +11,7 @@ read. The result is the plan's file list: (local path, path in the run dir, byte
 from __future__ import annotations
 
 import os
+import re
 import stat
 
 from tfcluster.spec.model import MAX_SHIP_BYTES, MAX_SHIP_FILES, Spec
@@ -157,3 +158,21 @@ def ship_list(spec: Spec) -> Shipped:
             raise BadValue(line, field, f"{full} is {kind_of(st.st_mode)}; only regular files and "
                                     "directories are shipped")
     return tuple(files.out)
+
+
+SCAN_BYTES = 4 << 20      # of train.script read for script_calls_fit: a script, not a data file
+_FIT_CALL = re.compile(rb"\.fit\s*\(")
+
+
+def script_calls_fit(spec: Spec) -> bool | None:
+    """Whether train.script calls `.fit(` (Keras' model.fit, as far as text can tell), read
+    as bytes from its first SCAN_BYTES; None without a script or when it cannot be read
+    (check_train_files reports that). A comment or string counts too: what it feeds is a
+    warning, never a refusal (docs/modes.md, "Keras")."""
+    if not spec.train.script:
+        return None
+    try:
+        with open(spec.train.script, "rb") as f:
+            return _FIT_CALL.search(f.read(SCAN_BYTES)) is not None
+    except OSError:
+        return None
