@@ -14,7 +14,8 @@ from tfcluster.host import shim_facts
 from tfcluster.launch.bootstrap import NO_SITE
 
 SHIM = str(Path(shim_facts.__file__).with_name("shim.py"))
-KEYS = ("tf_version", "tensorboard_version", "cuda_version", "cudnn_version", "python_version")
+KEYS = ("tf_version", "tensorboard_version", "cuda_version", "cudnn_version", "python_version",
+        "keras_version", "tf_keras_version")
 
 pytestmark = [pytest.mark.timeout(120)]
 
@@ -76,6 +77,19 @@ def test_a_venv_with_system_site_packages_sees_the_base_tensorflow(tmp_path):
 def test_a_venv_without_them_has_no_tensorflow(tmp_path):
     python, _ = venv(tmp_path / "v")
     assert info(python, NO_SITE)["tf_version"] is None and info(python)["tf_version"] is None
+    assert info(python, NO_SITE)["keras_version"] is info(python, NO_SITE)["tf_keras_version"] is None
+
+
+def test_keras_and_tf_keras_are_read_from_their_metadata_never_imported(tmp_path):
+    python, site = venv(tmp_path / "v")
+    fake_dist(site, "tensorflow", "2.21.0")
+    fake_dist(site, "keras", "3.15.0")
+    fake_dist(site, "tf_keras", "2.21.0")
+    for package in ("keras", "tf_keras"):        # importing either would fail
+        (site / package).mkdir()
+        (site / package / "__init__.py").write_text("raise ImportError('imported')\n")
+    answer = info(python, NO_SITE)
+    assert (answer["keras_version"], answer["tf_keras_version"]) == ("3.15.0", "2.21.0")
 
 
 def test_tensorflow_put_on_the_path_by_a_pth_file_is_found(tmp_path):

@@ -257,6 +257,12 @@ REJECTIONS = [
      "8: train.timeout: must be a positive number of seconds or a duration like 90s, 30m, 2h; got '3d'"),
     ("timeout-list", BASE + "train: {timeout: [1]}\n",
      "8: train.timeout: must be a positive number of seconds or a duration like 90s, 30m, 2h; got a list"),
+    ("keras-typo", BASE + "train:\n  mode: mirrored\n  keras: legacey\n",
+     "10: train.keras: unknown keras 'legacey'; did you mean 'legacy'?"),
+    ("keras-bool", BASE + "train: {keras: true}\n", "8: train.keras: unknown keras 'true'; expected one of: auto, legacy"),
+    ("keras-env-contradicts", BASE.replace("jobs:", "env: {TF_USE_LEGACY_KERAS: '0'}\njobs:")
+     + "train:\n  keras: legacy\n",
+     "10: train.keras: legacy sets TF_USE_LEGACY_KERAS=1, but env: sets it to '0'"),
 ]
 
 
@@ -638,3 +644,15 @@ def test_mutated_specs_load_or_fail_with_one_line_spec_error(fuzz_dir, text):
             check_train_files(spec)
         except SpecError as exc:
             assert str(exc).startswith(f"{path}:") and len(str(exc).splitlines()) == 1, str(exc)
+
+
+@pytest.mark.parametrize("text,expected", [("", "auto"), ("train: {keras: auto}\n", "auto"),
+                                           ("train: {keras: legacy}\n", "legacy")])
+def test_train_keras_is_auto_unless_legacy_is_asked(tmp_path, text, expected):
+    spec = load_spec(write(tmp_path, BASE + text))
+    assert spec.train.keras == expected and spec.train.keras_line == (8 if text else 0)
+
+
+def test_train_keras_legacy_agrees_with_an_env_that_sets_it_as_tensorflow_reads_it(tmp_path):
+    text = BASE.replace("jobs:", "env: {TF_USE_LEGACY_KERAS: 'True'}\njobs:") + "train: {keras: legacy}\n"
+    assert load_spec(write(tmp_path, text)).train.keras == "legacy"

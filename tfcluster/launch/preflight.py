@@ -1,8 +1,8 @@
-"""Preflight: are the hosts fit for these tasks? TensorFlow importable, tf_keras where
-the plan asks for legacy Keras, GPUs present, no two tasks on one machine sharing a port,
-and every port free; and do the hosts agree on their Python and TensorFlow versions
-(versions.py), and can their Keras run the script's model.fit (keras.py, a warning).
-Nothing is started."""
+"""Preflight: are the hosts fit for these tasks? TensorFlow importable, GPUs present,
+no two tasks on one machine sharing a port, and every port free; and do the hosts agree
+on their Python and TensorFlow versions (versions.py), have the tf_keras legacy Keras
+needs, and can their Keras run the script's model.fit (keras.py, a warning). Nothing is
+started."""
 from __future__ import annotations
 
 from tfcluster.diagnose import keras, versions
@@ -28,8 +28,6 @@ def preflight(session: Session, tasks: list[TaskPlan], *, ports: bool = True,
                      "install", "tensorflow"]) + "`, or set `python:` in the spec")
         if host.gpus and info.gpus < host.gpus:
             raise PreflightError(f"host {name}: the spec gives it {host.gpus} GPUs but it has {info.gpus}")
-    if session.plan.legacy_keras:
-        _check_tf_keras(session, list(dict.fromkeys(t.host for t in tasks)))
     if ports:
         _check_same_machine_ports(infos, tasks)
         _check_ports_free(session, tasks, busy)
@@ -51,7 +49,9 @@ def check_started_ports(servers: list[TaskPlan], live: dict) -> None:
 def check_versions(session: Session, *, allow_skew: bool, report: bool = False) -> None:
     """Hosts on another Python or TensorFlow minor version than the rest: an error (exit 4)
     with the version table before it, or with `allow_skew` the table and a warning. The
-    table is printed anyway with `report` (`plan --check`)."""
+    table is printed anyway with `report` (`plan --check`). Then each host's Keras: a host
+    without the tf_keras legacy Keras needs is an error, and a Keras 3 that cannot run the
+    script's model.fit a warning."""
     infos = {h: session.infos[h] for h in session.host_names if h in session.infos}
     skews = versions.find_skews(infos)
     table = version_table(infos, versions.odd_fields(skews))
@@ -64,12 +64,14 @@ def check_versions(session: Session, *, allow_skew: bool, report: bool = False) 
         session.ui.table(*table, stderr=True)
     if skews:
         session.ui.warn(f"{versions.message(skews)} (going on: --allow-skew)")
+    if session.plan.legacy_keras:
+        check_tf_keras(session, list(infos))
     warning = keras.fit_warning(session.plan, infos)
     if warning:
         session.ui.warn(warning)
 
 
-def _check_tf_keras(session: Session, hosts: list[str]) -> None:
+def check_tf_keras(session: Session, hosts: list[str]) -> None:
     """Legacy Keras (TF_USE_LEGACY_KERAS=1) on a host without a matching tf_keras: TF would
     warn and give the tasks Keras 3 anyway. One line per host, with its install command."""
     bad = {h: p for h in hosts if (p := keras.tf_keras_problem(session.infos[h]))}
