@@ -1,14 +1,28 @@
 """What `train` says of a task that failed: the heading of the log tail names the log it
-shows (a server's is `worker:1.server`, not the script's `worker:1`). Real processes on the
-local host; the servers are a stand-in (no TensorFlow) that prints a line and listens."""
+shows (a server's is `worker:1.server`, not the script's `worker:1`); a failure with a known
+signature is summed up as what happened and its fix, never its last lines. Real processes on
+the local host: the servers of the first test are a stand-in (no TensorFlow) that prints a
+line and listens; each known failure is produced by a script of tests/scripts."""
 from __future__ import annotations
 
+import json
+import re
 import sys
+from pathlib import Path
 
 import pytest
 
-from tests.helpers import STANDIN, kill_tagged_once_seen, start_tfcluster, tagged_processes, wait_for
+from tests.helpers import (
+    STANDIN,
+    kill_tagged_once_seen,
+    start_tfcluster,
+    tagged_processes,
+    tfcluster,
+    wait_for,
+)
 from tests.tf_launch import free_ports
+from tfcluster.diagnose import signatures
+from tfcluster.plan.names import log_file
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -39,4 +53,60 @@ def test_a_failed_servers_log_tail_is_headed_with_its_own_name(tmp_path, home):
     assert "worker:1 server on a failed with exit code 137" in out, out[-3000:]
     heading = out.index("last lines of worker:1.server:")
     assert "standin serving" in out[heading:], out[-3000:]
+    wait_for(lambda: not tagged_processes(), 15, what="nothing of the run left")
+
+
+# -- known failures, each produced for real by a script of tests/scripts ---------------------
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def known(name: str, script: str, mode: str, jobs: dict[str, int], args: tuple[str, ...] = (), *,
+          tf: bool = True, id: str | None = None):
+    return pytest.param(script, mode, jobs, list(args), name, id=id or name,
+                        marks=[pytest.mark.tf] if tf else [])
+
+
+KNOWN = [  # the signature each script ends with
+    known("keras3-mwms-fit", "keras3_mwms_fit.py", "mirrored", {"worker": 2}),
+    known("keras3-pss-fit", "keras3_pss_fit.py", "coordinator", {"chief": 1, "ps": 1, "worker": 1}),
+    known("keras3-reset-states", "keras3_reset_states.py", "mirrored", {"worker": 1}),
+    known("keras3-legacy-optimizer", "legacy_optimizer.py", "mirrored", {"worker": 1}),
+    known("collectives-late", "strategy_late.py", "mirrored", {"worker": 1}),
+    known("evaluator-strategy", "evaluator_strategy.py", "mirrored", {"worker": 1, "evaluator": 1}),
+    known("port-bound", "own_server.py", "between-graph", {"ps": 1, "worker": 1}),
+    known("port-bound", "own_server.py", "mirrored", {"worker": 1}, ("--strategy",), id="port-bound-mirrored"),
+    known("no-tensorflow", "launcher.py", "mirrored", {"worker": 1}, tf=False),
+    known("bad-arguments", "strict_args.py", "mirrored", {"worker": 1}, ("--bogus",), tf=False),
+]
+TENSOR_ROW = re.compile(r"\d\.\d+e[-+]\d\d,")      # a row of a printed tensor
+
+
+def known_spec(tmp: Path, script: str, mode: str, jobs: dict[str, int], args: list[str]) -> Path:
+    ports = iter(free_ports(sum(jobs.values())))
+    lines = [f"  {job}: {{tasks: [{', '.join(f'a:{next(ports)}' for _ in range(n))}]}}" for job, n in jobs.items()]
+    spec = tmp / "known.yaml"
+    spec.write_text("name: known\nhosts:\n  - {name: a, address: 127.0.0.1}\njobs:\n" + "\n".join(lines) +
+                    f"\ntrain:\n  mode: {mode}\n  script: {SCRIPTS / script}\n  args: {json.dumps(args)}\n"
+                    f"  allow_outside: [{SCRIPTS}]\n")
+    return spec
+
+
+@pytest.mark.parametrize("script, mode, jobs, args, name", KNOWN)
+def test_a_known_failure_is_summed_up_with_what_happened_and_its_fix(tmp_path, home, monkeypatch,
+                                                                    script, mode, jobs, args, name):
+    monkeypatch.delenv("TF_USE_LEGACY_KERAS", raising=False)     # tf.keras is Keras 3
+    spec = known_spec(tmp_path, script, mode, jobs, args)
+    r = tfcluster("train", str(spec), home=home, cwd=tmp_path, timeout=80)
+    assert r.returncode == 5, r.stdout[-2000:] + r.stderr[-2000:]
+    sig = next(s for s in signatures.SIGNATURES if s.name == name)
+    found = re.search(rf"^(\S+): {re.escape(sig.what)}\n  (.+)\n  its whole log: (\S+)\n", r.stderr, re.MULTILINE)
+    assert found, r.stderr[-3000:]
+    key, line, log = found.groups()
+    assert any(n.decode() in line for n in sig.needles) and len(line) <= signatures.LINE_CHARS, line
+    assert f"\nhint: {sig.fix_for(mode)}\n" in r.stderr, r.stderr[-2000:]
+    assert Path(tmp_path, log).name == log_file(key)
+    assert any(n in Path(tmp_path, log).read_bytes() for n in sig.needles)   # the whole log is kept
+    # tfcluster's own lines, the summary's included, are on stderr; the task's live output on stdout
+    assert "last lines of" not in r.stderr and not TENSOR_ROW.search(r.stderr), r.stderr[-3000:]
     wait_for(lambda: not tagged_processes(), 15, what="nothing of the run left")

@@ -10,15 +10,18 @@ fresh attached start, as before.
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import TYPE_CHECKING
 
+from tfcluster.diagnose import signatures
 from tfcluster.errors import TaskError
 from tfcluster.host.shim_protocol import RESTART_VAR
 from tfcluster.launch.runstate import Run, StartSlot, Supervised
 from tfcluster.launch.session import raise_first
 from tfcluster.plan import policy
+from tfcluster.plan.names import log_file
 
 if TYPE_CHECKING:
     from tfcluster.launch.attached import AttachedTask
@@ -133,7 +136,13 @@ def on_failure(run: Run, proc: Supervised, rc: int) -> None:
         start(run, proc)
         return
     refuse(proc)
-    tail = "\n".join(run.mux.tail(proc.key, 15))
-    hint = policy.known_failure(run.plan.mode, tail) or policy.restart_hint(restart, proc.restarts, rc)
-    raise TaskError(f"{what} failed with exit code {rc}", hint=hint,
+    failed = f"{what} failed with exit code {rc}"
+    log = os.path.join(run.options.runs_dir, run.run_id, log_file(proc.key))
+    found = signatures.diagnose(run.plan.mode, signatures.last_attempt(signatures.read_tail(log)))
+    if found is not None:     # what happened and the fix, not the lines before (a tensor dump)
+        raise TaskError(failed, hint=found.fix,
+                        details=f"{proc.key}: {found.what}\n  {found.line}\n  its whole log: {log}")
+    tail = "\n".join(signatures.clip(line, signatures.TAIL_LINE_CHARS, squeeze=False)
+                     for line in run.mux.tail(proc.key, 15))
+    raise TaskError(failed, hint=policy.restart_hint(restart, proc.restarts, rc),
                     details=f"last lines of {proc.key}:\n{tail}" if tail else None)

@@ -71,26 +71,6 @@ def restart_hint(restart: Restart, restarts_done: int, rc: int) -> str | None:
     return None
 
 
-# Known failure signatures in a task's last lines, and what to do about them.
-DIAGNOSES = (
-    (("Could not start gRPC server", "Address already in use"),
-     "between-graph", "in between-graph mode tfcluster already runs this task's TF server; a script that "
-     "builds its own tf.train.Server (old --job_name/--task_index style) needs `train.mode: classic`"),
-    (("No module named 'tensorflow'",), None,
-     "tensorflow is not importable by this interpreter on the host: set `python:` in the spec"),
-    (("error: unrecognized arguments", "error: the following arguments are required"), None,
-     "the script rejected its arguments: check train.args (or the arguments after `--`)"),
-)
-
-
-def known_failure(mode: str, tail: str) -> str | None:
-    """What to do about a failure whose last lines (`tail`) carry a known signature."""
-    for needles, only_in, hint in DIAGNOSES:
-        if (only_in is None or mode == only_in) and any(n in tail for n in needles):
-            return hint
-    return None
-
-
 def ignored_term(mode: str, keys: Sequence[str], grace: float) -> str:
     """What to say of scripts the run's stop killed: they still ran `grace` seconds after
     SIGTERM. MultiWorkerMirroredStrategy installs a SIGTERM handler of its own (a preemption

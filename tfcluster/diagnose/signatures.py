@@ -1,0 +1,166 @@
+"""Known failure signatures of distributed TF: how a task's output ends when it fails in a
+way seen before, what happened, and the fix.
+
+A failed task's summary reads the end of its saved log (bounded: the last TAIL_BYTES of its
+last attempt), not the few lines the live view kept: a Keras error under
+MultiWorkerMirroredStrategy prints a whole batch of tensors inside its message, and its
+first line is hundreds of lines up. The table, with each entry's real output: the user
+guide's docs/troubleshooting.md, "Failures tfcluster recognises"; how it is matched:
+docs/design/diagnoses.md, "Failure signatures". Pure but for `read_tail`.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+TAIL_BYTES = 256 * 1024        # how much of a failed task's saved log is read
+LINE_CHARS = 200               # a matched line quoted in the summary, at most
+TAIL_LINE_CHARS = 500          # a line of an unmatched failure's tail, at most
+RESTART_NOTE = b"[tfcluster] exited with code "   # LogMux's note between two attempts
+
+_LEGACY = ("set `train.keras: legacy` in the spec (every task gets TF_USE_LEGACY_KERAS=1; each host "
+           "needs `pip install tf_keras` matching its TensorFlow)")
+
+
+@dataclass(frozen=True)
+class Signature:
+    """One known failure: a line holding any of `needles`, in a tail that also holds every
+    one of `also`, in one of `modes` (none: any mode)."""
+
+    name: str
+    needles: tuple[bytes, ...]
+    what: str                                   # what happened, one sentence
+    fix: str                                    # the fix in any mode without its own
+    also: tuple[bytes, ...] = ()
+    modes: tuple[str, ...] = ()
+    fixes: dict[str, str] = field(default_factory=dict)   # mode -> its own fix
+
+    def fix_for(self, mode: str) -> str:
+        return self.fixes.get(mode, self.fix)
+
+
+SIGNATURES = (
+    Signature(
+        "keras3-mwms-fit", (b"Attempt to convert a value (PerReplica:{",),
+        "Keras 3 cannot run model.fit under MultiWorkerMirroredStrategy (keras-team/keras#20585)",
+        f"{_LEGACY}, or train with a custom training loop",
+        also=(b"with an unsupported type",)),
+    Signature(
+        "keras3-pss-fit", (b"you need to pass this dataset to ClusterCoordinator.create_per_worker_dataset",),
+        "Keras 3's model.fit does not support ParameterServerStrategy (keras-team/keras#18624)",
+        f"{_LEGACY}, or train with a ClusterCoordinator loop "
+        f"(coordinator.create_per_worker_dataset, coordinator.schedule)",
+        also=(b"/keras/",)),
+    Signature(
+        "pss-dataset", (b"you need to pass this dataset to ClusterCoordinator.create_per_worker_dataset",),
+        "under ParameterServerStrategy the coordinator iterated a dataset itself",
+        "build it with coordinator.create_per_worker_dataset(dataset_fn) and use its iterator "
+        "inside coordinator.schedule"),
+    Signature(
+        "keras3-reset-states", (b"object has no attribute 'reset_states'",),
+        "Keras 3 metrics have no reset_states() (Keras 3 calls it reset_state())",
+        f"call metric.reset_state(), which both Keras versions have, or {_LEGACY}"),
+    Signature(
+        "keras3-legacy-optimizer", (b"`keras.optimizers.legacy` is not supported in Keras 3",),
+        "Keras 3 has no tf.keras.optimizers.legacy",
+        f"use the optimizer of the same name in tf.keras.optimizers, or {_LEGACY}"),
+    Signature(
+        "collectives-late", (b"Collective ops must be configured at program startup",),
+        "MultiWorkerMirroredStrategy was created after TensorFlow had already run something "
+        "(an op, a tensor, a dataset, a device query)",
+        "create the strategy first, straight after `import tensorflow`, before anything else "
+        "touches TensorFlow"),
+    Signature(
+        "evaluator-strategy", (b"KeyError: 'evaluator'",),
+        "the evaluator created MultiWorkerMirroredStrategy, which cannot run there: TensorFlow "
+        "keeps the evaluator out of the cluster that trains (its TF_CONFIG names no evaluator job)",
+        "in the evaluator (TF_CONFIG's task type `evaluator`) create no strategy: evaluate the "
+        "checkpoints the workers write, e.g. with tf.keras.utils.SidecarEvaluator",
+        also=(b"multi_worker_util",)),
+    Signature(
+        "port-bound", (b"Could not start gRPC server", b"Address already in use"),
+        "a TF server could not bind its task's port: something already listens there",
+        "another process holds the port (a task of an earlier run: `tfcluster status SPEC` and "
+        "`tfcluster down SPEC`; or another program): free it or give the task another port",
+        fixes={
+            "between-graph": "in between-graph mode tfcluster already runs this task's TF server; "
+                             "a script that builds its own tf.distribute.Server (old "
+                             "--job_name/--task_index style) needs `train.mode: classic`",
+            "mirrored": "MultiWorkerMirroredStrategy starts this task's server itself, from "
+                        "TF_CONFIG: drop the script's own tf.distribute.Server, or run an old-style "
+                        "trainer in `train.mode: classic`",
+            "coordinator": "in coordinator mode tfcluster runs the ps and worker servers and "
+                           "ParameterServerStrategy starts the chief's: drop the script's own "
+                           "tf.distribute.Server",
+        }),
+    Signature(
+        "no-tensorflow", (b"No module named 'tensorflow'",),
+        "a Python without TensorFlow ran the script's code (tfcluster checked the spec's "
+        "`python:`, so the script or a process it started used another interpreter or environment)",
+        "start child processes with sys.executable, and set `python:` in the spec to the "
+        "interpreter that has TensorFlow"),
+    Signature(
+        "bad-arguments", (b"error: unrecognized arguments", b"error: the following arguments are required",
+                          b": error: argument "),
+        "the script rejected its arguments",
+        "check train.args (or the arguments after `--`)"),
+)
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    name: str
+    what: str
+    fix: str
+    line: str          # the line that matched, on one line, clipped
+
+
+def diagnose(mode: str, tail: bytes, signatures=SIGNATURES) -> Diagnosis | None:
+    """The signature whose line comes last in `tail` (the output as the task ended; the
+    table's order breaks a tie), or None."""
+    best: tuple[int, Signature] | None = None
+    for sig in signatures:
+        if sig.modes and mode not in sig.modes:
+            continue
+        at = max(tail.rfind(n) for n in sig.needles)
+        if at >= 0 and all(a in tail for a in sig.also) and (best is None or at > best[0]):
+            best = (at, sig)
+    if best is None:
+        return None
+    at, sig = best
+    start = tail.rfind(b"\n", 0, at) + 1
+    end = tail.find(b"\n", at)
+    line = tail[start:] if end < 0 else tail[start:end]
+    return Diagnosis(sig.name, sig.what, sig.fix_for(mode), clip(line.decode("utf-8", "replace")))
+
+
+def last_attempt(tail: bytes) -> bytes:
+    """`tail` from where the last attempt began (after LogMux's restart note)."""
+    at = tail.rfind(RESTART_NOTE)
+    if at < 0:
+        return tail
+    end = tail.find(b"\n", at)
+    return b"" if end < 0 else tail[end + 1:]
+
+
+def read_tail(path: str, limit: int = TAIL_BYTES) -> bytes:
+    """The last `limit` bytes of the file at `path`, from its first whole line (b"" if it
+    cannot be read)."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(0, size - limit))
+            data = f.read(limit)
+    except OSError:
+        return b""
+    if size > limit:
+        data = data[data.find(b"\n") + 1:]
+    return data
+
+
+def clip(line: str, n: int = LINE_CHARS, squeeze: bool = True) -> str:
+    """`line` at most `n` characters, saying how many were cut; with `squeeze` its runs of
+    whitespace are single spaces first."""
+    if squeeze:
+        line = " ".join(line.split())
+    return line if len(line) <= n else f"{line[:n - 1]}… ({len(line) - n + 1} more characters)"
