@@ -55,8 +55,8 @@ def cmd_info(req: dict) -> dict:
         return answer
     gpus, driver = facts.nvidia()
     tf = facts.tf_version()      # first: it may run `site`, which the others then see
-    tb, keras, tf_keras = facts.installed_versions(
-        facts.TB_DISTRIBUTIONS, facts.KERAS_DISTRIBUTIONS, facts.TF_KERAS_DISTRIBUTIONS)
+    tb, keras = facts.installed_versions(facts.TB_DISTRIBUTIONS, facts.KERAS_DISTRIBUTIONS)
+    tf_keras = facts.installed_versions(facts.TF_KERAS_DISTRIBUTIONS, fallback=False)[0]
     answer.update({"tf_version": tf, "gpus": gpus, "driver_version": driver,
                    "tensorboard_version": tb, "keras_version": keras, "tf_keras_version": tf_keras,
                    "proxy": net.proxy_report(os.environ)})
