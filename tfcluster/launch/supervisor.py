@@ -265,7 +265,8 @@ def _summary(run: Run, outcome: tuple[int, str]) -> None:
             rate = got.steps_per_s if got else None
             steps[p.key] = ("-" if not got or got.step is None else str(got.step),
                             "-" if rate is None else f"{rate:.3g}")
-            last = (run.mux.last_line_matching(p.key, LOSS_LINE) or "").replace("tfcluster-result: ", "")
+            last = _keras_last(got) or \
+                (run.mux.last_line_matching(p.key, LOSS_LINE) or "").replace("tfcluster-result: ", "")
         duration = (p.ended or time.time()) - p.started if p.started else 0     # every attempt
         code = "stopped" if p.stopping and p.exit_code else p.exit_code    # the run's end: no failure
         rows.append((p.key, p.task.host, "-" if code is None else str(code),
@@ -273,6 +274,15 @@ def _summary(run: Run, outcome: tuple[int, str]) -> None:
     checks = run.checks.summary() if run.checks and steps else {}    # said only once scripts ran
     print_summary(run.ui, run.run_id, rows, outcome, os.path.join(run.options.runs_dir, run.run_id), checks,
                   steps)
+
+
+def _keras_last(got) -> str:
+    """A Keras script's last epoch, loss and metrics, as the summary's last loss line (its
+    bar line is escapes and bar glyphs); "" for another script."""
+    if got is None or got.epoch is None:
+        return ""
+    parts = [f"epoch {got.epoch}/{got.epochs}"] + ([f"loss {got.loss:.4g}"] if got.loss is not None else [])
+    return " · ".join(parts + [f"{name} {value:.4g}" for name, value in got.metrics.items()])
 
 
 def _failed(proc: Supervised) -> bool:

@@ -15,8 +15,9 @@ FOLLOW_POLL = 0.2         # seconds between looks at the logs while nothing new 
 
 def run_rows(runs_dir: str, name: str, progress=None) -> list[dict]:
     """One dict per saved run of `name`, oldest first: id, started, ended, duration,
-    mode, outcome, restarts, task (the chief's), step, loss. `progress`: the current
-    spec's train.progress, for runs whose manifest has none."""
+    mode, outcome, restarts, task (the chief's), step, loss, and from Keras' `model.fit`
+    epoch, epochs and the other metrics (None, None, {} without). `progress`: the
+    current spec's train.progress, for runs whose manifest has none."""
     out = []
     for run_id in runs.run_dirs(runs_dir, name):
         directory = os.path.join(runs_dir, run_id)
@@ -25,13 +26,13 @@ def run_rows(runs_dir: str, name: str, progress=None) -> list[dict]:
         state = runs.run_state(doc)
         end = ended if ended is not None else (time.time() if state == "running" else None)
         chief = _chief(doc)
-        step, loss = _final(directory, doc, chief, progress)
+        final = _final(directory, doc, chief, progress)
         out.append({"run": run_id, "started": started, "ended": ended,
                     "duration": None if started is None or end is None else round(end - started, 1),
                     "mode": doc.get("mode") if isinstance(doc.get("mode"), str) else None,
                     "outcome": _outcome(state, doc.get("exit_code")), "exit_code": doc.get("exit_code"),
                     "message": _message(state, doc.get("outcome")),
-                    "restarts": _restarts(doc), "task": chief, "step": step, "loss": loss})
+                    "restarts": _restarts(doc), "task": chief, **final})
     return out
 
 
@@ -73,23 +74,28 @@ def _restarts(doc: dict) -> int:
     return total
 
 
-def _final(directory: str, doc: dict, key: str | None, progress) -> tuple[int | None, float | None]:
-    """The chief's last step and loss: recorded in the manifest at the end of the run, else
-    read from its saved log (older runs, a run still going or killed)."""
+def _final(directory: str, doc: dict, key: str | None, progress) -> dict:
+    """The chief's last step, loss, epoch, epochs and metrics: recorded in the manifest at
+    the end of the run, else read from its saved log (older runs, a run still going or
+    killed)."""
+    none = {"step": None, "loss": None, "epoch": None, "epochs": None, "metrics": {}}
     if key is None:
-        return None, None
+        return none
     recorded = (doc.get("progress") or {}).get(key)
     if isinstance(recorded, dict) and doc.get("outcome") != "running":
-        return recorded.get("step"), recorded.get("loss")
+        return {name: recorded.get(name, value) for name, value in none.items()}
     tracker = Tracker(patterns_of(doc, progress))
     try:
         with open(os.path.join(directory, log_file(key)), "rb") as f:
             for line in f:
-                tracker.feed(key, line)
+                tracker.feed_block(key, line.rstrip(b"\n"))
     except OSError:
-        return None, None
+        return none
     state = tracker.state(key)
-    return (state.step, state.loss) if state else (None, None)
+    if state is None:
+        return none
+    return {"step": state.step, "loss": state.loss, "epoch": state.epoch, "epochs": state.epochs,
+            "metrics": state.metrics}
 
 
 class _Patterns:
@@ -112,11 +118,17 @@ def print_runs(ui, name: str, rows: list[dict], runs_dir: str) -> None:
     def outcome(r):
         return f"failed (exit {r['exit_code']})" if r["outcome"] == "failed" else r["outcome"]
 
+    epochs = any(r.get("epoch") is not None for r in rows)     # a column only for Keras' runs
+
+    def epoch(r):
+        return ("-" if r.get("epoch") is None else f"{r['epoch']}/{r['epochs']}",) if epochs else ()
+
     table = [(r["run"], when(r["started"]), duration(r["duration"], tenths=True), r["mode"] or "-", outcome(r),
-              str(r["restarts"]), "-" if r["step"] is None else str(r["step"]),
+              str(r["restarts"]), "-" if r["step"] is None else str(r["step"]), *epoch(r),
               "-" if r["loss"] is None else f"{r['loss']:.4g}") for r in rows]
     ui.table(f"runs of {name!r} in {runs_dir}/ (oldest first)",
-             ["run", "started", "duration", "mode", "outcome", "restarts", "step", "loss"], table)
+             ["run", "started", "duration", "mode", "outcome", "restarts", "step", *(("epoch",) if epochs else ()),
+              "loss"], table)
 
 
 def follow(ui, name: str, runs_dir: str, run: str | None, task: str | None, out,

@@ -1,7 +1,7 @@
 """The live footer of `train` in a terminal: two lines pinned under the scrolling task
 output (docs/design/logs.md, "Live footer").
 
-    step 1,200/2,000 (60%) · 42.1 steps/s · ETA 0:19 · elapsed 0:35 · loss 0.0123
+    step 1,200/2,000 (60%) · epoch 2/3 · 42.1 steps/s · ETA 0:19 · elapsed 0:35 · loss 0.0123 · accuracy 0.91
     running worker:0,worker:1 · restarting 1/3 worker:2 · serving ps:0
 
 Built from what the run already knows: each script's step, loss and target (metrics.py,
@@ -30,9 +30,10 @@ def clock(seconds: float) -> str:
 
 
 def progress_line(states: dict, elapsed: float, now: float | None = None) -> str:
-    """The first line: global step and target, rate, ETA, elapsed, latest loss. `now` is on
-    the clock of the step lines' times (default time.time(), as runs.ProgressLog stamps
-    them); with no step line in the last RATE_WINDOW, the stall replaces rate and ETA."""
+    """The first line: global step and target, Keras' epoch, rate, ETA, elapsed, latest
+    loss and Keras' other metrics. `now` is on the clock of the step lines' times (default
+    time.time(), as runs.ProgressLog stamps them); with no step line in the last
+    RATE_WINDOW, the stall replaces rate and ETA."""
     now = time.time() if now is None else now
     seen = [s for s in states.values() if s.step is not None]
     if not seen:
@@ -41,6 +42,8 @@ def progress_line(states: dict, elapsed: float, now: float | None = None) -> str
     target = max((s.target for s in states.values() if s.target), default=None)
     parts = [f"step {latest.step:,}" + (f"/{target:,} ({min(100, 100 * latest.step // target)}%)"
                                          if target else "")]
+    if latest.epoch is not None:
+        parts.append(f"epoch {latest.epoch}/{latest.epochs}")
     rates = [r for r in (s.recent_rate(now=now) for s in seen) if r]
     rate = max(rates, default=None)      # every task reports the one global step
     newest = max((s.last[0] for s in seen if s.last), default=None)
@@ -53,6 +56,7 @@ def progress_line(states: dict, elapsed: float, now: float | None = None) -> str
     parts.append(f"elapsed {clock(elapsed)}")
     if latest.loss is not None:
         parts.append(f"loss {latest.loss:.4g}")
+    parts += [f"{name} {value:.4g}" for name, value in latest.metrics.items()]
     return " · ".join(parts)
 
 

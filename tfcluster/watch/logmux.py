@@ -10,7 +10,11 @@ markup eats `[worker:0]`-style text and it manages ~19k lines/s.
 
 Line ends: `\\n`, `\\r\\n`, and a bare `\\r` (a progress-bar update). Within one
 batch only the latest update of a progress line is shown (a terminal would have
-overwritten the others); the latest state is always shown, never spliced.
+overwritten the others); the latest state is always shown, never spliced. Keras'
+progress bars are folded further: a bar's updates are shown at most once per
+FOLD_EVERY seconds, and the update that ends the line (the epoch's last) always, so
+an epoch is one line per task (docs/running.md, "Keras' progress"); the
+watchers still get every update shown or folded, and the saved log every byte.
 """
 from __future__ import annotations
 
@@ -40,18 +44,21 @@ from tfcluster.watch.logscan import (
     tf_python_echo,
     utf8_split,
 )
+from tfcluster.watch.metrics import keras_bar, keras_line
 
 NOTE_MARK = "[tfcluster] "
 HISTORY = 100                 # recent display lines kept per task (tail, summary)
 MAX_PARTIAL = 1 << 20         # an unterminated line longer than this is shown as is
 JOIN_BELOW = 1 << 16          # a batch smaller than this is one write with its prefix
+FOLD_EVERY = 30.0             # seconds: at most one folded Keras bar update shown per task
 _PALETTE = (36, 33, 32, 35, 34, 96, 93, 92, 95, 94)
 _DIM, _RESET = b"\x1b[2m", b"\x1b[0m"
 
 
 class _Task:
     __slots__ = ("key", "prefix", "sep", "show", "lock", "carry", "partial",
-                 "shown", "ring", "fd", "saved_midline", "last_output", "inside", "echo")
+                 "shown", "ring", "fd", "saved_midline", "last_output", "inside", "echo",
+                 "folded", "bar_since")
 
     def __init__(self, key: str, prefix: bytes, show: bool, fd: int | None) -> None:
         self.key, self.prefix, self.show, self.fd = key, prefix, show, fd
@@ -65,6 +72,8 @@ class _Task:
         self.last_output: float | None = None   # time.monotonic() of the last chunk
         self.inside: int | None = None  # in a hidden multi-line TF message (logscan.tf_message_opens)
         self.echo: bytes | None = None  # the next line may be an absl echo (logscan.tf_python_echo)
+        self.folded: bytes | None = None    # the latest Keras bar update folded, for the watchers
+        self.bar_since: float | None = None  # when the current Keras bar was last shown (or began)
 
 
 class LogMux:
@@ -72,7 +81,7 @@ class LogMux:
 
     `show(key)` is asked once per task at construction; a hidden task (and its
     notes) is still saved and still answers `tail` / `last_line_matching`.
-    With `collapse=False` every progress update gets its own line. `watch` is
+    With `collapse=False` every progress update gets its own line (Keras' bars too). `watch` is
     (markers, callback): every complete line containing one of the markers is passed
     to `callback(key, line)` (from the feeding thread) before it is shown or hidden.
     """
@@ -124,6 +133,8 @@ class LogMux:
             body, t.carry = utf8_split(t.carry + chunk if t.carry else chunk)
             if body:
                 self._emit(t, self._block(t, body))
+                if t.folded is not None:
+                    self._watch_folded(t)
 
     def close_task(self, key: str) -> None:
         """End of one stream of `key`: show a last line that had no newline.
@@ -256,6 +267,7 @@ class LogMux:
             t.partial = data
             return None
         block, t.partial = data[:end], data[end + 1:]
+        t.bar_since = None
         if t.shown:  # this line's latest update is on screen: its empty end adds nothing
             t.shown = False
             if not block:
@@ -271,12 +283,37 @@ class LogMux:
             segs = self._updates(line.split(b"\r"))
             shown += segs if segs or t.shown else [b""]
             t.shown = False
+        if lines:
+            t.bar_since = None      # a line ended: the next bar is another (an epoch's)
         *done, t.partial = tail.split(b"\r")
         segs = self._updates(done)
+        if segs and self._collapse and self._folds(t, segs[-1]):
+            t.folded, segs = segs[-1], []
         if segs:
             shown += segs
             t.shown = True
         return b"\n".join(shown) if shown else None
+
+    def _folds(self, t: _Task, update: bytes) -> bool:
+        """Whether `update`, a line's latest update so far, is a Keras bar update to keep
+        off the screen: all but one every FOLD_EVERY seconds of one bar."""
+        clean = keras_line(update)
+        if clean is None or keras_bar(clean) is None:
+            return False
+        now = time.monotonic()
+        if t.bar_since is None:
+            t.bar_since = now
+            return True
+        if now - t.bar_since < FOLD_EVERY:
+            return True
+        t.bar_since = now
+        return False
+
+    def _watch_folded(self, t: _Task) -> None:
+        """The watchers get the folded update as they would have had it shown."""
+        folded, t.folded = t.folded, None
+        if self._watch is not None and self._watching(folded):
+            self._watch[1](t.key, folded)
 
     def _updates(self, segs: list[bytes]) -> list[bytes]:
         """The non-empty `\\r` updates of one line worth showing."""

@@ -1,11 +1,16 @@
-"""Global step, loss and target step read off task output lines (pure, no I/O).
+"""Global step, epoch, loss, the other metrics and the target step read off task output
+lines (pure, no I/O).
 
 One parser for every reader: `train`'s progress record and summary, `runs`, `plot`, and
 the live footer. Scripts print `step=N loss=X` (the templates do, and end with
 `tfcluster-result: global_step=N loss=X`); `train.progress` in the spec overrides the
 patterns for scripts that print otherwise. Each pattern has one capturing group: the
-number. Lines are bytes (as LogMux and the saved logs have them); a cheap substring test
-runs before any regex, so a line without the pattern's literal costs one `in`.
+number. Keras' `model.fit` progress (Keras 3 and tf_keras: `Epoch 2/3`, the bar's
+`140/210 ━━━ … - loss: 0.31 - accuracy: 0.91`, the `verbose=2` line per epoch) is read
+too, without any pattern: its global step is (epoch - 1) × steps per epoch + the bar's
+batch, its target epochs × steps per epoch (docs/running.md, "What is read from the
+output"). Lines are bytes (as LogMux and the saved logs have them); a cheap substring test
+runs before any regex, so a line without a marker costs one `in` per marker.
 
 Incremental use (the footer, `train`'s recorder):
 
@@ -20,6 +25,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
+from tfcluster.watch.logscan import PROBE_MARKS
+
 _NUMBER = rb"([-+]?(?:(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?|nan|inf))"
 # `step=3`, `Step: 3`, `global_step=3`; not `last_step=300` (a target) nor `steps=300`
 DEFAULT_STEP = r"(?:global_|\b)[Ss]tep\s*[=:]\s*(\d+)\b"
@@ -30,6 +37,16 @@ TARGET_FLAGS = ("--steps", "--max_steps", "--train_steps", "--num_steps", "--las
                 "--total_steps", "--num_train_steps")
 RATE_WINDOW = 10.0     # seconds of recent progress behind TaskProgress.recent_rate
 RATE_SPAN = 1.0        # seconds of arrival times a recent rate needs at least
+
+# Keras' progress, as Keras 3 and tf_keras print it to a pipe (tests/data/keras_progress/):
+# every bar update is `\b` × the last width, `\r`, the bar; the epoch's last update ends
+# the line. Every bar names its time per step (`22ms/step`) or, in tf_keras, its `ETA: `.
+KERAS_EPOCH_MARK = b"Epoch "
+KERAS_BAR_MARKS = (b"/step", b"ETA: ")
+_ANSI = re.compile(rb"\x1b\[[0-9;]*[A-Za-z]")
+_KERAS_EPOCH = re.compile(rb"\s*Epoch (\d+)/(\d+)\s*\Z")
+_KERAS_BAR = re.compile(rb"\s*(\d+)/(\d+|Unknown) ")
+_KERAS_METRIC = re.compile(rb" - ([A-Za-z_][\w.]*): " + _NUMBER + rb"(?= |\Z)")
 
 
 @dataclass
@@ -42,6 +59,9 @@ class TaskProgress:
     first: tuple[float, int] | None = None      # (time, step) of the first step seen
     last: tuple[float, int] | None = None       # (time, step) of the latest
     samples: collections.deque = field(default_factory=lambda: collections.deque(maxlen=256))
+    epoch: int | None = None                    # Keras' `Epoch k/N`: k
+    epochs: int | None = None                   # and N
+    metrics: dict[str, float] = field(default_factory=dict)   # Keras' other metrics, latest
 
     @property
     def steps_per_s(self) -> float | None:
@@ -77,6 +97,17 @@ def _rate(a: tuple[float, int] | None, b: tuple[float, int] | None) -> float | N
     return (b[1] - a[1]) / (b[0] - a[0])
 
 
+@dataclass
+class Reading:
+    """What one line (or one `\\r` update of it) said; None fields: it did not say."""
+
+    step: int | None = None
+    loss: float | None = None
+    epoch: tuple[int, int] | None = None        # (k, N) of `Epoch k/N`, or of the bar's epoch
+    target: int | None = None                   # epochs × steps per epoch, from Keras
+    metrics: dict[str, float] | None = None     # Keras' metrics other than the loss
+
+
 class Pattern:
     """One compiled pattern with its prefilter: the longest literal the regex requires."""
 
@@ -91,51 +122,192 @@ class Pattern:
         return match.group(1) if match else None
 
 
+class KerasFit:
+    """Where one task's `model.fit` stands, from its `Epoch k/N` lines and its bars.
+
+    A bar counts only inside an epoch, and only while its batch does not go back and its
+    total does not change: `evaluate` and `predict` bars (after `fit`, or from a callback)
+    are not training steps. An epoch whose size is unknown (`7/Unknown`) counts on from the
+    steps of the epochs before it."""
+
+    __slots__ = ("batch", "done", "epoch", "epochs", "inside", "per_epoch", "total")
+
+    def __init__(self) -> None:
+        self.epoch = self.epochs = self.per_epoch = self.total = None
+        self.done = self.batch = 0
+        self.inside = False
+
+    def start(self, k: int, n: int) -> None:
+        if self.per_epoch:
+            self.done = (k - 1) * self.per_epoch
+        elif self.epoch is not None and k == self.epoch + 1:
+            self.done += self.batch
+        else:
+            self.done = 0
+        self.epoch, self.epochs, self.batch, self.total, self.inside = k, n, 0, None, True
+
+    def bar(self, batch: int, total: int | None) -> int | None:
+        """The global step of this bar; None: not a training bar."""
+        if not self.inside or batch < self.batch or (self.total is not None and total != self.total):
+            return None
+        self.batch = batch
+        if total is not None:
+            self.total = self.per_epoch = total
+            self.done = (self.epoch - 1) * total
+        return self.done + batch
+
+    @property
+    def target(self) -> int | None:
+        return self.epochs * self.per_epoch if self.epochs and self.per_epoch else None
+
+
+def keras_line(line: bytes) -> bytes | None:
+    """A line (one `\\r` update) with Keras' escapes and backspaces taken out; None when it
+    has none of Keras' markers (the cheap test, before any regex)."""
+    if KERAS_EPOCH_MARK not in line and not any(m in line for m in KERAS_BAR_MARKS):
+        return None
+    if b"\b" in line:
+        line = line.replace(b"\b", b"")
+    return _ANSI.sub(b"", line) if b"\x1b" in line else line
+
+
+def keras_bar(line: bytes) -> tuple[int, int | None] | None:
+    """(batch, total or None for `Unknown`) of a Keras bar line (escapes taken out)."""
+    if not any(m in line for m in KERAS_BAR_MARKS):
+        return None
+    m = _KERAS_BAR.match(line)
+    if m is None:
+        return None
+    return int(m.group(1)), None if m.group(2) == b"Unknown" else int(m.group(2))
+
+
+def keras_metrics(line: bytes) -> dict[str, float]:
+    """`name: value` of a Keras bar line, in its order (the loss included)."""
+    out = {}
+    for name, value in _KERAS_METRIC.findall(line):
+        try:
+            out[name.decode()] = float(value)
+        except ValueError:
+            continue
+    return out
+
+
 class Tracker:
     """Per-task progress from fed lines. `progress`: anything with `step`, `loss` (regex
-    strings or None for the defaults) and `target` (int or None), e.g. Plan.progress."""
+    strings or None for the defaults) and `target` (int or None), e.g. Plan.progress.
+    A `step` regex of the spec's wins over Keras' bars (their epochs and metrics are still
+    read); a `target` of the spec's wins over Keras' and the arguments'."""
 
     def __init__(self, progress=None, target: int | None = None,
                  targets: dict[str, int | None] | None = None) -> None:
+        self.custom_step = bool(getattr(progress, "step", None))
+        self.custom_loss = bool(getattr(progress, "loss", None))
+        self.fixed_target = bool(getattr(progress, "target", None))
         self.step = Pattern(getattr(progress, "step", None) or DEFAULT_STEP)
         self.loss = Pattern(getattr(progress, "loss", None) or DEFAULT_LOSS)
         self.target = target
         self.targets = targets or {}
         self.tasks: dict[str, TaskProgress] = {}
+        self.fits: dict[str, KerasFit] = {}
 
     @property
     def markers(self) -> tuple[bytes, ...]:
-        """Substrings one of which every progress line contains (b"": every line may)."""
-        return (self.step.literal, self.loss.literal)
+        """Substrings one of which every progress line contains (b"": every line may); a
+        marker that holds another is left out (the other finds its lines). Every Keras bar
+        of `fit` says `loss: `, which the default loss pattern's literal finds: only a
+        custom loss pattern needs the bars' own markers."""
+        found = (self.step.literal, self.loss.literal, KERAS_EPOCH_MARK)
+        found += KERAS_BAR_MARKS if self.custom_loss else ()
+        return tuple(m for i, m in enumerate(found)
+                     if m not in found[:i] and not any(o and o != m and o in m for o in found))
 
     def parse(self, line: bytes) -> tuple[int | None, float | None]:
-        """(step, loss) the line says, each None when it does not."""
+        """(step, loss) the patterns find in the line, each None when they do not (no
+        Keras: its step depends on the lines before; `read` has it)."""
+        if any(m in line for m in PROBE_MARKS):
+            return None, None
         step, loss = self.step.find(line), self.loss.find(line)
         try:
             return (None if step is None else int(step)), (None if loss is None else float(loss))
         except ValueError:      # a custom pattern's group that is not a number
             return None, None
 
-    def feed(self, key: str, line: bytes | str, now: float | None = None) -> bool:
-        """One line of `key`; True when it said a step or a loss."""
+    def read(self, key: str, line: bytes) -> list[Reading]:
+        """What `key`'s line says, one Reading per `\\r` update that says something (the
+        state of `key`'s Keras fit moves on)."""
+        if any(m in line for m in PROBE_MARKS):   # tfcluster's own probe (`global_step:0`)
+            return []
+        out = []
+        for seg in line.split(b"\r") if b"\r" in line else (line,):
+            got = self._read_one(key, seg)
+            if got is not None:
+                out.append(got)
+        return out
+
+    def _read_one(self, key: str, seg: bytes) -> Reading | None:
+        clean = keras_line(seg)
+        got = self._keras(key, clean) if clean is not None else None
+        if got is None:
+            step, loss = self.parse(seg)
+            return None if step is None and loss is None else Reading(step, loss)
+        if self.custom_step or self.custom_loss:
+            step, loss = self.parse(seg)
+            got.step = step if self.custom_step else got.step
+            got.loss = loss if self.custom_loss else got.loss
+        return got
+
+    def _keras(self, key: str, line: bytes) -> Reading | None:
+        """A Reading of a Keras line (an ignored bar: an empty one); None: not Keras'."""
+        m = _KERAS_EPOCH.match(line) if KERAS_EPOCH_MARK in line else None
+        fit = self.fits.get(key)
+        if m is not None:
+            if fit is None:
+                fit = self.fits[key] = KerasFit()
+            fit.start(int(m.group(1)), int(m.group(2)))
+            return Reading(epoch=(fit.epoch, fit.epochs), target=fit.target)
+        bar = keras_bar(line)
+        if bar is None:
+            return None
+        step = fit.bar(*bar) if fit is not None else None
+        if step is None:
+            return Reading()
+        metrics = keras_metrics(line)
+        return Reading(step=step, loss=metrics.pop("loss", None), epoch=(fit.epoch, fit.epochs),
+                       target=fit.target, metrics=metrics)
+
+    def feed(self, key: str, line: bytes | str, now: float | None = None) -> Reading | None:
+        """One line of `key`; what it said (the last update's step and loss), or None when
+        it said no step, loss or epoch."""
         if isinstance(line, str):
             line = line.encode("utf-8", "replace")
-        step, loss = self.parse(line)
-        if step is None and loss is None:
-            return False
+        readings = self.read(key, line)
+        said = None
+        for r in readings:
+            if r.step is None and r.loss is None and r.epoch is None:
+                continue
+            said = r
+            self._apply(key, r, now)
+        return said
+
+    def _apply(self, key: str, r: Reading, now: float | None) -> None:
         t = self.tasks.get(key)
         if t is None:
             t = self.tasks[key] = TaskProgress(target=self.targets.get(key, self.target))
-        if step is not None:
-            t.step = step
+        if r.step is not None:
+            t.step = r.step
             if now is not None:
                 t.last = (now, t.step)
                 if t.first is None or t.step < t.first[1]:   # a restart from an older step
                     t.first = t.last
                 t.samples.append(t.last)
-        if loss is not None:
-            t.loss = loss
-        return True
+        if r.loss is not None:
+            t.loss = r.loss
+        if r.epoch is not None:
+            t.epoch, t.epochs = r.epoch
+        if r.target is not None and not self.fixed_target:
+            t.target = r.target
+        if r.metrics:
+            t.metrics.update(r.metrics)
 
     def feed_block(self, key: str, block: bytes, now: float | None = None) -> None:
         """Several `\\n`-separated lines of `key`."""
@@ -147,18 +319,19 @@ class Tracker:
         return self.tasks.get(key)
 
 
-def points(lines: Iterable[bytes], tracker: Tracker) -> list[tuple[int, float]]:
-    """(step, loss) of every line that gives a loss, its step the latest seen (the plot's
-    curve); lines before any step are left out."""
+def points(lines: Iterable[bytes], tracker: Tracker, key: str = "") -> list[tuple[int, float]]:
+    """(step, loss) of every line (and `\\r` update) that gives a loss, its step the latest
+    seen (the plot's curve); lines before any step are left out."""
     out = []
     step = None
+    markers = tracker.markers
     for line in lines:
-        if not any(m in line for m in tracker.markers):
+        if not any(m in line for m in markers):
             continue
-        said, loss = tracker.parse(line)
-        step = said if said is not None else step
-        if loss is not None and step is not None:
-            out.append((step, loss))
+        for r in tracker.read(key, line):
+            step = r.step if r.step is not None else step
+            if r.loss is not None and step is not None:
+                out.append((step, r.loss))
     return out
 
 

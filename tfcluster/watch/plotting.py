@@ -1,6 +1,7 @@
 """`tfcluster plot`: loss and steps/s per task against the step, from a run's saved files.
 
-Loss comes from the saved logs (metrics.py reads each line). Steps per second need times,
+Loss comes from the saved logs (metrics.py reads each line, and each update of a Keras
+progress bar, whose global step counts on across epochs). Steps per second need times,
 which the logs do not have: they come from progress.tsv (when each step line reached this
 machine, recorded by `train`). A run without one (saved before it existed) gets one
 average rate per task, from its first to its last step over the script's run time in the
@@ -28,6 +29,7 @@ class Series:
     loss: list[tuple[int, float]] = field(default_factory=list)      # (step, loss)
     rate: list[tuple[int, float]] = field(default_factory=list)      # (step, steps/s)
     rate_source: str = "arrival times"                               # or "average"
+    epoch: tuple[int, int] | None = None                             # Keras' last `Epoch k/N`
 
 
 def run_series(directory: str, doc: dict, progress=None) -> dict[str, Series]:
@@ -43,7 +45,10 @@ def run_series(directory: str, doc: dict, progress=None) -> dict[str, Series]:
                 lines = f.read().split(b"\n")
         except OSError:
             continue
-        series = Series(loss=points(lines, Tracker(patterns_of(doc, progress))))
+        tracker = Tracker(patterns_of(doc, progress))
+        series = Series(loss=points(lines, tracker, key))
+        fit = tracker.fits.get(key)
+        series.epoch = (fit.epoch, fit.epochs) if fit is not None else None
         if times.get(key):
             series.rate = rates(times[key])
         else:
@@ -82,7 +87,7 @@ def _average(doc: dict, key: str, lines: list[bytes], progress) -> list[tuple[in
     script = ((doc.get("tasks") or {}).get(key) or {}).get("script") or {}
     started, ended = script.get("started"), script.get("ended")
     tracker = Tracker(patterns_of(doc, progress))
-    steps = [s for s in (tracker.parse(line)[0] for line in lines) if s is not None]
+    steps = [r.step for line in lines for r in tracker.read(key, line) if r.step is not None]
     if not steps or not isinstance(started, (int, float)) or not isinstance(ended, (int, float)) \
             or ended <= started:
         return []
@@ -98,7 +103,7 @@ def text_plot(run_id: str, series: dict[str, Series], width: int = WIDTH) -> lis
     for key, s in series.items():
         steps = [p[0] for p in s.loss + s.rate]
         lo, hi = min(steps), max(steps)
-        lines.append(f"{key}  steps {lo}–{hi}")
+        lines.append(f"{key}  steps {lo}–{hi}" + (f" · epoch {s.epoch[0]}/{s.epoch[1]}" if s.epoch else ""))
         if s.loss:
             values = [v for _, v in s.loss]
             scaled = _log_scale(values)
@@ -170,7 +175,8 @@ def write_png(path: str, run_id: str, series: dict[str, Series]) -> None:
     try:
         for key, s in series.items():
             if s.loss:
-                ax_loss.plot([p[0] for p in s.loss], [p[1] for p in s.loss], label=key)
+                ax_loss.plot([p[0] for p in s.loss], [p[1] for p in s.loss],
+                             label=key + (f" (epoch {s.epoch[0]}/{s.epoch[1]})" if s.epoch else ""))
             if s.rate:
                 ax_rate.plot([p[0] for p in s.rate], [p[1] for p in s.rate], label=key,
                              linestyle="--" if s.rate_source == "average" else "-")

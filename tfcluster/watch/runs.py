@@ -4,7 +4,8 @@ manifest.json and progress.tsv, and reading them back (`tfcluster logs`, `runs`,
 manifest.json says `"outcome": "running"` with the writer's pid (and its start time) from
 the start of a run until `finish` writes the outcome: a run is live while that says
 running and that process still lives (a tfcluster killed with SIGKILL never finishes it).
-progress.tsv has one line per progress line of a script, as it reached this machine:
+progress.tsv has one line per progress line of a script (a step or a loss; each Keras bar
+update that reached the watchers), as it reached this machine:
 `<unix time>\t<task>\t<step or ->\t<loss or ->`; the saved logs have no times, so
 steps per second come from here."""
 from __future__ import annotations
@@ -166,28 +167,30 @@ class ProgressLog:
     def on_line(self, key: str, line: bytes) -> None:
         if key.endswith(".server"):
             return
-        step, loss = self.tracker.parse(line)
-        if step is None and loss is None:
-            return
         now = time.time()
         with self._lock:
-            self.tracker.feed(key, line, now)
+            said = self.tracker.feed(key, line, now)
+            if said is None or (said.step is None and said.loss is None):
+                return          # nothing, or only Keras' `Epoch k/N`
             if self._fd is not None:
-                os.write(self._fd, f"{now:.3f}\t{key}\t{'-' if step is None else step}\t"
-                                   f"{'-' if loss is None else repr(loss)}\n".encode())
+                os.write(self._fd, f"{now:.3f}\t{key}\t{'-' if said.step is None else said.step}\t"
+                                   f"{'-' if said.loss is None else repr(said.loss)}\n".encode())
 
     def states(self) -> dict:
         """task -> a copy of its metrics.TaskProgress (its last 16 samples), taken under
         the lock: for a reader on another thread (the live footer)."""
         with self._lock:
-            return {key: replace(t, samples=collections.deque(list(t.samples)[-16:], maxlen=16))
+            return {key: replace(t, samples=collections.deque(list(t.samples)[-16:], maxlen=16),
+                                 metrics=dict(t.metrics))
                     for key, t in self.tracker.tasks.items()}
 
     def summary(self) -> dict:
-        """task -> {step, loss, steps_per_s, target}, for the manifest."""
+        """task -> {step, loss, steps_per_s, target, epoch, epochs, metrics}, for the
+        manifest (epoch, epochs: Keras' `Epoch k/N`, else None; metrics: Keras' others)."""
         with self._lock:
             return {key: {"step": t.step, "loss": t.loss, "target": t.target,
-                          "steps_per_s": None if t.steps_per_s is None else round(t.steps_per_s, 3)}
+                          "steps_per_s": None if t.steps_per_s is None else round(t.steps_per_s, 3),
+                          "epoch": t.epoch, "epochs": t.epochs, "metrics": dict(t.metrics)}
                     for key, t in self.tracker.tasks.items()}
 
     def close(self) -> None:
