@@ -21,6 +21,7 @@ from tfcluster.diagnose.keras import (
     tf_keras_requirement,
 )
 from tfcluster.errors import PreflightError
+from tfcluster.host import shim_facts
 from tfcluster.launch.preflight import check_tf_keras
 from tfcluster.launch.records import HostInfo, host_info
 from tfcluster.plan import build_plan
@@ -238,4 +239,27 @@ def test_train_warns_before_the_scripts_start_and_legacy_reaches_them(tmp_path, 
     assert legacy.returncode == 0, legacy.stdout[-2000:] + legacy.stderr[-2000:]
     assert "model.fit" not in legacy.stderr
     assert all(f"worker:{i} │ legacy keras: 1" in legacy.stdout for i in range(2))
+    assert not tagged_processes()
+
+
+LOCAL_KERAS = shim_facts.installed_version(shim_facts.KERAS_DISTRIBUTIONS)
+
+
+@pytest.mark.tf
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(not is_keras3(SimpleNamespace(keras_version=LOCAL_KERAS)), reason="no Keras 3 here")
+def test_up_warns_of_model_fit_in_coordinator_mode_and_starts_the_servers(tmp_path, home):
+    """`up` starts only servers, but the script it is for calls model.fit: said before they start."""
+    (tmp_path / "train.py").write_text(FIT_SCRIPT)
+    spec = local_spec(tmp_path, mode="coordinator", script="train.py", chief=1)
+    try:
+        up = tfcluster("up", str(spec), home=home, cwd=tmp_path, timeout=180)
+        assert up.returncode == 0, up.stderr
+        minor = ".".join(LOCAL_KERAS.split(".")[:2])
+        warning = up.stderr.index(f"tfcluster: warning: coordinator mode: Keras {minor} on local cannot run "
+                                  "model.fit under ParameterServerStrategy (keras-team/keras#18624)")
+        assert warning < up.stderr.index("Starting 3 server(s)")
+    finally:
+        down = tfcluster("down", str(spec), home=home, cwd=tmp_path, timeout=120)
+    assert down.returncode == 0, down.stderr
     assert not tagged_processes()
