@@ -92,6 +92,7 @@ def test_tf_keras_must_match_its_tensorflow_minor():
     assert tf_keras_problem(info(tf_keras=None)) == "tf_keras is not installed"
     assert tf_keras_problem(info(tf_keras="2.20.0")) == (
         "its tf_keras 2.20.0 does not match its TensorFlow 2.21.0")
+    assert tf_keras_problem(info(keras="2.15.0", tf="2.15.1")) is None     # tf.keras is Keras 2 there
     assert tf_keras_requirement("2.21.1") == "tf_keras~=2.21.0"
     assert not is_keras3(info(keras=None)) and is_keras3(info(keras="3.0.0rc1"))
 
