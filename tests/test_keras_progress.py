@@ -1,0 +1,182 @@
+"""Keras' `model.fit` progress, read and folded: the parser on real Keras output, the live
+view's one bar line per epoch per task, and (tf) a real `model.fit` run through `train`.
+
+The samples in tests/data/keras_progress/ were written once by the real Keras with stdout
+a pipe, as tfcluster runs scripts: `python capture.py` there (Keras 3.15 as `tf.keras` of
+TensorFlow 2.21) and `TF_USE_LEGACY_KERAS=1 python capture.py` (tf_keras 2.21). Each is
+`fit` for 3 epochs of 20 batches with validation data, then `evaluate` (4 batches) and
+`predict` (2) with their own bars; sizes known (arrays), `repeat()` with
+`steps_per_epoch`, and unknown (a filtered dataset: `1/Unknown` in the first epoch);
+verbose=1 (a bar update per batch: `\\b`s, `\\r`, Keras 3's escapes and `━`, tf_keras'
+`[====>...]` and `ETA:`) and verbose=2 (one line per epoch)."""
+from __future__ import annotations
+
+import io
+import re
+from pathlib import Path
+
+import pytest
+
+from tfcluster.watch import logmux, metrics
+from tfcluster.watch.footer import progress_line
+from tfcluster.watch.logmux import LogMux
+
+DATA = Path(__file__).parent / "data" / "keras_progress"
+SAMPLES = sorted(p.name for p in DATA.glob("*.txt"))
+FIT_LOSS = re.compile(rb"loss: ([0-9.]+)")
+
+
+def sample(name: str) -> bytes:
+    return (DATA / name).read_bytes()
+
+
+def fit_lines(data: bytes) -> list[bytes]:
+    """The last update of each line that ends an epoch (the epoch's own, as Keras printed it)."""
+    return [line.split(b"\r")[-1] for line in data.split(b"\n") if b"val_loss: " in line]
+
+
+def as_written(data: bytes) -> list[bytes]:
+    """The sample cut where Keras wrote: each bar update (`\\b`s, `\\r`, the bar) and each line."""
+    return [c for c in re.split(rb"(?<!\x08)(?=\x08+\r)|(?<=\n)", data) if c]
+
+
+# -- the parser -------------------------------------------------------------------------
+
+def test_the_samples_are_all_there():
+    assert len(SAMPLES) == 12, SAMPLES
+    assert all(b"Epoch 3/3" in sample(name) for name in SAMPLES)
+
+
+@pytest.mark.parametrize("name", SAMPLES)
+def test_fit_gives_the_global_step_epoch_loss_metrics_and_target(name):
+    data = sample(name)
+    t = metrics.Tracker()
+    t.feed_block("worker:0", data, now=1.0)
+    s = t.state("worker:0")
+    last = fit_lines(data)[-1]                  # evaluate's and predict's bars come after it
+    assert (s.step, s.epoch, s.epochs, s.target) == (60, 3, 3, 60)
+    assert s.loss == float(FIT_LOSS.search(last.split(b" - val_")[0]).group(1))
+    assert set(s.metrics) == {"accuracy", "val_loss", "val_accuracy"}
+    assert s.metrics["val_loss"] == float(re.search(rb"val_loss: ([0-9.]+)", last).group(1))
+
+
+@pytest.mark.parametrize("name", [n for n in SAMPLES if n.endswith("-v1.txt")])
+def test_every_bar_update_counts_on_across_epochs(name):
+    t = metrics.Tracker()
+    steps = [r.step for line in sample(name).split(b"\n") for r in t.read("w", line) if r.step is not None]
+    assert steps == sorted(steps) and steps[-1] == 60
+    assert len(set(steps)) > 30                 # a bar update per batch (a sleep in each)
+    assert steps.count(60) <= 2                 # the epoch's end (tf_keras: also its ETA 0s one)
+    if "unknown" in name:                       # `n/Unknown` in epoch 1, then 20 a epoch
+        assert 21 in steps and 20 in steps
+
+
+def test_an_unknown_epoch_size_counts_on_from_the_epochs_before():
+    t = metrics.Tracker()
+    lines = [b"Epoch 1/2", b"     15/Unknown 3s 19ms/step - loss: 0.5", b"     30/Unknown 4s 19ms/step - loss: 0.4",
+             b"Epoch 2/2", b"     12/Unknown 1s 9ms/step - loss: 0.3"]
+    said = [t.feed("w", line) for line in lines]
+    assert [r.step for r in said] == [None, 15, 30, None, 42]
+    assert t.state("w").target is None          # never known: no ETA
+    assert t.state("w").loss == 0.3
+
+
+def test_a_resumed_fit_starts_at_its_initial_epoch():
+    t = metrics.Tracker()
+    for line in (b"Epoch 3/5", b"10/100 [==>....] - ETA: 5s - loss: 0.2000"):
+        t.feed("w", line)
+    assert (t.state("w").step, t.state("w").target, t.state("w").epoch) == (210, 500, 3)
+
+
+def test_evaluate_and_predict_bars_after_fit_are_no_steps():
+    t = metrics.Tracker()
+    for line in (b"Epoch 1/1", b"20/20 - 1s - 38ms/step - accuracy: 0.5 - loss: 0.6972",
+                 b"4/4 - 0s - 6ms/step - accuracy: 0.4 - loss: 9.9", b"1/2 - 0s - 6ms/step",
+                 b"     3/Unknown 0s 6ms/step - loss: 8.8"):
+        t.feed("w", line)
+    assert (t.state("w").step, t.state("w").loss) == (20, 0.6972)
+    assert metrics.points([b"4/4 - 0s - 6ms/step - loss: 9.9"], metrics.Tracker()) == []   # no fit at all
+
+
+def test_the_placement_probe_line_is_no_step():
+    probe = (b'tfcluster-placement: {"task": "worker:0", "vars": [["global_step:0", '
+             b'"/job:ps/replica:0/task:0/device:CPU:0", [], "int64"]]}')
+    t = metrics.Tracker()
+    assert not t.feed("worker:0", probe) and t.state("worker:0") is None
+    assert t.parse(probe) == (None, None)
+    assert t.parse(b"global_step:15000") == (15000, None)      # the same words from the script count
+
+
+def test_a_spec_step_pattern_wins_over_the_bars_and_a_spec_target_over_keras():
+    class P:
+        step, loss, target = r"iter (\d+)", None, 1000
+    t = metrics.Tracker(P(), targets={"w": 1000})
+    t.feed("w", b"Epoch 2/3")
+    t.feed("w", b"5/20 [===>....] - ETA: 1s - loss: 0.5000 - accuracy: 0.7500")
+    s = t.state("w")
+    assert (s.step, s.loss, s.epoch, s.target, s.metrics) == (None, 0.5, 2, 1000, {"accuracy": 0.75})
+    t.feed("w", b"iter 77 and 6/20 [====>...] - ETA: 1s - loss: 0.4000")
+    assert t.state("w").step == 77
+
+
+def test_the_footer_shows_step_epoch_eta_loss_and_metrics():
+    t = metrics.Tracker()
+    t.feed("worker:0", b"Epoch 2/3")
+    for i in range(1, 21):          # a batch every 0.5 s
+        t.feed("worker:0", f"{i:2d}/20 \x1b[1m0s\x1b[0m 5ms/step - accuracy: 0.9100 - loss: 0.3100\x08\x08".encode(),
+               now=100 + i / 2)
+    line = progress_line(t.tasks, elapsed=35, now=110.0)
+    assert line == "step 40/60 (66%) · epoch 2/3 · 2.0 steps/s · ETA 0:10 · elapsed 0:35 · loss 0.31 · accuracy 0.91"
+
+
+# -- the live view ----------------------------------------------------------------------
+
+def fold(name: str, tmp_path, **kw) -> tuple[list[str], bytes, list[int]]:
+    """The sample through a LogMux as Keras wrote it: shown lines, the saved log, and the
+    steps the watcher (ProgressLog's place) was told."""
+    data, out, steps = sample(name), io.BytesIO(), []
+    t = metrics.Tracker()
+
+    def watcher(key: str, line: bytes) -> None:
+        said = t.feed(key, line)
+        if said is not None and said.step is not None:
+            steps.append(said.step)
+    mux = LogMux(out, ["worker:0"], color=False, save_dir=str(tmp_path / "run"), watch=(t.markers, watcher), **kw)
+    for chunk in as_written(data):
+        mux.feed("worker:0", chunk)
+    mux.close()
+    shown = out.getvalue().decode().splitlines()
+    return shown, (tmp_path / "run" / "worker-0.log").read_bytes(), steps
+
+
+@pytest.mark.parametrize("name", [n for n in SAMPLES if n.endswith("-v1.txt")])
+def test_the_live_view_shows_one_bar_line_per_epoch_and_the_saved_log_every_update(name, tmp_path):
+    shown, saved, steps = fold(name, tmp_path)
+    assert saved == sample(name)
+    bars = [line for line in shown if "/step" in line]
+    assert len(bars) == 3 + 2                   # an epoch's last update each; evaluate's; predict's
+    assert [line.count("val_loss: ") for line in bars] == [1, 1, 1, 0, 0]
+    assert len(shown) == 3 * 2 + 2 + 1          # with the 3 `Epoch k/3` lines and `done`
+    assert steps == sorted(steps) and len(set(steps)) > 30 and steps[-1] == 60   # every update watched
+
+
+def test_a_bar_slower_than_the_fold_interval_is_shown_now_and_then(tmp_path, monkeypatch):
+    monkeypatch.setattr(logmux, "FOLD_EVERY", 0.0)   # every other update is "30 s later"
+    shown, _, _ = fold("keras3-known-v1.txt", tmp_path)
+    assert len([line for line in shown if "/step" in line]) > 20
+    shown, _, _ = fold("keras3-known-v1.txt", tmp_path / "b", collapse=False)
+    assert len([line for line in shown if "/step" in line]) > 60     # collapse=False: every update
+
+
+def test_other_carriage_return_progress_is_not_folded(tmp_path):
+    out = io.BytesIO()
+    mux = LogMux(out, ["w", "k"], color=False)
+    for chunk in (b"copy 10%\rcopy 20%\r", b"copy 30%\r", b"copy 40%\n"):
+        mux.feed("w", chunk)
+    for chunk in (b"Epoch 1/1\n\r 1/3 [=>..] - ETA: 1s - loss: 0.5", b"\x08\x08\r 2/3 [==>.] - ETA: 1s - loss: 0.4",
+                  b"\x08\x08\r 3/3 [====] - ETA: 0s - loss: 0.3", b"\x08\x08\r3/3 [====] - 1s 9ms/step - loss: 0.3\n"):
+        mux.feed("k", chunk)
+    mux.close()
+    assert out.getvalue().decode().splitlines() == [
+        "w │ copy 20%", "w │ copy 30%", "w │ copy 40%",      # the latest of each batch, as before
+        "k │ Epoch 1/1", "k │ 3/3 [====] - 1s 9ms/step - loss: 0.3"]
