@@ -29,7 +29,7 @@ def tf_keras_problem(info) -> str | None:
     """Why this host cannot give its tasks tf_keras as `tf.keras` (None: it can, or its
     `tf.keras` is Keras 2 anyway, as before TF 2.16): tf_keras absent, or of another minor
     than its TensorFlow (each tf_keras release is built for the TF of the same minor)."""
-    if not is_keras3(info):
+    if not is_keras3(info) or not info.tf_version:    # no TF: the TF-missing check says so
         return None
     if not info.tf_keras_version:
         return "tf_keras is not installed"

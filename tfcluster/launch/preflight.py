@@ -92,7 +92,7 @@ def check_tf_keras(session: Session, hosts: list[str]) -> None:
         f"legacy Keras (TF_USE_LEGACY_KERAS=1, train.keras: legacy) needs tf_keras matching TensorFlow "
         f"on every host, and {versions.names(list(bad))} lack it",
         details="\n".join(f"{message}; install it: {command}" for message, command in lines.values()),
-        hint="install it on each host as listed, or drop train.keras: legacy")
+        hint="install it on each host as listed")
 
 
 def _check_same_machine_ports(infos: dict, tasks: list[TaskPlan]) -> None:
