@@ -43,6 +43,22 @@ else
   echo "no virtual environment active: using $(pwd)/.venv"
 fi
 "$PY" -m pip install -q --disable-pip-version-check -e '.[test]'
+# tf_keras (Keras 2, which `train.keras: legacy` runs) for the installed TensorFlow's minor. It
+# declares the full `tensorflow` wheel as its dependency, which beside tensorflow-cpu would put a
+# second TensorFlow over the first: its dependencies are TensorFlow's own, so none are fetched.
+tf_minor=$("$PY" - <<'PY' 2>/dev/null || true
+import importlib.metadata as m
+for name in ("tensorflow-cpu", "tensorflow"):
+    try:
+        print(".".join(m.version(name).split(".")[:2]))
+        break
+    except m.PackageNotFoundError:
+        pass
+PY
+)
+if [ -n "$tf_minor" ]; then
+  "$PY" -m pip install -q --disable-pip-version-check --no-deps "tf_keras~=$tf_minor.0"
+fi
 # An editable install writes no .pyc; under PYTHONDONTWRITEBYTECODE=1 (some CI images set it)
 # every CLI start the tests make would compile tfcluster from source. Python still reads them.
 "$PY" -m compileall -q tfcluster >/dev/null
