@@ -12,6 +12,7 @@ verbose=1 (a bar update per batch: `\\b`s, `\\r`, Keras 3's escapes and `━`, t
 from __future__ import annotations
 
 import io
+import json
 import re
 from pathlib import Path
 
@@ -180,3 +181,94 @@ def test_other_carriage_return_progress_is_not_folded(tmp_path):
     assert out.getvalue().decode().splitlines() == [
         "w │ copy 20%", "w │ copy 30%", "w │ copy 40%",      # the latest of each batch, as before
         "k │ Epoch 1/1", "k │ 3/3 [====] - 1s 9ms/step - loss: 0.3"]
+
+
+# -- a real model.fit through `train` (tf) ------------------------------------------------
+
+FIT = """\
+import contextlib, os, time
+import numpy as np
+import tensorflow as tf
+keras = tf.keras
+index = int(os.environ["TFCLUSTER_TASK_INDEX"])
+strategy = tf.distribute.MultiWorkerMirroredStrategy() if os.environ.get("MWMS") else None
+rng = np.random.default_rng(index)
+x = rng.random((320, 8), dtype="float32")
+y = (rng.random(320) > 0.5).astype("float32")
+with strategy.scope() if strategy else contextlib.nullcontext():
+    model = keras.Sequential([keras.layers.Input((8,)), keras.layers.Dense(4, activation="relu"),
+                              keras.layers.Dense(1, activation="sigmoid")])
+    model.compile(optimizer="adam", loss="binary_crossentropy", metrics=["accuracy"])
+slow = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: time.sleep(0.15))
+data = tf.data.Dataset.from_tensor_slices((x, y)).batch(16).repeat()
+model.fit(data, epochs=3, steps_per_epoch=20, validation_data=(x[:32], y[:32]), verbose=1, callbacks=[slow])
+"""
+BAR_END = re.compile(rb"20/20\b.*val_loss: ")   # an epoch's end, Keras 3 (escapes after 20/20) or tf_keras
+
+
+def keras_spec(tmp_path, workers: int, extra: str = "") -> Path:
+    from tests.helpers import local_spec
+
+    (tmp_path / "fit.py").write_text(FIT)
+    return local_spec(tmp_path, mode="mirrored", script="fit.py", ps=0, workers=workers, name="k", extra=extra)
+
+
+def after_the_run(spec: Path, cwd: Path, home: Path, keys: list[str]) -> None:
+    """What the saved run gives `runs` and `plot`; every update of the bars in the saved logs."""
+    from tests.helpers import only_run, tfcluster
+    from tfcluster.watch.plotting import run_series
+    from tfcluster.watch.runs import read_manifest
+
+    run = only_run(cwd / "runs")
+    for key in keys:
+        saved = (run / f"{key.replace(':', '-')}.log").read_bytes()
+        assert len(BAR_END.findall(saved)) == 3 and saved.count(b"\r") > 3 * 10, saved[-2000:]
+    row = json.loads(tfcluster("runs", str(spec), "--json", home=home, cwd=cwd).stdout)["runs"][0]
+    last = fit_lines((run / "worker-0.log").read_bytes())[-1]
+    assert (row["step"], row["epoch"], row["epochs"]) == (60, 3, 3)
+    assert row["loss"] == float(FIT_LOSS.search(last).group(1)) and "val_loss" in row["metrics"]
+    table = tfcluster("runs", str(spec), home=home, cwd=cwd).stdout
+    assert re.search(r"succeeded +0 +60 +3/3 +[0-9.]+", table), table
+    series = run_series(str(run), read_manifest(str(run)))
+    assert sorted(series) == keys and all(len(series[k].loss) > 3 * 10 for k in keys)
+    text = tfcluster("plot", str(spec), home=home, cwd=cwd).stdout
+    assert "worker:0  steps 1–60 · epoch 3/3" in text and "loss" in text, text
+
+
+@pytest.mark.tf
+@pytest.mark.timeout(300)
+def test_keras3_fit_in_a_terminal_has_a_footer_one_bar_line_per_epoch_runs_and_plot(tmp_path, home):
+    from tests.test_footer import run_in_pty, screen_lines
+
+    spec = keras_spec(tmp_path, workers=1)
+    rc, data = run_in_pty(["train", str(spec)], tmp_path, timeout=240)
+    assert rc == 0, data.decode(errors="replace")[-3000:]
+    dot = " · ".encode()
+    footer = re.compile(rb"step (\d+)/60 \(\d+%\)" + dot + rb"epoch ([123])/3" + dot + rb"[0-9.]+ steps/s" + dot
+                        + rb"ETA [0-9:]+" + dot + rb"elapsed [0-9:]+" + dot + rb"loss [0-9.]+" + dot + rb"accuracy")
+    seen = footer.findall(data)
+    assert len({step for step, _ in seen}) >= 3 and {epoch for _, epoch in seen} >= {b"2", b"3"}, seen
+    lines = screen_lines(data)
+    assert len(BAR_END.findall(data)) == 3 and data.count(b"/step") == 3      # one bar line an epoch
+    assert [line for line in lines if line.startswith("worker:0 │ Epoch ")] == [
+        f"worker:0 │ Epoch {k}/3" for k in (1, 2, 3)]
+    summary = [line for line in lines if re.match(r"│ worker:0 +│ local", line)]
+    assert len(summary) == 1 and re.search(r"│ +60 +│", summary[0]) and "epoch 3/3 · loss " in summary[0], lines[-20:]
+    after_the_run(spec, tmp_path, home, ["worker:0"])
+
+
+@pytest.mark.tf
+@pytest.mark.timeout(300)
+def test_tf_keras_multi_worker_fit_folds_each_workers_bars_and_reads_the_step(tmp_path, home):
+    from tests.helpers import tfcluster
+
+    spec = keras_spec(tmp_path, workers=2, extra='env: {TF_USE_LEGACY_KERAS: "1", MWMS: "1"}\n')
+    result = tfcluster("train", str(spec), home=home, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for key in ("worker:0", "worker:1"):
+        mine = [line for line in result.stdout.splitlines() if line.startswith(f"{key} │ ")]
+        bars = [line for line in mine if "/step" in line or "ETA: " in line]
+        assert len(bars) == 3 and all(BAR_END.search(line.encode()) for line in bars), mine
+    rows = [line for line in result.stderr.splitlines() if re.match(r"worker:[01]  ", line)]
+    assert len(rows) == 2 and all(re.split(r"\s{2,}", row.strip())[5] == "60" for row in rows), result.stderr
+    after_the_run(spec, tmp_path, home, ["worker:0", "worker:1"])

@@ -33,7 +33,7 @@ from tfcluster.localfs import private_dir
 from tfcluster.plan import Plan, names, policy
 from tfcluster.ui.views import print_summary
 from tfcluster.watch import footer
-from tfcluster.watch.metrics import DEFAULT_LOSS
+from tfcluster.watch.metrics import DEFAULT_LOSS, metric_items
 from tfcluster.watch.runs import Manifest, ProgressLog
 
 if TYPE_CHECKING:
@@ -282,7 +282,7 @@ def _keras_last(got) -> str:
     if got is None or got.epoch is None:
         return ""
     parts = [f"epoch {got.epoch}/{got.epochs}"] + ([f"loss {got.loss:.4g}"] if got.loss is not None else [])
-    return " · ".join(parts + [f"{name} {value:.4g}" for name, value in got.metrics.items()])
+    return " · ".join(parts + [f"{name} {value:.4g}" for name, value in metric_items(got.metrics)])
 
 
 def _failed(proc: Supervised) -> bool:

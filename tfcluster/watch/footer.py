@@ -17,7 +17,7 @@ import shutil
 import time
 from dataclasses import replace
 
-from tfcluster.watch.metrics import RATE_WINDOW
+from tfcluster.watch.metrics import RATE_WINDOW, metric_items
 
 REFRESH = 0.5          # seconds between rebuilds of the footer's text
 SHOWN_KEYS = 4         # task keys listed per state before "+N"
@@ -56,7 +56,7 @@ def progress_line(states: dict, elapsed: float, now: float | None = None) -> str
     parts.append(f"elapsed {clock(elapsed)}")
     if latest.loss is not None:
         parts.append(f"loss {latest.loss:.4g}")
-    parts += [f"{name} {value:.4g}" for name, value in latest.metrics.items()]
+    parts += [f"{name} {value:.4g}" for name, value in metric_items(latest.metrics)]
     return " · ".join(parts)
 
 

@@ -335,6 +335,12 @@ def points(lines: Iterable[bytes], tracker: Tracker, key: str = "") -> list[tupl
     return out
 
 
+def metric_items(metrics: dict[str, float]) -> list[tuple[str, float]]:
+    """Keras' other metrics as shown (footer, summary): val_loss first, the loss's own
+    measure on held-out data, then the rest in Keras' order."""
+    return sorted(metrics.items(), key=lambda item: item[0] != "val_loss")
+
+
 def target_of(progress, argv: Sequence[str]) -> int | None:
     """The final step: `train.progress.target`, else a step-count flag among `argv`."""
     if getattr(progress, "target", None):
