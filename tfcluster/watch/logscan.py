@@ -41,6 +41,7 @@ TF_NOISE = (
     b"Unable to register cuFFT factory",
     b"computation placer already registered",
     b"Could not find cuda drivers on your machine",
+    b"failed call to cuInit",     # an E line, but on a CPU-only host it says only that there is no GPU
 )
 
 
@@ -136,6 +137,13 @@ class AnyOf:
 # hop per line").
 NAMES = -1        # after a line ending in ":": TF task names, one a line
 _END = -2         # the line ends the message (the empty line after a DebugString)
+TYPES = -3        # after TF's "Type inference failed": full types, up to the node's name
+_TYPES_OPEN = b"Type inference failed"
+_TYPES_END = b"\twhile inferring type of node '"
+# The body of a type inference message: a FullTypeDef's lines (`type_id: TFT_…`, `args {`, `}`,
+# any indent), the sentence between the two types, empty lines, its context lines (a tab first).
+_TYPES_LINE = re.compile(rb"(?: *(?:type_id: \w+|args \{|\})| is neither a subtype nor a supertype of the "
+                         rb"combined inputs preceding it:|\twhile .*|)\Z")
 _PROTO_MARK = re.compile(rb"goo\.gle/debug[a-z]*[ \t]*\Z")     # protobuf's DebugString marker
 _PROTO_INLINE = re.compile(rb": [A-Za-z_]\w* \{\Z")            # a DebugString without it
 _PROTO_LINE = re.compile(rb"(?:[A-Za-z_]\w*|\[[\w./]+\])(: .*| \{)\Z")
@@ -143,8 +151,11 @@ _TASK_NAME = re.compile(rb"/job:\w+(?:/replica:\d+)?(?:/task:\d+)?(?:/device:\w+
 
 
 def tf_message_opens(line: bytes) -> int | None:
-    """How the message whose first line (a hidden TF line) is `line` continues: a proto's
-    depth (0 after protobuf's marker, 1 after `: name {`), NAMES after a colon, or None."""
+    """How the message whose first line (a hidden TF line) is `line` continues: TYPES after
+    TF's type inference failure, a proto's depth (0 after protobuf's marker, 1 after
+    `: name {`), NAMES after a colon, or None."""
+    if _TYPES_OPEN in line:
+        return TYPES
     if _PROTO_MARK.search(line):
         return 0
     if _PROTO_INLINE.search(line):
@@ -156,6 +167,10 @@ def tf_message_continues(state: int, line: bytes) -> tuple[bool, int | None]:
     """(whether `line` is part of the hidden message, the state after it; None: ended)."""
     if state == NAMES:
         return (True, NAMES) if _TASK_NAME.match(line) else (False, None)
+    if state == TYPES:
+        if not _TYPES_LINE.match(line):
+            return False, None
+        return True, (None if line.startswith(_TYPES_END) else TYPES)
     after = _proto_line(state, line)
     if after is None:
         return False, None
