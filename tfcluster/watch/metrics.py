@@ -8,8 +8,8 @@ patterns for scripts that print otherwise. Each pattern has one capturing group:
 number. Keras' `model.fit` progress (Keras 3 and tf_keras: `Epoch 2/3`, the bar's
 `140/210 ━━━ … - loss: 0.31 - accuracy: 0.91`, the `verbose=2` line per epoch) is read
 too, without any pattern: its global step is (epoch - 1) × steps per epoch + the bar's
-batch, its target epochs × steps per epoch (docs/running.md, "What is read from the
-output"). Lines are bytes (as LogMux and the saved logs have them); a cheap substring test
+batch, its target epochs × steps per epoch (docs/running.md, "Keras' progress"). Lines
+are bytes (as LogMux and the saved logs have them); a cheap substring test
 runs before any regex, so a line without a marker costs one `in` per marker.
 
 Incremental use (the footer, `train`'s recorder):
