@@ -39,12 +39,17 @@ def pytest_collection_modifyitems(config, items):
 
 def _slow_processes(root: psutil.Process, old: set[int]) -> list[str]:
     """The descendants of `root` not in `old` that belong to a slow class: an sshd, Slurm's
-    daemons, or any process with TensorFlow's library mapped; each as `mark: pid command`."""
+    daemons, or any process with TensorFlow's library mapped; each as `mark: pid command`. A
+    fork of `root` that has not yet exec'd maps what root does (TensorFlow, once a test of
+    this session imported it) and is left out."""
     found = []
+    me = root.cmdline()
     for child in root.children(recursive=True):
         if child.pid in old:
             continue
         try:
+            if child.cmdline() == me:   # this process forked, before its exec: its maps are ours
+                continue
             mark = SLOW_PROGRAMS.get(child.name())
             if mark is None:
                 with open(f"/proc/{child.pid}/maps", "rb") as f:
