@@ -153,10 +153,10 @@ def test_legacy_on_several_hosts_names_each_with_its_own_install_command():
     assert refused.value.details.splitlines() == [
         ("host b: legacy Keras (TF_USE_LEGACY_KERAS=1, train.keras: legacy) needs tf_keras for "
          "/opt/b/bin/python, but tf_keras is not installed; install it: `tfcluster exec SPEC --hosts b -- "
-         "/opt/b/bin/python -m pip install 'tf_keras~=2.20.0'`"),
+         "/opt/b/bin/python -m pip install --no-deps 'tf_keras~=2.20.0'`"),
         ("host c: legacy Keras (TF_USE_LEGACY_KERAS=1, train.keras: legacy) needs tf_keras for "
          "/opt/c/bin/python, but its tf_keras 2.19.0 does not match its TensorFlow 2.21.0; install it: "
-         "`tfcluster exec SPEC --hosts c -- /opt/c/bin/python -m pip install 'tf_keras~=2.21.0'`")]
+         "`tfcluster exec SPEC --hosts c -- /opt/c/bin/python -m pip install --no-deps 'tf_keras~=2.21.0'`")]
 
 
 # -- for real: a second interpreter, a venv whose metadata names TF and Keras ---------------
@@ -193,7 +193,7 @@ def test_plan_check_refuses_legacy_on_a_host_without_tf_keras_with_the_install_c
     errors = [line for line in checked.stderr.splitlines() if line.startswith("tfcluster: error: ")]
     assert errors == [(f"tfcluster: error: host local: legacy Keras (TF_USE_LEGACY_KERAS=1, train.keras: "
                        f"legacy) needs tf_keras for {python}, but tf_keras is not installed")]
-    assert (f"hint: install it there: `tfcluster exec SPEC --hosts local -- {python} -m pip install "
+    assert (f"hint: install it there: `tfcluster exec SPEC --hosts local -- {python} -m pip install --no-deps "
             f"'tf_keras~=2.21.0'`") in checked.stderr
     assert "preflight passed" not in checked.stderr and "Traceback" not in checked.stderr
 

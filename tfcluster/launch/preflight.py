@@ -81,7 +81,7 @@ def check_tf_keras(session: Session, hosts: list[str]) -> None:
     for name, problem in bad.items():
         host, info = session.plan.host(name), session.infos[name]
         command = shell_join(["tfcluster", "exec", "SPEC", "--hosts", name, "--", host.python, "-m", "pip",
-                              "install", keras.tf_keras_requirement(info.tf_version)])
+                              "install", "--no-deps", keras.tf_keras_requirement(info.tf_version)])
         message = (f"host {name}: legacy Keras (TF_USE_LEGACY_KERAS=1, train.keras: legacy) needs "
                    f"tf_keras for {host.python}, but {problem}")
         lines[name] = (message, f"`{command}`")
