@@ -43,6 +43,7 @@ RATE_SPAN = 1.0        # seconds of arrival times a recent rate needs at least
 # the line. Every bar names its time per step (`22ms/step`) or, in tf_keras, its `ETA: `.
 KERAS_EPOCH_MARK = b"Epoch "
 KERAS_BAR_MARKS = (b"/step", b"ETA: ")
+_PROBE = b"tfcluster-"      # in each of PROBE_MARKS: one `in` for every other line
 _ANSI = re.compile(rb"\x1b\[[0-9;]*[A-Za-z]")
 _KERAS_EPOCH = re.compile(rb"\s*Epoch (\d+)/(\d+)\s*\Z")
 _KERAS_BAR = re.compile(rb"\s*(\d+)/(\d+|Unknown) ")
@@ -97,7 +98,7 @@ def _rate(a: tuple[float, int] | None, b: tuple[float, int] | None) -> float | N
     return (b[1] - a[1]) / (b[0] - a[0])
 
 
-@dataclass
+@dataclass(slots=True)
 class Reading:
     """What one line (or one `\\r` update of it) said; None fields: it did not say."""
 
@@ -164,7 +165,7 @@ class KerasFit:
 def keras_line(line: bytes) -> bytes | None:
     """A line (one `\\r` update) with Keras' escapes and backspaces taken out; None when it
     has none of Keras' markers (the cheap test, before any regex)."""
-    if KERAS_EPOCH_MARK not in line and not any(m in line for m in KERAS_BAR_MARKS):
+    if b"Epoch " not in line and b"/step" not in line and b"ETA: " not in line:   # the marks, unrolled
         return None
     if b"\b" in line:
         line = line.replace(b"\b", b"")
@@ -224,8 +225,11 @@ class Tracker:
     def parse(self, line: bytes) -> tuple[int | None, float | None]:
         """(step, loss) the patterns find in the line, each None when they do not (no
         Keras: its step depends on the lines before; `read` has it)."""
-        if any(m in line for m in PROBE_MARKS):
+        if _PROBE in line and any(m in line for m in PROBE_MARKS):
             return None, None
+        return self._patterns(line)
+
+    def _patterns(self, line: bytes) -> tuple[int | None, float | None]:
         step, loss = self.step.find(line), self.loss.find(line)
         try:
             return (None if step is None else int(step)), (None if loss is None else float(loss))
@@ -235,7 +239,7 @@ class Tracker:
     def read(self, key: str, line: bytes) -> list[Reading]:
         """What `key`'s line says, one Reading per `\\r` update that says something (the
         state of `key`'s Keras fit moves on)."""
-        if any(m in line for m in PROBE_MARKS):   # tfcluster's own probe (`global_step:0`)
+        if _PROBE in line and any(m in line for m in PROBE_MARKS):   # tfcluster's own (`global_step:0`)
             return []
         out = []
         for seg in line.split(b"\r") if b"\r" in line else (line,):
@@ -248,10 +252,10 @@ class Tracker:
         clean = keras_line(seg)
         got = self._keras(key, clean) if clean is not None else None
         if got is None:
-            step, loss = self.parse(seg)
+            step, loss = self._patterns(seg)
             return None if step is None and loss is None else Reading(step, loss)
         if self.custom_step or self.custom_loss:
-            step, loss = self.parse(seg)
+            step, loss = self._patterns(seg)
             got.step = step if self.custom_step else got.step
             got.loss = loss if self.custom_loss else got.loss
         return got
@@ -280,9 +284,16 @@ class Tracker:
         it said no step, loss or epoch."""
         if isinstance(line, str):
             line = line.encode("utf-8", "replace")
-        readings = self.read(key, line)
+        if b"/" not in line and _PROBE not in line and b"\r" not in line:
+            # the common line: the patterns only (every line of Keras has its `k/N`)
+            step, loss = self._patterns(line)
+            if step is None and loss is None:
+                return None
+            said = Reading(step, loss)
+            self._apply(key, said, now)
+            return said
         said = None
-        for r in readings:
+        for r in self.read(key, line):
             if r.step is None and r.loss is None and r.epoch is None:
                 continue
             said = r
@@ -302,8 +313,9 @@ class Tracker:
                 t.samples.append(t.last)
         if r.loss is not None:
             t.loss = r.loss
-        if r.epoch is not None:
-            t.epoch, t.epochs = r.epoch
+        if r.epoch is None:
+            return
+        t.epoch, t.epochs = r.epoch
         if r.target is not None and not self.fixed_target:
             t.target = r.target
         if r.metrics:
