@@ -157,6 +157,56 @@ def test_a_quiet_watchdog_says_what_it_watched_not_that_nothing_hung(tmp_path):
     assert checks.summary()["hang"] == "2 diagnosis(es)"
 
 
+# TF's stall messages. BLOCKED_* were not produced here within a test's time (TF says so only
+# 60 s into a blocked step); their text is a public training log's (master_session.cc, which
+# then named a task of that cluster), with TF 2.21's line prefix and this cluster's task.
+BLOCKED = (b"E0000 00:00:1795736579.680556   28990 master_session.cc:570] RunStep still blocked after "
+           b"60 seconds. Failed with error status: CANCELLED: RunManyGraphs")
+BLOCKED_ON = (b"E0000 00:00:1795736579.680630   28990 master_session.cc:575] - No response from RunGraph "
+              b"call to worker: /job:ps/replica:0/task:1")
+TWICE = (b"tensorflow.python.framework.errors_impl.AbortedError: The same RunGraph request was received "
+         b"twice. step_id: 4121873442 graph_handle: \"0000000000000003\"")
+
+
+def test_a_blocked_runstep_is_due_at_once_naming_the_task_that_does_not_answer():
+    dog = wd.Watchdog(hang_after=20)
+    dog.saw("worker:0.server", BLOCKED, now=100.0)       # the session's master: worker:0's server
+    dog.saw("worker:0.server", BLOCKED_ON, now=100.0)
+    [wait] = dog.due(100.0, {"worker:0"})
+    assert (wait.waiter, wait.kind, wait.target, wait.detail, wait.start) == (
+        "worker:0", "runstep", "ps:1", "CANCELLED: RunManyGraphs", 40.0)
+    facts = wd.Facts("b", "127.0.0.1:2231", "running", pid=7, port=None, quiet_for=70)
+    line = wd.explain(wait, facts, 100.0, "a", "runs/x/ps-1.server.log")
+    assert line.startswith("worker:0's training step is stuck: TensorFlow's RunStep has been blocked for 60s "
+                           "(the step failed: CANCELLED: RunManyGraphs), still waiting for ps:1 (b, "
+                           "127.0.0.1:2231): ps:1 is running (pid 7, last output 70s ago). Likely: ps:1 is "
+                           "stopped, hung or unreachable"), line
+    assert "runs/x/ps-1.server.log" in line and "\n" not in line
+
+
+def test_a_blocked_runstep_is_said_instead_of_the_silence_it_causes_and_repeats_every_minute():
+    dog = wd.Watchdog(hang_after=20)
+    dog.silent("worker:0", since=0.0, now=100.0)
+    dog.saw("worker:0.server", BLOCKED, now=100.0)
+    assert [w.kind for w in dog.due(100.0, {"worker:0"})] == ["runstep"]
+    dog.saw("worker:0.server", BLOCKED, now=160.0)       # TF says it again 60 s later
+    [again] = dog.due(161.0, {"worker:0"})
+    assert (again.kind, again.start) == ("runstep", 40.0)
+    assert "a task it does not name" in wd.explain(again, None, 161.0, "a", "runs/x/worker-0.log")
+
+
+def test_a_rungraph_received_twice_is_said_at_once_with_what_to_check():
+    dog = wd.Watchdog(hang_after=20)
+    dog.saw("worker:1", TWICE, now=5.0)
+    [wait] = dog.due(5.0, {"worker:1"})
+    assert (wait.kind, wait.target) == ("twice", None)
+    line = wd.explain(wait, wd.Facts(proxy="http_proxy"), 5.0, "b", "runs/x/worker-1.log")
+    assert line.startswith("worker:1 on b: TensorFlow aborted a step because a task got its RunGraph call "
+                           "twice ('The same RunGraph request was received twice'): the call was sent again")
+    assert "a proxy is set (http_proxy)" in line and "\n" not in line
+    assert dog.due(30.0, {"worker:1"}) == []               # said once, not again within a minute
+
+
 @pytest.mark.parametrize("facts, expected", [
     (wd.Facts("local", "127.0.0.1:2231", "finished", exit_code=0), "device_filters=['/job:ps', '/job:worker/task:0']"),
     (wd.Facts("local", "127.0.0.1:2231", "failed", exit_code=3), "exited with code 3"),

@@ -38,6 +38,7 @@ class RunChecks:
         chief = plan.chief
         self.watchdog = wd.Watchdog(plan.checks.hang_after, targets={t.target: t.key for t in plan.tasks},
                                     chief=chief.key if chief else None) if plan.checks.hang_after > 0 else None
+        self._keys = {t.key for t in plan.tasks}
         self._diagnosing = threading.Lock()
         self.diagnoses = 0
 
@@ -92,15 +93,22 @@ class RunChecks:
     def _diagnose(self, due: list[wd.Wait], procs, mux) -> None:
         try:
             for wait in due:
+                if wait.target is not None and wait.target not in self._keys:
+                    wait.target = None          # TF named a task of another cluster: no facts
                 facts = self._facts(wait, procs, mux) if wait.target else self._proxy_only(wait)
                 host = self.plan.task(wait.waiter).host
-                hint = os.path.join(self.log_dir, log_file(wait.target or wait.waiter))
+                hint = os.path.join(self.log_dir, log_file(self._log_key(wait.target or wait.waiter)))
                 self.ui.warn(wd.explain(wait, facts, time.monotonic(), host, hint))
                 self.diagnoses += 1
         except Exception as exc:  # noqa: BLE001 - a diagnosis must never break the run
             self.ui.warn(f"hang watchdog: could not diagnose: {exc}")
         finally:
             self._diagnosing.release()
+
+    def _log_key(self, key: str) -> str:
+        """The log of task `key`: its server's where no script of it runs (a ps)."""
+        task = self.plan.task(key)
+        return f"{key}.server" if task.runs_server and not task.runs_script else key
 
     def port_check(self, from_host: str, address: str, port: int) -> str | None:
         """None when address:port accepts a connection from `from_host`, else why not (the

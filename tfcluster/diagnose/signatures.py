@@ -159,8 +159,11 @@ def read_tail(path: str, limit: int = TAIL_BYTES) -> bytes:
 
 
 def clip(line: str, n: int = LINE_CHARS, squeeze: bool = True) -> str:
-    """`line` at most `n` characters, saying how many were cut; with `squeeze` its runs of
-    whitespace are single spaces first."""
+    """`line` in at most `n` characters (a long one cut, saying how long it was); with
+    `squeeze` its runs of whitespace are single spaces first."""
     if squeeze:
         line = " ".join(line.split())
-    return line if len(line) <= n else f"{line[:n - 1]}… ({len(line) - n + 1} more characters)"
+    if len(line) <= n:
+        return line
+    more = f"… ({len(line)} characters)"
+    return line[:max(0, n - len(more))] + more

@@ -19,10 +19,18 @@ from tfcluster.plan.names import task_key
 SESSION_WAIT = b"CreateSession still waiting for response from worker"
 NOT_READY = b"tfcluster-not-ready: "
 UNAVAILABLE = (b"failed to connect to all addresses", b"Failed to connect to remote host")
-MARKERS = (SESSION_WAIT, NOT_READY, *UNAVAILABLE)
+# A session's master (in between-graph mode the task's server) whose step failed while another
+# task of it has not answered: TF says so every 60 s, then names each task with no answer.
+RUNSTEP_BLOCKED = b"RunStep still blocked after "
+NO_RESPONSE = b"No response from RunGraph call to worker: "
+RUNGRAPH_TWICE = b"RunGraph request was received twice"
+MARKERS = (SESSION_WAIT, NOT_READY, *UNAVAILABLE, RUNSTEP_BLOCKED, NO_RESPONSE, RUNGRAPH_TWICE)
 # How often TF repeats each message: a wait is still going while messages keep coming.
-_REPEATS = {"session": 10.0, "not-ready": 30.0, "unavailable": 30.0}
+_REPEATS = {"session": 10.0, "not-ready": 30.0, "unavailable": 30.0, "runstep": 60.0, "twice": 60.0}
+# How long the wait had lasted when TF first said so ("twice" is an event: due at once).
+_BEFORE = {"session": 10.0, "runstep": 60.0}
 _TF_TASK = re.compile(rb"/job:([A-Za-z0-9_-]+)(?:/replica:\d+)?/task:(\d+)")
+_STATUS = re.compile(rb"Failed with error status: (.*)$")
 _ADDRESS = re.compile(rb"(?:ipv4:|ipv6:)?\[?([A-Za-z0-9_.:-]+?)\]?:(\d+): Failed to connect")
 _MISSING = re.compile(rb"Variables not initialized: (.*)$")
 
@@ -61,9 +69,12 @@ class Watchdog:
         kind, target, detail = found
         with self._lock:
             wait = self._waits.get((waiter, kind))
+            if kind == "runstep" and NO_RESPONSE in line:     # names the task of a blocked step
+                if wait is not None and wait.target is None:
+                    wait.target = target
+                return
             if wait is None or now - wait.last > _REPEATS[kind] * 1.5 or wait.target != target:
-                # TF prints its first CreateSession message 10 s into the wait
-                start = now - (_REPEATS["session"] if kind == "session" else 0.0)
+                start = now - _BEFORE.get(kind, self.hang_after if kind == "twice" else 0.0)
                 self._waits[(waiter, kind)] = Wait(waiter, kind, target, detail, start, now)
             else:
                 wait.last, wait.detail = now, detail
@@ -100,6 +111,13 @@ class Watchdog:
         return out
 
     def _classify(self, line: bytes) -> tuple[str, str | None, str] | None:
+        if RUNSTEP_BLOCKED in line:
+            m = _STATUS.search(line)
+            return "runstep", None, m.group(1).decode("utf-8", "replace").strip() if m else ""
+        if NO_RESPONSE in line or RUNGRAPH_TWICE in line:
+            m = _TF_TASK.search(line)
+            target = task_key(m.group(1).decode(), int(m.group(2))) if m else None
+            return ("runstep" if NO_RESPONSE in line else "twice"), target, ""
         if SESSION_WAIT in line:
             m = _TF_TASK.search(line, line.find(SESSION_WAIT))
             target = task_key(m.group(1).decode(), int(m.group(2))) if m else None
@@ -133,6 +151,8 @@ class Facts:
 def explain(wait: Wait, facts: Facts | None, now: float, waiter_host: str, log_hint: str) -> str:
     """The one-line diagnosis of a due wait."""
     waited = f"{wait.waiter} has waited {now - wait.start:.0f}s"
+    if wait.kind in ("runstep", "twice"):
+        return _stall(wait, facts, now, waiter_host, log_hint)
     if wait.kind == "silent":
         return (f"{wait.waiter} on {waiter_host} has printed nothing for {now - wait.start:.0f}s and is "
                 f"still running: if it should be making progress, it may be stuck (e.g. waiting for "
@@ -151,6 +171,31 @@ def explain(wait: Wait, facts: Facts | None, now: float, waiter_host: str, log_h
         return f"{waited}: TensorFlow cannot connect{address}. Likely: {cause}"
     head = f"{waited} for {wait.target}" + (f" ({facts.host}, {facts.address})" if facts else "")
     return f"{head}: {wait.target} {_state(facts)}. {_cause(wait, facts, waiter_host, log_hint)}"
+
+
+def _stall(wait: Wait, facts: Facts | None, now: float, waiter_host: str, log_hint: str) -> str:
+    """TF's own stall messages, said with what they mean."""
+    where = f" ({facts.host}, {facts.address})" if facts and wait.target and facts.address else ""
+    proxy = (f"; a proxy is set ({facts.proxy}): gRPC may send the cluster's traffic through it"
+             if facts and facts.proxy else "")
+    if wait.kind == "twice":
+        sender = f" ({wait.target} said so)" if wait.target else ""
+        return (f"{wait.waiter} on {waiter_host}: TensorFlow aborted a step because a task got its "
+                f"RunGraph call twice{sender} ('The same RunGraph request was received twice'): the "
+                f"call was sent again after its connection failed, though the first copy had "
+                f"arrived. Check the network between the tasks (drops, timeouts{proxy}) and that no "
+                f"other process serves these ports; a MonitoredTrainingSession recreates its session "
+                f"and it happens again while the cause lasts")
+    status = f" (the step failed: {_clip(wait.detail)})" if wait.detail else ""
+    head = (f"{wait.waiter}'s training step is stuck: TensorFlow's RunStep has been blocked for "
+            f"{now - wait.start:.0f}s{status}, still waiting for ")
+    if wait.target is None:
+        return (head + f"a task it does not name. Likely: a task of the step failed or was lost and "
+                f"another cannot answer; {wait.waiter}'s log: {log_hint}")
+    return (head + f"{wait.target}{where}: {wait.target} {_state(facts)}. Likely: {wait.target} is "
+            f"stopped, hung or unreachable, so the failed step cannot be cancelled there: check its "
+            f"process and the network from {waiter_host}{proxy}; its log: {log_hint}. The run ends at "
+            f"train.timeout")
 
 
 def _state(f: Facts | None) -> str:
