@@ -147,7 +147,7 @@ class LogMux:
             if t.partial or body:
                 self._emit(t, self._block(t, body + b"\n"))
             t.shown = False
-            t.inside = t.echo = None    # a restarted process continues nothing of this one
+            t.inside = t.echo = t.bar_since = None    # a restarted process continues nothing of this one
 
     def note(self, key: str, text: str) -> None:
         """A line from tfcluster itself about `key`: shown marked (dimmed), saved, kept."""
