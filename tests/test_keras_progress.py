@@ -100,11 +100,13 @@ def test_evaluate_and_predict_bars_after_fit_are_no_steps():
 
 
 def test_the_placement_probe_line_is_no_step():
-    probe = (b'tfcluster-placement: {"task": "worker:0", "vars": [["global_step:0", '
-             b'"/job:ps/replica:0/task:0/device:CPU:0", [], "int64"]]}')
-    t = metrics.Tracker()
-    assert not t.feed("worker:0", probe) and t.state("worker:0") is None
-    assert t.parse(probe) == (None, None)
+    # as host/probe/sitecustomize.py writes it: a placed variable, and one with no device
+    for device in (b"/job:ps/replica:0/task:0/device:CPU:0", b""):
+        probe = (b'tfcluster-placement: {"task":"worker:0","pid":7,"vars":[["global_step:0","' + device
+                 + b'",[],"int64"]],"truncated":false}')
+        t = metrics.Tracker()
+        assert not t.feed("worker:0", probe) and t.state("worker:0") is None
+        assert t.parse(probe) == (None, None) and metrics.points([probe, b"loss=1"], t) == []
     assert t.parse(b"global_step:15000") == (15000, None)      # the same words from the script count
 
 
