@@ -70,6 +70,7 @@ def known(name: str, script: str, mode: str, jobs: dict[str, int], args: tuple[s
 KNOWN = [  # the signature each script ends with
     known("keras3-mwms-fit", "keras3_mwms_fit.py", "mirrored", {"worker": 2}),
     known("keras3-pss-fit", "keras3_pss_fit.py", "coordinator", {"chief": 1, "ps": 1, "worker": 1}),
+    known("pss-dataset", "pss_dataset_loop.py", "coordinator", {"chief": 1, "ps": 1, "worker": 1}),
     known("keras3-reset-states", "keras3_reset_states.py", "mirrored", {"worker": 1}),
     known("keras3-legacy-optimizer", "legacy_optimizer.py", "mirrored", {"worker": 1}),
     known("collectives-late", "strategy_late.py", "mirrored", {"worker": 1}),

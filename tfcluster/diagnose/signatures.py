@@ -52,7 +52,8 @@ SIGNATURES = (
         f"(coordinator.create_per_worker_dataset, coordinator.schedule)",
         also=(b"/keras/",)),
     Signature(
-        "pss-dataset", (b"you need to pass this dataset to ClusterCoordinator.create_per_worker_dataset",),
+        "pss-dataset", (b"you need to pass this dataset to ClusterCoordinator.create_per_worker_dataset",
+                        b"You need to use this dataset in ClusterCoordinator.create_per_worker_dataset"),
         "under ParameterServerStrategy the coordinator iterated a dataset itself",
         "build it with coordinator.create_per_worker_dataset(dataset_fn) and use its iterator "
         "inside coordinator.schedule"),
