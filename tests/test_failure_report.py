@@ -111,3 +111,13 @@ def test_a_known_failure_is_summed_up_with_what_happened_and_its_fix(tmp_path, h
     # tfcluster's own lines, the summary's included, are on stderr; the task's live output on stdout
     assert "last lines of" not in r.stderr and not TENSOR_ROW.search(r.stderr), r.stderr[-3000:]
     wait_for(lambda: not tagged_processes(), 15, what="nothing of the run left")
+
+
+def test_an_unknown_failure_shows_its_last_lines_with_an_endless_line_cut(tmp_path, home):
+    (tmp_path / "long.py").write_text('print("x" * 5000)\nprint("the last words", flush=True)\nraise SystemExit(3)\n')
+    spec = known_spec(tmp_path, str(tmp_path / "long.py"), "mirrored", {"worker": 1}, [])
+    r = tfcluster("train", str(spec), home=home, cwd=tmp_path, timeout=60)
+    assert r.returncode == 5, r.stderr[-2000:]
+    tail = r.stderr[r.stderr.index("last lines of worker:0:\n"):r.stderr.index("tfcluster: error:")]
+    assert "the last words" in tail and "… (5000 characters)" in tail
+    assert max(len(line) for line in tail.splitlines()) == signatures.TAIL_LINE_CHARS
