@@ -79,6 +79,14 @@ class LocalProc(Proc):
                 pass
 
 
+def home() -> str:
+    """Where a local host's processes start: the user's home, as sshd starts a session there.
+    Never the launcher's directory: it may be someone else's, and `python -c` and `-m` import
+    from where they start (docs/security.md, "Files tfcluster reads, writes and runs")."""
+    path = expand("~")
+    return path if os.path.isdir(path) else "/"
+
+
 class LocalTransport(Transport):
     is_local = True
     deflate_logs = False      # a pipe on this machine: copying is cheaper than deflating
@@ -92,7 +100,7 @@ class LocalTransport(Transport):
     def run(self, argv: Sequence[str], input: bytes = b"", timeout: float = 60.0) -> Result:
         try:
             done = subprocess.run(list(argv), input=input, capture_output=True, timeout=timeout,
-                                  start_new_session=True)
+                                  start_new_session=True, cwd=home())
         except FileNotFoundError as e:
             return Result(127, b"", f"{argv[0]}: not found ({e.strerror})\n".encode())
         except subprocess.TimeoutExpired:
@@ -104,7 +112,7 @@ class LocalTransport(Transport):
         # as it would with SSH, so the shim can still clean up in order.
         try:
             popen = subprocess.Popen(list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, bufsize=0, start_new_session=True)
+                                     stderr=subprocess.PIPE, bufsize=0, start_new_session=True, cwd=home())
         except OSError as e:   # as a shell over SSH says it: 127 "not found", 126 not runnable
             code, why = (127, "not found") if isinstance(e, FileNotFoundError) else (126, e.strerror)
             popen = subprocess.Popen(["sh", "-c", 'echo "$0: $1" >&2; exit "$2"', argv[0], why, str(code)],

@@ -1,0 +1,112 @@
+"""The doors a second user of the machine could open: files tfcluster reads, writes and runs.
+
+A real second Unix user (tests/users.py, `tfcother`, "B" below) plants what another user of
+a shared machine could plant; the tests run as root in CI, so the victim is root. Each test
+opens its door for real: it fails where tfcluster still walks through. docs/security.md,
+"Files tfcluster reads, writes and runs".
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import cli_env, this_python_renamed
+from tests.tf_launch import free_ports
+from tfcluster.launch.bootstrap import bootstrap_argv
+from tfcluster.transport.local import LocalTransport
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def shared(other_user):
+    """/tmp/tfc-doors-XXXX: B's, mode 0777 (a group project directory gone wrong)."""
+    path = Path("/tmp") / f"tfc-doors-{uuid.uuid4().hex[:8]}"
+    made = other_user.run(["mkdir", "-m", "777", str(path)])
+    assert made.returncode == 0, made.stderr
+    yield path
+    other_user.run(["rm", "-rf", str(path)])
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def as_b(other_user, *commands: str) -> None:
+    done = other_user.run(["sh", "-ec", "umask 0\n" + "\n".join(commands)])
+    assert done.returncode == 0, done.stderr
+
+
+def tfc(*args: str, home: Path, cwd: Path, **env: str) -> subprocess.CompletedProcess:
+    """tfcluster as its console script runs it: `-P`, its own directory is not the cwd."""
+    return subprocess.run([sys.executable, "-P", "-m", "tfcluster", *args], capture_output=True, text=True,
+                          timeout=90, cwd=cwd, env={**cli_env(home), **env})
+
+
+def local_spec(tmp: Path, *, python: str, name: str = "doors", extra: str = "") -> Path:
+    port = free_ports(1)[0]
+    path = tmp / f"{name}.yaml"
+    path.write_text(f"name: {name}\npython: {python}\nworkdir: {tmp / 'work'}\n"
+                    f"train: {{mode: mirrored}}\n{extra}hosts:\n  - {{name: me, address: localhost}}\n"
+                    f"jobs:\n  worker: {{tasks: ['me:{port}']}}\n")
+    return path
+
+
+# --------------------------------------------------------------------------- H1: the bootstrap's imports
+
+PLANTED = ("json", "hashlib", "stat", "marshal", "shim_protocol", "shim")
+
+
+@pytest.mark.parametrize("command", ["status", "down"])
+def test_modules_another_user_left_in_the_current_directory_are_never_imported(
+        command, shared, other_user, home, tmp_path):
+    """A local host on a `python:` that is not tfcluster's own runs the bootstrap as a
+    process of its own: run from B's directory, it must import nothing B left there."""
+    marker = shared / "PWNED"
+    body = f"open({str(marker)!r}, 'a').write(__name__ + ' ran as uid %d\\n' % __import__('os').getuid())\n"
+    as_b(other_user, *(f"printf '%s' {q(body)} > {shared}/{name}.py" for name in PLANTED))
+    spec = local_spec(tmp_path, python=this_python_renamed(tmp_path))
+
+    result = tfc(command, str(spec), home=home, cwd=shared)
+
+    assert not marker.exists(), marker.read_text()
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def q(text: str) -> str:
+    return "'" + text.replace("'", "'\\''") + "'"
+
+
+def test_the_bootstrap_drops_the_current_directory_before_its_first_import(shared, other_user, tmp_path):
+    """The bootstrap alone, started in B's directory: not one of B's modules runs."""
+    marker = shared / "PWNED"
+    body = f"open({str(marker)!r}, 'a').write(__name__)\n"
+    as_b(other_user, *(f"printf '%s' {q(body)} > {shared}/{name}.py" for name in PLANTED))
+    request = {"bindir": str(tmp_path), "dirs": [], "files": {"shim.py": "0" * 64}}
+
+    done = subprocess.run(bootstrap_argv(sys.executable), input=json.dumps(request) + "\n", cwd=shared,
+                          capture_output=True, text=True, timeout=30)
+
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"stale": ["shim.py"], "bindir": str(tmp_path)}
+    assert not marker.exists(), marker.read_text()
+
+
+def test_a_local_host_runs_its_processes_in_the_users_home(shared, home):
+    t = LocalTransport()
+    where = "import os; print(os.getcwd())"
+    old = os.getcwd()
+    os.chdir(shared)
+    try:
+        ran = t.run([sys.executable, "-c", where]).stdout.decode().strip()
+        proc = t.spawn([sys.executable, "-c", where])
+        spawned = proc.read().decode().strip()
+        proc.wait(10)
+    finally:
+        os.chdir(old)
+    assert ran == spawned == str(home)
