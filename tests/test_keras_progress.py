@@ -247,9 +247,10 @@ def test_keras3_fit_in_a_terminal_has_a_footer_one_bar_line_per_epoch_runs_and_p
     assert rc == 0, data.decode(errors="replace")[-3000:]
     dot = " · ".encode()
     footer = re.compile(rb"step (\d+)/60 \(\d+%\)" + dot + rb"epoch ([123])/3" + dot + rb"[0-9.]+ steps/s" + dot
-                        + rb"ETA [0-9:]+" + dot + rb"elapsed [0-9:]+" + dot + rb"loss [0-9.]+" + dot + rb"accuracy")
-    seen = footer.findall(data)
-    assert len({step for step, _ in seen}) >= 3 and {epoch for _, epoch in seen} >= {b"2", b"3"}, seen
+                        + rb"ETA [0-9:]+" + dot + rb"elapsed [0-9:]+" + dot + rb"loss [0-9.]+" + dot + rb"(val_loss|accuracy) ")
+    seen = footer.findall(data)        # the metrics' end is cut (…) at the terminal's width
+    assert len({step for step, _, _ in seen}) >= 3 and {epoch for _, epoch, _ in seen} >= {b"2", b"3"}, seen
+    assert {metric for _, _, metric in seen} == {b"val_loss", b"accuracy"}    # val_loss once an epoch ended
     lines = screen_lines(data)
     assert len(BAR_END.findall(data)) == 3 and data.count(b"/step") == 3      # one bar line an epoch
     assert [line for line in lines if line.startswith("worker:0 │ Epoch ")] == [
@@ -274,3 +275,21 @@ def test_tf_keras_multi_worker_fit_folds_each_workers_bars_and_reads_the_step(tm
     rows = [line for line in result.stderr.splitlines() if re.match(r"worker:[01]  ", line)]
     assert len(rows) == 2 and all(re.split(r"\s{2,}", row.strip())[5] == "60" for row in rows), result.stderr
     after_the_run(spec, tmp_path, home, ["worker:0", "worker:1"])
+
+
+def test_runs_and_plot_read_a_keras_log_that_has_no_recorded_progress(tmp_path):
+    from tfcluster.watch.follow import run_rows
+    from tfcluster.watch.plotting import run_series, text_plot
+
+    run = tmp_path / "lab-20260101-000000-aaaa"
+    run.mkdir()
+    plan = {"tasks": [{"task": "worker:0", "chief": True, "script": ["python3", "fit.py"]}]}
+    (run / "manifest.json").write_text(json.dumps({"outcome": "running", "started": 1.0, "plan": plan}))
+    data = sample("tf_keras-unknown-v1.txt")
+    (run / "worker-0.log").write_bytes(data)
+    row = run_rows(str(tmp_path), "lab")[0]
+    fit_loss = float(FIT_LOSS.search(fit_lines(data)[-1]).group(1))
+    assert (row["step"], row["epoch"], row["epochs"], row["loss"]) == (60, 3, 3, fit_loss)
+    series = run_series(str(run), json.loads((run / "manifest.json").read_text()))["worker:0"]
+    assert series.epoch == (3, 3) and series.loss[-1] == (60, fit_loss) and len(series.loss) > 30
+    assert text_plot("r", {"worker:0": series})[1] == "worker:0  steps 1–60 · epoch 3/3"
