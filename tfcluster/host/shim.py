@@ -22,6 +22,7 @@ import time
 
 if __package__:
     from . import shim_facts as facts
+    from . import shim_fence as fence
     from . import shim_fs as fs
     from . import shim_launch as launch
     from . import shim_net as net
@@ -32,6 +33,7 @@ if __package__:
     from . import shim_tasks as tasks
 else:  # shipped: this file's directory is first on sys.path
     import shim_facts as facts
+    import shim_fence as fence
     import shim_fs as fs
     import shim_launch as launch
     import shim_net as net
@@ -78,17 +80,20 @@ def cmd_start(req: dict):
     req = qualified(req)
     if req.get("batch"):          # a held start that is also the bootstrap's command (held.py)
         write_all(1, proto.json_line(cmd_batch(req["batch"])))
-    lines = None
-    if req.get("attached") and req.get("defer"):
-        lines = tasks.held(req)              # until GO
-        if lines is None:
-            return 0                         # the launcher ended it before GO: nothing started
-    if req.get("attached") and (talk.at_eof(lines) if lines is not None else launch.launcher_gone()):
-        raise ShimError("the launcher went away before the task started")
-    proc, log, offset = spawn(req)
     if not req.get("attached"):
-        return {"pid": proc.pid}
-    return Attached(proc, req, log, offset, lines).run()     # the task's exit status is ours
+        return {"pid": spawn(req)[0].pid}
+    try:
+        lines = None
+        if req.get("defer"):
+            lines = tasks.held(req)              # until GO
+            if lines is None:
+                return 0                         # the launcher ended it before GO: nothing started
+        if talk.at_eof(lines) if lines is not None else launch.launcher_gone():
+            raise ShimError("the launcher went away before the task started")
+        proc, log, offset = spawn(req)
+        return Attached(proc, req, log, offset, lines).run()     # the task's exit status is ours
+    finally:     # the cluster's last process on this host gone: its ports' table goes too
+        fence.release_if_idle(req["cluster_dir"], req["tag"])
 
 
 # ---------------------------------------------------------------- stop / status
@@ -112,6 +117,7 @@ def cmd_stop(req: dict) -> dict:
     for path, record in records:
         if procs.as_pid(record.get("pid")) not in left:
             remove_quietly(path)
+    fence.release_if_idle(req["cluster_dir"], prefix)
     return {"stopped": [{"tag": t, "pid": p} for p, t in sorted(stopped.items())],
             "survivors": [{"tag": t, "pid": p} for p, t in sorted(left.items())]}
 
@@ -122,6 +128,8 @@ def cmd_down(req: dict) -> dict:
     just-killed server's socket may take a moment to go). `stop`'s answer plus `ports`:
     port -> null (bindable) or who holds it (docs/ARCHITECTURE.md, "The shim protocol")."""
     answer = cmd_stop(req)
+    if not answer["survivors"]:     # also a table a killed run left, its mark gone with its dir
+        answer["fence"] = fence.remove(req["cluster_dir"], req["tag_prefix"], always=True)
     wanted = [int(p) for p in req.get("ports", [])]
     answer["ports"] = ports.wait_bindable(wanted, float(req.get("settle", proto.PORT_SETTLE)))
     return answer
@@ -252,7 +260,7 @@ COMMANDS = {proto.INFO: cmd_info, proto.PORTS: cmd_ports, proto.START: cmd_start
             proto.STOP: cmd_stop, proto.STATUS: cmd_status, proto.WAIT: launch.cmd_wait,
             proto.TAIL: cmd_tail, proto.FILES: cmd_files, proto.BATCH: cmd_batch,
             proto.LAUNCH: launch.cmd_launch, proto.REACH: talk.cmd_reach,
-            proto.UP: cmd_up, proto.DOWN: cmd_down}
+            proto.UP: cmd_up, proto.DOWN: cmd_down, proto.FENCE: fence.cmd_fence}
 
 
 def main(argv: list) -> int:

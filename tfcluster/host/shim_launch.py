@@ -28,6 +28,7 @@ import sys
 import time
 
 if __package__:
+    from . import shim_fence as fence
     from . import shim_fs as fs
     from . import shim_ports as ports
     from . import shim_procs as procs
@@ -35,6 +36,7 @@ if __package__:
     from . import shim_talk as talk
     from . import shim_tasks as tasks
 else:  # shipped: the shim's directory is first on sys.path
+    import shim_fence as fence
     import shim_fs as fs
     import shim_ports as ports
     import shim_procs as procs
@@ -70,6 +72,8 @@ def up(req: dict, answers: dict) -> None:
     finally:
         reach.close()
         _stop(warm)
+        for start in list(starts.values())[:1]:    # nothing of the cluster left here: no table
+            fence.release_if_idle(start["req"]["cluster_dir"], start["req"]["tag"])
 
 
 def _may_warm(answers: dict, starts) -> bool:

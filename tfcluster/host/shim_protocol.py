@@ -28,9 +28,10 @@ LAUNCH = "launch"        # stream: start detached servers, then wait for them
 REACH = "reach"          # stream: listen on task ports, connect to every task address
 UP = "up"                # stream: batch, warm the servers, reach, then launch on GO (shim_launch.py)
 DOWN = "down"            # stop, then wait until the ports can be bound again (shim.cmd_down)
+FENCE = "fence"          # close the cluster's task ports to other users (shim_fence.py), or say why not
 
-ONE_SHOT = (INFO, PORTS, STATUS, STOP, TAIL, FILES, BATCH, DOWN)
-BATCHABLE = (INFO, PORTS, STATUS, STOP, TAIL, FILES, DOWN)
+ONE_SHOT = (INFO, PORTS, STATUS, STOP, TAIL, FILES, BATCH, DOWN, FENCE)
+BATCHABLE = (INFO, PORTS, STATUS, STOP, TAIL, FILES, DOWN, FENCE)
 # Safe to run inside the launcher's own process (a local host on tfcluster's own
 # interpreter): they neither write to fd 1/2 nor end the process.
 IN_PROCESS = ONE_SHOT

@@ -19,7 +19,7 @@ from tfcluster.host import HOST_DIR, shim_fs
 from tfcluster.host import shim_protocol as proto
 from tfcluster.launch.lines import checked, json_object, tail_text
 
-SHIPPED = ("shim.py", "shim_facts.py", "shim_fs.py", "shim_launch.py", "shim_net.py", "shim_ports.py",
+SHIPPED = ("shim.py", "shim_facts.py", "shim_fence.py", "shim_fs.py", "shim_launch.py", "shim_net.py", "shim_ports.py",
            "shim_procs.py", "shim_protocol.py", "shim_talk.py", "shim_tasks.py", "tfserver.py", "probe/sitecustomize.py")
 # Every shim runs without `site` (`python -S`): .pth files and sitecustomize are a third to a
 # half of a remote execution's CPU, for nothing the shim imports (docs/ARCHITECTURE.md,
@@ -99,14 +99,7 @@ if not stale:
     exec(code_of("shim.py"), shim)
 """ % (MIN_PYTHON,)
 
-# Before any import: `python -c` puts the current directory first on sys.path (as '', and a
-# relative PYTHONPATH entry is relative to it too), so a `json.py` someone else left where
-# tfcluster was started would run as this user. Only absolute entries stay. Not `-I`: it would
-# also drop PYTHONPATH and the user's site-packages, which the tasks do see, from what `info`
-# answers (docs/security.md, "Files tfcluster reads, writes and runs").
-_ABSOLUTE_PATH_ONLY = 'import sys\nsys.path[:] = [p for p in sys.path if p.startswith("/")]\n'
-
-BOOTSTRAP = _ABSOLUTE_PATH_ONLY + (Path(HOST_DIR) / "shim_fs.py").read_text() + _MAIN
+BOOTSTRAP = (Path(HOST_DIR) / "shim_fs.py").read_text() + _MAIN
 
 
 def bootstrap_argv(python: str) -> list[str]:

@@ -1,0 +1,262 @@
+"""The fence: one nftables table per cluster that closes its task ports to everyone but
+the cluster's owner and its hosts (docs/security.md, "TensorFlow's ports").
+
+A TF server runs any graph anyone who reaches its port sends it, as the user who started
+it. The table, named after the cluster's identity (`tfcluster_<name>_<instance>`), holds
+two chains:
+
+- output: a new TCP connection (a bare SYN) to one of this host's task ports at a local
+  address, or to any task's address and port of the cluster, from a socket not owned by
+  the owner (`meta skuid`) is refused with a reset. Loopback traffic passes the output
+  hook, so this is what keeps the other users of a host out;
+- input: a connection to one of this host's task ports from an address that is neither
+  local nor one of the cluster's hosts is refused the same way.
+
+It is installed before anything binds (in the batch that opens `up`'s and `train`'s
+conversations), replaced whole in one nft transaction, and deleted when nothing of the
+cluster runs on the host any more (release_if_idle: the last attached shim, `stop`,
+`down`, a failed `up`). A root shim runs `nft`; another user's shim runs `sudo -n nft`
+when sudo lets it, else the ports stay open and the answer says why and who else has
+processes on the host. Shipped beside shim.py: standard library only, Python >= 3.8.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+
+if __package__:
+    from . import shim_fs as fs
+    from . import shim_procs as procs
+else:  # shipped: the shim's directory is first on sys.path
+    import shim_fs as fs
+    import shim_procs as procs
+
+PREFIX = "tfcluster_"          # every table tfcluster makes starts so; none other is touched
+MARK = "fence.json"            # <cluster dir>/fence.json: the table and how it was made
+NFT_TIMEOUT = 10.0
+SBIN = ("/usr/sbin", "/sbin", "/usr/local/sbin")
+MAX_OTHERS = 8                 # other users named in a warning
+
+
+def table_name(cluster_dir: str, tag_prefix: str) -> str:
+    """`tfcluster_<name>_<instance>`: the cluster's name (characters nft would need quoted
+    turned to `_`) and its instance, which makes it unique per cluster directory."""
+    safe = re.sub(r"[^A-Za-z0-9_]", "_", _name(tag_prefix))[:64]
+    return "%s%s_%s" % (PREFIX, safe, procs.instance_id(cluster_dir))
+
+
+def _name(tag_prefix: str) -> str:
+    """The cluster's name from a tag or prefix, qualified (`lab@<id>:...`) or not."""
+    return str(tag_prefix).partition(":")[0].partition("@")[0]
+
+
+def _which(program: str) -> str | None:
+    for d in os.environ.get("PATH", "").split(os.pathsep) + list(SBIN):
+        path = os.path.join(d or ".", program)
+        if d and os.access(path, os.X_OK) and not os.path.isdir(path):
+            return path
+    return None
+
+
+def _run(argv: list, script: str | None = None) -> tuple[int, str]:
+    try:
+        done = subprocess.run(argv, input=(script or "").encode(), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, timeout=NFT_TIMEOUT, close_fds=True)
+    except (OSError, subprocess.SubprocessError) as e:
+        return 127, str(e)
+    text = (done.stderr or done.stdout or b"").decode(errors="replace").strip()
+    return done.returncode, " ".join(text.split())[:300]
+
+
+def how() -> tuple[list | None, str | None]:
+    """(the nft command to run, None) or (None, why the ports cannot be closed here)."""
+    nft = _which("nft")
+    if nft is None:
+        return None, "nftables (the nft command) is not installed"
+    if os.geteuid() == 0:
+        return [nft], None
+    sudo = _which("sudo")
+    if sudo is not None:
+        rc, _ = _run([sudo, "-n", nft, "list", "tables"])
+        if rc == 0:
+            return [sudo, "-n", nft], None
+    return None, "tfcluster runs as %s there, not root, and `sudo -n nft` is not allowed" % _user(os.geteuid())
+
+
+def _user(uid: int) -> str:
+    try:
+        import pwd
+        return pwd.getpwuid(uid).pw_name
+    except (ImportError, KeyError):
+        return "uid %d" % uid
+
+
+def other_users() -> list:
+    """Who else has processes on this host (root excluded: root can always get in), from
+    /proc: the names, sorted."""
+    me, uids = os.geteuid(), set()
+    for pid in procs.all_pids():
+        try:
+            with open("/proc/%d/status" % pid, "rb") as f:
+                for line in f:
+                    if line.startswith(b"Uid:"):
+                        uids.add(int(line.split()[1]))
+                        break
+        except (OSError, ValueError, IndexError):
+            continue
+    return sorted(_user(u) for u in uids - {0, me})
+
+
+def _addresses(names) -> tuple[set, set]:
+    """Every IPv4 and IPv6 address the names resolve to here (a name that does not resolve
+    is left out: the reachability check names it)."""
+    v4, v6 = set(), set()
+    for name in names:
+        try:
+            infos = socket.getaddrinfo(str(name), None, 0, socket.SOCK_STREAM)
+        except (OSError, UnicodeError):
+            continue
+        for family, _t, _p, _c, sockaddr in infos:
+            address = sockaddr[0].split("%")[0]
+            if family == socket.AF_INET:
+                v4.add(address)
+            elif family == socket.AF_INET6:
+                v6.add(address)
+    return v4, v6
+
+
+def _ports(values) -> list:
+    return sorted({int(p) for p in values if 0 < int(p) < 65536})
+
+
+def script(table: str, uid: int, ports, targets, peers) -> str:
+    """The nft program that replaces the table whole (one transaction): `ports` this host's
+    task ports, `targets` [address, port] of every task, `peers` the cluster's host addresses."""
+    mine = _ports(ports)
+    by_family = {4: set(), 6: set()}
+    for address, port in targets:
+        v4, v6 = _addresses([address])
+        by_family[4].update((a, int(port)) for a in v4)
+        by_family[6].update((a, int(port)) for a in v6)
+    peer4, peer6 = _addresses(peers)
+    syn = "tcp flags & (syn | ack) == syn"
+    out = ["meta skuid %d accept" % uid]
+    if mine:
+        out.append("%s tcp dport { %s } fib daddr type local reject with tcp reset" % (syn, _join(mine)))
+    for family, ip, kind in ((4, "ip", "ipv4_addr"), (6, "ip6", "ipv6_addr")):
+        if by_family[family]:
+            pairs = _join("%s . %d" % pair for pair in sorted(by_family[family]))
+            out.append("%s %s daddr . tcp dport { %s } reject with tcp reset" % (syn, ip, pairs))
+    inp = []
+    if mine:
+        ports = _join(mine)
+        inp.append("tcp dport { %s } fib saddr type local accept" % ports)
+        for ip, peers_of in (("ip", peer4), ("ip6", peer6)):
+            if peers_of:
+                inp.append("tcp dport { %s } %s saddr { %s } accept" % (ports, ip, _join(sorted(peers_of))))
+        inp.append("tcp dport { %s } reject with tcp reset" % ports)
+    lines = ["table inet %s" % table, "delete table inet %s" % table, "table inet %s {" % table,
+             "  chain output {", "    type filter hook output priority filter; policy accept;"]
+    lines += ["    " + rule for rule in out] + ["  }"]
+    lines += ["  chain input {", "    type filter hook input priority filter; policy accept;"]
+    lines += ["    " + rule for rule in inp] + ["  }", "}"]
+    return "\n".join(lines) + "\n"
+
+
+def _join(items) -> str:
+    return ", ".join(str(i) for i in items)
+
+
+def _mark_path(cluster_dir: str) -> str:
+    return os.path.join(fs.expand(cluster_dir), MARK)
+
+
+def _read_mark(cluster_dir: str) -> dict | None:
+    try:
+        mark = json.loads(fs.read_file(_mark_path(cluster_dir)) or b"null")
+    except (OSError, ValueError):
+        return None
+    if not isinstance(mark, dict) or not str(mark.get("table", "")).startswith(PREFIX):
+        return None
+    return mark
+
+
+def _write_mark(cluster_dir: str, mark: dict) -> None:
+    fs.private_dir(fs.expand(cluster_dir))
+    fs.write_new(_mark_path(cluster_dir), json.dumps(mark).encode())
+
+
+def cmd_fence(req: dict) -> dict:
+    """`fence`: `mode` "install" (close this host's task ports; `up`, `train`), "probe"
+    (could they be closed? `plan --check`) or "status" (are they? `status`). Never an error
+    envelope: the answer says {"closed", "table", "why", "others"} and the launcher decides
+    (a warning, or an error for `tf_ports: closed`)."""
+    cluster_dir, mode = req["cluster_dir"], req.get("mode", "install")
+    table = table_name(cluster_dir, req["tag_prefix"])
+    answer = {"closed": False, "table": table, "why": None, "others": []}
+    try:
+        if mode == "status":
+            answer["closed"] = _exists(cluster_dir, table)
+            if not answer["closed"]:
+                answer["why"] = how()[1]
+            return answer
+        nft, why = how()
+        if nft is None or mode == "probe":
+            answer.update(why=why, can=nft is not None)
+        else:
+            rc, said = _run(nft + ["-f", "-"], script(table, os.geteuid(), req.get("ports", ()),
+                                                         req.get("targets", ()), req.get("peers", ())))
+            if rc == 0:
+                _write_mark(cluster_dir, {"table": table, "nft": nft})
+                answer["closed"] = True
+            else:
+                answer["why"] = "nft refused the table: %s" % said
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        answer["why"] = "%s: %s" % (type(e).__name__, e)
+    if not answer["closed"]:
+        answer["others"] = other_users()[:MAX_OTHERS + 1]
+    return answer
+
+
+def _exists(cluster_dir: str, table: str) -> bool:
+    mark = _read_mark(cluster_dir)
+    nft = mark["nft"] if mark and isinstance(mark.get("nft"), list) else (how()[0])
+    if not nft:
+        return False
+    return _run(nft + ["list", "table", "inet", table])[0] == 0
+
+
+def remove(cluster_dir: str, tag_prefix: str, always: bool = False) -> str | None:
+    """Delete the cluster's table and its mark. Without `always` only when the mark says one
+    was made here; `always` (`down`) also tries when it is gone (a killed run's table whose
+    cluster dir was removed), where nft can be run. None, or why it could not."""
+    table = table_name(cluster_dir, tag_prefix)
+    mark = _read_mark(cluster_dir)
+    nft = mark.get("nft") if mark else None
+    if not isinstance(nft, list):
+        if not always or os.geteuid() != 0:    # sudo's own check costs a process: only with a mark
+            return None
+        nft = how()[0]
+        if nft is None:
+            return None
+    rc, said = _run(nft + ["delete", "table", "inet", table])
+    if rc != 0 and _run(nft + ["list", "table", "inet", table])[0] == 0:
+        return "could not delete nftables table %s: %s" % (table, said)
+    procs.remove_quietly(_mark_path(cluster_dir))
+    return None
+
+
+def release_if_idle(cluster_dir: str, tag_prefix: str) -> None:
+    """Remove the table once nothing of the cluster runs on this host: called as each of its
+    processes ends (the last one removes it). Costs nothing where no table was made."""
+    try:
+        if _read_mark(cluster_dir) is None:
+            return
+        qualified = procs.qualify(_name(tag_prefix) + ":", cluster_dir)
+        if not procs.tagged(lambda t: t.startswith(qualified)):
+            remove(cluster_dir, tag_prefix)
+    except (OSError, ValueError):      # never the reason a stop or a task's end fails
+        pass
