@@ -99,7 +99,14 @@ if not stale:
     exec(code_of("shim.py"), shim)
 """ % (MIN_PYTHON,)
 
-BOOTSTRAP = (Path(HOST_DIR) / "shim_fs.py").read_text() + _MAIN
+# Before any import: `python -c` puts the current directory first on sys.path (as '', and a
+# relative PYTHONPATH entry is relative to it too), so a `json.py` someone else left where
+# tfcluster was started would run as this user. Only absolute entries stay. Not `-I`: it would
+# also drop PYTHONPATH and the user's site-packages, which the tasks do see, from what `info`
+# answers (docs/security.md, "Files tfcluster reads, writes and runs").
+_ABSOLUTE_PATH_ONLY = 'import sys\nsys.path[:] = [p for p in sys.path if p.startswith("/")]\n'
+
+BOOTSTRAP = _ABSOLUTE_PATH_ONLY + (Path(HOST_DIR) / "shim_fs.py").read_text() + _MAIN
 
 
 def bootstrap_argv(python: str) -> list[str]:
