@@ -1,6 +1,7 @@
 """Small filesystem helpers shared by the local state and the local transport."""
 from __future__ import annotations
 
+import io
 import os
 import tempfile
 
@@ -18,6 +19,24 @@ def private_dir(path: str, what: str, top: str = "/") -> str:
         return _private_dir(path, top)
     except Refused as e:
         raise PreflightError(f"{what}: {e}") from None
+
+
+def write_output(path: str, content, what: str) -> None:
+    """A file the user asked for (`render -o`, `plot -o`): its directory judged as the
+    state's (created 0700, a level someone else could change refused, exit 4), the file
+    written 0600 under a fresh name and renamed over `path`, so a link left there is
+    replaced, never written through. `content`: bytes, or a function writing them to a
+    binary file (a figure's savefig). docs/security.md, "Files tfcluster reads, writes and
+    runs"."""
+    private_dir(os.path.dirname(os.path.abspath(path)), what)
+    if not isinstance(content, bytes):
+        buffer = io.BytesIO()
+        content(buffer)
+        content = buffer.getvalue()
+    try:
+        write_private(path, content)
+    except OSError as e:
+        raise PreflightError(f"{what}: {path}: {e.strerror or e}") from None
 
 
 def write_private(path: str, data: bytes, mode: int = 0o600) -> None:

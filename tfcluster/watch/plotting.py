@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass, field
 
 from tfcluster.errors import UsageError
+from tfcluster.localfs import write_output
 from tfcluster.plan.names import log_file
 from tfcluster.watch import runs
 from tfcluster.watch.follow import patterns_of
@@ -190,6 +191,6 @@ def write_png(path: str, run_id: str, series: dict[str, Series]) -> None:
             ax.grid(alpha=0.3)
             if ax.get_legend_handles_labels()[0]:
                 ax.legend(loc="best", fontsize="small")
-        fig.savefig(path, format="png")
+        write_output(path, lambda f: fig.savefig(f, format="png"), "plot -o")   # 0600, no link followed
     finally:
         plt.close(fig)
