@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import uuid
@@ -47,11 +48,12 @@ def tfc(*args: str, home: Path, cwd: Path, **env: str) -> subprocess.CompletedPr
                           timeout=90, cwd=cwd, env={**cli_env(home), **env})
 
 
-def local_spec(tmp: Path, *, python: str, name: str = "doors", extra: str = "") -> Path:
+def local_spec(tmp: Path, *, python: str, name: str = "doors", extra: str = "",
+               train: str = "{mode: mirrored}") -> Path:
     port = free_ports(1)[0]
     path = tmp / f"{name}.yaml"
     path.write_text(f"name: {name}\npython: {python}\nworkdir: {tmp / 'work'}\n"
-                    f"train: {{mode: mirrored}}\n{extra}hosts:\n  - {{name: me, address: localhost}}\n"
+                    f"train: {train}\n{extra}hosts:\n  - {{name: me, address: localhost}}\n"
                     f"jobs:\n  worker: {{tasks: ['me:{port}']}}\n")
     return path
 
@@ -110,3 +112,88 @@ def test_a_local_host_runs_its_processes_in_the_users_home(shared, home):
     finally:
         os.chdir(old)
     assert ran == spawned == str(home)
+
+
+# --------------------------------------------------------------------------- M1: files written with -o
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(os.lstat(path).st_mode)
+
+
+def render_spec(tmp: Path, name: str = "m1") -> Path:
+    (tmp / "train.py").write_text("print('step=1 loss=0.5')\n")
+    return local_spec(tmp, python="python3", name=name,
+                      train="{mode: mirrored, script: train.py, image: 'tensorflow/tensorflow:2.15.0'}")
+
+
+@pytest.mark.parametrize("engine,planted", [("slurm", "m1.sbatch"), ("tfjob", "m1-tfjob.yaml")])
+def test_render_o_refuses_a_directory_another_user_can_write_and_never_follows_their_link(
+        engine, planted, shared, other_user, home, tmp_path):
+    """B links the file render is about to write to the victim's dotfile: nothing is written
+    through it, and the directory B can write is refused by name."""
+    bashrc = home / ".bashrc"
+    bashrc.write_text("# mine\n")
+    as_b(other_user, f"ln -s {bashrc} {shared}/{planted}")
+    spec = render_spec(tmp_path)
+
+    result = tfc("render", str(spec), "--to", engine, "-o", str(shared), home=home, cwd=tmp_path)
+
+    assert bashrc.read_text() == "# mine\n"
+    assert result.returncode == 4, result.stdout + result.stderr
+    assert f"{shared} is owned by tfcother (uid {other_user.uid}), not by you" in result.stderr
+    assert os.readlink(shared / planted) == str(bashrc)
+
+
+@pytest.mark.parametrize("engine", ["slurm", "tfjob"])
+def test_render_o_writes_files_only_you_can_read_in_a_directory_only_you_can_open(engine, home, tmp_path):
+    out = tmp_path / "jobs" / "new"
+    result = tfc("render", str(render_spec(tmp_path)), "--to", engine, "-o", str(out),
+                 home=home, cwd=tmp_path)
+
+    assert result.returncode == 0, result.stderr
+    files = sorted(out.iterdir())
+    assert files and {f.name: oct(mode(f)) for f in files} == {f.name: "0o600" for f in files}
+    assert oct(mode(out)) == oct(mode(out.parent)) == "0o700"
+
+
+def test_render_o_replaces_your_own_link_instead_of_writing_through_it(home, tmp_path):
+    out = tmp_path / "jobs"
+    out.mkdir(mode=0o700)
+    target = tmp_path / "elsewhere"
+    target.write_text("keep\n")
+    (out / "m1.sbatch").symlink_to(target)
+
+    result = tfc("render", str(render_spec(tmp_path)), "--to", "slurm", "-o", str(out), home=home, cwd=tmp_path)
+
+    assert result.returncode == 0, result.stderr
+    assert target.read_text() == "keep\n"
+    assert not (out / "m1.sbatch").is_symlink() and "#SBATCH" in (out / "m1.sbatch").read_text()
+
+
+def plotted_run(tmp: Path, home: Path) -> Path:
+    (tmp / "train.py").write_text("for i in range(1, 6):\n    print(f'step={i} loss={1 / i}', flush=True)\n")
+    spec = local_spec(tmp, python=sys.executable, name="m1p", train="{mode: mirrored, script: train.py}")
+    trained = tfc("train", str(spec), "-q", home=home, cwd=tmp)
+    assert trained.returncode == 0, trained.stdout + trained.stderr
+    return spec
+
+
+def test_plot_o_refuses_a_directory_another_user_can_write_and_never_follows_their_link(
+        shared, other_user, home, tmp_path):
+    pytest.importorskip("matplotlib")
+    spec = plotted_run(tmp_path, home)
+    bashrc = home / ".bashrc"
+    bashrc.write_text("# mine\n")
+    as_b(other_user, f"ln -s {bashrc} {shared}/loss.png")
+
+    result = tfc("plot", str(spec), "-o", str(shared / "loss.png"), home=home, cwd=tmp_path)
+
+    assert bashrc.read_bytes() == b"# mine\n"
+    assert result.returncode == 4, result.stdout + result.stderr
+    assert f"{shared} is owned by tfcother (uid {other_user.uid}), not by you" in result.stderr
+
+    mine = tmp_path / "plots"
+    mine.mkdir()
+    done = tfc("plot", str(spec), "-o", str(mine / "loss.png"), home=home, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert (mine / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and mode(mine / "loss.png") == 0o600

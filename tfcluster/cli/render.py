@@ -9,6 +9,7 @@ import typer
 
 from tfcluster.cli.app import SpecArg, app, load, ui
 from tfcluster.errors import ExitCode, UsageError
+from tfcluster.localfs import write_output
 
 
 @app.command()
@@ -53,11 +54,9 @@ def render(
         ui.stdout.flush()
         ui.info(f"next: save it and run `{rendered.apply}`")
         return ExitCode.OK
-    os.makedirs(output, exist_ok=True)
     for name, text in rendered.files:
         path = os.path.join(output, name)
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(text)
+        write_output(path, text.encode("utf-8"), "render -o")
         ui.ok(f"wrote {path}")
     ui.info(f"next: cd {shlex.quote(output)} && {rendered.apply}")    # the file names are relative
     return ExitCode.OK
