@@ -98,10 +98,16 @@ def pump(run: Run, proc: Supervised, handle: AttachedTask, attempt: int) -> None
         ended += 1
 
     handle.on_restart = restarted
-    lost = None
+    lost = misread = None
     try:
         while chunk := handle.read():
-            run.mux.feed(proc.key, chunk)
+            try:
+                run.mux.feed(proc.key, chunk)
+            except Exception as exc:  # noqa: BLE001 - our reading of the output failed, not the channel
+                if misread is None:
+                    misread = exc
+                    run.ui.warn(f"{proc.key}: could not read its output ({type(exc).__name__}: "
+                                f"{str(exc)[:200]}); the task goes on")
         rc = handle.wait(30)
     except Exception as exc:  # noqa: BLE001 - a lost channel is an exit like any other
         lost, rc = exc, None
