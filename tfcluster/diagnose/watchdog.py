@@ -19,18 +19,21 @@ from tfcluster.plan.names import task_key
 SESSION_WAIT = b"CreateSession still waiting for response from worker"
 NOT_READY = b"tfcluster-not-ready: "
 UNAVAILABLE = (b"failed to connect to all addresses", b"Failed to connect to remote host")
-# A session's master (in between-graph mode the task's server) whose step failed while another
-# task of it has not answered: TF says so every 60 s, then names each task with no answer.
+# A session's master (in between-graph mode the task's server) whose step failed while a task
+# of it has not answered: TF says so once, 120 s into the step, then names each such task.
 RUNSTEP_BLOCKED = b"RunStep still blocked after "
 NO_RESPONSE = b"No response from RunGraph call to worker: "
 RUNGRAPH_TWICE = b"RunGraph request was received twice"
 MARKERS = (SESSION_WAIT, NOT_READY, *UNAVAILABLE, RUNSTEP_BLOCKED, NO_RESPONSE, RUNGRAPH_TWICE)
 # How often TF repeats each message: a wait is still going while messages keep coming.
-_REPEATS = {"session": 10.0, "not-ready": 30.0, "unavailable": 30.0, "runstep": 60.0, "twice": 60.0}
+# A blocked RunStep is said once and lasts until its waiter writes again (`silent`).
+_REPEATS = {"session": 10.0, "not-ready": 30.0, "unavailable": 30.0, "runstep": float("inf"),
+            "twice": 60.0}
 # How long the wait had lasted when TF first said so ("twice" is an event: due at once).
-_BEFORE = {"session": 10.0, "runstep": 60.0}
+_BEFORE = {"session": 10.0, "runstep": 120.0}
 _TF_TASK = re.compile(rb"/job:([A-Za-z0-9_-]+)(?:/replica:\d+)?/task:(\d+)")
 _STATUS = re.compile(rb"Failed with error status: (.*)$")
+_FROM = re.compile(rb"(\w+): From /job:([A-Za-z0-9_-]+)(?:/replica:\d+)?/task:(\d+):?\Z")
 _ADDRESS = re.compile(rb"(?:ipv4:|ipv6:)?\[?([A-Za-z0-9_.:-]+?)\]?:(\d+): Failed to connect")
 _MISSING = re.compile(rb"Variables not initialized: (.*)$")
 
@@ -70,8 +73,9 @@ class Watchdog:
         with self._lock:
             wait = self._waits.get((waiter, kind))
             if kind == "runstep" and NO_RESPONSE in line:     # names the task of a blocked step
-                if wait is not None and wait.target is None:
-                    wait.target = target
+                if wait is not None:
+                    wait.last = now
+                    wait.target = wait.target or target
                 return
             if wait is None or now - wait.last > _REPEATS[kind] * 1.5 or wait.target != target:
                 start = now - _BEFORE.get(kind, self.hang_after if kind == "twice" else 0.0)
@@ -82,6 +86,9 @@ class Watchdog:
     def silent(self, key: str, since: float, now: float) -> None:
         """`key` (alive) has printed nothing since `since`."""
         with self._lock:
+            blocked = self._waits.get((key, "runstep"))
+            if blocked is not None and since > blocked.last:
+                del self._waits[(key, "runstep")]      # it wrote since: the step went on
             wait = self._waits.get((key, "silent"))
             if wait is None or wait.start != since:
                 self._waits[(key, "silent")] = Wait(key, "silent", None, "", since, now)
@@ -186,16 +193,28 @@ def _stall(wait: Wait, facts: Facts | None, now: float, waiter_host: str, log_hi
                 f"arrived. Check the network between the tasks (drops, timeouts{proxy}) and that no "
                 f"other process serves these ports; a MonitoredTrainingSession recreates its session "
                 f"and it happens again while the cause lasts")
-    status = f" (the step failed: {_clip(wait.detail)})" if wait.detail else ""
+    status = f" (the step failed: {_failed(wait.detail)})" if wait.detail else ""
     head = (f"{wait.waiter}'s training step is stuck: TensorFlow's RunStep has been blocked for "
             f"{now - wait.start:.0f}s{status}, still waiting for ")
     if wait.target is None:
         return (head + f"a task it does not name. Likely: a task of the step failed or was lost and "
                 f"another cannot answer; {wait.waiter}'s log: {log_hint}")
+    if wait.target == wait.waiter:
+        return (head + f"its own part of the step: an op of {wait.waiter} does not return and cannot "
+                f"be cancelled (a py_func, a blocking read or queue, a call into another library); "
+                f"its log: {log_hint}. The run ends at train.timeout")
     return (head + f"{wait.target}{where}: {wait.target} {_state(facts)}. Likely: {wait.target} is "
             f"stopped, hung or unreachable, so the failed step cannot be cancelled there: check its "
             f"process and the network from {waiter_host}{proxy}; its log: {log_hint}. The run ends at "
             f"train.timeout")
+
+
+def _failed(status: str) -> str:
+    """TF's step status, its task named as tfcluster names it: `INVALID_ARGUMENT from ps:0`."""
+    m = _FROM.match(status.encode())
+    if m is None:
+        return _clip(status)
+    return f"{m.group(1).decode()} from {task_key(m.group(2).decode(), int(m.group(3)))}"
 
 
 def _state(f: Facts | None) -> str:
