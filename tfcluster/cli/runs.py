@@ -54,7 +54,8 @@ def runs_(
     """The cluster's saved runs, oldest first: start, duration, outcome, restarts, final step and loss.
 
     The step and loss are the chief's (worker 0 without one), read from what the run
-    saved. A run whose tfcluster was killed shows `died`.
+    saved; a run that trained with Keras' model.fit adds its last epoch. A run whose
+    tfcluster was killed shows `died`.
 
     Example:  tfcluster runs lab.yaml --json
     """
@@ -100,7 +101,8 @@ def plot(
     series = run_series(directory, runs.read_manifest(directory), plan.progress)
     if not series:
         raise TfclusterError(f"run {run_id}: no step or loss lines in its logs",
-                             hint="scripts print `step=N loss=X`; for another format set "
+                             hint="scripts print `step=N loss=X`, or train with Keras' model.fit "
+                                  "(verbose=1 or 2); for another format set "
                                   "train.progress: {step: REGEX, loss: REGEX} in the spec")
     if output is None:
         for line in text_plot(run_id, series):
