@@ -197,3 +197,47 @@ def test_plot_o_refuses_a_directory_another_user_can_write_and_never_follows_the
     done = tfc("plot", str(spec), "-o", str(mine / "loss.png"), home=home, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert (mine / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and mode(mine / "loss.png") == 0o600
+
+
+# --------------------------------------------------------------------------- L3: one line of output
+
+def test_one_deeply_nested_placement_line_does_not_end_the_run_as_lost_contact(home, tmp_path):
+    """The placement check reads `tfcluster-placement:` lines as JSON; a line of 200,000
+    `[` makes json.loads raise RecursionError. The line is not a report: the run goes on
+    and the script's exit decides (0)."""
+    (tmp_path / "train.py").write_text(
+        "import time\nprint('tfcluster-placement: ' + '[' * 200000, flush=True)\n"
+        "time.sleep(1)\nprint('step=1 loss=0.5 done', flush=True)\n")
+    spec = local_spec(tmp_path, python=sys.executable, name="l3", train="{mode: classic, script: train.py}")
+    ps = free_ports(1)[0]
+    spec.write_text(spec.read_text() + f"  ps: {{tasks: ['me:{ps}']}}\n")   # classic: scripts only, no TF server
+
+    result = tfc("train", str(spec), home=home, cwd=tmp_path)
+
+    assert "lost contact" not in result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "step=1 loss=0.5 done" in result.stdout
+
+
+def test_an_error_reading_a_tasks_output_is_said_once_and_never_taken_for_a_dropped_connection(home, tmp_path):
+    """A fault that cannot be made for real once the parser is mended: the placement reader
+    raises on every report. The run still ends on the script's own exit, its logs whole."""
+    (tmp_path / "train.py").write_text(
+        "for i in range(3):\n    print('tfcluster-placement: {}', flush=True)\nprint('all of it', flush=True)\n")
+    spec = local_spec(tmp_path, python=sys.executable, name="l3b", train="{mode: classic, script: train.py}")
+    spec.write_text(spec.read_text() + f"  ps: {{tasks: ['me:{free_ports(1)[0]}']}}\n")
+    code = ("import sys\nfrom tfcluster.diagnose import placement\n"
+            "def broken(line):\n    raise RecursionError('a watcher failed')\n"
+            "placement.parse = broken\nfrom tfcluster.cli import main\n"
+            f"sys.exit(main(['train', {str(spec)!r}]))\n")
+
+    result = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=90,
+                            cwd=tmp_path, env=cli_env(home))
+
+    out = result.stdout + result.stderr
+    assert "lost contact" not in out and "Traceback" not in out
+    assert result.returncode == 0, out
+    assert out.count("could not read its output (RecursionError: a watcher failed); the task goes on") == 2   # ps, worker
+    saved = [p.read_text() for p in (tmp_path / "runs").glob("l3b-*/*-0.log")]
+    assert len(saved) == 2 and all("all of it" in text for text in saved)   # every byte kept
