@@ -261,7 +261,9 @@ class Tracker:
         return got
 
     def _keras(self, key: str, line: bytes) -> Reading | None:
-        """A Reading of a Keras line (an ignored bar: an empty one); None: not Keras'."""
+        """A Reading of a Keras line (a bar that is no step of the fit: an empty one); None:
+        not Keras', or a bar with no fit before it (a script's own Progbar: the patterns
+        read it, as any line)."""
         m = _KERAS_EPOCH.match(line) if KERAS_EPOCH_MARK in line else None
         fit = self.fits.get(key)
         if m is not None:
@@ -269,10 +271,10 @@ class Tracker:
                 fit = self.fits[key] = KerasFit()
             fit.start(int(m.group(1)), int(m.group(2)))
             return Reading(epoch=(fit.epoch, fit.epochs), target=fit.target)
-        bar = keras_bar(line)
+        bar = keras_bar(line) if fit is not None else None
         if bar is None:
             return None
-        step = fit.bar(*bar) if fit is not None else None
+        step = fit.bar(*bar)
         if step is None:
             return Reading()
         metrics = keras_metrics(line)
