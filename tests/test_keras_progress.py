@@ -294,3 +294,16 @@ def test_runs_and_plot_read_a_keras_log_that_has_no_recorded_progress(tmp_path):
     series = run_series(str(run), json.loads((run / "manifest.json").read_text()))["worker:0"]
     assert series.epoch == (3, 3) and series.loss[-1] == (60, fit_loss) and len(series.loss) > 30
     assert text_plot("r", {"worker:0": series})[1] == "worker:0  steps 1–60 · epoch 3/3"
+
+
+def test_logs_replays_a_keras_run_as_one_bar_line_an_epoch(tmp_path, home):
+    from tests.helpers import local_spec, tfcluster
+
+    spec = local_spec(tmp_path, mode="mirrored", script="fit.py", ps=0, workers=1, name="lab")
+    run = tmp_path / "runs" / "lab-20260101-000000-aaaa"
+    run.mkdir(parents=True)
+    (run / "manifest.json").write_text(json.dumps({"outcome": "succeeded", "exit_code": 0, "started": 1.0}))
+    (run / "worker-0.log").write_bytes(sample("keras3-unknown-v1.txt") * 40)   # lines across 64 KiB reads
+    out = tfcluster("logs", str(spec), home=home, cwd=tmp_path).stdout.splitlines()
+    assert len([line for line in out if "/step" in line]) == 40 * (3 + 2)
+    assert len([line for line in out if line.startswith("worker:0 │ Epoch ")]) == 40 * 3
