@@ -75,7 +75,7 @@ REJECTIONS = [
     ("unknown-top", BASE + "nmae: x\n", "8: nmae: unknown key 'nmae'; did you mean 'name'?"),
     ("unknown-top-far", BASE + "zzz: x\n",
      "8: zzz: unknown key 'zzz'; expected one of: name, python, workdir, env, secret_env, public_env, "
-     "ssh, hosts, jobs, train"),
+     "ssh, hosts, jobs, train, tf_ports"),
     ("duplicate-top", BASE + "name: u\n", "8: name: duplicate key (first on line 1)"),
     ("missing-name", "hosts: [{name: a, address: b}]\njobs: {}\n", "1: name: missing required key"),
     ("missing-jobs", HEAD, "1: jobs: missing required key"),
@@ -315,7 +315,7 @@ def test_alias_without_anchor_is_a_yaml_error(tmp_path):
 def test_error_messages_stay_on_one_line(tmp_path):
     path = write(tmp_path, BASE + '"bad\\nkey\\u2028": 1\n')
     assert str(error(path)) == f"{path}:8: bad\\nkey\\u2028: unknown key 'bad\\nkey\\u2028'; expected one of: " \
-                               "name, python, workdir, env, secret_env, public_env, ssh, hosts, jobs, train"
+                               "name, python, workdir, env, secret_env, public_env, ssh, hosts, jobs, train, tf_ports"
 
 
 def test_errors_carry_hints(tmp_path):

@@ -137,8 +137,11 @@ def script(table: str, uid: int, ports, targets, peers) -> str:
     task ports, `targets` [address, port] of every task, `peers` the cluster's host addresses."""
     mine = _ports(ports)
     by_family = {4: set(), 6: set()}
+    resolved = {}
     for address, port in targets:
-        v4, v6 = _addresses([address])
+        if address not in resolved:
+            resolved[address] = _addresses([address])
+        v4, v6 = resolved[address]
         by_family[4].update((a, int(port)) for a in v4)
         by_family[6].update((a, int(port)) for a in v6)
     peer4, peer6 = _addresses(peers)
@@ -196,7 +199,7 @@ def cmd_fence(req: dict) -> dict:
     (a warning, or an error for `tf_ports: closed`)."""
     cluster_dir, mode = req["cluster_dir"], req.get("mode", "install")
     table = table_name(cluster_dir, req["tag_prefix"])
-    answer = {"closed": False, "table": table, "why": None, "others": []}
+    answer = {"closed": False, "table": table, "why": None, "others": [], "user": _user(os.geteuid())}
     try:
         if mode == "status":
             answer["closed"] = _exists(cluster_dir, table)

@@ -63,6 +63,8 @@ class HostAgent:
         self._surveyed: tuple | None = None   # a survey prepare() answered, used once
         self.sweep_status = False   # surveys also find the cluster's tasks no pid file names
         self.info_request: dict = {}          # {"light": True}: machine id and Python only (Session)
+        self.fence_request: dict | None = None  # asked with the survey: close the ports (launch/fence.py)
+        self.fence_answer: dict | None = None
         self._placed: tuple | None = None     # (files request, what the cache lacked) from prepare()
         self._prepare_lock = threading.Lock()
         self._heartbeats = Heartbeats(name)
@@ -110,6 +112,8 @@ class HostAgent:
         commands = {proto.INFO: dict(self.info_request)}
         if survey is not None:
             commands.update(self._survey_commands(*survey))
+            if self.fence_request is not None:     # before anything binds: in the same batch
+                commands[proto.FENCE] = self.fence_request
         if files is not None:
             commands[proto.FILES] = files
         commands.update(more or {})
@@ -133,6 +137,8 @@ class HostAgent:
             self._surveyed = (survey[0], tuple(survey[1]), answers)
         if files is not None:
             self._placed = (files, tuple(answers[proto.FILES]["missing"]))
+        if proto.FENCE in answers:
+            self.fence_answer = answers[proto.FENCE]
         self._info = host_info(answers[proto.INFO])
         return self._info
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from tfcluster.diagnose import proxy
 from tfcluster.errors import ConnectError, ExitCode, TfclusterError
 from tfcluster.host.shim_protocol import DEFAULT_GRACE, PORT_SETTLE
-from tfcluster.launch import state, upexec
+from tfcluster.launch import fence, state, upexec
 from tfcluster.launch.preflight import check_started_ports, check_versions, preflight
 from tfcluster.launch.reach import check_reachability
 from tfcluster.launch.servers import READY_TIMEOUT, Started, start_detached
@@ -246,6 +246,10 @@ def status(plan: Plan, ui) -> tuple[list[TaskRow], dict[str, BaseException]]:
                 ui.warn(f"{host}: `tfcluster up` started {len(tags)} server(s) there (local state), but the "
                         f"spec no longer lists it, so they cannot be looked at or stopped with this spec; "
                         f"`tfcluster down` with the spec `up` used stops them")
+        running = {r.host for r in rows if r.status == "running"}
+        fenced = fence.status_line(session.fence_answers(), running)
+        if fenced and running:
+            ui.info(fenced)
         return rows, unreachable
 
 
@@ -303,11 +307,14 @@ def check(plan: Plan, ui, allow_skew: bool = False) -> None:
     """`plan --check`: connect, report the hosts' versions, run the preflight checks, start nothing."""
     with Session(plan, ui) as session:
         ui.info(f"Checking {len(plan.hosts)} host(s)…")
-        session.open()
+        session.fence = fence.PROBE       # could the ports be closed? (the survey carries the question)
+        session.open(survey=[])
         check_versions(session, allow_skew=allow_skew, report=True)
         binders = [t for t in plan.tasks if t.runs_server or (plan.mode == "classic" and t.runs_script)]
         preflight(session, binders)
         ui.ok("preflight passed: every host can run its tasks and every port is free")
+        if plan.tf_ports != "open" and all((a or {}).get("can") for a in session.fence_answers().values()):
+            ui.info("TensorFlow's ports will be closed to other users on every host (nftables)")
         if plan.checks.reachability:
             check_reachability(session)
         proxy.report(session, ui)

@@ -14,6 +14,7 @@ from typing import Callable, Iterable, TypeVar
 from tfcluster.diagnose.proxy import no_proxy_for
 from tfcluster.errors import Terminated, TfclusterError
 from tfcluster.host.shim_protocol import FLUSH_VAR, PROBE_VAR
+from tfcluster.launch import fence
 from tfcluster.launch.agent import HostAgent, HostInfo, Survey, TaskLaunch
 from tfcluster.plan import HostPlan, Plan, TaskPlan, names
 
@@ -142,6 +143,9 @@ class Session:
         self.agents: dict[str, HostAgent] = {}
         self.infos: dict[str, HostInfo] = {}
         self.no_proxy = no_proxy_for(plan)    # every task's start request carries these
+        # asked with open()'s survey: `up` and `train` close the task ports, `status` asks
+        # whether they are (launch/fence.py); None: not asked
+        self.fence: str | None = fence.STATUS if light else fence.INSTALL
 
     def __enter__(self) -> "Session":
         return self
@@ -180,6 +184,8 @@ class Session:
         def one(name: str) -> HostInfo:
             wanted = (prefix, [t.port for t in ports.get(name, [])]) if survey is not None else None
             agent = self.agents[name]
+            if self.fence and survey is not None:
+                agent.fence_request = fence.request(self.plan, name, self.fence)
             files = agent.files_request(ship[0], ship[1]) if ship and name in ship[2] and ship[0] else None
             return prepare(name, wanted, files) if prepare is not None else agent.prepare(wanted, files)
 
@@ -189,7 +195,14 @@ class Session:
                 self.infos[name] = result
         if strict:
             raise_first(results, "host")
+        if self.fence in (fence.INSTALL, fence.PROBE) and survey is not None:
+            fence.report(self.plan, self.ui, self.fence_answers(), self.fence)
         return results
+
+    def fence_answers(self) -> dict[str, dict | None]:
+        """Each opened host's answer to its `fence` request (None where none was asked)."""
+        return {name: agent.fence_answer for name, agent in self.agents.items()
+                if agent.fence_request is not None}
 
     def drop(self, hosts: Iterable[str]) -> None:
         """Forget hosts that could not be opened (their agents hold nothing)."""

@@ -126,6 +126,7 @@ class Plan:
     # `tf.keras` is tf_keras, which preflight requires (docs/modes.md, "Keras").
     legacy_keras: bool = False
     script_fits: bool | None = None      # the script calls `.fit(` (None: not read)
+    tf_ports: str = "auto"               # spec.tf_ports: close the task ports (auto, closed) or not
 
     @property
     def chief(self) -> TaskPlan | None:
@@ -275,6 +276,7 @@ def build_plan(spec: Spec, local_python: str | None = None, *,
         progress=spec.train.progress,
         legacy_keras=spec.train.keras == "legacy" or dict(spec.env).get(LEGACY_KERAS_ENV) in LEGACY_KERAS_VALUES,
         script_fits=script_fits,
+        tf_ports=spec.tf_ports,
     )
 
 

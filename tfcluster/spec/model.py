@@ -17,6 +17,7 @@ KERAS_CHOICES = ("auto", "legacy")
 LEGACY_KERAS_ENV = "TF_USE_LEGACY_KERAS"
 LEGACY_KERAS_VALUES = ("1", "true", "True")     # what TensorFlow reads as set
 LOCAL_ADDRESSES = ("localhost", "127.0.0.1", "::1")
+TF_PORTS = ("auto", "closed", "open")      # Spec.tf_ports
 MAX_TASKS = 10_000                # bounds the layout work whatever counts the file asks for
 PLACEHOLDERS = ("job", "index", "ps_hosts", "worker_hosts", "chief_hosts", "workdir",
                 "num_workers")
@@ -151,6 +152,10 @@ class Spec:
     hosts: tuple[Host, ...] = ()
     jobs: tuple[Job, ...] = ()              # canonical JOB_NAMES order
     train: Train = field(default_factory=Train)
+    # TF's task ports: `auto` closes them to other users where tfcluster can (root or
+    # `sudo -n nft` on the host) and warns where not; `closed` refuses to run where it cannot;
+    # `open` leaves them open, silently (docs/security.md, "TensorFlow's ports")
+    tf_ports: str = "auto"
     digest: str = ""                  # sha256 of the file's bytes
 
     @property

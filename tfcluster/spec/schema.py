@@ -30,6 +30,7 @@ from tfcluster.spec.model import (
     MODES,
     PLACEHOLDERS,
     RESTART_POLICIES,
+    TF_PORTS,
     Checks,
     Host,
     Job,
@@ -61,7 +62,7 @@ from tfcluster.spec.yamltree import (
 )
 
 _TOP_KEYS = ("name", "python", "workdir", "env", "secret_env", "public_env", "ssh", "hosts", "jobs",
-             "train")
+             "train", "tf_ports")
 _SSH_KEYS = ("user", "port", "identity_file", "known_hosts", "host_key_policy", "jump_host",
              "connect_timeout")
 _HOST_KEYS = ("name", "address", "gpus", "ssh")
@@ -92,6 +93,7 @@ def build(path: str, root: yaml.Node) -> tuple[Spec, dict[str, int]]:
         hosts=hosts,
         jobs=_parse_jobs(value["jobs"], {h.name: h for h in hosts}),
         train=_parse_train(value["train"], base_dir) if "train" in f else Train(),
+        tf_ports=as_choice(value["tf_ports"], "tf_ports", TF_PORTS, "tf_ports") if "tf_ports" in f else Spec.tf_ports,
     )
     _check_keras_env(spec.train, env)
     return spec, {"jobs": line_of(f["jobs"][0]), "env": line_of(f["env"][0]) if "env" in f else 0}

@@ -1,0 +1,92 @@
+"""The launcher's side of the fence (host/shim_fence.py): what each host is asked, and what
+`up`, `train`, `plan --check` and `status` say of its answer.
+
+The request rides in the batch that opens each host (Session.open), so closing the ports
+costs no round trip of its own and happens before anything binds. Where a host cannot close
+them, the run goes on with one warning naming the host, who else has processes there, what
+they could do and the fix, unless the spec says `tf_ports: closed` (then exit 4, before
+anything starts). docs/security.md, "TensorFlow's ports".
+"""
+from __future__ import annotations
+
+from tfcluster.errors import PreflightError
+from tfcluster.plan import Plan, names
+
+INSTALL, PROBE, STATUS = "install", "probe", "status"     # shim_fence.cmd_fence's modes
+OTHERS_SHOWN = 8        # shim_fence.MAX_OTHERS: one more than this means "and more"
+
+
+def request(plan: Plan, host: str, mode: str) -> dict | None:
+    """The host's `fence` request, or None where the spec leaves the ports open."""
+    if plan.tf_ports == "open":
+        return None
+    return {"mode": mode, "cluster_dir": plan.cluster_dir, "tag_prefix": names.cluster_prefix(plan.name),
+            "ports": sorted({t.port for t in plan.tasks_on(host)}),
+            "targets": [[t.address, t.port] for t in plan.tasks],
+            "peers": sorted({plan.host(h).address for h in plan.hosts})}
+
+
+def report(plan: Plan, ui, answers: dict[str, dict | None], mode: str) -> None:
+    """After the hosts answered: a warning per host whose ports stay open (`auto`), or one
+    error naming them all (`closed`)."""
+    if plan.tf_ports == "open":
+        return
+    open_on = {h: a for h, a in answers.items() if isinstance(a, dict) and not _closed(a, mode)}
+    if not open_on:
+        return
+    if plan.tf_ports == "closed":
+        where = ", ".join(f"host {h} ({a.get('why') or 'unknown'})" for h, a in open_on.items())
+        raise PreflightError(
+            f"tf_ports: closed, but tfcluster cannot close TensorFlow's ports on {where}",
+            hint=f"{fix(next(iter(open_on.values())))}; or set `tf_ports: auto` to run with a warning")
+    for host, answer in open_on.items():
+        ui.warn(warning(plan, host, answer))
+
+
+def _closed(answer: dict, mode: str) -> bool:
+    return bool(answer.get("can")) if mode == PROBE else bool(answer.get("closed"))
+
+
+def warning(plan: Plan, host: str, answer: dict) -> str:
+    """One host's open ports, plainly: who, what they could do, why, and the fix."""
+    ports = sorted({t.port for t in plan.tasks_on(host)})
+    others = list(answer.get("others") or [])
+    who = (f"other users with processes there ({', '.join(others[:OTHERS_SHOWN])}"
+           f"{' and more' if len(others) > OTHERS_SHOWN else ''})" if others else
+           "any other user who logs in there (none has processes there now)")
+    return (f"host {host}: TensorFlow's ports ({_ranges(ports)}) stay open: {who} and anyone on its "
+            f"network can connect and run any TensorFlow op as you, which reads and writes your files. "
+            f"tfcluster cannot close them there: {answer.get('why') or 'unknown'}. "
+            f"Fix: {fix(answer)}; or set `tf_ports: open` in the spec to accept this and silence it")
+
+
+def fix(answer: dict) -> str:
+    """The one-line fix: nft run by root, or by this user through sudo without a password."""
+    user = answer.get("user") or "USER"
+    return (f"run tfcluster as root there, or let {user} run nft through sudo without a password "
+            f"(the sudoers line `{user} ALL=(root) NOPASSWD: /usr/sbin/nft`), with nftables installed")
+
+
+def _ranges(ports: list[int]) -> str:
+    if not ports:
+        return "none"
+    spans, start, last = [], ports[0], ports[0]
+    for p in ports[1:] + [None]:
+        if p is not None and p == last + 1:
+            last = p
+            continue
+        spans.append(str(start) if start == last else f"{start}-{last}")
+        if p is not None:
+            start = last = p
+    return ", ".join(spans)
+
+
+def status_line(answers: dict[str, dict | None], running: set[str]) -> str | None:
+    """`status`: where the ports are closed and where they are open while tasks run."""
+    closed = sorted(h for h, a in answers.items() if isinstance(a, dict) and a.get("closed"))
+    exposed = sorted(h for h, a in answers.items()
+                     if isinstance(a, dict) and not a.get("closed") and h in running)
+    parts = [f"closed on {', '.join(closed)} (nftables)"] if closed else []
+    parts += [f"OPEN on {h} ({answers[h].get('why') or 'no table: not started by this tfcluster'})"
+              for h in exposed]
+    return f"TensorFlow's ports: {'; '.join(parts)}" if parts else None
