@@ -126,17 +126,16 @@ class Pattern:
 class KerasFit:
     """Where one task's `model.fit` stands, from its `Epoch k/N` lines and its bars.
 
-    A bar counts only inside an epoch, and only while its batch does not go back and its
-    total does not change: `evaluate` and `predict` bars (after `fit`, or from a callback)
-    are not training steps. An epoch whose size is unknown (`7/Unknown`) counts on from the
+    A bar counts only after an `Epoch k/N` line, and only while its batch does not go back
+    and its total does not change within the epoch: `evaluate` and `predict` bars (after
+    `fit`, or from a callback) are not training steps. An epoch whose size is unknown (`7/Unknown`) counts on from the
     steps of the epochs before it."""
 
-    __slots__ = ("batch", "done", "epoch", "epochs", "inside", "per_epoch", "total")
+    __slots__ = ("batch", "done", "epoch", "epochs", "per_epoch", "total")
 
     def __init__(self) -> None:
         self.epoch = self.epochs = self.per_epoch = self.total = None
         self.done = self.batch = 0
-        self.inside = False
 
     def start(self, k: int, n: int) -> None:
         if self.per_epoch:
@@ -145,11 +144,11 @@ class KerasFit:
             self.done += self.batch
         else:
             self.done = 0
-        self.epoch, self.epochs, self.batch, self.total, self.inside = k, n, 0, None, True
+        self.epoch, self.epochs, self.batch, self.total = k, n, 0, None
 
     def bar(self, batch: int, total: int | None) -> int | None:
         """The global step of this bar; None: not a training bar."""
-        if not self.inside or batch < self.batch or (self.total is not None and total != self.total):
+        if self.epoch is None or batch < self.batch or (self.total is not None and total != self.total):
             return None
         self.batch = batch
         if total is not None:
