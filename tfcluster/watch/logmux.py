@@ -13,7 +13,7 @@ batch only the latest update of a progress line is shown (a terminal would have
 overwritten the others); the latest state is always shown, never spliced. Keras'
 progress bars are folded further: a bar's updates are shown at most once per
 FOLD_EVERY seconds, and the update that ends the line (the epoch's last) always, so
-an epoch is one line per task (docs/running.md, "Keras' progress"); the
+an epoch is one line per task (docs/running.md, "The live view"); the
 watchers still get every update shown or folded, and the saved log every byte.
 """
 from __future__ import annotations
