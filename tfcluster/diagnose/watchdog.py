@@ -22,9 +22,10 @@ UNAVAILABLE = (b"failed to connect to all addresses", b"Failed to connect to rem
 # A session's master (in between-graph mode the task's server) whose step failed while a task
 # of it has not answered: TF says so once, 120 s into the step, then names each such task.
 RUNSTEP_BLOCKED = b"RunStep still blocked after "
+RUNSTEP_MARK = b"Failed with error status: "   # watched: its ':' is a byte scanned for already
 NO_RESPONSE = b"No response from RunGraph call to worker: "
 RUNGRAPH_TWICE = b"RunGraph request was received twice"
-MARKERS = (SESSION_WAIT, NOT_READY, *UNAVAILABLE, RUNSTEP_BLOCKED, NO_RESPONSE, RUNGRAPH_TWICE)
+MARKERS = (SESSION_WAIT, NOT_READY, *UNAVAILABLE, RUNSTEP_MARK, NO_RESPONSE, RUNGRAPH_TWICE)
 # How often TF repeats each message: a wait is still going while messages keep coming.
 # A blocked RunStep is said once and lasts until its waiter writes again (`silent`).
 _REPEATS = {"session": 10.0, "not-ready": 30.0, "unavailable": 30.0, "runstep": float("inf"),
