@@ -233,7 +233,8 @@ def test_secret_env_marks_and_public_env_unmarks_everywhere_a_plan_is_shown(tmp_
 @pytest.mark.parametrize("extra,expected", [
     ("secret_env: [DB_UR]\n", "8: secret_env[0]: 'DB_UR' is not set in env; did you mean 'DB_URL'?"),
     ("public_env: [DB_URL]\n", "8: public_env[0]: DB_URL is shown anyway: public_env only un-marks "
-                               "names containing PASS, PWD, AUTH, PRIVATE, CREDENTIAL, TOKEN, SECRET, KEY"),
+                               "names containing PASS, PWD, AUTH, PRIVATE, CREDENTIAL, TOKEN, SECRET, KEY, "
+                               "DSN, WEBHOOK, COOKIE, SESSION"),
     ("secret_env: [DB_PASS]\npublic_env: [DB_PASS]\n", "9: public_env[0]: DB_PASS is also listed in secret_env"),
     ("train:\n  args: [--db, 'x-hunter22-y']\n",
      "9: train.args[1]: contains the value of secret env DB_PASS; script arguments are visible in `ps` "

@@ -25,9 +25,10 @@ def spec_env(plan: Plan) -> dict[str, str]:
 
 
 def split_env(plan: Plan) -> tuple[dict[str, str], tuple[str, ...]]:
-    """(public env, secret names): secrets never go into a rendered file, only their names."""
+    """(public env, secret names): secrets never go into a rendered file, only their names
+    (a value with a URL's credentials is one)."""
     env = spec_env(plan)
-    secret = tuple(k for k in env if plan.is_secret(k))
+    secret = tuple(k for k, v in env.items() if plan.keeps_secret(k, v))
     return {k: v for k, v in env.items() if k not in secret}, secret
 
 

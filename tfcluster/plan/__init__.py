@@ -24,8 +24,10 @@ from tfcluster.spec import (
     Progress,
     Restart,
     Spec,
+    has_userinfo,
     is_secret,
     layout_tasks,
+    mask_userinfo,
 )
 from tfcluster.transport.options import SshOptions
 
@@ -145,6 +147,11 @@ class Plan:
         """Whether env `env_name` is secret in this plan (the spec's rule and its lists)."""
         return is_secret(env_name, self.secret_env, self.public_env)
 
+    def keeps_secret(self, env_name: str, value: str) -> bool:
+        """Whether a rendered job must leave the value out: a secret name, or a URL's
+        credentials in the value (has_userinfo)."""
+        return self.is_secret(env_name) or has_userinfo(value)
+
     def task(self, key: str) -> TaskPlan:
         for t in self.tasks:
             if t.key == key:
@@ -177,9 +184,10 @@ class Plan:
 
 
 def redact_env(env: tuple[tuple[str, str], ...] | dict[str, str], marked=(), public=()) -> dict[str, str]:
-    """`env` with every secret value (is_secret, with the spec's secret_env and public_env) as ***."""
+    """`env` as shown: every secret value (is_secret, with the spec's secret_env and
+    public_env) as ***, and a URL's userinfo in any other as *** (mask_userinfo)."""
     items = env.items() if isinstance(env, dict) else env
-    return {k: (REDACTED if is_secret(k, marked, public) else v) for k, v in items}
+    return {k: (REDACTED if is_secret(k, marked, public) else mask_userinfo(v)) for k, v in items}
 
 
 def env_redactor(marked=(), public=()):
@@ -193,7 +201,7 @@ def env_redactor(marked=(), public=()):
             s = secret.get(k)
             if s is None:
                 s = secret[k] = is_secret(k, marked, public)
-            out[k] = REDACTED if s else v
+            out[k] = REDACTED if s else mask_userinfo(v)
         return out
     return redact
 

@@ -38,7 +38,9 @@ from tfcluster.spec.model import (
                                    Spec,
                                    SshSettings,
                                    Train,
+                                   has_userinfo,
                                    is_secret,
+                                   mask_userinfo,
 )
 from tfcluster.spec.shipped import script_calls_fit
 from tfcluster.spec.yamltree import MAX_DEPTH, MAX_SPEC_BYTES, did_you_mean
@@ -48,6 +50,6 @@ __all__ = [
     "LOCAL_ADDRESSES", "MAX_DEPTH", "MAX_SPEC_BYTES",
     "MAX_TASKS", "MODES", "PLACEHOLDERS", "RESTART_POLICIES", "SECRET_MARKERS",
     "Checks", "Host", "Job", "Progress", "Restart", "Slot", "Spec", "SshSettings", "Train",
-    "check_train_files", "did_you_mean", "is_secret", "layout_tasks", "load_spec",
+    "check_train_files", "did_you_mean", "has_userinfo", "is_secret", "layout_tasks", "load_spec", "mask_userinfo",
     "preview_train_files", "script_calls_fit", "with_train_overrides",
 ]

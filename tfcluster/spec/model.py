@@ -5,6 +5,7 @@ Nothing here parses or validates; the loader builds these only from checked inpu
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 
 MODES = ("between-graph", "classic", "coordinator", "mirrored")
@@ -35,7 +36,11 @@ MAX_SHIP_BYTES = 256 << 20        # train.script and train.files together
 
 # Env names shown as *** (docs/design/spec-safety.md, "Spec safety"): any name containing one of
 # these, upper-cased, plus the spec's secret_env, less its public_env.
-SECRET_MARKERS = ("PASS", "PWD", "AUTH", "PRIVATE", "CREDENTIAL", "TOKEN", "SECRET", "KEY")
+SECRET_MARKERS = ("PASS", "PWD", "AUTH", "PRIVATE", "CREDENTIAL", "TOKEN", "SECRET", "KEY", "DSN",
+                  "WEBHOOK", "COOKIE", "SESSION")
+# And whatever its name, a URL's userinfo (`scheme://user:password@`): shown as `scheme://***@`,
+# and a value holding one is rendered as a secret.
+_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/\s]*@")
 MIN_SECRET_CHARS = 4              # a shorter secret value is not looked for in train.args
 
 
@@ -48,6 +53,16 @@ def is_secret(name: str, marked=(), public=()) -> bool:
         return False
     upper = name.upper()
     return any(marker in upper for marker in SECRET_MARKERS)
+
+
+def has_userinfo(value: str) -> bool:
+    """Whether `value` holds a URL with a user (and maybe a password) before its host."""
+    return "@" in value and _USERINFO.search(value) is not None
+
+
+def mask_userinfo(value: str) -> str:
+    """`value` with every URL's userinfo as `***`: `http://u:p@proxy:3128` -> `http://***@proxy:3128`."""
+    return _USERINFO.sub(r"\1***@", value) if "@" in value else value
 
 
 @dataclass(frozen=True)
