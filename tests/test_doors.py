@@ -7,12 +7,15 @@ opens its door for real: it fails where tfcluster still walks through. docs/secu
 """
 from __future__ import annotations
 
+import base64
+import io
 import json
 import os
 import shutil
 import stat
 import subprocess
 import sys
+import tarfile
 import uuid
 from pathlib import Path
 
@@ -241,3 +244,113 @@ def test_an_error_reading_a_tasks_output_is_said_once_and_never_taken_for_a_drop
     assert out.count("could not read its output (RecursionError: a watcher failed); the task goes on") == 2   # ps, worker
     saved = [p.read_text() for p in (tmp_path / "runs").glob("l3b-*/*-0.log")]
     assert len(saved) == 2 and all("all of it" in text for text in saved)   # every byte kept
+
+
+# --------------------------------------------------------------------------- L1: secrets inside values
+
+SECRETS = {"HTTPS_PROXY": ("http://alice:hunter2@proxy.lab:3128", "hunter2"),
+           "DATABASE_URL": ("postgres://bob:s3cretpw@db.lab/exp", "s3cretpw"),
+           "SENTRY_DSN": ("https://abc123dsn@o1.ingest.sentry.io/1", "abc123dsn"),
+           "SLACK_WEBHOOK_URL": ("https://hooks.slack.com/services/T0/B0/XYZwebhook", "XYZwebhook"),
+           "SESSION_COOKIE": ("dddd-cookie", "dddd-cookie"),
+           "LAB_NOTE": ("see ftp://carol:pw0rd42@files.lab/x and https://dave@git.lab/y", "pw0rd42")}
+
+
+def secret_spec(tmp: Path, name: str = "l1", python: str = "python3") -> Path:
+    (tmp / "train.py").write_text("print('step=1 loss=0.5')\n")
+    env = "".join(f"  {k}: {json.dumps(v)}\n" for k, (v, _) in SECRETS.items())
+    return local_spec(tmp, python=python, name=name, extra=f"env:\n{env}",
+                      train="{mode: mirrored, script: train.py, image: 'tensorflow/tensorflow:2.15.0'}")
+
+
+def leaked(text: str) -> list[str]:
+    return [word for _, word in SECRETS.values() if word in text] + [w for w in ("dave@",) if w in text]
+
+
+@pytest.mark.parametrize("args", [["plan"], ["plan", "--json"], ["plan", "--commands"], ["up", "--dry-run"]])
+def test_credentials_inside_urls_and_under_common_names_are_never_shown(args, home, tmp_path):
+    result = tfc(*args, str(secret_spec(tmp_path)), home=home, cwd=tmp_path)
+
+    assert result.returncode == 0, result.stderr
+    assert leaked(result.stdout + result.stderr) == []
+    if "--json" in args:
+        env = json.loads(result.stdout)["tasks"][0]["env"]
+        assert env["HTTPS_PROXY"] == "http://***@proxy.lab:3128"
+        assert env["LAB_NOTE"] == "see ftp://***@files.lab/x and https://***@git.lab/y"
+        assert env["SENTRY_DSN"] == env["SLACK_WEBHOOK_URL"] == env["SESSION_COOKIE"] == "***"
+
+
+def test_the_manifest_keeps_no_credential_of_a_url(home, tmp_path):
+    spec = secret_spec(tmp_path, name="l1m", python=sys.executable)
+    result = tfc("train", str(spec), "-q", home=home, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    manifest = next((tmp_path / "runs").glob("l1m-*/manifest.json")).read_text()
+    assert "proxy.lab" in manifest and leaked(manifest) == []
+
+
+@pytest.mark.parametrize("engine", ["slurm", "tfjob"])
+def test_rendered_jobs_carry_credentials_of_urls_as_secrets_not_in_the_file(engine, home, tmp_path):
+    out = tmp_path / "out"
+    result = tfc("render", str(secret_spec(tmp_path)), "--to", engine, "-o", str(out), home=home, cwd=tmp_path)
+
+    assert result.returncode == 0, result.stderr
+    text = "".join(p.read_text() for p in out.iterdir())
+    bundle = text
+    if engine == "slurm":   # the launcher's config travels base64'd inside the script
+        data = text.split("<<'TFCLUSTER_BUNDLE'\n", 1)[1].split("\nTFCLUSTER_BUNDLE", 1)[0]
+        bundle += tarfile.open(fileobj=io.BytesIO(base64.b64decode(data))).extractfile(
+            "tfcluster-launch.json").read().decode()
+    assert leaked(bundle + result.stderr) == []
+    for name in ("HTTPS_PROXY", "DATABASE_URL", "LAB_NOTE", "SENTRY_DSN"):
+        assert name in result.stderr        # named as a secret to provide where the job is submitted
+
+
+# --------------------------------------------------------------------------- L2: the sbatch script
+
+def test_the_sbatch_script_holds_only_quoted_literals_and_escaped_text(shared, home, tmp_path):
+    marker = tmp_path / "PWNED-sbatch-python"
+    python = f"$(touch${{IFS}}{marker})"
+    (tmp_path / "train.py").write_text("print('step=1 loss=0.5')\n")
+    spec = local_spec(tmp_path, python=python, name="l2", train="{mode: mirrored, script: train.py}",
+                      extra='env:\n  X: "\\e]52;c;aGk=\\a\\e[2J tab\\there \\u202e rtl"\n')
+    out = tmp_path / "out"
+
+    shown = tfc("render", str(spec), "--to", "slurm", home=home, cwd=tmp_path)
+    result = tfc("render", str(spec), "--to", "slurm", "-o", str(out), home=home, cwd=tmp_path)
+
+    assert shown.returncode == result.returncode == 0, shown.stderr + result.stderr
+    script = (out / "l2.sbatch").read_text()
+    for text in (script, shown.stdout):
+        assert all(c.isprintable() or c == "\n" for c in text), [c for c in text if not c.isprintable()][:5]
+    lines = [line for line in script.splitlines() if line.startswith(("PYTHON=", "export X="))]
+    assert len(lines) == 3, lines
+    env = {k: v for k, v in os.environ.items() if k != "TFCLUSTER_PYTHON"}
+    shell = subprocess.run(["bash", "-c", "set -eu\n" + "\n".join(lines) + '\nprintf "%s\\0%s" "$PYTHON" "$X"'],
+                           capture_output=True, text=True, timeout=30, env=env)
+    assert not marker.exists()
+    assert shell.stdout.split("\0") == [python, "\x1b]52;c;aGk=\x07\x1b[2J tab\there \u202e rtl"]
+    chosen = subprocess.run(["bash", "-c", "\n".join(lines[:2]) + '\nprintf %s "$PYTHON"'], capture_output=True,
+                            text=True, timeout=30, env={**env, "TFCLUSTER_PYTHON": "/opt/py/bin/python3"})
+    assert chosen.stdout == "/opt/py/bin/python3"
+
+
+def test_a_rendered_tfjob_escapes_bidi_and_invisible_characters_and_reads_back_the_same(home, tmp_path):
+    import yaml
+    value = "a\u202eb\u2066c\u200bd\u00a0e \x1b[2J"
+    (tmp_path / "train.py").write_text("# \u202e reversed comment\nprint('step=1 loss=0.5')\n")
+    spec = local_spec(tmp_path, python="python3", name="l2t", extra=f"env:\n  X: {json.dumps(value)}\n",
+                      train="{mode: mirrored, script: train.py, image: 'tensorflow/tensorflow:2.15.0'}")
+    out = tmp_path / "out"
+
+    shown = tfc("render", str(spec), "--to", "tfjob", home=home, cwd=tmp_path)
+    result = tfc("render", str(spec), "--to", "tfjob", "-o", str(out), home=home, cwd=tmp_path)
+
+    assert shown.returncode == result.returncode == 0, shown.stderr + result.stderr
+    text = (out / "l2t-tfjob.yaml").read_text()
+    for t in (text, shown.stdout):
+        assert all(c.isprintable() or c in "\n" for c in t), [c for c in t if not c.isprintable()][:5]
+    docs = list(yaml.safe_load_all(text))
+    containers = [c for spec_ in docs[1]["spec"]["tfReplicaSpecs"].values()
+                  for c in spec_["template"]["spec"]["containers"]]
+    assert {"name": "X", "value": value} in containers[0]["env"]
+    assert "# \u202e reversed comment" in docs[0]["data"]["train.py"]

@@ -10,6 +10,7 @@ import typer
 from tfcluster.cli.app import SpecArg, app, load, ui
 from tfcluster.errors import ExitCode, UsageError
 from tfcluster.localfs import write_output
+from tfcluster.safetext import escape
 
 
 @app.command()
@@ -50,7 +51,10 @@ def render(
         ui.warn(note)
     if output is None:
         for name, text in rendered.files:
-            ui.stdout.write(text if len(rendered.files) == 1 else f"# --- {name}\n{text}")
+            text = text if len(rendered.files) == 1 else f"# --- {name}\n{text}"
+            # the engines write no raw control or bidi character; should one slip in, the
+            # terminal still gets it escaped (docs/design/spec-safety.md, "Spec safety")
+            ui.stdout.write(text if _printable_lines(text) else escape(text, newlines=True))
         ui.stdout.flush()
         ui.info(f"next: save it and run `{rendered.apply}`")
         return ExitCode.OK
@@ -60,3 +64,7 @@ def render(
         ui.ok(f"wrote {path}")
     ui.info(f"next: cd {shlex.quote(output)} && {rendered.apply}")    # the file names are relative
     return ExitCode.OK
+
+
+def _printable_lines(text: str) -> bool:
+    return text.replace("\n", "").replace("\t", "").isprintable()

@@ -15,13 +15,13 @@ import base64
 import gzip
 import io
 import math
-import shlex
 import tarfile
 
 from tfcluster.engines import Rendered
 from tfcluster.engines.bundle import bundle_files, launch_config, split_env
 from tfcluster.errors import UsageError
 from tfcluster.plan import Plan
+from tfcluster.safetext import shell_word
 
 MAX_SCRIPT_BYTES = 4 << 20     # Slurm's default max_script_size (SchedulerParameters)
 
@@ -92,7 +92,9 @@ def render_slurm(plan: Plan) -> Rendered:
     nodes, per_node, gpus = shape(plan)
     public, secret = split_env(plan)
     data = base64.encodebytes(_bundle(plan)).decode("ascii")
-    q = shlex.quote
+    # Every value is one quoted word: $'...' with escapes where it holds a control or bidi
+    # character, so the script holds no raw one and bash expands nothing in it.
+    q = shell_word
     lines = [
         "#!/bin/bash",
         f"# {plan.name}: {len(plan.tasks)} tasks ({plan.mode}), rendered by `tfcluster render --to slurm`.",
@@ -111,7 +113,9 @@ def render_slurm(plan: Plan) -> Rendered:
         lines.append(f"#SBATCH --gres=gpu:{gpus}")
     if plan.timeout:
         lines.append(f"#SBATCH --time={_time(plan.timeout)}")
-    lines += ["", "set -euo pipefail", "umask 077", f'PYTHON="${{TFCLUSTER_PYTHON:-{q(plan.python)}}}"', ""]
+    # the spec's python assigned alone: quotes inside "${...:-...}" are literal, and $(...) would run
+    lines += ["", "set -euo pipefail", "umask 077", f"PYTHON={q(plan.python)}",
+              'PYTHON="${TFCLUSTER_PYTHON:-$PYTHON}"', ""]
     if public:
         lines.append("# the spec's env")
         lines += [f"export {k}={q(v)}" for k, v in public.items()]

@@ -85,8 +85,8 @@ def render_tfjob(plan: Plan, *, image: str | None, namespace: str) -> Rendered:
         raise UsageError(f"{plan.name}: the rendered TFJob breaks the operator's rules: "
                          + "; ".join(problems))
     out = f"{name}-tfjob.yaml"
-    text = _header(plan, name, namespace) + yaml.dump_all(
-        docs, Dumper=_Dumper, sort_keys=False, explicit_start=True, allow_unicode=True, width=100)
+    text = _header(plan, name, namespace) + _escaped(yaml.dump_all(
+        docs, Dumper=_Dumper, sort_keys=False, explicit_start=True, allow_unicode=True, width=100))
     # server-side: a client-side apply copies the object into an annotation (256 KiB at most)
     apply = f"kubectl apply --server-side -f {out}"
     if secret:
@@ -350,9 +350,31 @@ class _Dumper(yaml.SafeDumper):
         return True
 
 
+def _shown_as_is(text: str) -> bool:
+    """No character a terminal or an editor would hide or reorder (tabs and newlines aside)."""
+    return text.isprintable() or text.replace("\n", "").replace("\t", "").isprintable()
+
+
 def _str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    # A string with a bidi, zero-width or other invisible character is double-quoted, where
+    # _escaped can write it as an escape (PyYAML, with allow_unicode, writes them raw)
     style = "|" if "\n" in value else None
+    if not _shown_as_is(value):
+        style = '"'
     return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+def _escaped(text: str) -> str:
+    """The dumped YAML with every invisible character PyYAML left raw as a YAML escape: _str
+    put each inside a double-quoted scalar, where `\u202e` reads back as the character."""
+    if _shown_as_is(text):
+        return text
+    return "".join(c if c.isprintable() or c in "\n\t" else _yaml_escape(c) for c in text)
+
+
+def _yaml_escape(c: str) -> str:
+    n = ord(c)
+    return f"\\x{n:02x}" if n < 0x100 else f"\\u{n:04x}" if n < 0x10000 else f"\\U{n:08x}"
 
 
 _Dumper.add_representer(str, _str)
