@@ -135,7 +135,7 @@ def _ports(values) -> list:
 def script(table: str, uid: int, ports, targets, peers) -> str:
     """The nft program that replaces the table whole (one transaction): `ports` this host's
     task ports, `targets` [address, port] of every task, `peers` the cluster's host addresses."""
-    mine = _ports(ports)
+    mine = set(_ports(ports))
     by_family = {4: set(), 6: set()}
     resolved = {}
     for address, port in targets:
@@ -144,6 +144,9 @@ def script(table: str, uid: int, ports, targets, peers) -> str:
         v4, v6 = resolved[address]
         by_family[4].update((a, int(port)) for a in v4)
         by_family[6].update((a, int(port)) for a in v6)
+        if any(_is_local(a) for a in v4 | v6):
+            mine.add(int(port))     # another host of the spec that is this machine (127.0.0.x): one table
+    mine = sorted(mine)
     peer4, peer6 = _addresses(peers)
     syn = "tcp flags & (syn | ack) == syn"
     out = ["meta skuid %d accept" % uid]
@@ -167,6 +170,22 @@ def script(table: str, uid: int, ports, targets, peers) -> str:
     lines += ["  chain input {", "    type filter hook input priority filter; policy accept;"]
     lines += ["    " + rule for rule in inp] + ["  }", "}"]
     return "\n".join(lines) + "\n"
+
+
+_LOCAL: dict = {}
+
+
+def _is_local(address: str) -> bool:
+    """Whether an address is this machine's (it can be bound here)."""
+    if address not in _LOCAL:
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.bind((address, 0))
+            _LOCAL[address] = True
+        except OSError:
+            _LOCAL[address] = False
+    return _LOCAL[address]
 
 
 def _join(items) -> str:

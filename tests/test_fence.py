@@ -1,0 +1,376 @@
+"""TensorFlow's ports closed to everyone but the cluster's owner and hosts (host/shim_fence.py,
+launch/fence.py; docs/security.md, "TensorFlow's ports").
+
+The real parts: nftables on this machine (root; `apt-get install nftables`), a real second Unix
+user (tests/users.py) whose connections must be refused, TF servers started by `up` and
+`train`, and the loopback sshd. Every test that can make a table names its own cluster and
+deletes that cluster's tables in a finalizer; no other table is ever touched.
+"""
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import (
+    SESSION_VAR,
+    kill_group,
+    local_spec,
+    read_until,
+    ssh_spec,
+    start_tfcluster,
+    tagged_processes,
+    tfcluster,
+    wait_for,
+)
+from tests.tf_launch import free_ports
+from tfcluster.errors import PreflightError
+from tfcluster.host import shim_fence, shim_procs
+from tfcluster.host import shim_protocol as proto
+from tfcluster.launch import fence
+from tfcluster.plan import build_plan
+from tfcluster.spec import load_spec
+from tfcluster.ui import UI
+
+NFT = shutil.which("nft") or next((p for p in ("/usr/sbin/nft", "/sbin/nft") if os.access(p, os.X_OK)), None)
+SYSTEM_PYTHON = "/usr/bin/python3"
+SITE = next((str(p) for p in Path(sys.prefix).glob("lib/python3*/site-packages")), "")
+CONNECT = ("import socket, sys\n"
+           "for a in sys.argv[1:]:\n"
+           "    h, _, p = a.rpartition(':')\n"
+           "    try:\n"
+           "        socket.create_connection((h.strip('[]'), int(p)), 3).close(); print(a, 'connected')\n"
+           "    except OSError as e:\n"
+           "        print(a, type(e).__name__)\n")
+
+
+def tables() -> list[str]:
+    out = subprocess.run([NFT, "list", "tables"], capture_output=True, text=True, timeout=10).stdout
+    return [line.split()[-1] for line in out.splitlines() if line.startswith("table inet ")]
+
+
+def cluster_tables(name: str) -> list[str]:
+    return [t for t in tables() if t.startswith(f"tfcluster_{name}_")]
+
+
+@pytest.fixture
+def nft():
+    """Root with nftables, or skip with the reason."""
+    if os.geteuid() != 0:
+        pytest.skip("closing ports needs root (CI runs as root)")
+    if NFT is None or subprocess.run([NFT, "list", "tables"], capture_output=True, timeout=10).returncode:
+        pytest.skip("nftables is not installed or not usable here (scripts/test.sh installs it)")
+    return NFT
+
+
+@pytest.fixture
+def drop_tables(nft):
+    """Clusters' names whose tables are deleted at the end, whatever the test did (10 s at most)."""
+    names: list[str] = []
+    yield names
+    deadline = time.monotonic() + 10
+    for name in names:
+        for table in cluster_tables(name):
+            subprocess.run([nft, "delete", "table", "inet", table], capture_output=True,
+                           timeout=max(1.0, deadline - time.monotonic()))
+
+
+def connect_as(user, *targets: str) -> dict[str, str]:
+    """address:port -> 'connected' or the error's name, for a plain TCP connect by `user`."""
+    result = user.run([SYSTEM_PYTHON, "-c", CONNECT, *targets], timeout=30)
+    assert result.returncode == 0, result.stderr
+    return dict(line.rsplit(" ", 1) for line in result.stdout.splitlines())
+
+
+def refused_everywhere(user, targets: list[str]) -> None:
+    answers = connect_as(user, *targets)
+    assert answers == {t: "ConnectionRefusedError" for t in targets}, answers
+
+
+def ui_into(err: io.StringIO) -> UI:
+    return UI(io.StringIO(), err, color=False)
+
+
+# ---------------------------------------------------------------- pure
+
+def test_a_table_is_named_for_its_cluster_and_directory_and_never_needs_quoting():
+    a = shim_fence.table_name("/w/one/lab", "lab:")
+    assert a == f"tfcluster_lab_{shim_procs.instance_id('/w/one/lab')}"
+    assert shim_fence.table_name("/w/one/lab", f"lab@{shim_procs.instance_id('/w/one/lab')}:run:ps:0:server") == a
+    assert shim_fence.table_name("/w/two/lab", "lab:") != a            # another workdir: another cluster
+    odd = shim_fence.table_name("/w/x", "my-lab.v2:")
+    assert odd.startswith("tfcluster_my_lab_v2_") and odd.replace("_", "").isalnum()
+
+
+def test_the_table_refuses_others_sockets_and_strangers_and_lets_the_owner_and_the_hosts_in():
+    text = shim_fence.script("tfcluster_t_1", 1234, [2222], [["127.0.0.1", 2222], ["127.0.0.2", 2223]],
+                             ["127.0.0.1", "127.0.0.2"])
+    lines = [line.strip() for line in text.splitlines()]
+    assert lines[:3] == ["table inet tfcluster_t_1", "delete table inet tfcluster_t_1", "table inet tfcluster_t_1 {"]
+    out = lines[lines.index("chain output {") + 2:lines.index("chain input {") - 1]
+    assert out == [
+        "meta skuid 1234 accept",
+        # 127.0.0.2 is this machine too: its task's port is closed here like this host's own
+        "tcp flags & (syn | ack) == syn tcp dport { 2222, 2223 } fib daddr type local reject with tcp reset",
+        "tcp flags & (syn | ack) == syn ip daddr . tcp dport { 127.0.0.1 . 2222, 127.0.0.2 . 2223 } "
+        "reject with tcp reset"]
+    assert lines[lines.index("chain input {") + 2:-2] == [
+        "tcp dport { 2222, 2223 } fib saddr type local accept",
+        "tcp dport { 2222, 2223 } ip saddr { 127.0.0.1, 127.0.0.2 } accept",
+        "tcp dport { 2222, 2223 } reject with tcp reset"]
+
+
+@pytest.mark.parametrize("value,problem", [
+    ("auto", None), ("closed", None), ("open", None),
+    ("shut", "7: tf_ports: unknown tf_ports 'shut'; expected one of: auto, closed, open"),
+])
+def test_tf_ports_is_auto_closed_or_open(tmp_path, value, problem):
+    spec = tmp_path / "s.yaml"
+    spec.write_text("name: s\nhosts:\n  - {name: local, address: localhost}\n"
+                    f"jobs:\n  worker: {{count: 1, hosts: [local], port: 2222}}\ntrain: {{mode: mirrored}}\n"
+                    f"tf_ports: {value}\n")
+    if problem is None:
+        assert build_plan(load_spec(str(spec))).tf_ports == value
+        return
+    with pytest.raises(Exception) as caught:
+        load_spec(str(spec))
+    assert str(caught.value).startswith(f"{spec}:{problem}")
+
+
+def _plan(tmp_path, tf_ports: str = "auto"):
+    spec = tmp_path / "lab.yaml"
+    spec.write_text("name: lab\nhosts:\n  - {name: gpu1, address: 10.0.0.1}\n  - {name: gpu2, address: 10.0.0.2}\n"
+                    "jobs:\n  ps: {count: 1, hosts: [gpu1], port: 2222}\n"
+                    "  worker: {count: 2, hosts: [gpu1, gpu2], port: 2230}\n"
+                    f"tf_ports: {tf_ports}\n")
+    return build_plan(load_spec(str(spec)))
+
+
+def test_each_host_is_asked_for_its_own_ports_and_every_task_address(tmp_path):
+    plan = _plan(tmp_path)
+    assert fence.request(plan, "gpu1", fence.INSTALL) == {
+        "mode": "install", "cluster_dir": plan.cluster_dir, "tag_prefix": "lab:", "ports": [2222, 2230],
+        "targets": [["10.0.0.1", 2222], ["10.0.0.1", 2230], ["10.0.0.2", 2230]],
+        "peers": ["10.0.0.1", "10.0.0.2"]}
+    assert fence.request(_plan(tmp_path, "open"), "gpu1", fence.INSTALL) is None
+
+
+OPEN = {"closed": False, "why": "tfcluster runs as ann there, not root, and `sudo -n nft` is not allowed",
+        "others": ["bob", "eve"], "user": "ann"}
+
+
+def test_a_host_that_cannot_close_its_ports_gets_one_warning_naming_it_who_else_is_there_and_the_fix(tmp_path):
+    err = io.StringIO()
+    fence.report(_plan(tmp_path), ui_into(err), {"gpu1": {"closed": True}, "gpu2": OPEN}, fence.INSTALL)
+    lines = err.getvalue().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("tfcluster: warning: host gpu2: TensorFlow's ports (2230) stay open: other users "
+                               "with processes there (bob, eve) and anyone on its network can connect and run "
+                               "any TensorFlow op as you")
+    assert "tfcluster cannot close them there: tfcluster runs as ann there, not root" in lines[0]
+    assert "`ann ALL=(root) NOPASSWD: /usr/sbin/nft`" in lines[0]
+    assert lines[0].endswith("or set `tf_ports: open` in the spec to accept this and silence it")
+
+
+def test_tf_ports_open_silences_the_warning_and_closed_refuses_naming_each_host(tmp_path):
+    err = io.StringIO()
+    fence.report(_plan(tmp_path, "open"), ui_into(err), {"gpu2": OPEN}, fence.INSTALL)
+    assert err.getvalue() == ""
+    with pytest.raises(PreflightError) as caught:
+        fence.report(_plan(tmp_path, "closed"), ui_into(err), {"gpu1": {"closed": True}, "gpu2": OPEN},
+                     fence.INSTALL)
+    assert caught.value.exit_code == 4 and "\n" not in str(caught.value)
+    assert str(caught.value) == ("tf_ports: closed, but tfcluster cannot close TensorFlow's ports on host gpu2 "
+                                 f"({OPEN['why']})")
+    assert err.getvalue() == ""
+
+
+# ---------------------------------------------------------------- the shim on this machine, for real
+
+LISTEN = ("import socket, sys, time\n"
+          "s = socket.socket(socket.AF_INET6); s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)\n"
+          "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(('::', int(sys.argv[1]))); s.listen()\n"
+          "print('up', flush=True); time.sleep(120)\n")
+
+
+def test_the_shims_table_refuses_another_users_connect_lets_the_owner_in_and_goes_with_the_last_task(
+        tmp_path, nft, drop_tables, other_user):
+    drop_tables.append("fenceshim")
+    cluster_dir = str(tmp_path / "w" / "fenceshim")
+    os.makedirs(cluster_dir, mode=0o700)
+    port = free_ports(1)[0]
+    foreign = "tfcfence_not_ours"             # a table that is not tfcluster's: never touched
+    subprocess.run([nft, "add", "table", "inet", foreign], check=True, timeout=10)
+    tag = shim_procs.qualify("fenceshim:up-1:ps:0:server", cluster_dir)
+    server = subprocess.Popen([sys.executable, "-c", LISTEN, str(port)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, proto.TAG_VAR: tag})
+    try:
+        assert server.stdout.readline() == "up\n"
+        targets = [f"127.0.0.1:{port}", f"[::1]:{port}"]
+        assert connect_as(other_user, *targets) == {t: "connected" for t in targets}   # open before
+        answer = shim_fence.cmd_fence({"cluster_dir": cluster_dir, "tag_prefix": "fenceshim:", "ports": [port],
+                                       "targets": [["127.0.0.1", port]], "peers": ["127.0.0.1"]})
+        assert answer["closed"] is True and answer["why"] is None, answer
+        assert cluster_tables("fenceshim") == [answer["table"]]
+        refused_everywhere(other_user, targets)
+        socket.create_connection(("127.0.0.1", port), 3).close()          # the owner still gets in
+        assert shim_fence.cmd_fence({"cluster_dir": cluster_dir, "tag_prefix": "fenceshim:",
+                                     "mode": "status"})["closed"] is True
+        shim_fence.release_if_idle(cluster_dir, "fenceshim:")
+        assert cluster_tables("fenceshim") == [answer["table"]]             # its task still runs
+    finally:
+        server.kill()
+        server.wait(10)
+    shim_fence.release_if_idle(cluster_dir, "fenceshim:")
+    try:
+        assert cluster_tables("fenceshim") == []
+        assert foreign in tables()
+    finally:
+        subprocess.run([nft, "delete", "table", "inet", foreign], timeout=10)
+
+
+# ---------------------------------------------------------------- up, train, down, Ctrl-C, SIGKILL
+
+def _task_targets(spec: Path) -> list[str]:
+    return [f"127.0.0.1:{t.port}" for t in build_plan(load_spec(str(spec))).tasks]
+
+
+TF_SESSION = ("import sys, tensorflow as tf\n"
+              "tf.compat.v1.disable_eager_execution()\n"
+              "with tf.device('/job:ps/task:0'):\n"
+              "    secret = tf.io.read_file(sys.argv[2])\n"
+              "config = tf.compat.v1.ConfigProto(operation_timeout_in_ms=5000)\n"
+              "try:\n"
+              "    print('READ', tf.compat.v1.Session(sys.argv[1], config=config).run(secret))\n"
+              "except Exception as e:\n"
+              "    print('FAILED', type(e).__name__)\n")
+
+
+@pytest.mark.tf
+@pytest.mark.timeout(240)
+def test_up_closes_every_task_port_to_another_users_session_while_the_owner_trains_until_down(
+        tmp_path, home, nft, drop_tables, other_user):
+    drop_tables.append("fenceup")
+    spec = local_spec(tmp_path, name="fenceup", args=["--steps", "30"])
+    secret = tmp_path / "secret.txt"
+    secret.write_text("root's secret\n")
+    secret.chmod(0o600)
+    try:
+        up = tfcluster("up", str(spec), home=home, cwd=tmp_path)
+        assert up.returncode == 0, up.stderr
+        assert "stay open" not in up.stderr
+        assert len(cluster_tables("fenceup")) == 1
+        targets = _task_targets(spec)
+        refused_everywhere(other_user, targets)
+        if SITE and os.access(SYSTEM_PYTHON, os.X_OK):    # the review's attack, as the other user
+            ps = next(t for t in targets if t.endswith(str(build_plan(load_spec(str(spec))).task("ps:0").port)))
+            attack = other_user.run([SYSTEM_PYTHON, "-c", TF_SESSION, f"grpc://{ps}", str(secret)],
+                                    env=other_user.env(PYTHONPATH=SITE), timeout=120)
+            assert "root's secret" not in attack.stdout
+            assert "FAILED" in attack.stdout, attack.stdout + attack.stderr[-2000:]
+        status = tfcluster("status", str(spec), home=home, cwd=tmp_path)
+        assert "TensorFlow's ports: closed on local (nftables)" in status.stderr, status.stderr
+        train = tfcluster("train", str(spec), home=home, cwd=tmp_path)      # the owner's run, on the up cluster
+        assert train.returncode == 0, train.stdout[-2000:] + train.stderr[-2000:]
+        assert len(cluster_tables("fenceup")) == 1                          # the servers still run
+    finally:
+        down = tfcluster("down", str(spec), home=home, cwd=tmp_path)
+    assert down.returncode == 0, down.stderr
+    assert cluster_tables("fenceup") == []
+
+
+@pytest.mark.tf
+@pytest.mark.timeout(240)
+def test_trains_table_lives_while_it_runs_and_goes_on_ctrl_c(tmp_path, home, nft, drop_tables, other_user):
+    drop_tables.append("fencetr")
+    spec = local_spec(tmp_path, name="fencetr", args=["--steps", "100000"])
+    proc = start_tfcluster("train", str(spec), home=home, cwd=tmp_path)
+    try:
+        read_until(proc, "│ step=", timeout=120)
+        assert len(cluster_tables("fencetr")) == 1
+        refused_everywhere(other_user, _task_targets(spec))
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(60) == 130
+    finally:
+        kill_group(proc)
+    wait_for(lambda: not cluster_tables("fencetr"), 15, what="the table to go after Ctrl-C")
+    wait_for(lambda: not tagged_processes(), 15, what="the run's processes to go")
+
+
+@pytest.mark.tf
+@pytest.mark.timeout(240)
+def test_a_sigkilled_launchers_table_goes_with_down(tmp_path, home, nft, drop_tables):
+    drop_tables.append("fencekill")
+    spec = local_spec(tmp_path, name="fencekill", args=["--steps", "100000"])
+    proc = start_tfcluster("train", str(spec), home=home, cwd=tmp_path)
+    try:
+        read_until(proc, "│ step=", timeout=120)
+        assert len(cluster_tables("fencekill")) == 1
+    finally:
+        kill_group(proc)                    # SIGKILL: the launcher and the local shims with it
+    down = tfcluster("down", str(spec), home=home, cwd=tmp_path)
+    assert down.returncode == 0, down.stderr
+    assert cluster_tables("fencekill") == []
+    wait_for(lambda: not tagged_processes(), 15, what="the run's processes to go")
+
+
+# ---------------------------------------------------------------- over SSH
+
+@pytest.mark.tf
+@pytest.mark.timeout(240)
+def test_up_over_ssh_closes_each_hosts_ports_to_another_user_until_down(
+        tmp_path, home, ssh_home, sshd, nft, drop_tables, other_user):
+    drop_tables.append("fencessh")
+    spec = ssh_spec(tmp_path, sshd, name="fencessh")
+    plan = build_plan(load_spec(str(spec)))
+    try:
+        up = tfcluster("up", str(spec), home=home, cwd=tmp_path)
+        assert up.returncode == 0, up.stderr
+        # three hosts of the spec, one machine: one table, every task's port closed on every address
+        assert len(cluster_tables("fencessh")) == 1
+        targets = [t.target for t in plan.tasks] + [f"127.0.0.1:{t.port}" for t in plan.tasks]
+        refused_everywhere(other_user, targets)
+    finally:
+        down = tfcluster("down", str(spec), home=home, cwd=tmp_path)
+    assert down.returncode == 0, down.stderr
+    assert cluster_tables("fencessh") == []
+
+
+# ---------------------------------------------------------------- a user who cannot close them
+
+def test_a_user_without_root_or_sudo_runs_with_one_warning_naming_the_host(tmp_path, other_user):
+    if not (SITE and os.access(SYSTEM_PYTHON, os.X_OK)):
+        pytest.skip(f"{SYSTEM_PYTHON} and this venv's site-packages are needed to run tfcluster as the other user")
+    if shutil.which("sudo") and other_user.run(["sudo", "-n", "true"]).returncode == 0:
+        pytest.skip("the other user has passwordless sudo here")
+    work = Path(f"/tmp/tfc-fence-{os.getpid()}-{time.monotonic_ns()}")
+    work.mkdir(mode=0o700)
+    try:
+        os.chown(work, other_user.uid, other_user.gid)
+        port = free_ports(1)[0]
+        (work / "hello.py").write_text("print('hello from the script')\n")
+        (work / "lab.yaml").write_text(
+            f"name: fenceuser\nworkdir: {work}/w\nhosts:\n  - {{name: mybox, address: 127.0.0.1}}\n"
+            f"jobs:\n  worker: {{tasks: ['mybox:{port}']}}\ntrain:\n  mode: mirrored\n  script: hello.py\n")
+        for path in (work / "hello.py", work / "lab.yaml"):
+            os.chown(path, other_user.uid, other_user.gid)
+        env = other_user.env(PYTHONPATH=f"{Path(__file__).resolve().parents[1]}:{SITE}", NO_COLOR="1",
+                             **{SESSION_VAR: os.environ[SESSION_VAR]})
+        run = other_user.run([SYSTEM_PYTHON, "-m", "tfcluster", "train", "lab.yaml"], cwd=str(work),
+                             env=env, timeout=120)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    warnings = [line for line in run.stderr.splitlines() if "TensorFlow's ports" in line]
+    assert len(warnings) == 1, run.stderr
+    assert warnings[0].startswith(f"tfcluster: warning: host mybox: TensorFlow's ports ({port}) stay open: ")
+    assert f"tfcluster runs as {other_user.name} there, not root" in warnings[0]
+    assert "hello from the script" in run.stdout
