@@ -354,3 +354,76 @@ def test_a_rendered_tfjob_escapes_bidi_and_invisible_characters_and_reads_back_t
                   for c in spec_["template"]["spec"]["containers"]]
     assert {"name": "X", "value": value} in containers[0]["env"]
     assert "# \u202e reversed comment" in docs[0]["data"]["train.py"]
+
+
+# --------------------------------------------------------------------------- M2: TensorBoard's URL
+
+IMPOSTOR = r"""
+import http.server, os, re, sys, time
+deadline = time.monotonic() + float(sys.argv[1])
+port = None
+while port is None and time.monotonic() < deadline:     # the victim's TensorBoard, by its command line
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            argv = open("/proc/%s/cmdline" % pid, "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if b"tensorboard.main" in argv and b"--port" in argv:
+            port = int(argv[argv.index(b"--port") + 1])
+            break
+    time.sleep(0.002)
+
+class Page(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b"<h1>totally TensorBoard, please log in</h1>")
+    def log_message(self, *args):
+        pass
+
+server = http.server.HTTPServer(("127.0.0.1", port), Page)
+print("bound", port, flush=True)
+server.timeout = 0.2
+while time.monotonic() < deadline:
+    server.handle_request()
+"""
+
+
+@pytest.mark.tf
+@pytest.mark.timeout(300)
+def test_tensorboard_url_is_never_printed_for_another_users_server_on_its_port(other_user, home, tmp_path):
+    """B binds the port as soon as TensorBoard's command line names it, and answers 200:
+    tfcluster says who holds the port, prints no URL, and the run trains on."""
+    pytest.importorskip("tensorboard")
+    from tests.helpers import kill_group, read_until, start_tfcluster
+
+    flag = tmp_path / "flag"
+    (tmp_path / "train.py").write_text(
+        "import os, sys, time\nd = time.monotonic() + 200\n"
+        f"while not os.path.exists({str(flag)!r}) and time.monotonic() < d:\n    time.sleep(0.05)\n"
+        "print('trained', flush=True)\n")
+    spec = local_spec(tmp_path, python=sys.executable, name="m2",
+                      train="{mode: mirrored, script: train.py, tensorboard: " + str(tmp_path / "tb") + "}")
+    impostor = tmp_path / "impostor.py"
+    impostor.write_text(IMPOSTOR)
+    impostor.chmod(0o644)
+    os.chmod(tmp_path, 0o755)        # B reads its script; pytest's tmp tree is root's alone
+    for parent in tmp_path.parents:
+        if str(parent).startswith("/tmp/pytest-of-"):
+            os.chmod(parent, os.stat(parent).st_mode | 0o005)
+    b = other_user.popen([shutil.which("python3", path="/usr/bin:/bin") or "python3", str(impostor), "180"], stdout=subprocess.PIPE, text=True)
+    proc = start_tfcluster("train", str(spec), home=home, cwd=tmp_path)
+    try:
+        assert b.stdout.readline().startswith("bound"), "the impostor never saw TensorBoard's command line"
+        lines = read_until(proc, r"TensorBoard on me: port \d+ is held by|TensorBoard: http", timeout=180)
+        flag.touch()
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        flag.touch()
+        kill_group(proc)
+        b.kill()
+        b.wait(10)
+    text = "\n".join(lines) + out
+    assert "TensorBoard: http" not in text, text[-3000:]
+    assert f"user {other_user.name}" in lines[-1] and "no URL shown" in lines[-1], lines[-1]
+    assert proc.returncode == 0 and "worker:0 │ trained" in text, text[-3000:]

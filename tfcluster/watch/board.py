@@ -66,20 +66,23 @@ def start(session, plan: Plan, run_id: str, ui, save_dir: str, heartbeat: float)
     except Exception as exc:  # noqa: BLE001 - TensorBoard must never fail a run
         ui.warn(f"TensorBoard not started on {task.host}: {exc}; training goes on")
         return None
-    return Board(ui, task.host, plan.tensorboard, port, handle, agent.transport,
+    return Board(ui, task.host, plan.tensorboard, port, handle, agent,
                  os.path.join(save_dir, LOG_NAME))
 
 
 class Board:
     """A started TensorBoard: its output saved, its URL announced once it answers.
 
-    Readiness is probed through the transport (a direct-tcpip channel for a remote host),
-    and only then is the local port opened: on a "remote" host that is this machine, a
-    listener opened earlier could take the very port TensorBoard is about to bind."""
+    The URL is announced only once the socket listening on the port is TensorBoard's (the
+    process its shim started, or a descendant: the host agent's wait_ready, as for a server),
+    so another user's server that took the port first is never vouched for. Then it is probed
+    through the transport (a direct-tcpip channel for a remote host), and only then is the
+    local port opened: on a "remote" host that is this machine, a listener opened earlier
+    could take the very port TensorBoard is about to bind."""
 
-    def __init__(self, ui, host: str, logdir: str, port: int, handle, transport, log_path: str) -> None:
+    def __init__(self, ui, host: str, logdir: str, port: int, handle, agent, log_path: str) -> None:
         self.ui, self.host, self.logdir, self.port = ui, host, logdir, port
-        self.handle, self.transport, self.log_path = handle, transport, log_path
+        self.handle, self.agent, self.transport, self.log_path = handle, agent, agent.transport, log_path
         self.url: str | None = None
         self.forward = None
         self._lock = threading.Lock()
@@ -113,6 +116,8 @@ class Board:
                          f"(log: {self.log_path})")
 
     def _announce(self) -> None:
+        if not self._listening():
+            return
         deadline = time.monotonic() + READY_TIMEOUT
         warned = False
         while not self.closing.is_set() and not self.exited.is_set():
@@ -124,6 +129,29 @@ class Board:
                 self.ui.warn(f"TensorBoard on {self.host} has not answered within "
                              f"{READY_TIMEOUT:.0f}s; still waiting (log: {self.log_path})")
             self.closing.wait(POLL)
+
+    def _listening(self) -> bool:
+        """Whether TensorBoard itself listens on its port (waiting while it starts); a holder
+        that is not TensorBoard is said once, and no URL follows."""
+        warned = False
+        while not self.closing.is_set() and not self.exited.is_set():
+            try:
+                [(_key, state, holder)] = self.agent.wait_ready([("tensorboard", self.port, self.handle.pid)],
+                                                                READY_TIMEOUT)
+            except Exception:  # noqa: BLE001 - the connection went: the run's own checks say so
+                return False
+            if state == "ready":
+                return True
+            if state == "taken" and not self.closing.is_set():
+                self.ui.warn(f"TensorBoard on {self.host}: port {self.port} is held by {holder}, not by "
+                             f"the TensorBoard tfcluster started; no URL shown, training goes on")
+            if state != "timeout":
+                return False        # taken, or exited (_save_output says how)
+            if not warned and not self.closing.is_set():
+                warned = True
+                self.ui.warn(f"TensorBoard on {self.host} has not opened port {self.port} within "
+                             f"{READY_TIMEOUT:.0f}s; still waiting (log: {self.log_path})")
+        return False
 
     def _forward(self) -> None:
         try:
