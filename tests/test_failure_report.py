@@ -122,3 +122,17 @@ def test_an_unknown_failure_shows_its_last_lines_with_an_endless_line_cut(tmp_pa
     tail = r.stderr[r.stderr.index("last lines of worker:0:\n"):r.stderr.index("tfcluster: error:")]
     assert "the last words" in tail and "… (5000 characters)" in tail
     assert max(len(line) for line in tail.splitlines()) == signatures.TAIL_LINE_CHARS
+
+
+def test_a_restarted_task_is_diagnosed_by_its_last_attempt_only(tmp_path, home):
+    (tmp_path / "twice.py").write_text(
+        "import os, sys\n"
+        "if os.environ['TFCLUSTER_RESTART'] == '0':\n"
+        "    sys.exit('UnknownError: Could not start gRPC server')\n"
+        "sys.exit('the second attempt failed its own way')\n")
+    spec = known_spec(tmp_path, str(tmp_path / "twice.py"), "mirrored", {"worker": 1}, [])
+    spec.write_text(spec.read_text() + "  restart: {policy: on-failure, max_restarts: 1}\n")
+    r = tfcluster("train", str(spec), home=home, cwd=tmp_path, timeout=60)
+    assert r.returncode == 5 and "restarting (1/1)" in r.stderr, r.stderr[-2000:]
+    assert "could not bind" not in r.stderr, r.stderr[-2000:]
+    assert "\nthe second attempt failed its own way\ntfcluster: error: " in r.stderr, r.stderr[-2000:]

@@ -3,9 +3,12 @@ with, from the end of its saved log; how a quoted line is cut. Each signature is
 real, through `train`, in tests/test_failure_report.py."""
 from __future__ import annotations
 
+import io
+
 import pytest
 
 from tfcluster.diagnose import signatures as sg
+from tfcluster.watch.logmux import LogMux
 
 PORT = b"tensorflow.python.framework.errors_impl.UnknownError: Could not start gRPC server\n"
 ARGS = b"train.py: error: unrecognized arguments: --bogus\n"
@@ -44,8 +47,13 @@ def test_the_matched_line_is_quoted_on_one_line_within_its_limit():
     assert len(long) == sg.LINE_CHARS and long.endswith("… (499 characters)") and long.startswith("word word")
 
 
-def test_only_the_last_attempt_of_a_restarted_task_is_read():
-    log = PORT + b"[tfcluster] exited with code 1; restarting (1/3)\n" + ARGS
+def test_only_the_last_attempt_of_a_restarted_task_is_read(tmp_path):
+    with LogMux(io.BytesIO(), ["w"], color=False, save_dir=str(tmp_path)) as mux:   # as attempts notes it
+        mux.feed("w", PORT)
+        mux.note("w", sg.restart_note(1, "1/3"))
+        mux.feed("w", ARGS)
+    log = (tmp_path / "w.log").read_bytes()
+    assert log == PORT + b"[tfcluster] exited with code 1; restarting (1/3)\n" + ARGS
     assert sg.last_attempt(log) == ARGS
     assert sg.diagnose("classic", sg.last_attempt(PORT + b"[tfcluster] exited with code 1; restarting (1/3)\n"
                                                   b"step=5\n")) is None

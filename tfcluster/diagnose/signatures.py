@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 TAIL_BYTES = 256 * 1024        # how much of a failed task's saved log is read
 LINE_CHARS = 200               # a matched line quoted in the summary, at most
 TAIL_LINE_CHARS = 500          # a line of an unmatched failure's tail, at most
-RESTART_NOTE = b"[tfcluster] exited with code "   # LogMux's note between two attempts
+RESTART_NOTE = b"[tfcluster] exited with code "   # restart_note as LogMux saves it
 
 _LEGACY = ("set `train.keras: legacy` in the spec (every task gets TF_USE_LEGACY_KERAS=1; each host "
            "needs `pip install tf_keras` matching its TensorFlow)")
@@ -25,14 +25,13 @@ _LEGACY = ("set `train.keras: legacy` in the spec (every task gets TF_USE_LEGACY
 @dataclass(frozen=True)
 class Signature:
     """One known failure: a line holding any of `needles`, in a tail that also holds every
-    one of `also`, in one of `modes` (none: any mode)."""
+    one of `also`."""
 
     name: str
     needles: tuple[bytes, ...]
     what: str                                   # what happened, one sentence
     fix: str                                    # the fix in any mode without its own
     also: tuple[bytes, ...] = ()
-    modes: tuple[str, ...] = ()
     fixes: dict[str, str] = field(default_factory=dict)   # mode -> its own fix
 
     def fix_for(self, mode: str) -> str:
@@ -121,8 +120,6 @@ def diagnose(mode: str, tail: bytes, signatures=SIGNATURES) -> Diagnosis | None:
     table's order breaks a tie), or None."""
     best: tuple[int, Signature] | None = None
     for sig in signatures:
-        if sig.modes and mode not in sig.modes:
-            continue
         at = max(tail.rfind(n) for n in sig.needles)
         if at >= 0 and all(a in tail for a in sig.also) and (best is None or at > best[0]):
             best = (at, sig)
@@ -133,6 +130,11 @@ def diagnose(mode: str, tail: bytes, signatures=SIGNATURES) -> Diagnosis | None:
     end = tail.find(b"\n", at)
     line = tail[start:] if end < 0 else tail[start:end]
     return Diagnosis(sig.name, sig.what, sig.fix_for(mode), clip(line.decode("utf-8", "replace")))
+
+
+def restart_note(rc: int, count: str) -> str:
+    """The note LogMux saves between two attempts of a task (last_attempt reads after it)."""
+    return f"exited with code {rc}; restarting ({count})"
 
 
 def last_attempt(tail: bytes) -> bytes:

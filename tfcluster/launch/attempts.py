@@ -134,7 +134,7 @@ def on_failure(run: Run, proc: Supervised, rc: int) -> None:
     if policy.should_restart(restart, rc, proc.restarts):
         proc.restarts += 1
         count = f"{proc.restarts}/{restart.max_restarts}"
-        run.mux.note(proc.key, f"exited with code {rc}; restarting ({count})")
+        run.mux.note(proc.key, signatures.restart_note(rc, count))
         run.ui.warn(f"{what} exited with code {rc}; restarting ({count})")
         if proc.role == "server" and proc.task.job == "ps":
             run.ui.warn(f"{proc.task.key} lost the variables it held; training resumes from the last "
