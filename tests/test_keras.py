@@ -30,7 +30,7 @@ from tfcluster.ui.views import version_table
 
 pytestmark = [pytest.mark.timeout(120)]
 
-FIT_SCRIPT = "model.fit(dataset, epochs=3)\n"
+FIT_SCRIPT = "strategy = tf.distribute.MultiWorkerMirroredStrategy()\nmodel.fit(dataset, epochs=3)\n"
 
 
 def info(keras: str | None = "3.15.0", tf_keras: str | None = None, tf: str | None = "2.21.0") -> HostInfo:
@@ -98,10 +98,11 @@ def test_tf_keras_must_match_its_tensorflow_minor():
     assert not is_keras3(info(keras=None)) and is_keras3(info(keras="3.0.0rc1"))
 
 
-def test_the_script_is_read_for_fit_calls_only(tmp_path):
+def test_the_script_is_read_for_fit_calls_under_a_multi_worker_strategy_only(tmp_path):
     assert plan_of(tmp_path).script_fits is True
-    assert plan_of(tmp_path, script="model . fit (x)\n").script_fits is False
-    assert plan_of(tmp_path, script="m.fit\t(x)\n").script_fits is True
+    assert plan_of(tmp_path, script="ParameterServerStrategy\nmodel . fit (x)\n").script_fits is False
+    assert plan_of(tmp_path, script="ParameterServerStrategy\nm.fit\t(x)\n").script_fits is True
+    assert plan_of(tmp_path, script="m.fit(x)   # no strategy: it trains alone\n").script_fits is False
 
 
 # -- the plan ------------------------------------------------------------------------------
@@ -228,7 +229,7 @@ def test_plan_check_shows_keras_and_warns_of_model_fit_in_mirrored_mode(tmp_path
 def test_train_warns_before_the_scripts_start_and_legacy_reaches_them(tmp_path, home):
     """The script imports no TensorFlow: `.fit(` in it is text, which is all the warning reads."""
     python = fake_venv(tmp_path / "v", tensorflow="2.21.0", keras="3.15.0", tf_keras="2.21.0")
-    script = "import os\nprint('legacy keras:', os.environ.get('TF_USE_LEGACY_KERAS'))  # model.fit(\n"
+    script = "import os\nprint('legacy keras:', os.environ.get('TF_USE_LEGACY_KERAS'))  # MultiWorkerMirroredStrategy model.fit(\n"
     ran = tfcluster("train", str(venv_spec(tmp_path, python, script=script)), home=home, cwd=tmp_path,
                     timeout=90)
     assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-2000:]

@@ -162,17 +162,20 @@ def ship_list(spec: Spec) -> Shipped:
 
 SCAN_BYTES = 4 << 20      # of train.script read for script_calls_fit: a script, not a data file
 _FIT_CALL = re.compile(rb"\.fit\s*\(")
+_STRATEGY = re.compile(rb"MultiWorkerMirroredStrategy|ParameterServerStrategy")
 
 
 def script_calls_fit(spec: Spec) -> bool | None:
-    """Whether train.script calls `.fit(` (Keras' model.fit, as far as text can tell), read
-    as bytes from its first SCAN_BYTES; None without a script or when it cannot be read
+    """Whether train.script calls `.fit(` (Keras' model.fit, as far as text can tell) and names
+    a multi-worker strategy (a script without one trains alone, whatever the mode), read as bytes
+    from its first SCAN_BYTES; None without a script or when it cannot be read
     (check_train_files reports that). A comment or string counts too: what it feeds is a
     warning, never a refusal (docs/modes.md, "Keras")."""
     if not spec.train.script:
         return None
     try:
         with open(spec.train.script, "rb") as f:
-            return _FIT_CALL.search(f.read(SCAN_BYTES)) is not None
+            text = f.read(SCAN_BYTES)
     except OSError:
         return None
+    return _FIT_CALL.search(text) is not None and _STRATEGY.search(text) is not None
