@@ -42,7 +42,7 @@ def load_plan(path):
 
 
 def rendered(plan, image=IMAGE, namespace="default"):
-    """(the file's text, [ConfigMap, TFJob]) of the one file a render writes."""
+    """(the file's text, [ConfigMap, TFJob, NetworkPolicy]) of the one file a render writes."""
     out = render_tfjob(plan, image=image, namespace=namespace)
     assert len(out.files) == 1
     text = out.files[0][1]
@@ -92,8 +92,8 @@ def test_every_sample_is_a_tfjob_the_operator_accepts(path):
 
     plan = load_plan(path)
     text, docs = rendered(plan)
-    assert [d["kind"] for d in docs] == ["ConfigMap", "TFJob"]
-    configmap, tfjob = docs
+    assert [d["kind"] for d in docs] == ["ConfigMap", "TFJob", "NetworkPolicy"]
+    configmap, tfjob, _ = docs
 
     # The SDK's models check required fields and types; serialising the models back must
     # give the very same dict, so no field is one they do not know (a typo would vanish).
@@ -133,7 +133,7 @@ def test_gpu_lab_maps_gpus_restarts_cleanup_and_keeps_the_secret_out():
     plan = load_plan(ROOT / "sample_clusters" / "gpu_lab.yaml")
     out = render_tfjob(plan, image=IMAGE, namespace="ml")
     text = out.files[0][1]
-    configmap, tfjob = yaml.safe_load_all(text)
+    configmap, tfjob, _ = yaml.safe_load_all(text)
     specs = tfjob["spec"]["tfReplicaSpecs"]
     assert {t: s["replicas"] for t, s in specs.items()} == {"PS": 2, "Worker": 8}
     worker = specs["Worker"]["template"]["spec"]["containers"][0]
@@ -165,7 +165,7 @@ def test_gpu_lab_maps_gpus_restarts_cleanup_and_keeps_the_secret_out():
 def test_restart_policy_max_restarts_and_timeout(tmp_path, policy, expected):
     path = write_spec(tmp_path, train=f"  restart: {{policy: {policy}, max_restarts: 5}}\n"
                                       "  timeout: 90.5s\n")
-    _, (_, tfjob) = rendered(load_plan(path))
+    _, (_, tfjob, _) = rendered(load_plan(path))
     assert {s["restartPolicy"] for s in tfjob["spec"]["tfReplicaSpecs"].values()} == {expected}
     run = tfjob["spec"]["runPolicy"]
     assert run["activeDeadlineSeconds"] == 91 and run["cleanPodPolicy"] == "Running"
@@ -173,7 +173,7 @@ def test_restart_policy_max_restarts_and_timeout(tmp_path, policy, expected):
 
 
 def test_no_timeout_means_no_deadline(tmp_path):
-    _, (_, tfjob) = rendered(load_plan(write_spec(tmp_path)))
+    _, (_, tfjob, _) = rendered(load_plan(write_spec(tmp_path)))
     assert "activeDeadlineSeconds" not in tfjob["spec"]["runPolicy"]
 
 
@@ -187,12 +187,12 @@ def test_image_comes_from_the_argument_then_train_image_else_it_is_refused(tmp_p
         render_tfjob(plan, image="two words", namespace="default")
     plan = load_plan(write_spec(tmp_path, train="  image: registry.example/tf:1\n"))
     for image, expected in ((None, "registry.example/tf:1"), ("mine:2", "mine:2")):
-        _, (_, tfjob) = rendered(plan, image=image)
+        _, (_, tfjob, _) = rendered(plan, image=image)
         assert images(tfjob) == {expected}
 
 
 def test_a_name_is_made_dns_1035_where_it_can_be_and_refused_where_not(tmp_path):
-    _, (configmap, tfjob) = rendered(load_plan(write_spec(tmp_path, name="My_Lab.v2")))
+    _, (configmap, tfjob, _) = rendered(load_plan(write_spec(tmp_path, name="My_Lab.v2")))
     assert tfjob["metadata"]["name"] == "my-lab-v2"
     assert configmap["metadata"]["name"] == "my-lab-v2-files"
     with pytest.raises(UsageError) as exc:
@@ -225,7 +225,7 @@ def test_subdirectories_and_binary_files_are_flattened_keys_with_items(tmp_path)
     (tmp_path / "data" / "notes.txt").write_text("ünïcode\n  indented\ttab\n")
     (tmp_path / "data_notes.txt").write_text("top\n")   # what data/notes.txt would flatten to
     plan = load_plan(write_spec(tmp_path, train="  files: [data/, data_notes.txt]\n"))
-    text, (configmap, tfjob) = rendered(plan)
+    text, (configmap, tfjob, _) = rendered(plan)
     assert check_operator_rules([configmap, tfjob]) == []
     keys = config_keys(bundle_files(plan, launch_config(plan, "tfjob")))
     assert keys["data_notes.txt"] == "data_notes.txt" and keys["train.py"] == "train.py"
@@ -245,7 +245,7 @@ def test_check_operator_rules_finds_what_the_webhook_refuses(tmp_path):
 
     def problems(change) -> str:
         copy = json.loads(json.dumps(docs))
-        change(*copy)
+        change(*copy[:2])
         return "\n".join(check_operator_rules(copy))
 
     def worker(tfjob):
@@ -284,7 +284,7 @@ def test_modes(tmp_path, mode, jobs, previewed, success, note):
     plan = load_plan(write_spec(tmp_path, mode=mode, jobs=jobs, train=train))
     out = render_tfjob(plan, image=IMAGE, namespace="ns")
     text = out.files[0][1]
-    _, tfjob = yaml.safe_load_all(text)
+    _, tfjob, _ = yaml.safe_load_all(text)
     types = counts(plan)
     assert {t: s["replicas"] for t, s in tfjob["spec"]["tfReplicaSpecs"].items()} == types
     assert ("PS" in types) == (mode != "mirrored")
@@ -325,7 +325,7 @@ def test_rendering_connects_nowhere_and_the_package_never_imports_the_sdks():
 def test_the_rendered_bundle_trains_when_started_as_the_operator_would(tmp_path):
     pytest.importorskip("tensorflow")
     plan = load_plan(ROOT / "sample_clusters" / "local.yaml")
-    _, (configmap, tfjob) = rendered(plan)
+    _, (configmap, tfjob, _) = rendered(plan)
     specs = tfjob["spec"]["tfReplicaSpecs"]
     mount = tmp_path / "bundle"     # the ConfigMap volume: read-only (checked unchanged at the end)
     for path, data in mounted_files(configmap, specs["Worker"]).items():
@@ -405,3 +405,20 @@ def alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def test_the_tfjob_closes_tf_ports_to_other_pods_with_a_network_policy_unless_tf_ports_is_open(tmp_path):
+    """Only the job's own pods (the operator's job-name label) reach its pods, on the TF port."""
+    text, docs = rendered(load_plan(write_spec(tmp_path, name="lab")), namespace="ml")
+    policy = docs[2]
+    pods = {"matchLabels": {"training.kubeflow.org/job-name": "lab"}}
+    assert policy == {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+                      "metadata": {"name": "lab-tf-ports", "namespace": "ml"},
+                      "spec": {"podSelector": pods, "policyTypes": ["Ingress"],
+                               "ingress": [{"from": [{"podSelector": pods}],
+                                            "ports": [{"protocol": "TCP", "port": 2222}]}]}}
+    spec = write_spec(tmp_path, name="lab")
+    spec.write_text(spec.read_text() + "tf_ports: open\n")
+    out = render_tfjob(load_plan(spec), image=IMAGE, namespace="ml")
+    assert [d["kind"] for d in yaml.safe_load_all(out.files[0][1])] == ["ConfigMap", "TFJob"]
+    assert any(n.startswith("tf_ports: open: no NetworkPolicy") for n in out.notes)

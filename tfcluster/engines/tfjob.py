@@ -27,6 +27,7 @@ API_VERSION = "kubeflow.org/v1"
 KIND = "TFJob"
 CONTAINER = "tensorflow"          # the container the operator configures (TFJobDefaultContainerName)
 PORT_NAME, PORT = "tfjob-port", 2222   # TFJobDefaultPortName, TFJobDefaultPort
+JOB_LABEL = "training.kubeflow.org/job-name"   # the operator's label on every pod of a job
 MOUNT = "/opt/tfcluster/bundle"
 VOLUME = "tfcluster-bundle"
 COMMAND = ["python3", f"{MOUNT}/{LAUNCHER}", "tfjob"]
@@ -80,6 +81,8 @@ def render_tfjob(plan: Plan, *, image: str | None, namespace: str) -> Rendered:
     public, secret = split_env(plan)
     docs = [_configmap(name, namespace, files), _tfjob(plan, name, namespace, image, files,
                                                        public, secret)]
+    if plan.tf_ports != "open":
+        docs.append(network_policy(name, namespace))
     problems = check_operator_rules(docs)
     if problems:
         raise UsageError(f"{plan.name}: the rendered TFJob breaks the operator's rules: "
@@ -214,6 +217,19 @@ def _tfjob(plan: Plan, name: str, namespace: str, image: str, files: dict[str, b
             "metadata": {"name": name, "namespace": namespace}, "spec": spec}
 
 
+def network_policy(name: str, namespace: str) -> dict:
+    """TF's ports closed to every pod but the job's own, as tfcluster's nftables table closes
+    them on its hosts (docs/security.md, "TensorFlow's ports"): only the job's pods may
+    connect to its pods, on the TF port. Enforced where the cluster's network plugin
+    enforces NetworkPolicies."""
+    pods = {"matchLabels": {JOB_LABEL: name}}
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": {"name": f"{name}-tf-ports", "namespace": namespace},
+            "spec": {"podSelector": pods, "policyTypes": ["Ingress"],
+                     "ingress": [{"from": [{"podSelector": pods}],
+                                  "ports": [{"protocol": "TCP", "port": PORT}]}]}}
+
+
 # -- the operator's own rules -----------------------------------------------------------------
 
 def check_operator_rules(docs: list[dict]) -> list[str]:
@@ -324,6 +340,12 @@ def _notes(plan: Plan, name: str, namespace: str, secret: tuple[str, ...]) -> tu
     notes.append("hosts, addresses, ports, ssh and jump_host do not carry over: the operator "
                  f"places the pods and names them {name}-<type>-<index>, each task on port {PORT}")
     notes.append("python: does not carry over: the pods run python3 from the image")
+    if plan.tf_ports == "open":
+        notes.append("tf_ports: open: no NetworkPolicy; any pod that reaches the job's pods can "
+                     f"run TensorFlow ops on port {PORT}")
+    else:
+        notes.append(f"TF's ports: NetworkPolicy {name}-tf-ports lets only the job's own pods reach "
+                     f"port {PORT} (where the cluster's network plugin enforces NetworkPolicies)")
     notes.append("exec and train.checks (placement, reachability, proxy guard, hang watchdog) "
                  "do not run under the operator")
     if plan.tensorboard:
