@@ -427,3 +427,49 @@ def test_tensorboard_url_is_never_printed_for_another_users_server_on_its_port(o
     assert "TensorBoard: http" not in text, text[-3000:]
     assert f"user {other_user.name}" in lines[-1] and "no URL shown" in lines[-1], lines[-1]
     assert proc.returncode == 0 and "worker:0 │ trained" in text, text[-3000:]
+
+
+# --------------------------------------------------------------------------- I4: `~` in python:
+
+def test_a_python_under_your_home_written_with_a_tilde_runs_on_a_local_host(home, tmp_path):
+    """`python: ~/venvx/bin/python` is the same file wherever tfcluster runs it: the
+    bootstrap, the shim, and the script it spawns."""
+    venv = home / "venvx" / "bin"
+    venv.mkdir(parents=True)
+    this_python_renamed(venv, "python")
+    (tmp_path / "train.py").write_text("import sys\nprint('trained by', sys.executable, flush=True)\n")
+    spec = local_spec(tmp_path, python="~/venvx/bin/python", name="i4",
+                      train="{mode: mirrored, script: train.py}")
+
+    checked = tfc("plan", "--check", str(spec), home=home, cwd=tmp_path)
+    trained = tfc("train", str(spec), home=home, cwd=tmp_path)
+
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert trained.returncode == 0, trained.stdout + trained.stderr
+    assert "not found" not in trained.stderr and "worker:0 │ trained by" in trained.stdout
+
+
+def test_an_ssh_command_leaves_the_tilde_of_its_program_to_the_login_shell(home, tmp_path):
+    """What sshd's login shell reads: `~/` expanded by the shell, the rest of every word quoted."""
+    from tfcluster.transport.ssh import _command
+    venv = home / "venv x" / "bin"
+    venv.mkdir(parents=True)
+    this_python_renamed(venv, "python")
+
+    line = _command(["~/venv x/bin/python", "-c", "import sys; print(sys.argv[1:])", "~/not-me", "$(id)"])
+    ran = subprocess.run(["sh", "-c", line], capture_output=True, text=True, timeout=30,
+                         env={"HOME": str(home), "PATH": os.environ["PATH"]})
+
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.strip() == "['~/not-me', '$(id)']"
+
+
+def test_the_sbatch_script_finds_a_tilde_python_under_the_home_of_the_job(home, tmp_path):
+    (tmp_path / "train.py").write_text("print('step=1 loss=0.5')\n")
+    spec = local_spec(tmp_path, python="~/venv'x/bin/python3", name="i4s", train="{mode: mirrored, script: train.py}")
+    shown = tfc("render", str(spec), "--to", "slurm", home=home, cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    lines = [line for line in shown.stdout.splitlines() if line.startswith("PYTHON=")]
+    ran = subprocess.run(["bash", "-c", "\n".join(lines) + '\nprintf %s "$PYTHON"'], capture_output=True,
+                         text=True, timeout=30, env={"HOME": "/home/someone", "PATH": os.environ["PATH"]})
+    assert ran.stdout == "/home/someone/venv'x/bin/python3"

@@ -114,7 +114,8 @@ def render_slurm(plan: Plan) -> Rendered:
     if plan.timeout:
         lines.append(f"#SBATCH --time={_time(plan.timeout)}")
     # the spec's python assigned alone: quotes inside "${...:-...}" are literal, and $(...) would run
-    lines += ["", "set -euo pipefail", "umask 077", f"PYTHON={q(plan.python)}",
+    python = f'"$HOME"/{q(plan.python[2:])}' if plan.python.startswith("~/") else q(plan.python)
+    lines += ["", "set -euo pipefail", "umask 077", f"PYTHON={python}",
               'PYTHON="${TFCLUSTER_PYTHON:-$PYTHON}"', ""]
     if public:
         lines.append("# the spec's env")

@@ -87,6 +87,11 @@ def home() -> str:
     return path if os.path.isdir(path) else "/"
 
 
+def _program_expanded(argv: Sequence[str]) -> list[str]:
+    """`~/venv/bin/python` is under the home, as a login shell over SSH reads it."""
+    return [expand(argv[0]), *argv[1:]] if argv else list(argv)
+
+
 class LocalTransport(Transport):
     is_local = True
     deflate_logs = False      # a pipe on this machine: copying is cheaper than deflating
@@ -98,6 +103,7 @@ class LocalTransport(Transport):
         pass
 
     def run(self, argv: Sequence[str], input: bytes = b"", timeout: float = 60.0) -> Result:
+        argv = _program_expanded(argv)
         try:
             done = subprocess.run(list(argv), input=input, capture_output=True, timeout=timeout,
                                   start_new_session=True, cwd=home())
@@ -110,6 +116,7 @@ class LocalTransport(Transport):
     def spawn(self, argv: Sequence[str]) -> Proc:
         # Own session: a Ctrl-C in the launcher's terminal must reach the launcher only,
         # as it would with SSH, so the shim can still clean up in order.
+        argv = _program_expanded(argv)
         try:
             popen = subprocess.Popen(list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, bufsize=0, start_new_session=True, cwd=home())

@@ -28,7 +28,12 @@ WHOLE = 1 << 20
 
 
 def _command(argv: Sequence[str]) -> str:
-    return " ".join(shlex.quote(a) for a in argv)
+    """The line sshd's login shell runs: every word quoted, except the `~/` of a program
+    under the home (`python: ~/venv/bin/python`), which the shell expands."""
+    words = [shlex.quote(a) for a in argv]
+    if argv and argv[0].startswith("~/") and len(argv[0]) > 2:
+        words[0] = "~/" + shlex.quote(argv[0][2:])
+    return " ".join(words)
 
 
 class SshTransport(Transport):
