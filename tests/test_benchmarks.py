@@ -74,6 +74,11 @@ def test_train_steps_benchmark_runs_small_and_leaves_nothing_running():
     _smoke("train_steps.py", 240)
 
 
+@pytest.mark.tf
+def test_fence_cost_benchmark_runs_small_and_leaves_nothing_running():
+    _smoke("fence_cost.py", 240)
+
+
 def test_restart_latency_benchmark_runs_small_and_leaves_nothing_running():
     _smoke("restart_latency.py", 120)
 

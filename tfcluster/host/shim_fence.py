@@ -148,22 +148,25 @@ def script(table: str, uid: int, ports, targets, peers) -> str:
             mine.add(int(port))     # another host of the spec that is this machine (127.0.0.x): one table
     mine = sorted(mine)
     peer4, peer6 = _addresses(peers)
+    # Every rule starts with the SYN test: the packets of a connection already made pass on
+    # one flags compare per rule, and only a new connection meets the uid and route lookups.
     syn = "tcp flags & (syn | ack) == syn"
-    out = ["meta skuid %d accept" % uid]
+    stranger = "%s meta skuid != %d" % (syn, uid)
+    out = []
     if mine:
-        out.append("%s tcp dport { %s } fib daddr type local reject with tcp reset" % (syn, _join(mine)))
-    for family, ip, kind in ((4, "ip", "ipv4_addr"), (6, "ip6", "ipv6_addr")):
+        out.append("%s tcp dport { %s } fib daddr type local reject with tcp reset" % (stranger, _join(mine)))
+    for family, ip in ((4, "ip"), (6, "ip6")):
         if by_family[family]:
             pairs = _join("%s . %d" % pair for pair in sorted(by_family[family]))
-            out.append("%s %s daddr . tcp dport { %s } reject with tcp reset" % (syn, ip, pairs))
+            out.append("%s %s daddr . tcp dport { %s } reject with tcp reset" % (stranger, ip, pairs))
     inp = []
     if mine:
-        ports = _join(mine)
-        inp.append("tcp dport { %s } fib saddr type local accept" % ports)
+        ports = "%s tcp dport { %s }" % (syn, _join(mine))
+        inp.append("%s fib saddr type local accept" % ports)
         for ip, peers_of in (("ip", peer4), ("ip6", peer6)):
             if peers_of:
-                inp.append("tcp dport { %s } %s saddr { %s } accept" % (ports, ip, _join(sorted(peers_of))))
-        inp.append("tcp dport { %s } reject with tcp reset" % ports)
+                inp.append("%s %s saddr { %s } accept" % (ports, ip, _join(sorted(peers_of))))
+        inp.append("%s reject with tcp reset" % ports)
     lines = ["table inet %s" % table, "delete table inet %s" % table, "table inet %s {" % table,
              "  chain output {", "    type filter hook output priority filter; policy accept;"]
     lines += ["    " + rule for rule in out] + ["  }"]
