@@ -75,6 +75,7 @@ KNOWN = [  # the signature each script ends with
     known("keras3-legacy-optimizer", "legacy_optimizer.py", "mirrored", {"worker": 1}),
     known("collectives-late", "strategy_late.py", "mirrored", {"worker": 1}),
     known("evaluator-strategy", "evaluator_strategy.py", "mirrored", {"worker": 1, "evaluator": 1}),
+    known("evaluator-pss", "evaluator_pss.py", "coordinator", {"chief": 1, "ps": 1, "worker": 1, "evaluator": 1}),
     known("port-bound", "own_server.py", "between-graph", {"ps": 1, "worker": 1}),
     known("port-bound", "own_server.py", "mirrored", {"worker": 1}, ("--strategy",), id="port-bound-mirrored"),
     known("no-tensorflow", "launcher.py", "mirrored", {"worker": 1}, tf=False),

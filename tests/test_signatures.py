@@ -39,6 +39,12 @@ def test_a_signature_that_needs_more_of_the_tail_does_not_match_without_it():
     assert sg.diagnose("coordinator", keras + line).name == "keras3-pss-fit"
 
 
+def test_a_signature_of_one_job_matches_that_jobs_tasks_only():
+    tail = b'  File "parameter_server_strategy_v2.py", line 563, in _connect_to_cluster\n' + PORT
+    assert sg.diagnose("coordinator", tail, "evaluator").name == "evaluator-pss"
+    assert sg.diagnose("coordinator", tail, "chief").name == "port-bound"
+
+
 def test_the_matched_line_is_quoted_on_one_line_within_its_limit():
     found = sg.diagnose("mirrored", b"x\nValueError: Attempt to convert a value (PerReplica:{\n" + b"1.0 " * 500 +
                         b"\n}) with an unsupported type (<class 'PerReplica'>) to a Tensor.\n")

@@ -25,13 +25,14 @@ _LEGACY = ("set `train.keras: legacy` in the spec (every task gets TF_USE_LEGACY
 @dataclass(frozen=True)
 class Signature:
     """One known failure: a line holding any of `needles`, in a tail that also holds every
-    one of `also`."""
+    one of `also`, of a task of one of `jobs` (none: any job)."""
 
     name: str
     needles: tuple[bytes, ...]
     what: str                                   # what happened, one sentence
     fix: str                                    # the fix in any mode without its own
     also: tuple[bytes, ...] = ()
+    jobs: tuple[str, ...] = ()
     fixes: dict[str, str] = field(default_factory=dict)   # mode -> its own fix
 
     def fix_for(self, mode: str) -> str:
@@ -78,6 +79,13 @@ SIGNATURES = (
         "checkpoints the workers write, e.g. with tf.keras.utils.SidecarEvaluator",
         also=(b"multi_worker_util",)),
     Signature(
+        "evaluator-pss", (b"Could not start gRPC server",),
+        "the evaluator created ParameterServerStrategy, which joins the cluster as its "
+        "coordinator, on the chief's address, whose port the chief's server holds",
+        "in the evaluator (TF_CONFIG's task type `evaluator`) create no strategy: evaluate the "
+        "checkpoints the chief writes, e.g. with tf.keras.utils.SidecarEvaluator",
+        also=(b"_connect_to_cluster",), jobs=("evaluator",)),
+    Signature(
         "port-bound", (b"Could not start gRPC server", b"Address already in use"),
         "a TF server could not bind its task's port: something already listens there",
         "another process holds the port (a task of an earlier run: `tfcluster status SPEC` and "
@@ -115,11 +123,13 @@ class Diagnosis:
     line: str          # the line that matched, on one line, clipped
 
 
-def diagnose(mode: str, tail: bytes, signatures=SIGNATURES) -> Diagnosis | None:
-    """The signature whose line comes last in `tail` (the output as the task ended; the
-    table's order breaks a tie), or None."""
+def diagnose(mode: str, tail: bytes, job: str = "", signatures=SIGNATURES) -> Diagnosis | None:
+    """The signature whose line comes last in `tail`, the output of a task of `job` as it
+    ended (the table's order breaks a tie), or None."""
     best: tuple[int, Signature] | None = None
     for sig in signatures:
+        if sig.jobs and job not in sig.jobs:
+            continue
         at = max(tail.rfind(n) for n in sig.needles)
         if at >= 0 and all(a in tail for a in sig.also) and (best is None or at > best[0]):
             best = (at, sig)

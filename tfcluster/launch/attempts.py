@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from tfcluster.diagnose import signatures
 from tfcluster.errors import TaskError
 from tfcluster.host.shim_protocol import RESTART_VAR
+from tfcluster.launch import hostloss
 from tfcluster.launch.runstate import Run, StartSlot, Supervised
 from tfcluster.launch.session import raise_first
 from tfcluster.plan import policy
@@ -111,6 +112,7 @@ def pump(run: Run, proc: Supervised, handle: AttachedTask, attempt: int) -> None
         rc = handle.wait(30)
     except Exception as exc:  # noqa: BLE001 - a lost channel is an exit like any other
         lost, rc = exc, None
+    ended_at = time.monotonic()
     run.mux.close_task(proc.key)
     if lost is not None:
         run.mux.note(proc.key, f"lost contact with {proc.task.host}: {lost}")
@@ -118,6 +120,7 @@ def pump(run: Run, proc: Supervised, handle: AttachedTask, attempt: int) -> None
         if not proc.stopping:
             run.mux.note(proc.key, f"lost contact with {proc.task.host} (connection dropped); "
                                    f"its shim stops the task")
+            hostloss.after_drop(run, proc, ended_at)   # a drop that cannot be re-opened is a lost host
         rc = 255
     run.events.put((proc, ended, rc))
 
@@ -129,6 +132,10 @@ def refuse(proc: Supervised) -> None:
 
 
 def on_failure(run: Run, proc: Supervised, rc: int) -> None:
+    lost = run.session.losses.settled(run.session.losses.grace + 5)
+    if lost is not None:      # the run ends on the lost host, not on a peer that missed it
+        refuse(proc)
+        raise lost.error()
     restart = run.plan.restart
     what = f"{proc.task.key}{' server' if proc.role == 'server' else ''} on {proc.task.host}"
     if policy.should_restart(restart, rc, proc.restarts):
@@ -144,7 +151,8 @@ def on_failure(run: Run, proc: Supervised, rc: int) -> None:
     refuse(proc)
     failed = f"{what} failed with exit code {rc}"
     log = os.path.join(run.options.runs_dir, run.run_id, log_file(proc.key))
-    found = signatures.diagnose(run.plan.mode, signatures.last_attempt(signatures.read_tail(log)))
+    found = signatures.diagnose(run.plan.mode, signatures.last_attempt(signatures.read_tail(log)),
+                                proc.task.job)
     if found is not None:     # what happened and the fix, not the lines before (a tensor dump)
         raise TaskError(failed, hint=found.fix,
                         details=f"{proc.key}: {found.what}\n  {found.line}\n  its whole log: {log}")
