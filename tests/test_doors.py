@@ -47,7 +47,7 @@ def as_b(other_user, *commands: str) -> None:
 
 def tfc(*args: str, home: Path, cwd: Path, **env: str) -> subprocess.CompletedProcess:
     """tfcluster as its console script runs it: `-P`, its own directory is not the cwd."""
-    return subprocess.run([sys.executable, "-P", "-m", "tfcluster", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-P", "-m", "tfcluster", *args], check=False, capture_output=True, text=True,
                           timeout=90, cwd=cwd, env={**cli_env(home), **env})
 
 
@@ -95,7 +95,7 @@ def test_the_bootstrap_drops_the_current_directory_before_its_first_import(share
     request = {"bindir": str(tmp_path), "dirs": [], "files": {"shim.py": "0" * 64}}
 
     done = subprocess.run(bootstrap_argv(sys.executable), input=json.dumps(request) + "\n", cwd=shared,
-                          capture_output=True, text=True, timeout=30)
+                          check=False, capture_output=True, text=True, timeout=30)
 
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == {"stale": ["shim.py"], "bindir": str(tmp_path)}
@@ -235,7 +235,7 @@ def test_an_error_reading_a_tasks_output_is_said_once_and_never_taken_for_a_drop
             "placement.parse = broken\nfrom tfcluster.cli import main\n"
             f"sys.exit(main(['train', {str(spec)!r}]))\n")
 
-    result = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=90,
+    result = subprocess.run([sys.executable, "-P", "-c", code], check=False, capture_output=True, text=True, timeout=90,
                             cwd=tmp_path, env=cli_env(home))
 
     out = result.stdout + result.stderr
@@ -298,8 +298,8 @@ def test_rendered_jobs_carry_credentials_of_urls_as_secrets_not_in_the_file(engi
     bundle = text
     if engine == "slurm":   # the launcher's config travels base64'd inside the script
         data = text.split("<<'TFCLUSTER_BUNDLE'\n", 1)[1].split("\nTFCLUSTER_BUNDLE", 1)[0]
-        bundle += tarfile.open(fileobj=io.BytesIO(base64.b64decode(data))).extractfile(
-            "tfcluster-launch.json").read().decode()
+        with tarfile.open(fileobj=io.BytesIO(base64.b64decode(data))) as tar:
+            bundle += tar.extractfile("tfcluster-launch.json").read().decode()
     assert leaked(bundle + result.stderr) == []
     for name in ("HTTPS_PROXY", "DATABASE_URL", "LAB_NOTE", "SENTRY_DSN"):
         assert name in result.stderr        # named as a secret to provide where the job is submitted
@@ -326,10 +326,10 @@ def test_the_sbatch_script_holds_only_quoted_literals_and_escaped_text(shared, h
     assert len(lines) == 3, lines
     env = {k: v for k, v in os.environ.items() if k != "TFCLUSTER_PYTHON"}
     shell = subprocess.run(["bash", "-c", "set -eu\n" + "\n".join(lines) + '\nprintf "%s\\0%s" "$PYTHON" "$X"'],
-                           capture_output=True, text=True, timeout=30, env=env)
+                           check=False, capture_output=True, text=True, timeout=30, env=env)
     assert not marker.exists()
     assert shell.stdout.split("\0") == [python, "\x1b]52;c;aGk=\x07\x1b[2J tab\there \u202e rtl"]
-    chosen = subprocess.run(["bash", "-c", "\n".join(lines[:2]) + '\nprintf %s "$PYTHON"'], capture_output=True,
+    chosen = subprocess.run(["bash", "-c", "\n".join(lines[:2]) + '\nprintf %s "$PYTHON"'], check=False, capture_output=True,
                             text=True, timeout=30, env={**env, "TFCLUSTER_PYTHON": "/opt/py/bin/python3"})
     assert chosen.stdout == "/opt/py/bin/python3"
 
@@ -457,7 +457,7 @@ def test_an_ssh_command_leaves_the_tilde_of_its_program_to_the_login_shell(home,
     this_python_renamed(venv, "python")
 
     line = _command(["~/venv x/bin/python", "-c", "import sys; print(sys.argv[1:])", "~/not-me", "$(id)"])
-    ran = subprocess.run(["sh", "-c", line], capture_output=True, text=True, timeout=30,
+    ran = subprocess.run(["sh", "-c", line], check=False, capture_output=True, text=True, timeout=30,
                          env={"HOME": str(home), "PATH": os.environ["PATH"]})
 
     assert ran.returncode == 0, ran.stderr
@@ -470,6 +470,6 @@ def test_the_sbatch_script_finds_a_tilde_python_under_the_home_of_the_job(home, 
     shown = tfc("render", str(spec), "--to", "slurm", home=home, cwd=tmp_path)
     assert shown.returncode == 0, shown.stderr
     lines = [line for line in shown.stdout.splitlines() if line.startswith("PYTHON=")]
-    ran = subprocess.run(["bash", "-c", "\n".join(lines) + '\nprintf %s "$PYTHON"'], capture_output=True,
+    ran = subprocess.run(["bash", "-c", "\n".join(lines) + '\nprintf %s "$PYTHON"'], check=False, capture_output=True,
                          text=True, timeout=30, env={"HOME": "/home/someone", "PATH": os.environ["PATH"]})
     assert ran.stdout == "/home/someone/venv'x/bin/python3"
