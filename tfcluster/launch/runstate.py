@@ -38,6 +38,7 @@ class Supervised:
     restarts: int = 0
     attempt: int = 0
     stopping: bool = False
+    host_lost: str | None = None    # how its host was found lost (launch/hostloss.py)
 
     @property
     def attempt_started(self) -> float:

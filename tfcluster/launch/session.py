@@ -16,6 +16,7 @@ from tfcluster.errors import Terminated, TfclusterError
 from tfcluster.host.shim_protocol import FLUSH_VAR, PROBE_VAR
 from tfcluster.launch import fence
 from tfcluster.launch.agent import HostAgent, HostInfo, Survey, TaskLaunch
+from tfcluster.launch.hostloss import HostLosses
 from tfcluster.plan import HostPlan, Plan, TaskPlan, names
 
 T = TypeVar("T")
@@ -146,6 +147,7 @@ class Session:
         # asked with open()'s survey: `up` and `train` close the task ports, `status` asks
         # whether they are (launch/fence.py); None: not asked
         self.fence: str | None = fence.STATUS if light else fence.INSTALL
+        self.losses = HostLosses()            # hosts found lost during a run (launch/hostloss.py)
 
     def __enter__(self) -> "Session":
         return self
@@ -252,8 +254,10 @@ class Session:
         return live, busy
 
     def stop_run(self, prefix: str, grace: float) -> dict:
-        """Stop every process with this tag prefix on every connected host."""
-        return parallel(lambda h: self.agents[h].stop(prefix, grace), list(self.agents))
+        """Stop every process with this tag prefix on every connected host (a lost host's
+        processes are stopped by their shims, which lost their launcher)."""
+        hosts = [h for h in self.agents if h not in self.losses.lost]
+        return parallel(lambda h: self.agents[h].stop(prefix, grace), hosts)
 
 
 def server_tasks(plan: Plan) -> list[TaskPlan]:

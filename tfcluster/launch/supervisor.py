@@ -93,7 +93,8 @@ def train(plan: Plan, ui: UI, options: Options) -> int:
             _shutdown(run, interrupted=outcome[0] in (ExitCode.INTERRUPTED, ExitCode.TERMINATED))
             mux.close()
             progress.close()
-            manifest.finish(run.procs, outcome, checks.summary(), progress.summary())
+            manifest.finish(run.procs, outcome, checks.summary(), progress.summary(),
+                            {h: lost.record() for h, lost in session.losses.lost.items()})
             _summary(run, outcome)
 
 

@@ -82,6 +82,14 @@ class Transport(abc.ABC):
     is_local: bool = False
     #: attached shims deflate a task's log on its way here (docs/design/logs.md, "Deflated logs")
     deflate_logs: bool = True
+    #: why the host was given up on by the transport itself (SSH: "silent for 20s, no answer
+    #: to keepalives"); None while nothing says so (docs/design/host-loss.md)
+    lost: str | None = None
+
+    def reopen(self, within: float) -> str | None:
+        """After a dropped connection: None once the host can be talked to again, else why
+        it could not be within `within` seconds. Nothing to re-open for a local host."""
+        return None
 
     @abc.abstractmethod
     def connect(self) -> None:

@@ -6,6 +6,7 @@ anywhere: a PTY would merge stderr into stdout and rewrite binary output.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import select
@@ -16,6 +17,7 @@ import time
 from typing import Callable, Sequence
 
 from tfcluster.errors import ConnectError, DeadlineError, PreflightError
+from tfcluster.transport import liveness
 from tfcluster.transport.base import Forward, Proc, Result, Transport, home_relative
 from tfcluster.transport.ssh_config import USER_CONFIG, Endpoint, SshOptions, load_ssh_config, resolve
 from tfcluster.transport.ssh_connect import Connection, dial
@@ -25,6 +27,7 @@ MAX_CHANNEL_DIALS = 3       # fresh connections one channel request may open (Ma
 # (`del buf[:n]`); at 64 KiB a 2 MiB backlog (its window) was moved 32 times per 2 MiB read,
 # a third of the launcher's streaming CPU, in benchmarks/log_stream.py. Bigger reads only cost memory.
 WHOLE = 1 << 20
+REOPEN_PAUSE = 0.2          # between two dials while a dropped connection is re-opened
 
 
 def _command(argv: Sequence[str]) -> str:
@@ -49,6 +52,10 @@ class SshTransport(Transport):
         # paramiko closes a channel once its object is collected: keep every spawned one
         # referenced, so a task lives until kill() or close(), not until the caller's GC.
         self._procs: set[SshProc] = set()
+        # a keepalive that wants an answer on every connection (transport/liveness.py)
+        self.keepalive_interval = liveness.PROBE_INTERVAL
+        self.silent_after = liveness.SILENT_AFTER
+        self._watches: list[liveness.Watch] = []
 
     @property
     def label(self) -> str:
@@ -56,14 +63,43 @@ class SshTransport(Transport):
             return self._endpoint.label
         return f"{self.name} ({self.address}:{self.options.port or 22})"
 
-    def _dial(self) -> Connection:
-        """Open a new connection and add it to self._conns; the caller holds self._lock."""
+    def _dial(self, timeout: float | None = None) -> Connection:
+        """Open a new connection and add it to self._conns; the caller holds self._lock.
+        `timeout` bounds this dial's connect and handshake below the host's own."""
         config = load_ssh_config(USER_CONFIG)
         ep = resolve(self.name, self.address, self.options, config)
         self._endpoint = ep
+        if timeout is not None:
+            ep = dataclasses.replace(ep, timeout=max(0.1, min(ep.timeout, timeout)))
         conn = dial(ep, self.options, config)
         self._conns.append(conn)
+        self._watches = [w for w in self._watches if w.transport.is_active()]
+        self._watches.append(liveness.Watch(conn.transport, conn.close, self._went_silent,
+                                            self.keepalive_interval, self.silent_after, self.name))
         return conn
+
+    def _went_silent(self, reason: str) -> None:
+        self.lost = reason
+
+    def reopen(self, within: float) -> str | None:
+        """After a dropped connection: None once a connection is open again, else why none
+        could be opened in `within` seconds (each dial bounded by what is left of them)."""
+        deadline = time.monotonic() + within
+        why = "no try"
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return why
+            try:
+                with self._lock:
+                    self._prune()
+                    if self._conns:
+                        return None
+                    self._dial(timeout=min(left, self.options.connect_timeout))
+                return None
+            except ConnectError as e:
+                why = e.message
+            time.sleep(min(REOPEN_PAUSE, max(0.0, deadline - time.monotonic())))
 
     def _prune(self) -> None:
         """Drop the connections that died, closing what they hold (jump connections, a
@@ -205,6 +241,9 @@ class SshTransport(Transport):
 
     def close(self) -> None:
         with self._lock:
+            for w in self._watches:
+                w.stop()
+            self._watches.clear()
             for p in self._procs:
                 p.kill()
             self._procs.clear()
