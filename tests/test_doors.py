@@ -473,3 +473,18 @@ def test_the_sbatch_script_finds_a_tilde_python_under_the_home_of_the_job(home, 
     ran = subprocess.run(["bash", "-c", "\n".join(lines) + '\nprintf %s "$PYTHON"'], check=False, capture_output=True,
                          text=True, timeout=30, env={"HOME": "/home/someone", "PATH": os.environ["PATH"]})
     assert ran.stdout == "/home/someone/venv'x/bin/python3"
+
+
+def test_the_sbatch_boot_program_imports_nothing_from_the_directory_the_job_starts_in(shared, other_user):
+    """Slurm starts a job's tasks in the directory sbatch ran from, and `python -c` imports
+    from there first: a shared project directory is B's to plant in."""
+    from tfcluster.engines.slurm import BOOT
+    marker = shared / "PWNED"
+    body = f"open({str(marker)!r}, 'a').write(__name__)\n"
+    as_b(other_user, *(f"printf '%s' {q(body)} > {shared}/{name}.py"
+                       for name in ("runpy", "shutil", "tarfile", "tempfile", "json")))
+
+    subprocess.run([sys.executable, "-c", BOOT, "addrs"], input=b"", cwd=shared, check=False,
+                   capture_output=True, timeout=30)
+
+    assert not marker.exists(), marker.read_text()

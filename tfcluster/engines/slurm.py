@@ -26,9 +26,13 @@ from tfcluster.safetext import shell_word
 MAX_SCRIPT_BYTES = 4 << 20     # Slurm's default max_script_size (SchedulerParameters)
 
 # Run on every task: unpack the bundle read from stdin into a private directory, run the
-# launcher from there, remove the directory whatever happens.
+# launcher from there, remove the directory whatever happens. Slurm starts it in the
+# directory sbatch ran from, which `python -c` would import from first: only absolute
+# entries stay on sys.path (as in the bootstrap, launch/bootstrap.py).
 BOOT = """\
-import io, os, runpy, shutil, sys, tarfile, tempfile
+import sys
+sys.path[:] = [p for p in sys.path if p.startswith("/")]
+import io, os, runpy, shutil, tarfile, tempfile
 d = tempfile.mkdtemp(prefix="tfcluster-")
 try:
     with tarfile.open(fileobj=io.BytesIO(sys.stdin.buffer.read()), mode="r:gz") as t:
