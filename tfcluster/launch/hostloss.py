@@ -91,8 +91,7 @@ class HostLosses:
             why = transport.reopen(self.grace)
             if why is None:
                 return None
-            how = (f"its SSH connection dropped and could not be re-opened in {self.grace:g}s "
-                   f"({_reason(why, host)})")
+            how = f"its SSH connection dropped and could not be re-opened in {self.grace:g}s: {_reason(why, host)}"
         now = time.time()
         return LostHost(host, how, tasks, now, now - (time.monotonic() - noticed))
 
@@ -106,9 +105,12 @@ class HostLosses:
 
 
 def _reason(why: str, host: str) -> str:
-    """The dial's error without the host's label it starts with: the line names the host."""
+    """The dial's error without the host's label it starts with (the line names the host) or
+    the advice in parentheses it may end with: `connection refused`."""
     head, sep, rest = why.partition("): ")
-    return rest if sep and head.startswith(f"host {host} (") else why
+    if sep and head.startswith(f"host {host} ("):
+        why = rest
+    return why.split(" (", 1)[0]
 
 
 def tasks_on(run: Run, host: str) -> tuple[str, ...]:

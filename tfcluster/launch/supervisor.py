@@ -270,6 +270,8 @@ def _summary(run: Run, outcome: tuple[int, str]) -> None:
                 (run.mux.last_line_matching(p.key, LOSS_LINE) or "").replace("tfcluster-result: ", "")
         duration = (p.ended or time.time()) - p.started if p.started else 0     # every attempt
         code = "stopped" if p.stopping and p.exit_code else p.exit_code    # the run's end: no failure
+        if p.host_lost:
+            code = "lost"       # its host went, not the task (launch/hostloss.py)
         rows.append((p.key, p.task.host, "-" if code is None else str(code),
                      str(p.restarts), f"{duration:.1f}s", last))
     checks = run.checks.summary() if run.checks and steps else {}    # said only once scripts ran
