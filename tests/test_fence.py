@@ -236,6 +236,41 @@ def test_the_shims_table_refuses_another_users_connect_lets_the_owner_in_and_goe
         subprocess.run([nft, "delete", "table", "inet", foreign], timeout=10)
 
 
+def test_without_nft_the_same_rules_go_through_iptables_and_go_again(tmp_path, nft, other_user, monkeypatch):
+    """A host with iptables (iptables-nft) but no nft command. nft is installed here, so the
+    shim is made not to find it: the one fault this test fakes."""
+    ipt = shutil.which("iptables-nft") or shutil.which("iptables")
+    if ipt is None:
+        pytest.skip("iptables is not installed here")
+    real = shim_fence._which
+    monkeypatch.setattr(shim_fence, "_which", lambda name: None if name == "nft" else real(name))
+    cluster_dir = str(tmp_path / "w" / "fenceipt")
+    os.makedirs(cluster_dir, mode=0o700)
+    port = free_ports(1)[0]
+    table = shim_fence.table_name(cluster_dir, "fenceipt:")
+    server = subprocess.Popen([sys.executable, "-c", LISTEN, str(port)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline() == "up\n"
+        answer = shim_fence.cmd_fence({"cluster_dir": cluster_dir, "tag_prefix": "fenceipt:", "ports": [port],
+                                       "targets": [["127.0.0.1", port]], "peers": ["127.0.0.1"]})
+        assert answer["closed"] is True, answer
+        targets = [f"127.0.0.1:{port}", f"[::1]:{port}"]
+        refused_everywhere(other_user, targets)
+        socket.create_connection(("127.0.0.1", port), 3).close()
+        assert shim_fence.cmd_fence({"cluster_dir": cluster_dir, "tag_prefix": "fenceipt:",
+                                     "mode": "status"})["closed"] is True
+    finally:
+        server.kill()
+        server.wait(10)
+        shim_fence.release_if_idle(cluster_dir, "fenceipt:")
+        left = [c for c in shim_fence.chains(table)
+                if subprocess.run([ipt, "-w", "-S", c], capture_output=True, timeout=10).returncode == 0]
+        for chain in left:                         # a failed test leaves nothing behind either
+            shim_fence._delete({"iptables": [ipt, "-w"], "ip6tables": [ipt.replace("iptables", "ip6tables"), "-w"]},
+                               table)
+    assert left == []
+
+
 # ---------------------------------------------------------------- up, train, down, Ctrl-C, SIGKILL
 
 def _task_targets(spec: Path) -> list[str]:

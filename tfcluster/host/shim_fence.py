@@ -71,19 +71,29 @@ def _run(argv: list, script: str | None = None) -> tuple[int, str]:
     return done.returncode, " ".join(text.split())[:300]
 
 
-def how() -> tuple[list | None, str | None]:
-    """(the nft command to run, None) or (None, why the ports cannot be closed here)."""
+def how() -> tuple[dict | None, str | None]:
+    """(the tool to run, None) or (None, why the ports cannot be closed here). The tool is
+    {"nft": argv} (nftables' own command), else {"iptables": argv, "ip6tables": argv}
+    (iptables-nft, where nft is not installed); as root, or through `sudo -n`."""
     nft = _which("nft")
-    if nft is None:
-        return None, "nftables (the nft command) is not installed"
-    if os.geteuid() == 0:
-        return [nft], None
-    sudo = _which("sudo")
-    if sudo is not None:
-        rc, _ = _run([sudo, "-n", nft, "list", "tables"])
-        if rc == 0:
-            return [sudo, "-n", nft], None
-    return None, "tfcluster runs as %s there, not root, and `sudo -n nft` is not allowed" % _user(os.geteuid())
+    ipt = [_which(n) for n in ("iptables-nft", "ip6tables-nft")]
+    if None in ipt:
+        ipt = [_which(n) for n in ("iptables", "ip6tables")]
+    if nft is None and None in ipt:
+        return None, "neither nftables (the nft command) nor iptables is installed"
+    sudo = [] if os.geteuid() == 0 else [_which("sudo")]
+    if None in sudo:
+        return None, _not_root()
+    if nft is not None and (not sudo or _run(sudo + ["-n", nft, "list", "tables"])[0] == 0):
+        return {"nft": sudo + (["-n"] if sudo else []) + [nft]}, None
+    if None not in ipt and (not sudo or _run(sudo + ["-n", ipt[0], "-S", "INPUT"])[0] == 0):
+        pre = sudo + (["-n"] if sudo else [])
+        return {"iptables": pre + [ipt[0], "-w"], "ip6tables": pre + [ipt[1], "-w"]}, None
+    return None, _not_root()
+
+
+def _not_root() -> str:
+    return "tfcluster runs as %s there, not root, and `sudo -n nft` is not allowed" % _user(os.geteuid())
 
 
 def _user(uid: int) -> str:
@@ -132,9 +142,9 @@ def _ports(values) -> list:
     return sorted({int(p) for p in values if 0 < int(p) < 65536})
 
 
-def script(table: str, uid: int, ports, targets, peers) -> str:
-    """The nft program that replaces the table whole (one transaction): `ports` this host's
-    task ports, `targets` [address, port] of every task, `peers` the cluster's host addresses."""
+def _rules(ports, targets, peers) -> tuple[list, dict, dict]:
+    """(this machine's task ports, family -> {(address, port)} of every task, family -> the
+    cluster's host addresses), names resolved here."""
     mine = set(_ports(ports))
     by_family = {4: set(), 6: set()}
     resolved = {}
@@ -146,8 +156,15 @@ def script(table: str, uid: int, ports, targets, peers) -> str:
         by_family[6].update((a, int(port)) for a in v6)
         if any(_is_local(a) for a in v4 | v6):
             mine.add(int(port))     # another host of the spec that is this machine (127.0.0.x): one table
-    mine = sorted(mine)
     peer4, peer6 = _addresses(peers)
+    return sorted(mine), by_family, {4: peer4, 6: peer6}
+
+
+def script(table: str, uid: int, ports, targets, peers) -> str:
+    """The nft program that replaces the table whole (one transaction): `ports` this host's
+    task ports, `targets` [address, port] of every task, `peers` the cluster's host addresses."""
+    mine, by_family, peers_by = _rules(ports, targets, peers)
+    peer4, peer6 = peers_by[4], peers_by[6]
     # Every rule starts with the SYN test: the packets of a connection already made pass on
     # one flags compare per rule, and only a new connection meets the uid and route lookups.
     syn = "tcp flags & (syn | ack) == syn"
@@ -173,6 +190,77 @@ def script(table: str, uid: int, ports, targets, peers) -> str:
     lines += ["  chain input {", "    type filter hook input priority filter; policy accept;"]
     lines += ["    " + rule for rule in inp] + ["  }", "}"]
     return "\n".join(lines) + "\n"
+
+
+def chains(table: str) -> tuple[str, str]:
+    """iptables' chains for a table (a chain name holds at most 28 characters): `TFC<instance>o`
+    and `...i`, the instance being the table name's last 12 hex digits."""
+    return "TFC%so" % table[-12:], "TFC%si" % table[-12:]
+
+
+def iptables_rules(table: str, uid: int, ports, targets, peers) -> dict:
+    """family (4, 6) -> the argument lists that fill the two chains, for iptables where nft
+    is not installed: the same rules as script(), in iptables' words."""
+    mine, by_family, peers_by = _rules(ports, targets, peers)
+    out_chain, in_chain = chains(table)
+    syn = ["-p", "tcp", "--syn"]
+    stranger = syn + ["-m", "owner", "!", "--uid-owner", str(uid)]
+    reject = ["-j", "REJECT", "--reject-with", "tcp-reset"]
+    chunks = [mine[i:i + 15] for i in range(0, len(mine), 15)]     # multiport takes 15 ports
+    rules = {}
+    for family in (4, 6):
+        dports = [["-m", "multiport", "--dports", ",".join(map(str, c))] for c in chunks]
+        out = [["-A", out_chain] + stranger + d + ["-m", "addrtype", "--dst-type", "LOCAL"] + reject
+               for d in dports]
+        out += [["-A", out_chain] + stranger + ["-d", a, "--dport", str(p)] + reject
+                for a, p in sorted(by_family[family])]
+        inp = [["-A", in_chain] + syn + d + ["-m", "addrtype", "--src-type", "LOCAL", "-j", "RETURN"]
+               for d in dports]
+        inp += [["-A", in_chain] + syn + d + ["-s", a, "-j", "RETURN"]
+                for d in dports for a in sorted(peers_by[family])]
+        inp += [["-A", in_chain] + syn + d + reject for d in dports]
+        rules[family] = out + inp
+    return rules
+
+
+def _install(tool: dict, table: str, req: dict) -> tuple[int, str]:
+    args = (table, os.geteuid(), req.get("ports", ()), req.get("targets", ()), req.get("peers", ()))
+    if "nft" in tool:
+        return _run(tool["nft"] + ["-f", "-"], script(*args))
+    _delete(tool, table)
+    out_chain, in_chain = chains(table)
+    for family, rules in iptables_rules(*args).items():
+        ipt = tool["iptables" if family == 4 else "ip6tables"]
+        steps = [["-N", out_chain], ["-N", in_chain]] + rules
+        steps += [["-I", "OUTPUT", "-j", out_chain], ["-I", "INPUT", "-j", in_chain]]
+        for step in steps:
+            rc, said = _run(ipt + step)
+            if rc:
+                _delete(tool, table)
+                return rc, said
+    return 0, ""
+
+
+def _exists_with(tool: dict, table: str) -> bool:
+    if "nft" in tool:
+        return _run(tool["nft"] + ["list", "table", "inet", table])[0] == 0
+    return _run(tool["iptables"] + ["-S", chains(table)[0]])[0] == 0
+
+
+def _delete(tool: dict, table: str) -> tuple[int, str]:
+    """Remove the table (or the chains and their jumps); (0, "") when none is left."""
+    if "nft" in tool:
+        rc, said = _run(tool["nft"] + ["delete", "table", "inet", table])
+        return (0, "") if rc == 0 or not _exists_with(tool, table) else (rc, said)
+    out_chain, in_chain = chains(table)
+    for ipt in (tool["iptables"], tool["ip6tables"]):
+        for hook, chain in (("OUTPUT", out_chain), ("INPUT", in_chain)):
+            for _ in range(8):          # a jump inserted twice is deleted twice
+                if _run(ipt + ["-D", hook, "-j", chain])[0]:
+                    break
+            _run(ipt + ["-F", chain])
+            _run(ipt + ["-X", chain])
+    return (1, "chain %s is still there" % out_chain) if _exists_with(tool, table) else (0, "")
 
 
 _LOCAL: dict = {}
@@ -206,6 +294,10 @@ def _read_mark(cluster_dir: str) -> dict | None:
         return None
     if not isinstance(mark, dict) or not str(mark.get("table", "")).startswith(PREFIX):
         return None
+    tool = mark.get("tool")
+    if not isinstance(tool, dict) or not tool or not all(
+            isinstance(v, list) and all(isinstance(w, str) for w in v) for v in tool.values()):
+        return None
     return mark
 
 
@@ -224,34 +316,27 @@ def cmd_fence(req: dict) -> dict:
     answer = {"closed": False, "table": table, "why": None, "others": [], "user": _user(os.geteuid())}
     try:
         if mode == "status":
-            answer["closed"] = _exists(cluster_dir, table)
+            mark = _read_mark(cluster_dir)
+            tool = mark["tool"] if mark else how()[0]
+            answer["closed"] = bool(tool) and _exists_with(tool, table)
             if not answer["closed"]:
                 answer["why"] = how()[1]
             return answer
-        nft, why = how()
-        if nft is None or mode == "probe":
-            answer.update(why=why, can=nft is not None)
+        tool, why = how()
+        if tool is None or mode == "probe":
+            answer.update(why=why, can=tool is not None)
         else:
-            rc, said = _run(nft + ["-f", "-"], script(table, os.geteuid(), req.get("ports", ()),
-                                                         req.get("targets", ()), req.get("peers", ())))
+            rc, said = _install(tool, table, req)
             if rc == 0:
-                _write_mark(cluster_dir, {"table": table, "nft": nft})
+                _write_mark(cluster_dir, {"table": table, "tool": tool})
                 answer["closed"] = True
             else:
-                answer["why"] = "nft refused the table: %s" % said
+                answer["why"] = "%s refused the rules: %s" % ("nft" if "nft" in tool else "iptables", said)
     except (OSError, ValueError, KeyError, TypeError) as e:
         answer["why"] = "%s: %s" % (type(e).__name__, e)
     if not answer["closed"]:
         answer["others"] = other_users()[:MAX_OTHERS + 1]
     return answer
-
-
-def _exists(cluster_dir: str, table: str) -> bool:
-    mark = _read_mark(cluster_dir)
-    nft = mark["nft"] if mark and isinstance(mark.get("nft"), list) else (how()[0])
-    if not nft:
-        return False
-    return _run(nft + ["list", "table", "inet", table])[0] == 0
 
 
 def remove(cluster_dir: str, tag_prefix: str, always: bool = False) -> str | None:
@@ -260,16 +345,16 @@ def remove(cluster_dir: str, tag_prefix: str, always: bool = False) -> str | Non
     cluster dir was removed), where nft can be run. None, or why it could not."""
     table = table_name(cluster_dir, tag_prefix)
     mark = _read_mark(cluster_dir)
-    nft = mark.get("nft") if mark else None
-    if not isinstance(nft, list):
+    tool = mark["tool"] if mark else None
+    if tool is None:
         if not always or os.geteuid() != 0:    # sudo's own check costs a process: only with a mark
             return None
-        nft = how()[0]
-        if nft is None:
+        tool = how()[0]
+        if tool is None:
             return None
-    rc, said = _run(nft + ["delete", "table", "inet", table])
-    if rc != 0 and _run(nft + ["list", "table", "inet", table])[0] == 0:
-        return "could not delete nftables table %s: %s" % (table, said)
+    rc, said = _delete(tool, table)
+    if rc:
+        return "could not delete the rules of %s: %s" % (table, said)
     procs.remove_quietly(_mark_path(cluster_dir))
     return None
 
