@@ -380,31 +380,51 @@ def test_up_over_ssh_closes_each_hosts_ports_to_another_user_until_down(
 
 # ---------------------------------------------------------------- a user who cannot close them
 
-def test_a_user_without_root_or_sudo_runs_with_one_warning_naming_the_host(tmp_path, other_user):
+def _run_as_user_without_root(user, tf_ports: str = "auto"):
+    """`tfcluster train` of a one-worker mirrored spec (a plain script, no TF import) run by
+    `user` with the system Python; (the result, the task's port)."""
     if not (SITE and os.access(SYSTEM_PYTHON, os.X_OK)):
         pytest.skip(f"{SYSTEM_PYTHON} and this venv's site-packages are needed to run tfcluster as the other user")
-    if shutil.which("sudo") and other_user.run(["sudo", "-n", "true"]).returncode == 0:
+    if shutil.which("sudo") and user.run(["sudo", "-n", "true"]).returncode == 0:
         pytest.skip("the other user has passwordless sudo here")
     work = Path(f"/tmp/tfc-fence-{os.getpid()}-{time.monotonic_ns()}")
     work.mkdir(mode=0o700)
     try:
-        os.chown(work, other_user.uid, other_user.gid)
+        os.chown(work, user.uid, user.gid)
         port = free_ports(1)[0]
         (work / "hello.py").write_text("print('hello from the script')\n")
         (work / "lab.yaml").write_text(
             f"name: fenceuser\nworkdir: {work}/w\nhosts:\n  - {{name: mybox, address: 127.0.0.1}}\n"
-            f"jobs:\n  worker: {{tasks: ['mybox:{port}']}}\ntrain:\n  mode: mirrored\n  script: hello.py\n")
+            f"jobs:\n  worker: {{tasks: ['mybox:{port}']}}\ntrain:\n  mode: mirrored\n  script: hello.py\n"
+            f"tf_ports: {tf_ports}\n")
         for path in (work / "hello.py", work / "lab.yaml"):
-            os.chown(path, other_user.uid, other_user.gid)
-        env = other_user.env(PYTHONPATH=f"{Path(__file__).resolve().parents[1]}:{SITE}", NO_COLOR="1",
-                             **{SESSION_VAR: os.environ[SESSION_VAR]})
-        run = other_user.run([SYSTEM_PYTHON, "-m", "tfcluster", "train", "lab.yaml"], cwd=str(work),
-                             env=env, timeout=120)
+            os.chown(path, user.uid, user.gid)
+        env = user.env(PYTHONPATH=f"{Path(__file__).resolve().parents[1]}:{SITE}", NO_COLOR="1",
+                       **{SESSION_VAR: os.environ[SESSION_VAR]})
+        run = user.run([SYSTEM_PYTHON, "-m", "tfcluster", "train", "lab.yaml"], cwd=str(work), env=env,
+                       timeout=120)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    return run, port
+
+
+def test_a_user_without_root_or_sudo_runs_with_one_warning_naming_the_host(other_user):
+    run, port = _run_as_user_without_root(other_user)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     warnings = [line for line in run.stderr.splitlines() if "TensorFlow's ports" in line]
     assert len(warnings) == 1, run.stderr
     assert warnings[0].startswith(f"tfcluster: warning: host mybox: TensorFlow's ports ({port}) stay open: ")
     assert f"tfcluster runs as {other_user.name} there, not root" in warnings[0]
     assert "hello from the script" in run.stdout
+
+
+def test_tf_ports_closed_refuses_that_run_before_anything_starts_and_open_says_nothing(other_user):
+    run, _ = _run_as_user_without_root(other_user, "closed")
+    assert run.returncode == 4, run.stdout[-2000:] + run.stderr[-2000:]
+    errors = [line for line in run.stderr.splitlines() if line.startswith("tfcluster: error:")]
+    assert errors == [f"tfcluster: error: tf_ports: closed, but tfcluster cannot close TensorFlow's ports on "
+                      f"host mybox (tfcluster runs as {other_user.name} there, not root, and `sudo -n nft` is "
+                      f"not allowed)"], run.stderr
+    assert "hello from the script" not in run.stdout
+    run, _ = _run_as_user_without_root(other_user, "open")
+    assert run.returncode == 0 and "TensorFlow's ports" not in run.stderr, run.stderr

@@ -350,7 +350,7 @@ def remove(cluster_dir: str, tag_prefix: str, always: bool = False) -> str | Non
         if not always or os.geteuid() != 0:    # sudo's own check costs a process: only with a mark
             return None
         tool = how()[0]
-        if tool is None:
+        if tool is None or not _exists_with(tool, table):
             return None
     rc, said = _delete(tool, table)
     if rc:
