@@ -87,3 +87,9 @@ def test_restart_latency_benchmark_runs_small_and_leaves_nothing_running():
 @pytest.mark.skipif(not shutil.which("pdsh"), reason="pdsh not installed")
 def test_scale_up_benchmark_runs_small_and_leaves_nothing_running():
     _smoke("scale_up.py", 240)
+
+
+@needs_sshd
+def test_host_loss_benchmark_runs_small_and_leaves_nothing_running():
+    out = _smoke("host_loss.py", 120)
+    assert "TARGET host_loss dropped" in out
