@@ -428,3 +428,13 @@ def test_tf_ports_closed_refuses_that_run_before_anything_starts_and_open_says_n
     assert "hello from the script" not in run.stdout
     run, _ = _run_as_user_without_root(other_user, "open")
     assert run.returncode == 0 and "TensorFlow's ports" not in run.stderr, run.stderr
+
+
+def test_a_refused_reachability_check_names_the_rules_as_a_cause_unless_tf_ports_is_open(tmp_path):
+    from tfcluster.launch.reach import Failure, _error
+
+    refused = [Failure("gpu2", "ps:0", "10.0.0.1:2222", "connection refused")]
+    hint = _error(refused, _plan(tmp_path)).hint
+    assert ("tfcluster's own rules on gpu1 (tf_ports) let in only the spec's host addresses: gpu2 may connect "
+            "from another one") in hint
+    assert "tf_ports" not in _error(refused, _plan(tmp_path, "open")).hint

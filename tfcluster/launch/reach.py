@@ -169,8 +169,10 @@ def _hint(f: Failure, plan: Plan) -> str:
                 f"alias only works for ssh): give host {owner} an address every host resolves "
                 f"(DNS, /etc/hosts) or its IP; {off}")
     if f.reason == "connection refused":
+        fenced = (f"tfcluster's own rules on {owner} (tf_ports) let in only the spec's host addresses: "
+                  f"{f.host} may connect from another one; " if plan.tf_ports != "open" and f.host != owner else "")
         return (f"nothing listens at {f.target} as seen from {f.host}: a firewall rejects the "
-                f"port, or {address} names another machine than host {owner}; {off}")
+                f"port, or {address} names another machine than host {owner}; {fenced}{off}")
     if f.reason.startswith("timed out"):
         return (f"a firewall drops the packets from {f.host} to {f.target} (or the address is "
                 f"not routable from there): open the port between the hosts; {off}")
