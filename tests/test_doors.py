@@ -241,9 +241,11 @@ def test_an_error_reading_a_tasks_output_is_said_once_and_never_taken_for_a_drop
     out = result.stdout + result.stderr
     assert "lost contact" not in out and "Traceback" not in out
     assert result.returncode == 0, out
-    assert out.count("could not read its output (RecursionError: a watcher failed); the task goes on") == 2   # ps, worker
-    saved = [p.read_text() for p in (tmp_path / "runs").glob("l3b-*/*-0.log")]
-    assert len(saved) == 2 and all("all of it" in text for text in saved)   # every byte kept
+    said = "could not read its output (RecursionError: a watcher failed); the task goes on"
+    assert out.count(f"worker:0: {said}") == 1      # once, though every report failed
+    assert out.count(f"ps:0: {said}") <= 1          # the ps may be stopped before its output is read
+    saved = [p.read_text() for p in (tmp_path / "runs").glob("l3b-*/worker-0.log")]
+    assert len(saved) == 1 and saved[0].endswith("all of it\n")   # every byte kept
 
 
 # --------------------------------------------------------------------------- L1: secrets inside values
