@@ -113,16 +113,18 @@ def pump(run: Run, proc: Supervised, handle: AttachedTask, attempt: int) -> None
     except Exception as exc:  # noqa: BLE001 - a lost channel is an exit like any other
         lost, rc = exc, None
     ended_at = time.monotonic()
-    run.mux.close_task(proc.key)
-    if lost is not None:
-        run.mux.note(proc.key, f"lost contact with {proc.task.host}: {lost}")
-    if rc is None or rc < 0:  # the channel closed with no exit status: connection lost
-        if not proc.stopping:
-            run.mux.note(proc.key, f"lost contact with {proc.task.host} (connection dropped); "
-                                   f"its shim stops the task")
-            hostloss.after_drop(run, proc, ended_at)   # a drop that cannot be re-opened is a lost host
-        rc = 255
-    run.events.put((proc, ended, rc))
+    try:
+        run.mux.close_task(proc.key)
+        if lost is not None:
+            run.mux.note(proc.key, f"lost contact with {proc.task.host}: {lost}")
+        if rc is None or rc < 0:  # the channel closed with no exit status: connection lost
+            if not proc.stopping:
+                run.mux.note(proc.key, f"lost contact with {proc.task.host} (connection dropped); "
+                                       f"its shim stops the task")
+                hostloss.after_drop(run, proc, ended_at)   # a drop that cannot be re-opened is a lost host
+            rc = 255
+    finally:       # the exit is always reported: a pump that died silently would leave the run waiting
+        run.events.put((proc, ended, 255 if rc is None or rc < 0 else rc))
 
 
 def refuse(proc: Supervised) -> None:
