@@ -1,15 +1,23 @@
 """Small filesystem helpers shared by the local state and the local transport."""
 from __future__ import annotations
 
+import errno
 import io
 import os
+import stat
 import tempfile
+from collections.abc import Iterator
+from typing import BinaryIO
 
 from tfcluster.errors import PreflightError
 from tfcluster.host.shim_fs import Refused
 from tfcluster.host.shim_fs import private_dir as _private_dir
 
 NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
+LINE_CAP = 1 << 16          # bytes of one line a reader of saved files keeps (its end)
+_CHUNK = 1 << 16
+_KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a device", stat.S_IFBLK: "a device",
+          stat.S_IFDIR: "a directory", stat.S_IFSOCK: "a socket"}
 
 
 def private_dir(path: str, what: str, top: str = "/") -> str:
@@ -60,3 +68,59 @@ def write_private(path: str, data: bytes, mode: int = 0o600) -> None:
         except OSError:
             pass
         raise
+
+
+def open_saved(path: str) -> BinaryIO:
+    """A saved file (a run's log, manifest, progress) opened to read, only if it is a
+    regular file: a symbolic link is not followed and a FIFO or a device is refused
+    (OSError, its strerror saying which) without blocking or reading it.
+    docs/security.md, "Files tfcluster reads, writes and runs"."""
+    try:
+        fd = os.open(path, os.O_RDONLY | NOFOLLOW | os.O_NONBLOCK)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise OSError(e.errno, "a symbolic link: not followed", path) from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = _KINDS.get(stat.S_IFMT(mode), "not a file")
+            raise OSError(errno.EINVAL, f"not a regular file ({kind}): not read", path)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_saved(path: str, limit: int) -> bytes:
+    """The whole of a saved regular file (open_saved); OSError when it holds more than
+    `limit` bytes, read no further."""
+    with open_saved(path) as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise OSError(errno.EFBIG, f"larger than {limit >> 20} MiB: not read", path)
+    return data
+
+
+def saved_tail(path: str, limit: int) -> bytes:
+    """The last `limit` bytes of a saved regular file (open_saved), from its first whole
+    line when it holds more."""
+    with open_saved(path) as f:
+        size = f.seek(0, os.SEEK_END)
+        f.seek(max(0, size - limit))
+        data = f.read(limit)
+    return data[data.find(b"\n") + 1:] if size > limit else data
+
+
+def saved_lines(f: BinaryIO, cap: int = LINE_CAP) -> Iterator[bytes]:
+    """The lines of a saved file, read in chunks, each at most `cap` bytes: a longer one
+    keeps its end (a progress bar's `\\r` updates: the latest is last), so memory stays
+    bounded whatever the file holds."""
+    partial = b""
+    while chunk := f.read(_CHUNK):
+        *lines, rest = (partial + chunk if partial else chunk).split(b"\n")
+        for line in lines:
+            yield line[-cap:] if len(line) > cap else line
+        partial = rest[-cap:]
+    if partial:
+        yield partial

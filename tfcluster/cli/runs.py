@@ -62,7 +62,7 @@ def runs_(
     from tfcluster.watch.follow import print_runs, run_rows
 
     plan = plan_of(spec_path)
-    rows = run_rows(runs_dir, plan.name, plan.progress)
+    rows = run_rows(runs_dir, plan.name, plan.progress, ui.warn)
     if json_:
         ui.json({"cluster": plan.name, "runs_dir": runs_dir, "order": "oldest first", "runs": rows})
     elif not rows:
@@ -98,7 +98,7 @@ def plot(
             raise UsageError(f"-o {output}: no such directory: {os.path.dirname(output)}")
     run_id = runs.pick_run(runs_dir, plan.name, run)
     directory = os.path.join(runs_dir, run_id)
-    series = run_series(directory, runs.read_manifest(directory), plan.progress)
+    series = run_series(directory, runs.read_manifest(directory, ui.warn), plan.progress, ui.warn)
     if not series:
         raise TfclusterError(f"run {run_id}: no step or loss lines in its logs",
                              hint="scripts print `step=N loss=X`, or train with Keras' model.fit "

@@ -69,7 +69,7 @@ def train(plan: Plan, ui: UI, options: Options) -> int:
         events: queue.Queue = queue.Queue()
         checks = RunChecks(plan, ui, os.path.join(options.runs_dir, run_id), lambda: events.put(None),
                            lambda host, targets, timeout: can_connect(session, host, targets, timeout))
-        mux, progress = _make_mux(plan, ui, options, run_id, checks)
+        mux, progress = _make_mux(plan, ui, options, run_id, checks, _save_failed(events))
         run = Run(plan, ui, options, run_id, session, mux, events, checks=checks, progress=progress,
                   files=files)
         manifest = Manifest(plan, run_id, os.path.join(options.runs_dir, run_id))
@@ -93,8 +93,11 @@ def train(plan: Plan, ui: UI, options: Options) -> int:
             _shutdown(run, interrupted=outcome[0] in (ExitCode.INTERRUPTED, ExitCode.TERMINATED))
             mux.close()
             progress.close()
-            manifest.finish(run.procs, outcome, checks.summary(), progress.summary(),
-                            {h: lost.record() for h, lost in session.losses.lost.items()})
+            try:
+                manifest.finish(run.procs, outcome, checks.summary(), progress.summary(),
+                                {h: lost.record() for h, lost in session.losses.lost.items()})
+            except TfclusterError as exc:     # a full disk: one line, the run's own error follows
+                ui.error(exc.message)
             _summary(run, outcome)
 
 
@@ -105,8 +108,23 @@ def _check_task_filter(plan: Plan, show: tuple[str, ...]) -> None:
             raise UsageError(f"--task {key}: no such task (tasks: {', '.join(sorted(keys))})")
 
 
+def _save_failed(events: queue.Queue):
+    """What a saved file that cannot be written (a full disk) does: it ends the run at once,
+    exit 1, naming the file (the supervisor raises the error it is sent; docs/running.md,
+    "Saved runs")."""
+    said: list[str] = []
+
+    def failed(path: str, error: OSError) -> None:
+        if not said:
+            said.append(path)
+            events.put(TfclusterError(f"cannot save the run: {path}: {error.strerror or error}; "
+                                      f"stopped every task (what was saved before is kept)",
+                                      hint="free space there, or give --runs-dir a directory on another disk"))
+    return failed
+
+
 def _make_mux(plan: Plan, ui: UI, options: Options, run_id: str,
-              checks: RunChecks) -> tuple[LogMux, ProgressLog]:
+              checks: RunChecks, save_failed=None) -> tuple[LogMux, ProgressLog]:
     from tfcluster.watch.logmux import LogMux
 
     keys = [t.key for t in plan.tasks if t.runs_script or t.runs_server]
@@ -120,9 +138,9 @@ def _make_mux(plan: Plan, ui: UI, options: Options, run_id: str,
     save_dir = os.path.join(options.runs_dir, run_id)
     # runs/ and this run's dir are judged; the levels above are the user's choice
     private_dir(save_dir, "runs", top=options.runs_dir)
-    progress = ProgressLog(plan, save_dir)
+    progress = ProgressLog(plan, save_dir, save_failed)
     return LogMux(ui.byte_stdout, keys, color=ui.color, show=show, save_dir=save_dir,
-                  hide_noise=not options.verbose,
+                  hide_noise=not options.verbose, save_failed=save_failed,
                   watch=progress.watch((checks.markers, checks.on_line) if checks.markers else None)), progress
 
 
@@ -163,6 +181,8 @@ def _supervise(run: Run) -> tuple[int, str]:
             continue
         if event is None:
             continue        # a check woke us
+        if isinstance(event, TfclusterError):
+            raise event     # a saved file cannot be written (_save_failed)
         proc, attempt, rc = event
         if attempt != proc.attempt:
             continue  # an earlier attempt's exit, already handled
@@ -241,7 +261,7 @@ def _stop_role(run: Run, role: str, fast: threading.Event) -> None:
     while any(p.exit_code is None for p in live) and time.monotonic() < deadline and not fast.is_set():
         try:
             event = run.events.get(timeout=0.2)
-            if event is None:
+            if not isinstance(event, tuple):
                 continue
             proc, _attempt, rc = event
             if proc.exit_code is None:

@@ -5,28 +5,31 @@ from __future__ import annotations
 import os
 import time
 
+from tfcluster.localfs import LINE_CAP, saved_tail
 from tfcluster.plan.names import log_file
 from tfcluster.ui.units import duration
 from tfcluster.watch import runs
 from tfcluster.watch.metrics import Tracker
 
 FOLLOW_POLL = 0.2         # seconds between looks at the logs while nothing new came
+FINAL_TAIL = 1 << 20      # bytes of the chief's log read for a run's last step
 
 
-def run_rows(runs_dir: str, name: str, progress=None) -> list[dict]:
+def run_rows(runs_dir: str, name: str, progress=None, warn=None) -> list[dict]:
     """One dict per saved run of `name`, oldest first: id, started, ended, duration,
     mode, outcome, restarts, task (the chief's), step, loss, and from Keras' `model.fit`
     epoch, epochs and the other metrics (None, None, {} without). `progress`: the
-    current spec's train.progress, for runs whose manifest has none."""
+    current spec's train.progress, for runs whose manifest has none. `warn` is told of
+    each saved file not read (runs.read_manifest)."""
     out = []
     for run_id in runs.run_dirs(runs_dir, name):
         directory = os.path.join(runs_dir, run_id)
-        doc = runs.read_manifest(directory)
+        doc = runs.read_manifest(directory, warn)
         started, ended = _num(doc.get("started")), _num(doc.get("ended"))
         state = runs.run_state(doc)
         end = ended if ended is not None else (time.time() if state == "running" else None)
         chief = _chief(doc)
-        final = _final(directory, doc, chief, progress)
+        final = _final(directory, doc, chief, progress, warn)
         out.append({"run": run_id, "started": started, "ended": ended,
                     "duration": None if started is None or end is None else round(end - started, 1),
                     "mode": doc.get("mode") if isinstance(doc.get("mode"), str) else None,
@@ -74,10 +77,10 @@ def _restarts(doc: dict) -> int:
     return total
 
 
-def _final(directory: str, doc: dict, key: str | None, progress) -> dict:
+def _final(directory: str, doc: dict, key: str | None, progress, warn=None) -> dict:
     """The chief's last step, loss, epoch, epochs and metrics: recorded in the manifest at
-    the end of the run, else read from its saved log (older runs, a run still going or
-    killed)."""
+    the end of the run, else read from the tail of its saved log (older runs, a run still
+    going or killed)."""
     none = {"step": None, "loss": None, "epoch": None, "epochs": None, "metrics": {}}
     if key is None:
         return none
@@ -85,12 +88,15 @@ def _final(directory: str, doc: dict, key: str | None, progress) -> dict:
     if isinstance(recorded, dict) and doc.get("outcome") != "running":
         return {name: recorded.get(name, value) for name, value in none.items()}
     tracker = Tracker(patterns_of(doc, progress))
+    path = os.path.join(directory, log_file(key))
     try:
-        with open(os.path.join(directory, log_file(key)), "rb") as f:
-            for line in f:
-                tracker.feed_block(key, line.rstrip(b"\n"))
-    except OSError:
+        tail = saved_tail(path, FINAL_TAIL)
+    except OSError as e:
+        if not isinstance(e, FileNotFoundError):
+            runs.refused(warn, path, e)
         return none
+    for line in tail.split(b"\n"):
+        tracker.feed_block(key, line[-LINE_CAP:])
     state = tracker.state(key)
     if state is None:
         return none
@@ -141,12 +147,14 @@ def follow(ui, name: str, runs_dir: str, run: str | None, task: str | None, out,
     run = runs.pick_run(runs_dir, name, run)
     directory = os.path.join(runs_dir, run)
     keys = runs.task_logs(directory, run, task)
-    live = runs.run_state(runs.read_manifest(directory)) == "running"
+    live = runs.run_state(runs.read_manifest(directory, ui.warn)) == "running"
     ui.info(f"run {run}" + (" is running: following its logs until it ends (Ctrl-C to stop)" if live
                             else f" is not running ({runs.run_state(runs.read_manifest(directory))}); "
                                  f"its logs as saved"))
-    mux = LogMux(out, keys, color=ui.color)
-    files = {key: open(os.path.join(directory, log_file(key)), "rb") for key in keys}
+    files = runs.open_logs(ui, directory, run, keys)
+    if not files:
+        runs.not_shown(run, keys, files)
+    mux = LogMux(out, list(files), color=ui.color)
     try:
         while True:
             got = _drain(files, mux)
@@ -159,13 +167,14 @@ def follow(ui, name: str, runs_dir: str, run: str | None, task: str | None, out,
                 live = False        # one more drain: what was written before the manifest
                 continue
             time.sleep(poll)
-        for key in keys:
+        for key in files:
             mux.close_task(key)
         mux.close()
     finally:
         for f in files.values():
             f.close()
     ui.info(f"run {run}: {runs.run_state(runs.read_manifest(directory))}")
+    runs.not_shown(run, keys, files)
     return 0
 
 

@@ -48,6 +48,7 @@ from tfcluster.watch.metrics import keras_bar, keras_line
 
 NOTE_MARK = "[tfcluster] "
 HISTORY = 100                 # recent display lines kept per task (tail, summary)
+RING_LINE = 4096              # bytes of one such line kept (a longer one is cut, "…" added)
 MAX_PARTIAL = 1 << 20         # an unterminated line longer than this is shown as is
 JOIN_BELOW = 1 << 16          # a batch smaller than this is one write with its prefix
 FOLD_EVERY = 30.0             # seconds: at most one folded Keras bar update shown per task
@@ -84,13 +85,16 @@ class LogMux:
     With `collapse=False` every progress update gets its own line (Keras' bars too). `watch` is
     (markers, callback): every complete line containing one of the markers is passed
     to `callback(key, line)` (from the feeding thread) before it is shown or hidden.
+    A saved log that cannot be written (a full disk) is closed, the task still shown, and
+    `save_failed(path, error)` called (from the feeding thread); nothing raises.
     """
 
     def __init__(self, out: BinaryIO, keys: Sequence[str], *, color: bool,
                  show: Callable[[str], bool] | None = None,
                  save_dir: str | None = None, collapse: bool = True,
                  hide_noise: bool = False,
-                 watch: tuple[Sequence[bytes], Callable[[str, bytes], None]] | None = None) -> None:
+                 watch: tuple[Sequence[bytes], Callable[[str, bytes], None]] | None = None,
+                 save_failed: Callable[[str, OSError], None] | None = None) -> None:
         if len(set(keys)) != len(keys):
             raise ValueError(f"duplicate task keys: {list(keys)}")
         self._out = out
@@ -99,6 +103,8 @@ class LogMux:
         self._hide_noise = hide_noise
         self._watch = watch
         self._watching = AnyOf(watch[0]) if watch is not None else None
+        self._save_dir = save_dir
+        self._save_failed = save_failed
         self._out_lock = threading.Lock()
         self._broken = False      # the reader of `out` went away (e.g. `| head`)
         self._closed = False
@@ -157,9 +163,8 @@ class LogMux:
         with t.lock:
             if t.fd is not None:
                 # keep the note on its own line in the saved log
-                _write_all(t.fd, (b"\n" if t.saved_midline else b"") + b"\n".join(lines) + b"\n")
-                t.saved_midline = False
-            t.ring.extend(lines)
+                self._save(t, (b"\n" if t.saved_midline else b"") + b"\n".join(lines) + b"\n")
+            t.ring.extend(_clipped(lines))
             if t.show:
                 if self._color:
                     lines = [_DIM + line + _RESET for line in lines]
@@ -241,7 +246,14 @@ class LogMux:
 
     def _save(self, t: _Task, chunk: bytes) -> None:
         if t.fd is not None:
-            _write_all(t.fd, chunk)
+            try:
+                _write_all(t.fd, chunk)
+            except OSError as e:     # a full disk: stop saving this task, say so once
+                os.close(t.fd)
+                t.fd = None
+                if self._save_failed is not None:
+                    self._save_failed(os.path.join(self._save_dir or "", log_file(t.key)), e)
+                return
             t.saved_midline = not chunk.endswith(b"\n")
 
     def _block(self, t: _Task, body: bytes) -> bytes | None:
@@ -337,7 +349,8 @@ class LogMux:
             if not lines:
                 return
             block = b"\n".join(lines)
-        t.ring.extend(last_lines(block, HISTORY))
+        recent = last_lines(block, HISTORY)
+        t.ring.extend(_clipped(recent) if len(block) > RING_LINE else recent)
         if t.show:
             body = block.replace(b"\n", t.sep)
             if len(body) < JOIN_BELOW:       # one write: whole lines, never torn by another writer
@@ -421,6 +434,20 @@ def _open_log(save_dir: str, key: str) -> int:
                  os.O_WRONLY | os.O_CREAT | os.O_TRUNC | NOFOLLOW, 0o600)
     os.fchmod(fd, 0o600)  # O_CREAT's mode does not apply to a file that already existed
     return fd
+
+
+def _clipped(lines: list[bytes]) -> list[bytes]:
+    """`lines` each at most RING_LINE bytes and "…", cut between two UTF-8 characters: the
+    history (a failure's last lines) stays small whatever a task prints."""
+    out = []
+    for line in lines:
+        if len(line) > RING_LINE:
+            end = RING_LINE
+            while end and line[end] & 0xC0 == 0x80:     # a continuation byte: back to its start
+                end -= 1
+            line = line[:end] + "…".encode()
+        out.append(line)
+    return out
 
 
 def _write_all(fd: int, data: bytes) -> None:

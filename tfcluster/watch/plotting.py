@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from tfcluster.errors import UsageError
-from tfcluster.localfs import write_output
+from tfcluster.localfs import open_saved, saved_lines, write_output
 from tfcluster.plan.names import log_file
 from tfcluster.watch import runs
 from tfcluster.watch.follow import patterns_of
@@ -33,27 +34,33 @@ class Series:
     epoch: tuple[int, int] | None = None                             # Keras' last `Epoch k/N`
 
 
-def run_series(directory: str, doc: dict, progress=None) -> dict[str, Series]:
-    """task -> Series, for each script task whose log gives a step and a loss or a rate."""
+def run_series(directory: str, doc: dict, progress=None, warn=None) -> dict[str, Series]:
+    """task -> Series, for each script task whose log gives a step and a loss or a rate.
+    Logs are read line by line (lines cut: localfs.saved_lines); one that is no regular
+    file is left out, and `warn` told so."""
     keys = [t.get("task") for t in (doc.get("plan") or {}).get("tasks") or []
             if isinstance(t, dict) and t.get("script")]
     keys = [k for k in keys if isinstance(k, str)] or runs.task_logs(directory, "")
-    times = runs.read_progress(directory)
+    times = runs.read_progress(directory, warn)
     out = {}
     for key in keys:
+        path = os.path.join(directory, log_file(key))
         try:
-            with open(os.path.join(directory, log_file(key)), "rb") as f:
-                lines = f.read().split(b"\n")
-        except OSError:
+            f = open_saved(path)
+        except OSError as e:
+            if not isinstance(e, FileNotFoundError):
+                runs.refused(warn, path, e)
             continue
-        tracker = Tracker(patterns_of(doc, progress))
-        series = Series(loss=points(lines, tracker, key))
-        fit = tracker.fits.get(key)
-        series.epoch = (fit.epoch, fit.epochs) if fit is not None else None
-        if times.get(key):
-            series.rate = rates(times[key])
-        else:
-            series.rate, series.rate_source = _average(doc, key, lines, progress), "average"
+        with f:
+            tracker = Tracker(patterns_of(doc, progress))
+            series = Series(loss=points(saved_lines(f), tracker, key))
+            fit = tracker.fits.get(key)
+            series.epoch = (fit.epoch, fit.epochs) if fit is not None else None
+            if times.get(key):
+                series.rate = rates(times[key])
+            else:
+                f.seek(0)
+                series.rate, series.rate_source = _average(doc, key, saved_lines(f), progress), "average"
         if series.loss or series.rate:
             out[key] = series
     return out
@@ -69,10 +76,11 @@ def rates(samples: list[tuple[float, int]], span: float = RATE_SPAN) -> list[tup
     start = 0
     if len(samples) > 1:       # a short run still gets a curve: a tenth of it at least
         span = min(span, max((samples[-1][0] - samples[0][0]) / 10, 1e-3))
+    j = 0
     for i, (t, step) in enumerate(samples):
         if i and step < samples[i - 1][1]:
-            start = i
-        j = start
+            start = j = i
+        # j only moves on: within an attempt the times only grow (one pass, not one per sample)
         while j + 1 < i and t - samples[j + 1][0] >= span:
             j += 1
         t0, s0 = samples[j]
@@ -84,16 +92,22 @@ def rates(samples: list[tuple[float, int]], span: float = RATE_SPAN) -> list[tup
     return out
 
 
-def _average(doc: dict, key: str, lines: list[bytes], progress) -> list[tuple[int, float]]:
+def _average(doc: dict, key: str, lines: Iterable[bytes], progress) -> list[tuple[int, float]]:
     script = ((doc.get("tasks") or {}).get(key) or {}).get("script") or {}
     started, ended = script.get("started"), script.get("ended")
-    tracker = Tracker(patterns_of(doc, progress))
-    steps = [r.step for line in lines for r in tracker.read(key, line) if r.step is not None]
-    if not steps or not isinstance(started, (int, float)) or not isinstance(ended, (int, float)) \
-            or ended <= started:
+    if not isinstance(started, (int, float)) or not isinstance(ended, (int, float)) or ended <= started:
         return []
-    rate = (steps[-1] - steps[0]) / (ended - started)
-    return [(steps[0], rate), (steps[-1], rate)]
+    tracker = Tracker(patterns_of(doc, progress))
+    first = last = None
+    for line in lines:
+        for r in tracker.read(key, line):
+            if r.step is not None:
+                first = r.step if first is None else first
+                last = r.step
+    if first is None:
+        return []
+    rate = (last - first) / (ended - started)
+    return [(first, rate), (last, rate)]
 
 
 # -- the terminal ----------------------------------------------------------------------

@@ -17,13 +17,21 @@ import threading
 import time
 from dataclasses import replace
 
-from tfcluster.errors import UsageError
-from tfcluster.localfs import NOFOLLOW, private_dir, write_private
+from tfcluster.errors import TfclusterError, UsageError
+from tfcluster.localfs import (
+    NOFOLLOW,
+    open_saved,
+    private_dir,
+    read_saved,
+    saved_lines,
+    write_private,
+)
 from tfcluster.plan import JOB_NAMES, Plan, plan_to_dict
 from tfcluster.plan.names import is_run_of, key_of_log, log_file
 from tfcluster.watch.metrics import Tracker, target_of
 
 PROGRESS_FILE = "progress.tsv"
+MANIFEST_CAP = 64 << 20     # bytes: a plan of thousands of tasks, with room to spare
 
 
 class Manifest:
@@ -56,11 +64,24 @@ class Manifest:
         doc = {"run_id": self.run_id, "cluster": self.plan.name, "mode": self.plan.mode,
                "spec_sha256": self.plan.spec_digest, "started": self.started,
                "script": self.plan.script, **extra, "plan": plan_to_dict(self.plan, redact=True)}
-        write_private(self.path, json.dumps(doc, indent=2).encode())
+        try:
+            write_private(self.path, json.dumps(doc, indent=2).encode())
+        except OSError as e:     # a full disk: one line naming the file, never a traceback
+            raise TfclusterError(f"cannot write {self.path}: {e.strerror or e}") from None
+
+
+def judge(runs_dir: str) -> None:
+    """runs/ judged as `train` judges it before anything in it is read: owned by this user
+    (or root) and writable by no one else, else PreflightError (exit 4) naming it; a
+    runs/ that is not there is left so."""
+    if os.path.lexists(runs_dir):
+        private_dir(runs_dir, "runs", top=runs_dir)
 
 
 def run_dirs(runs_dir: str, name: str) -> list[str]:
-    """This cluster's saved runs, oldest first (only its own: not those of `name-x`)."""
+    """This cluster's saved runs, oldest first (only its own: not those of `name-x`), from
+    a runs/ judged first."""
+    judge(runs_dir)
     try:
         entries = os.listdir(runs_dir)
     except FileNotFoundError:
@@ -69,7 +90,7 @@ def run_dirs(runs_dir: str, name: str) -> list[str]:
         raise UsageError(f"runs directory {runs_dir}: cannot list it: {e.strerror}",
                          hint="--runs-dir names the directory `train` saved the runs in") from None
     runs = [e for e in entries if is_run_of(name, e)
-            and os.path.isfile(os.path.join(runs_dir, e, "manifest.json"))]
+            and os.path.lexists(os.path.join(runs_dir, e, "manifest.json"))]
     return sorted(runs)
 
 
@@ -82,6 +103,7 @@ def pick_run(runs_dir: str, name: str, run: str | None) -> str:
         return runs[-1]
     if run not in runs:
         raise UsageError(f"no run {run!r} under {runs_dir}/ (latest: {runs[-1]})")
+    private_dir(os.path.join(runs_dir, run), "runs", top=runs_dir)
     return run
 
 
@@ -97,14 +119,26 @@ def task_logs(directory: str, run: str, task: str | None = None) -> list[str]:
     return keys
 
 
-def read_manifest(directory: str) -> dict:
-    """The run's manifest ({} when unreadable: a run is listed whatever its state)."""
+def read_manifest(directory: str, warn=None) -> dict:
+    """The run's manifest ({} when unreadable: a run is listed whatever its state); one
+    that is no regular file, or too large, is not read, and `warn` is told why."""
+    path = os.path.join(directory, "manifest.json")
     try:
-        with open(os.path.join(directory, "manifest.json"), "rb") as f:
-            doc = json.loads(f.read())
-    except (OSError, ValueError):
+        doc = json.loads(read_saved(path, MANIFEST_CAP))
+    except FileNotFoundError:
+        return {}
+    except OSError as e:
+        refused(warn, path, e)
+        return {}
+    except ValueError:
         return {}
     return doc if isinstance(doc, dict) else {}
+
+
+def refused(warn, path: str, e: OSError) -> None:
+    """One line naming a saved file that was not read, and why."""
+    if warn is not None:
+        warn(f"{path}: {e.strerror or e}; skipped")
 
 
 def run_state(doc: dict) -> str:
@@ -146,12 +180,13 @@ class ProgressLog:
     step, loss and rate for the summary and the manifest. `on_line` is LogMux's watch
     callback (called from the pump threads)."""
 
-    def __init__(self, plan: Plan, directory: str) -> None:
+    def __init__(self, plan: Plan, directory: str, save_failed=None) -> None:
+        self.path = os.path.join(directory, PROGRESS_FILE)
+        self._save_failed = save_failed     # (path, OSError): a write failed (a full disk)
         targets = {t.key: target_of(plan.progress, t.argv[1:]) for t in plan.tasks if t.runs_script}
         self.tracker = Tracker(plan.progress, targets=targets)
         self._lock = threading.Lock()
-        self._fd: int | None = os.open(os.path.join(directory, PROGRESS_FILE),
-                                       os.O_WRONLY | os.O_CREAT | os.O_APPEND | NOFOLLOW, 0o600)
+        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | NOFOLLOW, 0o600)
 
     def watch(self, other=None) -> tuple:
         """LogMux's `watch`: this log's markers and callback, and `other`'s (markers,
@@ -177,8 +212,14 @@ class ProgressLog:
             if said is None or (said.step is None and said.loss is None):
                 return          # nothing, or only Keras' `Epoch k/N`
             if self._fd is not None:
-                os.write(self._fd, f"{now:.3f}\t{key}\t{'-' if said.step is None else said.step}\t"
-                                   f"{'-' if said.loss is None else repr(said.loss)}\n".encode())
+                try:
+                    os.write(self._fd, f"{now:.3f}\t{key}\t{'-' if said.step is None else said.step}\t"
+                                       f"{'-' if said.loss is None else repr(said.loss)}\n".encode())
+                except OSError as e:     # a full disk: stop recording, say so once
+                    os.close(self._fd)
+                    self._fd = None
+                    if self._save_failed is not None:
+                        self._save_failed(self.path, e)
 
     def states(self) -> dict:
         """task -> a copy of its metrics.TaskProgress (its last 16 samples), taken under
@@ -204,22 +245,48 @@ class ProgressLog:
                 self._fd = None
 
 
-def read_progress(directory: str) -> dict[str, list[tuple[float, int]]]:
+def read_progress(directory: str, warn=None) -> dict[str, list[tuple[float, int]]]:
     """progress.tsv as task -> [(time, step)] of the lines that gave a step ({} without one)."""
     out: dict[str, list[tuple[float, int]]] = {}
+    path = os.path.join(directory, PROGRESS_FILE)
     try:
-        with open(os.path.join(directory, PROGRESS_FILE), "rb") as f:
-            data = f.read()
-    except OSError:
+        f = open_saved(path)
+    except FileNotFoundError:
         return out
-    for line in data.split(b"\n"):
-        parts = line.split(b"\t")
-        if len(parts) == 4 and parts[2] != b"-":
-            try:
-                out.setdefault(parts[1].decode(), []).append((float(parts[0]), int(parts[2])))
-            except ValueError:
-                continue
+    except OSError as e:
+        refused(warn, path, e)
+        return out
+    with f:
+        for line in saved_lines(f):
+            parts = line.split(b"\t")
+            if len(parts) == 4 and parts[2] != b"-":
+                try:
+                    out.setdefault(parts[1].decode(), []).append((float(parts[0]), int(parts[2])))
+                except ValueError:
+                    continue
     return out
+
+
+def open_logs(ui, directory: str, run: str, keys: list[str]) -> dict:
+    """key -> its saved log opened to read (open_saved); a log that is no regular file is
+    named on one line and left out, and when any is, TfclusterError after the others
+    were shown is the caller's (see not_shown)."""
+    files = {}
+    for key in keys:
+        path = os.path.join(directory, log_file(key))
+        try:
+            files[key] = open_saved(path)
+        except OSError as e:
+            refused(ui.warn, path, e)
+    return files
+
+
+def not_shown(run: str, keys: list[str], files: dict) -> None:
+    """The error for the logs open_logs left out (exit 1: what was shown is not all)."""
+    missing = [k for k in keys if k not in files]
+    if missing:
+        raise TfclusterError(f"run {run}: the log of {', '.join(missing)} was not read (said above)",
+                             hint="a saved log is read only when it is a regular file")
 
 
 def show_logs(ui, name: str, runs_dir: str, run: str | None, task: str | None, out) -> int:
@@ -229,11 +296,16 @@ def show_logs(ui, name: str, runs_dir: str, run: str | None, task: str | None, o
     directory = os.path.join(runs_dir, run)
     keys = task_logs(directory, run, task)
     ui.info(f"run {run}")
-    mux = LogMux(out, keys, color=ui.color)
-    for key in keys:
-        with open(os.path.join(directory, log_file(key)), "rb") as f:
+    files = open_logs(ui, directory, run, keys)
+    mux = LogMux(out, list(files), color=ui.color)
+    try:
+        for key, f in files.items():
             while chunk := f.read(1 << 16):
                 mux.feed(key, chunk)
-        mux.close_task(key)
-    mux.close()
+            mux.close_task(key)
+        mux.close()
+    finally:
+        for f in files.values():
+            f.close()
+    not_shown(run, keys, files)
     return 0
