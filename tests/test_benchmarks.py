@@ -83,6 +83,10 @@ def test_restart_latency_benchmark_runs_small_and_leaves_nothing_running():
     _smoke("restart_latency.py", 120)
 
 
+def test_saved_runs_benchmark_runs_small_and_leaves_nothing_running():
+    _smoke("saved_runs.py", 120)
+
+
 @needs_sshd
 @pytest.mark.skipif(not shutil.which("pdsh"), reason="pdsh not installed")
 def test_scale_up_benchmark_runs_small_and_leaves_nothing_running():
