@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -33,10 +34,13 @@ MEASURE = textwrap.dedent("""\
     from tfcluster.cli import main
     try:
         code = main(sys.argv[1:])
-    finally:
-        print(f"maxrss_kb={resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}", file=sys.stderr)
+    finally:      # this process's own peak (ru_maxrss would count the forking parent's)
+        with open("/proc/self/status") as f:
+            peak = next(line.split()[1] for line in f if line.startswith("VmHWM:"))
+        print(f"peak_kb={peak}", file=sys.stderr)
     sys.exit(code)
 """)
+KEEP = 1 << 20          # bytes of each output stream kept: endless output must not fill the test
 
 
 def spec_in(tmp: Path) -> Path:
@@ -46,18 +50,32 @@ def spec_in(tmp: Path) -> Path:
 
 def cli(cwd: Path, *args: str, timeout: float = 60) -> tuple[subprocess.CompletedProcess, float, int]:
     """The CLI under an address-space limit: (result, seconds, peak RSS in MB). A hang is a
-    failure after `timeout` (its process group killed)."""
-    proc = subprocess.Popen([sys.executable, "-c", MEASURE, str(MEMORY_LIMIT), *args], cwd=cwd, env=cli_env(cwd),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    failure after `timeout` (its process group killed); only the first MiB of each stream
+    is kept."""
+    proc = subprocess.Popen([sys.executable, "-c", MEASURE, str(MEMORY_LIMIT), *args], cwd=cwd,
+                            env=cli_env(cwd), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True)
+    kept = {proc.stdout: bytearray(), proc.stderr: bytearray()}
+
+    def drain(stream) -> None:
+        while chunk := stream.read1(1 << 16):
+            if len(kept[stream]) < KEEP:
+                kept[stream] += chunk[:KEEP - len(kept[stream])]
+    readers = [threading.Thread(target=drain, args=(s,), daemon=True) for s in kept]
+    for reader in readers:
+        reader.start()
     start = time.monotonic()
     try:
-        out, err = proc.communicate(timeout=timeout)
+        proc.wait(timeout)
     except subprocess.TimeoutExpired:
-        kill_group(proc)
         raise AssertionError(f"tfcluster {' '.join(args)} still running after {timeout}s") from None
-    took = time.monotonic() - start
-    rss = [int(line.split("=")[1]) // 1024 for line in err.splitlines() if line.startswith("maxrss_kb=")]
+    finally:
+        took = time.monotonic() - start
+        kill_group(proc)
+        for reader in readers:
+            reader.join(10)
+    out, err = (kept[s].decode(errors="replace") for s in (proc.stdout, proc.stderr))
+    rss = [int(line.split("=")[1]) // 1024 for line in err.splitlines() if line.startswith("peak_kb=")]
     return subprocess.CompletedProcess(args, proc.returncode, out, err), took, rss[-1] if rss else -1
 
 

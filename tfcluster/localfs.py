@@ -79,13 +79,13 @@ def open_saved(path: str) -> BinaryIO:
         fd = os.open(path, os.O_RDONLY | NOFOLLOW | os.O_NONBLOCK)
     except OSError as e:
         if e.errno == errno.ELOOP:
-            raise OSError(e.errno, "a symbolic link: not followed", path) from None
+            raise OSError(e.errno, "a symbolic link, not followed", path) from None
         raise
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
             kind = _KINDS.get(stat.S_IFMT(mode), "not a file")
-            raise OSError(errno.EINVAL, f"not a regular file ({kind}): not read", path)
+            raise OSError(errno.EINVAL, f"not a regular file ({kind})", path)
         return os.fdopen(fd, "rb")
     except BaseException:
         os.close(fd)
@@ -98,7 +98,7 @@ def read_saved(path: str, limit: int) -> bytes:
     with open_saved(path) as f:
         data = f.read(limit + 1)
     if len(data) > limit:
-        raise OSError(errno.EFBIG, f"larger than {limit >> 20} MiB: not read", path)
+        raise OSError(errno.EFBIG, f"larger than {limit >> 20} MiB", path)
     return data
 
 

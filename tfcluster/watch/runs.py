@@ -285,7 +285,7 @@ def not_shown(run: str, keys: list[str], files: dict) -> None:
     """The error for the logs open_logs left out (exit 1: what was shown is not all)."""
     missing = [k for k in keys if k not in files]
     if missing:
-        raise TfclusterError(f"run {run}: the log of {', '.join(missing)} was not read (said above)",
+        raise TfclusterError(f"run {run}: {len(missing)} log(s) not read ({', '.join(missing)}: said above)",
                              hint="a saved log is read only when it is a regular file")
 
 
