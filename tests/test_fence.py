@@ -378,6 +378,30 @@ def test_up_over_ssh_closes_each_hosts_ports_to_another_user_until_down(
     assert cluster_tables("fencessh") == []
 
 
+@pytest.mark.tf
+@pytest.mark.timeout(240)
+def test_the_shims_remove_the_table_themselves_when_the_launcher_vanishes_over_ssh(
+        tmp_path, home, ssh_home, sshd, nft, drop_tables):
+    """SIGKILL of the launcher alone: each host's shims read EOF, stop their tasks, and the
+    last one removes the table, with no `down`."""
+    drop_tables.append("fencegone")
+    spec = ssh_spec(tmp_path, sshd, name="fencegone",
+                    train="train:\n  mode: between-graph\n  script: template:between_graph\n"
+                          "  args: ['--steps', '100000']\n")
+    proc = start_tfcluster("train", str(spec), home=home, cwd=tmp_path)
+    try:
+        read_until(proc, "│ step=", timeout=150)
+        assert len(cluster_tables("fencegone")) == 1
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        wait_for(lambda: not cluster_tables("fencegone"), 60, what="the shims to remove the table")
+        wait_for(lambda: not tagged_processes(), 30, what="the run's processes to go")
+    finally:
+        kill_group(proc)
+        if tagged_processes():
+            tfcluster("down", str(spec), home=home, cwd=tmp_path)
+
+
 # ---------------------------------------------------------------- a user who cannot close them
 
 def _run_as_user_without_root(user, tf_ports: str = "auto"):
