@@ -128,8 +128,11 @@ class _SshdFactory:
                     "MaxSessions": 64, "PidFile": d / "sshd.pid", "LogLevel": "ERROR",
                     "Subsystem": f"sftp {SFTP_SERVER}", "AllowTcpForwarding": "yes",
                     # Sessions carry this test session's marker, so the leak check in
-                    # conftest.py sees processes started over SSH as ours.
-                    "SetEnv": f"{SESSION_VAR}={os.environ[SESSION_VAR]}"}
+                    # conftest.py sees processes started over SSH as ours. A login shell
+                    # that runs `pyenv init` (as root's .bashrc may) rehashes under a lock
+                    # file; a test that kills a host's processes can kill it mid-rehash, and
+                    # the stale lock then holds every later login for pyenv's 60 s default.
+                    "SetEnv": f"{SESSION_VAR}={os.environ[SESSION_VAR]} PYENV_REHASH_TIMEOUT=1"}
         settings.update(options)
         lines = [f"ListenAddress {a}" for a in addresses]
         lines += [f"{k} {v}" for k, v in settings.items()]
