@@ -139,6 +139,40 @@ def test_idle_connection_is_probed_and_stays(sshd_factory, ssh_home):
         t.close()
 
 
+HOLDER = """
+import sys, time
+from tfcluster.transport.ssh import SshTransport
+from tfcluster.transport.ssh_config import SshOptions
+t = SshTransport("h9", sys.argv[1], SshOptions(port=int(sys.argv[2]), connect_timeout=5))
+t.keepalive_interval, t.silent_after = 1.0, 3.0
+chan = t.spawn(["sleep", "60"])
+print("ready", flush=True)
+sys.stdin.readline()
+time.sleep(1.5)            # the watcher's first looks after SIGCONT
+print(t.lost, chan.chan.closed, flush=True)
+t.close()
+"""
+
+
+def test_a_stopped_launcher_does_not_call_its_hosts_silent(sshd_factory, ssh_home, home):
+    """Ctrl-Z, a suspended laptop: the launcher's clock jumps, the host said nothing because
+    nobody asked. The watcher asks again before it judges."""
+    server = lone(sshd_factory, ssh_home, SILENT_ADDRESS)
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, SILENT_ADDRESS, str(server.port)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "HOME": str(home)})
+    try:
+        assert holder.stdout.readline() == "ready\n"
+        holder.send_signal(signal.SIGSTOP)
+        time.sleep(5)          # the fault itself: stopped past silent_after
+        holder.send_signal(signal.SIGCONT)
+        out, _ = holder.communicate("go\n", timeout=30)
+        assert out == "None False\n"
+    finally:
+        holder.kill()
+        holder.wait(10)
+
+
 def test_dropped_host_is_lost_after_the_grace_and_a_reopened_one_is_not(sshd_factory, ssh_home):
     server = lone(sshd_factory, ssh_home, DROPPED_ADDRESS)
     t = SshTransport("h8", DROPPED_ADDRESS, SshOptions(port=server.port, connect_timeout=5))

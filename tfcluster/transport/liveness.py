@@ -22,6 +22,7 @@ from collections.abc import Callable
 PROBE_INTERVAL = 5.0       # seconds of quiet before a probe
 SILENT_AFTER = 20.0        # seconds without a packet from the host before it is declared silent
 TICK = 0.5                 # how often the watcher looks
+STALL = 2.0                # a look this late: this process did not run (Ctrl-Z, a suspended laptop)
 PROBE = "keepalive@openssh.com"
 
 
@@ -72,11 +73,14 @@ class Watch:
 
     def _run(self) -> None:
         count = received_packets(self.transport)
-        heard = probed = time.monotonic()
+        heard = probed = last = time.monotonic()
         while not self._stop.wait(TICK):
             if not self.transport.is_active():
                 return
             now = time.monotonic()
+            if now - last > STALL:             # this process was stopped or starved, not the host:
+                heard = now                    # the host gets its full time again
+            last = now
             seen = received_packets(self.transport)
             if seen is None:
                 return                     # cannot tell: never declare a host silent blindly
@@ -84,12 +88,12 @@ class Watch:
                 count, heard = seen, now
                 continue
             if now - heard >= self.silent_after:
-                self._declare(now - heard)
+                self._declare()
                 return
             if now - heard >= self.interval and now - probed >= self.interval:
                 probed = now
                 self.probes += send_probe(self.transport)
 
-    def _declare(self, quiet: float) -> None:
-        self._on_silent(f"silent for {quiet:.0f}s, no answer to keepalives")
+    def _declare(self) -> None:
+        self._on_silent(f"silent for {self.silent_after:g}s, no answer to keepalives")
         self._close()
