@@ -404,9 +404,9 @@ def test_the_shims_remove_the_table_themselves_when_the_launcher_vanishes_over_s
 
 # ---------------------------------------------------------------- a user who cannot close them
 
-def _run_as_user_without_root(user, tf_ports: str = "auto"):
-    """`tfcluster train` of a one-worker mirrored spec (a plain script, no TF import) run by
-    `user` with the system Python; (the result, the task's port)."""
+def _run_as_user_without_root(user, tf_ports: str = "auto", command: tuple = ("train",)):
+    """`tfcluster train` (or `command`) of a one-worker mirrored spec (a plain script, no TF
+    import) run by `user` with the system Python; (the result, the task's port)."""
     if not (SITE and os.access(SYSTEM_PYTHON, os.X_OK)):
         pytest.skip(f"{SYSTEM_PYTHON} and this venv's site-packages are needed to run tfcluster as the other user")
     if shutil.which("sudo") and user.run(["sudo", "-n", "true"]).returncode == 0:
@@ -425,7 +425,7 @@ def _run_as_user_without_root(user, tf_ports: str = "auto"):
             os.chown(path, user.uid, user.gid)
         env = user.env(PYTHONPATH=f"{Path(__file__).resolve().parents[1]}:{SITE}", NO_COLOR="1",
                        **{SESSION_VAR: os.environ[SESSION_VAR]})
-        run = user.run([SYSTEM_PYTHON, "-m", "tfcluster", "train", "lab.yaml"], cwd=str(work), env=env,
+        run = user.run([SYSTEM_PYTHON, "-m", "tfcluster", *command, "lab.yaml"], cwd=str(work), env=env,
                        timeout=120)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -440,6 +440,10 @@ def test_a_user_without_root_or_sudo_runs_with_one_warning_naming_the_host(other
     assert warnings[0].startswith(f"tfcluster: warning: host mybox: TensorFlow's ports ({port}) stay open: ")
     assert f"tfcluster runs as {other_user.name} there, not root" in warnings[0]
     assert "hello from the script" in run.stdout
+    check, port = _run_as_user_without_root(other_user, command=("plan", "--check"))
+    assert check.returncode == 0, check.stderr
+    assert f"tfcluster: warning: host mybox: TensorFlow's ports ({port}) stay open: " in check.stderr
+    assert "will be closed" not in check.stderr
 
 
 def test_tf_ports_closed_refuses_that_run_before_anything_starts_and_open_says_nothing(other_user):
