@@ -73,6 +73,7 @@ KNOWN = [  # the signature each script ends with
     known("pss-dataset", "pss_dataset_loop.py", "coordinator", {"chief": 1, "ps": 1, "worker": 1}),
     known("keras3-reset-states", "keras3_reset_states.py", "mirrored", {"worker": 1}),
     known("keras3-legacy-optimizer", "legacy_optimizer.py", "mirrored", {"worker": 1}),
+    known("keras3-missing-api", "keras3_missing_api.py", "mirrored", {"worker": 1}),
     known("collectives-late", "strategy_late.py", "mirrored", {"worker": 1}),
     known("evaluator-strategy", "evaluator_strategy.py", "mirrored", {"worker": 1, "evaluator": 1}),
     known("evaluator-pss", "evaluator_pss.py", "coordinator", {"chief": 1, "ps": 1, "worker": 1, "evaluator": 1}),

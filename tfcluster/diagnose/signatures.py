@@ -19,7 +19,7 @@ TAIL_LINE_CHARS = 500          # a line of an unmatched failure's tail, at most
 RESTART_NOTE = b"[tfcluster] exited with code "   # restart_note as LogMux saves it
 
 _LEGACY = ("set `train.keras: legacy` in the spec (every task gets TF_USE_LEGACY_KERAS=1; each host "
-           "needs `pip install tf_keras` matching its TensorFlow)")
+           "needs `pip install --no-deps tf_keras` matching its TensorFlow)")
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,12 @@ SIGNATURES = (
         "keras3-legacy-optimizer", (b"`keras.optimizers.legacy` is not supported in Keras 3",),
         "Keras 3 has no tf.keras.optimizers.legacy",
         f"use the optimizer of the same name in tf.keras.optimizers, or {_LEGACY}"),
+    Signature(
+        "keras3-missing-api", (b"AttributeError: module 'keras.",),
+        "the script uses a tf.keras API of Keras 2 that Keras 3 does not have (TensorFlow's "
+        "tutorials were written for Keras 2: DatasetCreator, tf.keras.utils.experimental, ...)",
+        f"{_LEGACY}, or port the script to Keras 3's API",
+        also=(b"has no attribute",)),
     Signature(
         "collectives-late", (b"Collective ops must be configured at program startup",),
         "MultiWorkerMirroredStrategy was created after TensorFlow had already run something "
