@@ -110,6 +110,24 @@ def test_silent_connection_is_closed_and_said_within_its_bound(nft, sshd_factory
         t.close()
 
 
+def test_server_alive_settings_of_the_ssh_config_set_the_keepalive(nft, sshd_factory, ssh_home):
+    """As ssh(1) reads them: a probe after ServerAliveInterval quiet seconds, the host given up
+    after ServerAliveCountMax unanswered ones."""
+    server = lone(sshd_factory, ssh_home, SILENT_ADDRESS)
+    (ssh_home / "config").write_text(f"Host {SILENT_ADDRESS}\n  ServerAliveInterval 1\n"
+                                     f"  ServerAliveCountMax 2\n")
+    t = SshTransport("h9", SILENT_ADDRESS, SshOptions(port=server.port, connect_timeout=5))
+    try:
+        proc = t.spawn(["sleep", "60"])
+        with silenced(SILENT_ADDRESS, server.port):
+            began = time.monotonic()
+            assert proc.read() == b""
+            assert t.lost == "silent for 3s, no answer to keepalives"
+            assert time.monotonic() - began <= 6
+    finally:
+        t.close()
+
+
 def test_busy_connection_is_never_called_silent(sshd_factory, ssh_home):
     """Output counts as heard: a connection whose host only streams never gets a probe."""
     server = lone(sshd_factory, ssh_home, SILENT_ADDRESS)

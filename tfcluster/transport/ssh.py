@@ -74,8 +74,9 @@ class SshTransport(Transport):
         conn = dial(ep, self.options, config)
         self._conns.append(conn)
         self._watches = [w for w in self._watches if w.transport.is_active()]
+        interval, silent = ep.alive or (self.keepalive_interval, self.silent_after)
         self._watches.append(liveness.Watch(conn.transport, conn.close, self._went_silent,
-                                            self.keepalive_interval, self.silent_after, self.name))
+                                            interval, silent, self.name))
         return conn
 
     def _went_silent(self, reason: str) -> None:

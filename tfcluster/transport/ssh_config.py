@@ -51,6 +51,9 @@ class Endpoint:
     allow_agent: bool = True        # False: IdentitiesOnly (agent keys only if in key_files)
     global_known_hosts: tuple[str, ...] = ()    # read, never written
     hash_known_hosts: bool = False  # accept-new records the name hashed
+    # (probe after this many quiet seconds, silent after this many) from ServerAliveInterval
+    # and ServerAliveCountMax; None: the transport's own (transport/liveness.py)
+    alive: tuple[float, float] | None = None
 
     @property
     def label(self) -> str:
@@ -158,13 +161,27 @@ def resolve(name: str, address: str, options: SshOptions, config: paramiko.SSHCo
                   jump=jump, role=role, allow_agent=not only,
                   global_known_hosts=tuple(opts.get("globalknownhostsfile",
                                                     GLOBAL_KNOWN_HOSTS).split()),
-                  hash_known_hosts=_yes(opts, "hashknownhosts"))
+                  hash_known_hosts=_yes(opts, "hashknownhosts"), alive=_alive(opts))
     if options.identity_file and not os.path.isfile(keys[0]):
         raise ep.error(f"identity file {options.identity_file} not found",
                        "fix ssh.identity_file in the spec")
     if command:
         ep = dataclasses.replace(ep, proxy_command=_expand_proxy_command(ep, command, address))
     return ep
+
+
+def _alive(opts: dict) -> tuple[float, float] | None:
+    """ServerAliveInterval N with ServerAliveCountMax C (default 3), as ssh(1) reads them: a
+    probe after N quiet seconds, the host given up after C unanswered ones, N * (C + 1) s of
+    silence in all. None when not set, 0 or unreadable: tfcluster never runs without one."""
+    try:
+        interval = float(opts.get("serveraliveinterval", 0))
+        count = int(opts.get("serveralivecountmax", 3))
+    except ValueError:
+        return None
+    if interval <= 0 or count < 1:
+        return None
+    return interval, interval * (count + 1)
 
 
 def _yes(opts: dict, key: str) -> bool:
