@@ -119,8 +119,8 @@ def pump(run: Run, proc: Supervised, handle: AttachedTask, attempt: int) -> None
             run.mux.note(proc.key, f"lost contact with {proc.task.host}: {lost}")
         if rc is None or rc < 0:  # the channel closed with no exit status: connection lost
             if not proc.stopping:
-                run.mux.note(proc.key, f"lost contact with {proc.task.host} (connection dropped); "
-                                       f"its shim stops the task")
+                how = run.session.agents[proc.task.host].transport.lost or "connection dropped"
+                run.mux.note(proc.key, f"lost contact with {proc.task.host} ({how}); its shim stops the task")
                 hostloss.after_drop(run, proc, ended_at)   # a drop that cannot be re-opened is a lost host
             rc = 255
     finally:       # the exit is always reported: a pump that died silently would leave the run waiting
