@@ -17,6 +17,7 @@ import base64
 import hashlib
 import json
 import os
+import signal
 import sys
 import time
 
@@ -282,12 +283,21 @@ def main(argv: list) -> int:
     return 0
 
 
+def _leave(signum, frame):
+    """SIGHUP or SIGTERM before an attached task installs its own handlers: unwind, so that
+    what this shim started (warm servers) is stopped and the cluster's table removed when
+    nothing of it is left (docs/security.md, "TensorFlow's ports")."""
+    raise SystemExit(128 + signum)
+
+
 def run() -> None:
     """main(), then leave at once: the one exit of the shim. A daemon thread may still sit
     in a read of stdin or of a task's pipes (the launcher keeps its end open), holding the
     buffer's lock: the interpreter's teardown waited 1 s for that lock and then aborted
     ("Fatal Python error: _enter_buffered_busy", SIGABRT) after every `up`. Answers are
     written with os.write; nothing is left buffered."""
+    for sig in (signal.SIGHUP, signal.SIGTERM):     # sshd's hangup, a stop: leave through the
+        signal.signal(sig, _leave)                     # finally blocks (a warm server, the fence)
     try:
         code = main(sys.argv)
     except SystemExit as e:
