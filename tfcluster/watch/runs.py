@@ -73,8 +73,8 @@ class Manifest:
 def judge(runs_dir: str) -> None:
     """runs/ judged as `train` judges it before anything in it is read: owned by this user
     (or root) and writable by no one else, else PreflightError (exit 4) naming it; a
-    runs/ that is not there is left so."""
-    if os.path.lexists(runs_dir):
+    runs/ that is not there, or is a plain file (the listing says so, exit 2), is left so."""
+    if os.path.islink(runs_dir) or os.path.isdir(runs_dir):
         private_dir(runs_dir, "runs", top=runs_dir)
 
 
