@@ -184,5 +184,6 @@ def clip(line: str, n: int = LINE_CHARS, squeeze: bool = True) -> str:
         line = " ".join(line.split())
     if len(line) <= n:
         return line
-    more = f"… ({len(line)} characters)"
+    # a line LogMux's history kept cut already ends in "…": its length is a floor
+    more = f"… (over {len(line) - 1} characters)" if line.endswith("…") else f"… ({len(line)} characters)"
     return line[:max(0, n - len(more))] + more
