@@ -10,8 +10,9 @@ docs/design/diagnoses.md, "Failure signatures". Pure but for `read_tail`.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
+
+from tfcluster.localfs import saved_tail
 
 TAIL_BYTES = 256 * 1024        # how much of a failed task's saved log is read
 LINE_CHARS = 200               # a matched line quoted in the summary, at most
@@ -163,18 +164,12 @@ def last_attempt(tail: bytes) -> bytes:
 
 
 def read_tail(path: str, limit: int = TAIL_BYTES) -> bytes:
-    """The last `limit` bytes of the file at `path`, from its first whole line (b"" if it
-    cannot be read)."""
+    """The last `limit` bytes of the saved log at `path`, from its first whole line (b"" if it
+    cannot be read, or is no regular file: localfs.saved_tail)."""
     try:
-        with open(path, "rb") as f:
-            size = f.seek(0, os.SEEK_END)
-            f.seek(max(0, size - limit))
-            data = f.read(limit)
+        return saved_tail(path, limit)
     except OSError:
         return b""
-    if size > limit:
-        data = data[data.find(b"\n") + 1:]
-    return data
 
 
 def clip(line: str, n: int = LINE_CHARS, squeeze: bool = True) -> str:
