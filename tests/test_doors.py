@@ -16,7 +16,6 @@ import stat
 import subprocess
 import sys
 import tarfile
-import uuid
 from pathlib import Path
 
 import pytest
@@ -32,12 +31,8 @@ pytestmark = pytest.mark.timeout(120)
 @pytest.fixture
 def shared(other_user):
     """/tmp/tfc-doors-XXXX: B's, mode 0777 (a group project directory gone wrong)."""
-    path = Path("/tmp") / f"tfc-doors-{uuid.uuid4().hex[:8]}"
-    made = other_user.run(["mkdir", "-m", "777", str(path)])
-    assert made.returncode == 0, made.stderr
-    yield path
-    other_user.run(["rm", "-rf", str(path)])
-    shutil.rmtree(path, ignore_errors=True)
+    with other_user.directory("tfc-doors", "777") as path:
+        yield path
 
 
 def as_b(other_user, *commands: str) -> None:

@@ -45,12 +45,8 @@ def evil(marker: Path) -> bytes:
 @pytest.fixture
 def shared(other_user):
     """/tmp/tfc-shared-XXXX, made by B (0755); removed afterwards, first as B."""
-    path = Path("/tmp") / f"tfc-shared-{uuid.uuid4().hex[:8]}"
-    made = other_user.run(["mkdir", "-m", "755", str(path)])
-    assert made.returncode == 0, made.stderr
-    yield path
-    other_user.run(["rm", "-rf", str(path)])
-    shutil.rmtree(path, ignore_errors=True)      # anything B could not remove (there should be none)
+    with other_user.directory("tfc-shared", "755") as path:
+        yield path
 
 
 def as_b(other_user, *commands: str) -> None:

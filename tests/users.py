@@ -1,4 +1,4 @@
-"""A real second Unix user for the shared-host tests (issue 10).
+"""A real second Unix user for the shared-host tests.
 
 The fixture creates `tfcother` (useradd, no password, own home) the first time the suite
 needs it and leaves it for later runs; it skips with a reason when the tests do not run
@@ -7,10 +7,14 @@ own HOME and this session's marker, so the leak check still sees its processes.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
+import shutil
 import subprocess
+import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -34,6 +38,19 @@ class User:
         kw.setdefault("cwd", self.home)
         return subprocess.run(argv, user=self.uid, group=self.gid, extra_groups=[], timeout=timeout,
                               capture_output=True, text=True, **kw)
+
+    @contextlib.contextmanager
+    def directory(self, prefix: str, mode: str):
+        """/tmp/<prefix>-XXXX made by this user with `mode`; removed afterwards, first as this
+        user, then whatever it could not remove."""
+        path = Path("/tmp") / f"{prefix}-{uuid.uuid4().hex[:8]}"
+        made = self.run(["mkdir", "-m", mode, str(path)])
+        assert made.returncode == 0, made.stderr
+        try:
+            yield path
+        finally:
+            self.run(["rm", "-rf", str(path)])
+            shutil.rmtree(path, ignore_errors=True)
 
     def popen(self, argv, **kw) -> subprocess.Popen:
         kw.setdefault("env", self.env())
