@@ -19,6 +19,7 @@ from tfcluster.spec.layout import layout_tasks
 from tfcluster.spec.loader import check_train_files, load_spec, preview_train_files, with_train_overrides
 from tfcluster.spec.model import (
                                    HOST_KEY_POLICIES,
+                                   HOST_LOSS_POLICIES,
                                    JOB_NAMES,
                                    KERAS_CHOICES,
                                    LEGACY_KERAS_ENV,
@@ -29,6 +30,7 @@ from tfcluster.spec.model import (
                                    PLACEHOLDERS,
                                    RESTART_POLICIES,
                                    SECRET_MARKERS,
+                                   Checkpoint,
                                    Checks,
                                    Host,
                                    Job,
@@ -46,10 +48,10 @@ from tfcluster.spec.shipped import script_calls_fit
 from tfcluster.spec.yamltree import MAX_DEPTH, MAX_SPEC_BYTES, did_you_mean
 
 __all__ = [
-    "HOST_KEY_POLICIES", "JOB_NAMES", "KERAS_CHOICES", "LEGACY_KERAS_ENV", "LEGACY_KERAS_VALUES",
+    "HOST_KEY_POLICIES", "HOST_LOSS_POLICIES", "JOB_NAMES", "KERAS_CHOICES", "LEGACY_KERAS_ENV", "LEGACY_KERAS_VALUES",
     "LOCAL_ADDRESSES", "MAX_DEPTH", "MAX_SPEC_BYTES",
     "MAX_TASKS", "MODES", "PLACEHOLDERS", "RESTART_POLICIES", "SECRET_MARKERS",
-    "Checks", "Host", "Job", "Progress", "Restart", "Slot", "Spec", "SshSettings", "Train",
+    "Checkpoint", "Checks", "Host", "Job", "Progress", "Restart", "Slot", "Spec", "SshSettings", "Train",
     "check_train_files", "did_you_mean", "has_userinfo", "is_secret", "layout_tasks", "load_spec", "mask_userinfo",
     "preview_train_files", "script_calls_fit", "with_train_overrides",
 ]

@@ -101,9 +101,10 @@ def _conflict(slot: Slot, first: Slot, hosts: dict[str, Host]) -> str:
 
 def check_loopback_mix(spec: Spec, slots: tuple[Slot, ...]) -> None:
     """A task dials every other task at its host's address: a loopback address in a cluster
-    that also has other hosts would make the tasks on those hosts dial themselves."""
+    that also has other hosts would make the tasks on those hosts dial themselves. A spare
+    counts as used: a lost host's tasks may move there."""
     used = dict.fromkeys(s.host for s in slots)
-    hosts = [(i, h) for i, h in enumerate(spec.hosts) if h.name in used]
+    hosts = [(i, h) for i, h in enumerate(spec.hosts) if h.name in used or h.spare]
     loop = [(i, h) for i, h in hosts if machine_of(h.address) == "loopback"]
     other = [h for _, h in hosts if machine_of(h.address) != "loopback"]
     if loop and other:

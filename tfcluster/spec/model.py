@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 MODES = ("between-graph", "classic", "coordinator", "mirrored")
 JOB_NAMES = ("chief", "ps", "worker", "evaluator")   # canonical order everywhere
 RESTART_POLICIES = ("never", "on-failure", "exit-code")
+# train.on_host_loss: what a run does when a host is lost (docs/spec.md, "on_host_loss"); the
+# default is `spare` when the spec has a spare host, else `fail`
+HOST_LOSS_POLICIES = ("spare", "shrink", "fail")
 HOST_KEY_POLICIES = ("reject", "accept-new")
 # train.keras: `auto` leaves `tf.keras` to TensorFlow (Keras 3 from TF 2.16); `legacy` sets
 # LEGACY_KERAS_ENV for every task, so that `tf.keras` is tf_keras (docs/modes.md, "Keras").
@@ -86,6 +89,7 @@ class Host:
     local: bool = False              # run tasks as local processes (no SSH)
     ssh: SshSettings = field(default_factory=SshSettings)
     line: int = 0                    # line of this host's entry in the spec
+    spare: bool = False              # no task until a host is lost (docs/spec.md, "Spare hosts")
 
 
 @dataclass(frozen=True)
@@ -130,6 +134,17 @@ class Progress:
 
 
 @dataclass(frozen=True)
+class Checkpoint:
+    """train.checkpoint: where the chief's script keeps its checkpoints, and how often the
+    launcher copies the newest complete one back (docs/spec.md, "checkpoint")."""
+
+    dir: str                          # as written: placeholders ({workdir}, ...) unfilled
+    keep: int = 2                     # checkpoints kept (the launcher's copies too)
+    sync: float | None = 120.0        # seconds between copies; None: `sync: off` (a shared filesystem)
+    line: int = 0                     # line of train.checkpoint
+
+
+@dataclass(frozen=True)
 class Train:
     mode: str = "between-graph"
     script: str | None = None         # absolute local path (resolved against the spec's dir)
@@ -153,6 +168,9 @@ class Train:
     script_source: str | None = None
     script_line: int = 0
     files_lines: tuple[int, ...] = ()
+    on_host_loss: str | None = None   # HOST_LOSS_POLICIES; None: the default (see above)
+    on_host_loss_line: int = 0
+    checkpoint: Checkpoint | None = None
 
 
 @dataclass(frozen=True)
@@ -186,6 +204,11 @@ class Spec:
             if h.name == name:
                 return h
         raise KeyError(name)
+
+    @property
+    def spares(self) -> tuple[Host, ...]:
+        """The hosts marked `spare: true`, in file order."""
+        return tuple(h for h in self.hosts if h.spare)
 
     def job(self, name: str) -> Job | None:
         for j in self.jobs:

@@ -21,6 +21,7 @@ from tfcluster.spec.envs import parse_env, parse_names
 from tfcluster.spec.layout import per_host, task_count
 from tfcluster.spec.model import (
     HOST_KEY_POLICIES,
+    HOST_LOSS_POLICIES,
     JOB_NAMES,
     KERAS_CHOICES,
     LEGACY_KERAS_ENV,
@@ -31,6 +32,7 @@ from tfcluster.spec.model import (
     PLACEHOLDERS,
     RESTART_POLICIES,
     TF_PORTS,
+    Checkpoint,
     Checks,
     Host,
     Job,
@@ -42,6 +44,7 @@ from tfcluster.spec.model import (
 )
 from tfcluster.spec.progress import parse_progress
 from tfcluster.spec.yamltree import (
+    DURATION_WORDS,
     AnyKey,
     BadValue,
     as_bool,
@@ -56,7 +59,9 @@ from tfcluster.spec.yamltree import (
     as_word,
     fields_of,
     is_plain,
+    kind_of,
     line_of,
+    parse_duration,
     sub_field,
     suggest,
 )
@@ -65,11 +70,13 @@ _TOP_KEYS = ("name", "python", "workdir", "env", "secret_env", "public_env", "ss
              "train", "tf_ports")
 _SSH_KEYS = ("user", "port", "identity_file", "known_hosts", "host_key_policy", "jump_host",
              "connect_timeout")
-_HOST_KEYS = ("name", "address", "gpus", "ssh")
+_HOST_KEYS = ("name", "address", "gpus", "ssh", "spare")
 _JOB_KEYS = ("count", "per_gpu", "hosts", "port", "gpus", "tasks")
 _TRAIN_KEYS = ("mode", "script", "files", "allow_outside", "args", "restart", "timeout", "checks",
-               "tensorboard", "image", "progress", "keras")
+               "tensorboard", "image", "progress", "keras", "on_host_loss", "checkpoint")
 _CHECK_KEYS = ("placement", "reachability", "proxy_guard", "hang_after")
+_CHECKPOINT_KEYS = ("dir", "keep", "sync")
+MAX_CHECKPOINTS_KEPT = 1_000
 
 
 def build(path: str, root: yaml.Node) -> tuple[Spec, dict[str, int]]:
@@ -96,6 +103,7 @@ def build(path: str, root: yaml.Node) -> tuple[Spec, dict[str, int]]:
         tf_ports=as_choice(value["tf_ports"], "tf_ports", TF_PORTS, "tf_ports") if "tf_ports" in f else Spec.tf_ports,
     )
     _check_keras_env(spec.train, env)
+    _check_host_loss(spec)
     return spec, {"jobs": line_of(f["jobs"][0]), "env": line_of(f["env"][0]) if "env" in f else 0}
 
 
@@ -162,7 +170,15 @@ def _parse_host(node: yaml.Node, field: str, ssh: dict[str, Any]) -> Host:
         local=address in LOCAL_ADDRESSES and "ssh" not in f,
         ssh=SshSettings(**{**ssh, **own}),
         line=line_of(node),
+        spare="spare" in f and as_bool(f["spare"][1], sub_field(field, "spare")),
     )
+
+
+def _not_spare(host: Host, node: yaml.Node, field: str) -> None:
+    """A job places no task on a spare: it waits, idle, for a host to be lost."""
+    if host.spare:
+        raise BadValue(line_of(node), field, f"{host.name} is a spare: it takes tasks only when a host is lost",
+                       hint=f"remove spare: true from host {host.name} to give it tasks")
 
 
 # --------------------------------------------------------------------------- jobs
@@ -211,6 +227,7 @@ def _parse_task(node: yaml.Node, field: str, hosts: dict[str, Host]) -> tuple[st
         raise BadValue(line_of(node), field, f"must be 'host:port', got {value!r}")
     if host not in hosts:
         raise BadValue(line_of(node), field, suggest(host, hosts, "host"))
+    _not_spare(hosts[host], node, field)
     if not re.fullmatch(r"[0-9]{1,5}", port) or not 1 <= int(port) <= 65535:
         raise BadValue(line_of(node), field, f"port must be an integer from 1 to 65535, got {port!r}")
     return host, int(port)
@@ -255,6 +272,7 @@ def _job_hosts(node: yaml.Node, field: str, hosts: dict[str, Host], per_gpu: boo
         name = as_str(item, sub_field(field, i))
         if name not in hosts:
             raise BadValue(line_of(item), sub_field(field, i), suggest(name, hosts, "host"))
+        _not_spare(hosts[name], item, sub_field(field, i))
         if name in names:
             raise BadValue(line_of(item), sub_field(field, i), f"host {name!r} is listed twice")
         if per_gpu and not hosts[name].gpus:
@@ -315,7 +333,19 @@ def _parse_train(node: yaml.Node, base_dir: str) -> Train:
         script_source=source,
         script_line=line_of(value["script"]) if "script" in f else 0,
         files_lines=tuple(line for _, line in files),
+        on_host_loss=(as_choice(value["on_host_loss"], "train.on_host_loss", HOST_LOSS_POLICIES, "on_host_loss")
+                      if "on_host_loss" in f else None),
+        on_host_loss_line=line_of(value["on_host_loss"]) if "on_host_loss" in f else 0,
+        checkpoint=_checkpoint(value["checkpoint"]) if "checkpoint" in f else None,
     )
+
+
+def _check_host_loss(spec: Spec) -> None:
+    """`on_host_loss: spare` needs a spare to move a lost host's tasks to."""
+    if spec.train.on_host_loss == "spare" and not spec.spares:
+        raise BadValue(spec.train.on_host_loss_line, "train.on_host_loss",
+                       "spare needs a spare host, and no host entry says spare: true",
+                       hint="add a host with spare: true, or set on_host_loss to shrink or fail")
 
 
 def _check_keras_env(train: Train, env: tuple[tuple[str, str], ...]) -> None:
@@ -399,6 +429,35 @@ def _checks(node: yaml.Node) -> Checks:
         hang = f["hang_after"][1]
         flags["hang_after"] = 0.0 if _is_off(hang) else as_duration(hang, "train.checks.hang_after")
     return Checks(**flags)
+
+
+def _checkpoint(node: yaml.Node) -> Checkpoint:
+    """train.checkpoint: {dir, keep, sync}; `dir` takes the placeholders train.args does
+    ({job} and {index} are the chief's), `sync` a duration or off."""
+    f = fields_of(node, "train.checkpoint", _CHECKPOINT_KEYS, required=("dir",))
+    directory = as_path(f["dir"][1], "train.checkpoint.dir")
+    if not directory:
+        raise BadValue(line_of(f["dir"][1]), "train.checkpoint.dir", "must name a directory, got an empty string")
+    check_placeholders(directory, line_of(f["dir"][1]), "train.checkpoint.dir")
+    sync: float | None = Checkpoint.sync
+    if "sync" in f:
+        sync_node = f["sync"][1]
+        off = is_plain(sync_node) and sync_node.value.lower() in ("off", "false")
+        sync = None if off else _sync_duration(sync_node)
+    return Checkpoint(
+        dir=directory,
+        keep=as_int(f["keep"][1], "train.checkpoint.keep", 1, MAX_CHECKPOINTS_KEPT) if "keep" in f else Checkpoint.keep,
+        sync=sync,
+        line=line_of(node),
+    )
+
+
+def _sync_duration(node: yaml.Node) -> float:
+    if parse_duration(node.value if isinstance(node, yaml.ScalarNode) else "") is None:
+        raise BadValue(line_of(node), "train.checkpoint.sync",
+                       f"must be {DURATION_WORDS}, or off; got {kind_of(node, typed=True)}",
+                       hint="off: the checkpoints are on a filesystem every host shares")
+    return as_duration(node, "train.checkpoint.sync")
 
 
 def _is_off(node: yaml.Node) -> bool:
