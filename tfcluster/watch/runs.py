@@ -47,8 +47,10 @@ class Manifest:
         self._write({"outcome": "running", "pid": os.getpid(), "pid_start": _start_ticks(os.getpid())})
 
     def finish(self, procs, outcome: tuple[int, str], checks: dict[str, str] | None = None,
-               progress: dict | None = None, hosts_lost: dict | None = None) -> None:
-        """`hosts_lost`: host -> how it was found lost, its tasks, when (launch/hostloss.py)."""
+               progress: dict | None = None, hosts_lost: dict | None = None,
+               moves: list | None = None) -> None:
+        """`hosts_lost`: host -> how it was found lost, its tasks, when (launch/hostloss.py);
+        `moves`: each host given up and what the run did (launch/moves.py)."""
         tasks = {}
         for p in procs:
             entry = tasks.setdefault(p.task.key, {"host": p.task.host})
@@ -58,7 +60,7 @@ class Manifest:
                 entry["host_lost"] = p.host_lost
         self._write({"outcome": outcome[1], "exit_code": outcome[0], "ended": time.time(),
                      "tasks": tasks, "checks": checks or {}, "progress": progress or {},
-                     "hosts_lost": hosts_lost or {}})
+                     "hosts_lost": hosts_lost or {}, "moves": moves or []})
 
     def _write(self, extra: dict) -> None:
         doc = {"run_id": self.run_id, "cluster": self.plan.name, "mode": self.plan.mode,
