@@ -22,6 +22,7 @@ import sys
 import time
 
 if __package__:
+    from . import shim_ckpt as ckpt
     from . import shim_facts as facts
     from . import shim_fence as fence
     from . import shim_fs as fs
@@ -33,6 +34,7 @@ if __package__:
     from . import shim_talk as talk
     from . import shim_tasks as tasks
 else:  # shipped: this file's directory is first on sys.path
+    import shim_ckpt as ckpt
     import shim_facts as facts
     import shim_fence as fence
     import shim_fs as fs
@@ -261,7 +263,8 @@ COMMANDS = {proto.INFO: cmd_info, proto.PORTS: cmd_ports, proto.START: cmd_start
             proto.STOP: cmd_stop, proto.STATUS: cmd_status, proto.WAIT: launch.cmd_wait,
             proto.TAIL: cmd_tail, proto.FILES: cmd_files, proto.BATCH: cmd_batch,
             proto.LAUNCH: launch.cmd_launch, proto.REACH: talk.cmd_reach,
-            proto.UP: cmd_up, proto.DOWN: cmd_down, proto.FENCE: fence.cmd_fence}
+            proto.UP: cmd_up, proto.DOWN: cmd_down, proto.FENCE: fence.cmd_fence,
+            proto.CKPT: ckpt.cmd_ckpt}
 
 
 def main(argv: list) -> int:
