@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import dataclass, field, fields
+from collections.abc import Iterable
+from dataclasses import dataclass, field, fields, replace
 
 from tfcluster.host import HOST_DIR
 from tfcluster.plan.names import task_key
@@ -23,12 +24,14 @@ from tfcluster.spec import (
     Checks,
     Progress,
     Restart,
+    Slot,
     Spec,
     has_userinfo,
     is_secret,
     layout_tasks,
     mask_userinfo,
 )
+from tfcluster.spec.addresses import machine_of
 from tfcluster.transport.options import SshOptions
 
 DEFAULT_PYTHON = Spec.python
@@ -100,6 +103,23 @@ class TaskPlan:
 
 
 @dataclass(frozen=True)
+class CheckpointPlan:
+    """train.checkpoint as the run uses it (docs/spec.md, "checkpoint")."""
+
+    dir: str                             # on the chief's host, placeholders filled; may start with "~/"
+    keep: int
+    sync: float | None                   # seconds between copies to this machine; None: off
+
+
+@dataclass(frozen=True)
+class _Source:
+    """What build_plan was given, so that Plan.moved re-plans the same spec."""
+
+    spec: Spec
+    local_python: str
+
+
+@dataclass(frozen=True)
 class Plan:
     name: str
     mode: str
@@ -129,6 +149,15 @@ class Plan:
     legacy_keras: bool = False
     script_fits: bool | None = None      # the script calls `.fit(` (None: not read)
     tf_ports: str = "auto"               # spec.tf_ports: close the task ports (auto, closed) or not
+    # A lost host's tasks and where they may go (docs/spec.md, "Spare hosts"): the hosts marked
+    # spare, in spec order (all_hosts has them; `hosts` only once a move gave them tasks), what
+    # a run does when a host is lost (spare, shrink, fail: the spec's default resolved), and the
+    # (lost host, spare) moves this plan applies, in order.
+    spares: tuple[str, ...] = ()
+    on_host_loss: str = "fail"
+    checkpoint: CheckpointPlan | None = None
+    moves: tuple[tuple[str, str], ...] = ()
+    source: _Source | None = field(default=None, compare=False, repr=False)
 
     @property
     def chief(self) -> TaskPlan | None:
@@ -181,6 +210,44 @@ class Plan:
 
     def tasks_on(self, host: str) -> tuple[TaskPlan, ...]:
         return tuple(t for t in self.tasks if t.host == host)
+
+    def spare_problem(self, spare: str, lost: str) -> str | None:
+        """Why `spare` cannot take every task of `lost` (None: it can): too few GPUs for them
+        beside what it holds already, or a port of theirs taken by a task on its machine."""
+        moving = self.tasks_on(lost)
+        host = self.host(spare)
+        need = sum(len(t.gpus) for t in moving) + sum(len(t.gpus) for t in self.tasks_on(spare))
+        if need > host.gpus:
+            return f"needs {need} GPUs, has {host.gpus}"
+        machine = machine_of(host.address)
+        taken = {t.port: t for t in self.tasks if t.host != lost and machine_of(t.address) == machine}
+        clash = next((t for t in moving if t.port in taken), None)
+        if clash is not None:
+            return f"port {clash.port} ({clash.key}) is {taken[clash.port].key}'s on its machine"
+        return None
+
+    def spare_for(self, lost: str, used: Iterable[str] = ()) -> str | None:
+        """The first spare (spec order) not in `used`, holding no task yet, that can take
+        every task of `lost` (spare_problem); None when none can or `lost` holds no task."""
+        if not self.tasks_on(lost):
+            return None
+        skip = set(used)
+        return next((s for s in self.spares if s not in skip and s != lost and not self.tasks_on(s)
+                     and self.spare_problem(s, lost) is None), None)
+
+    def moved(self, lost: str, spare: str) -> Plan:
+        """The same spec planned again with every task of `lost` on `spare`: same job, index
+        and port, GPUs numbered from 0 on the spare, and every TF_CONFIG, placeholder and
+        address following. ValueError when `spare` is not a spare or `lost` holds no task."""
+        if self.source is None:
+            raise ValueError("this plan was not made by build_plan: it cannot be planned again")
+        if spare not in self.spares:
+            raise ValueError(f"{spare} is not a spare host of this plan (spares: {', '.join(self.spares) or 'none'})")
+        if not self.tasks_on(lost):
+            raise ValueError(f"host {lost} holds no task of this plan")
+        return build_plan(self.source.spec, self.source.local_python, files=self.files,
+                          files_problem=self.files_problem, script_fits=self.script_fits,
+                          moves=(*self.moves, (lost, spare)))
 
 
 def redact_env(env: tuple[tuple[str, str], ...] | dict[str, str], marked=(), public=()) -> dict[str, str]:
@@ -238,12 +305,13 @@ def _host_plan(host, spec: Spec, cluster_dir: str, local_python: str) -> HostPla
 
 def build_plan(spec: Spec, local_python: str | None = None, *,
                files: tuple[tuple[str, str, int], ...] = (), files_problem: str | None = None,
-               script_fits: bool | None = None) -> Plan:
+               script_fits: bool | None = None, moves: tuple[tuple[str, str], ...] = ()) -> Plan:
     """`local_python`: the interpreter running tfcluster (default sys.executable). `files`:
     what check_train_files listed (the plan of a command that ships nothing has none).
-    `script_fits`: whether the script calls `.fit(` (spec.script_calls_fit; None: not read)."""
+    `script_fits`: whether the script calls `.fit(` (spec.script_calls_fit; None: not read).
+    `moves`: (lost host, spare) pairs, applied in order (Plan.moved)."""
     local_python = local_python or sys.executable
-    slots = layout_tasks(spec)
+    slots = _move(spec, layout_tasks(spec), moves)
     addresses = {h.name: h.address for h in spec.hosts}
     cluster_dir = _join(spec.workdir, spec.name)
     cluster = _cluster_dict(spec.train.mode, slots, addresses)
@@ -285,17 +353,56 @@ def build_plan(spec: Spec, local_python: str | None = None, *,
         legacy_keras=spec.train.keras == "legacy" or dict(spec.env).get(LEGACY_KERAS_ENV) in LEGACY_KERAS_VALUES,
         script_fits=script_fits,
         tf_ports=spec.tf_ports,
+        spares=tuple(h.name for h in spec.spares),
+        on_host_loss=spec.train.on_host_loss or ("spare" if spec.spares else "fail"),
+        checkpoint=_checkpoint(spec, slots, placeholders),
+        moves=tuple(moves),
+        source=_Source(spec, local_python),
     )
+
+
+def _move(spec: Spec, slots: tuple[Slot, ...], moves: tuple[tuple[str, str], ...]) -> tuple[Slot, ...]:
+    """The slots with each move applied in turn: a lost host's tasks on its spare, whose
+    GPUs are numbered from 0 in task order (a spare holds no task of its own)."""
+    if not moves:
+        return slots
+    for lost, spare in moves:
+        slots = tuple(replace(s, host=spare) if s.host == lost else s for s in slots)
+    spares = {h.name: h for h in spec.spares}
+    used: dict[str, int] = {}
+    out = []
+    for slot in slots:
+        if slot.host in spares:
+            start = used.get(slot.host, 0)
+            used[slot.host] = start + len(slot.gpus)
+            if used[slot.host] > spares[slot.host].gpus:
+                raise ValueError(f"spare {slot.host} has {spares[slot.host].gpus} GPUs, too few for the tasks "
+                                 f"moved there")
+            slot = replace(slot, gpus=tuple(range(start, start + len(slot.gpus))))
+        out.append(slot)
+    return tuple(out)
 
 
 def _tensorboard(spec: Spec, slots, placeholders: dict[str, str]) -> str | None:
     """train.tensorboard with the chief's placeholders filled (TensorBoard runs there)."""
     if not spec.train.tensorboard:
         return None
+    return _on_chief(spec.train.tensorboard, slots, placeholders)
+
+
+def _checkpoint(spec: Spec, slots, placeholders: dict[str, str]) -> CheckpointPlan | None:
+    """train.checkpoint with its directory's placeholders filled as the chief's."""
+    ckpt = spec.train.checkpoint
+    if ckpt is None:
+        return None
+    return CheckpointPlan(dir=_on_chief(ckpt.dir, slots, placeholders), keep=ckpt.keep, sync=ckpt.sync)
+
+
+def _on_chief(text: str, slots, placeholders: dict[str, str]) -> str:
     chief = next((s for s in slots if s.job == "chief"), None) or next(
         (s for s in slots if s.job == "worker"), None)
     values = {**placeholders, "job": chief.job if chief else "", "index": str(chief.index) if chief else "0"}
-    return spec.train.tensorboard.format(**values)
+    return text.format(**values)
 
 
 def _join(workdir: str, name: str) -> str:
@@ -390,6 +497,22 @@ def plan_to_dict(plan: Plan, *, redact: bool = True) -> dict:
         "files_problem": plan.files_problem,
         "hosts": [{"name": h.name, "address": h.address, "local": h.local, "gpus": h.gpus,
                    "python": h.python} for h in plan.all_hosts],
+        "on_host_loss": plan.on_host_loss,
+        "spares": [spare_to_dict(plan, name) for name in plan.spares],
+        "moves": [{"lost": lost, "to": spare} for lost, spare in plan.moves],
+        "checkpoint": None if plan.checkpoint is None else {
+            "dir": plan.checkpoint.dir, "keep": plan.checkpoint.keep, "sync": plan.checkpoint.sync},
         "cluster": {job: list(addrs) for job, addrs in plan.cluster},
         "tasks": [task(t) for t in plan.tasks],
     }
+
+
+def spare_to_dict(plan: Plan, name: str) -> dict:
+    """A spare as `plan` shows it: for each host with tasks, whether the spare could take
+    them all (`takes`), or why not."""
+    host = plan.host(name)
+    fits = {h: plan.spare_problem(name, h) for h in plan.hosts if h != name}
+    return {"name": name, "address": host.address, "gpus": host.gpus,
+            "holds": [t.key for t in plan.tasks_on(name)],
+            "takes": [h for h, problem in fits.items() if problem is None],
+            "cannot_take": {h: problem for h, problem in fits.items() if problem is not None}}

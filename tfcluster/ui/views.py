@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from tfcluster.plan import Plan, TaskPlan, plan_to_dict, redact_env
+from tfcluster.plan import Plan, TaskPlan, plan_to_dict, redact_env, spare_to_dict
 from tfcluster.safetext import escape, shell_join, shell_word
 from tfcluster.ui.units import duration, size
 
@@ -34,6 +34,7 @@ def print_plan(ui, plan: Plan, *, commands: bool = False) -> None:
              f"{len(plan.hosts)} host(s)", ["task", "host", "address", "GPUs", "role"], rows)
     cluster = {job: list(addrs) for job, addrs in plan.cluster}
     ui.text("cluster spec: " + json.dumps(cluster))
+    print_host_loss(ui, plan)
     print_files(ui, plan, FILES_SHOWN if not commands else len(plan.files))
     if not commands:
         ui.text("(--commands shows each task's command and environment)", style="dim")
@@ -48,6 +49,37 @@ def print_plan(ui, plan: Plan, *, commands: bool = False) -> None:
                 ui.text(f"  script env: {name}={shell_word(value)}  (a client: its server owns the GPU)")
         for name, value in redact_env(t.env, plan.secret_env, plan.public_env).items():
             ui.text(f"  {name}={shell_word(value)}")
+
+
+ON_HOST_LOSS = {
+    "spare": "its tasks move to a spare host and the run goes on",
+    "shrink": "the run goes on without its tasks where the mode allows, else restarts without them",
+    "fail": "the run ends, naming the host",
+}
+
+
+def print_host_loss(ui, plan: Plan) -> None:
+    """The spares, what each could take, what a lost host does to the run, the checkpoints."""
+    if plan.spares:
+        rows = [_spare_row(spare_to_dict(plan, name)) for name in plan.spares]
+        ui.table(f"{len(plan.spares)} spare host(s): no task until a host is lost",
+                 ["spare", "address", "GPUs", "could take the tasks of"], rows)
+    ui.text(f"on a lost host ({plan.on_host_loss}): {ON_HOST_LOSS[plan.on_host_loss]}")
+    for lost, spare in plan.moves:
+        ui.text(f"moved: {lost}'s tasks run on {spare}")
+    ckpt = plan.checkpoint
+    if ckpt is not None:
+        copied = (f"the newest complete one copied here every {duration(ckpt.sync)}" if ckpt.sync is not None
+                  else "not copied here (sync: off, a filesystem every host shares)")
+        ui.text(f"checkpoints: {ckpt.dir} on the chief's host, {ckpt.keep} kept, {copied}")
+
+
+def _spare_row(spare: dict) -> tuple[str, ...]:
+    takes = ", ".join(spare["takes"]) or "none"
+    if spare["holds"]:
+        takes = f"holds {', '.join(spare['holds'])}"
+    cannot = "; ".join(f"not {h}: {why}" for h, why in spare["cannot_take"].items())
+    return spare["name"], spare["address"], str(spare["gpus"] or "-"), takes + (f" ({cannot})" if cannot else "")
 
 
 def print_files(ui, plan: Plan, most: int) -> None:
