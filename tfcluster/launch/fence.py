@@ -23,7 +23,9 @@ def request(plan: Plan, host: str, mode: str) -> dict | None:
     return {"mode": mode, "cluster_dir": plan.cluster_dir, "tag_prefix": names.cluster_prefix(plan.name),
             "ports": sorted({t.port for t in plan.tasks_on(host)}),
             "targets": [[t.address, t.port] for t in plan.tasks],
-            "peers": sorted({plan.host(h).address for h in plan.hosts})}
+            # a spare's address from the start: a task moved there must reach the others'
+            # ports without closing them anew (docs/spec.md, "Spare hosts")
+            "peers": sorted({plan.host(h).address for h in (*plan.hosts, *plan.spares)})}
 
 
 def report(plan: Plan, ui, answers: dict[str, dict | None], mode: str) -> None:
