@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 import time
 
 import numpy as np
@@ -22,6 +24,37 @@ import tensorflow as tf
 
 FEATURES = 8
 EXAMPLES = 2048
+
+# tfcluster stops a task with SIGTERM and KILLs it 5 s later (docs/hostloss.md): a task
+# that cannot get back to its loop ends itself just before.
+STOP_DEADLINE = 4.0
+
+
+class Stop:
+    """SIGTERM (a run's stop, a drain, a move to a spare) asks the training loop to end at
+    its next step, save a checkpoint and exit 128+15. A thread sees the signal, so
+    `requested` is set even while the main thread waits inside TensorFlow; a main thread
+    that never gets back to its loop (a task it waits for is gone) is ended STOP_DEADLINE
+    seconds later with the same code."""
+
+    EXIT = 128 + signal.SIGTERM
+
+    def __init__(self) -> None:
+        self.requested = threading.Event()
+        read, write = os.pipe()
+        os.set_blocking(write, False)
+        # The wakeup fd is written only for a signal that has a Python handler; this one
+        # does nothing, the thread acts (a Python handler runs only between bytecodes).
+        signal.signal(signal.SIGTERM, lambda signum, frame: None)
+        signal.set_wakeup_fd(write)
+        threading.Thread(target=self._watch, args=(read,), name="sigterm", daemon=True).start()
+
+    def _watch(self, fd: int) -> None:
+        while int(signal.SIGTERM) not in os.read(fd, 64):
+            pass
+        self.requested.set()
+        time.sleep(STOP_DEADLINE)
+        os._exit(self.EXIT)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -128,6 +161,30 @@ def build_model(args, replicas_device: str, cluster_spec) -> dict:
     return g
 
 
+class SayRestored(tf.compat.v1.train.SessionRunHook):
+    """Chief: each session it opens restores the latest checkpoint in --model_dir, if any
+    (a ps restart opens a new one); say which, and at what step, as `restored <path> at
+    step=N`, the line tfcluster reads to say where a resumed run started."""
+
+    def __init__(self, model_dir: str, global_step) -> None:
+        self.model_dir, self.global_step = model_dir, global_step
+
+    def after_create_session(self, session, coord) -> None:
+        path = tf.train.latest_checkpoint(self.model_dir)
+        if path:
+            print(f"restored {path} at step={session.run(self.global_step)}", flush=True)
+
+
+def stopped(me: dict, model_dir: str | None) -> int:
+    """After a SIGTERM: the chief's session saved a checkpoint as it closed; say which.
+    The run's state on the ps is kept (the run goes on, or resumes, without this task)."""
+    path = tf.train.latest_checkpoint(model_dir) if me["is_chief"] and model_dir else None
+    if path:
+        print(f"saved {path} at step={path.rsplit('-', 1)[1]}", flush=True)
+    print(f"{me['job']}:{me['index']} stopped by SIGTERM", flush=True)
+    return Stop.EXIT
+
+
 def init_uninitialized(ready_op):
     """Scaffold init_fn for the chief: initialise only what is not initialised yet, so
     a chief restarted mid-run (no checkpoint) joins the running training instead of
@@ -209,13 +266,17 @@ def main(argv=None) -> int:
     every = max(1, args.steps // 10)
     local_steps = 0
     last_step = 0
+    stop = Stop()
+    # Leaving the `with` normally (no exception) closes the session through its hooks: the
+    # chief's checkpoint saver then saves the step reached, which is how a SIGTERM saves.
     with tf.compat.v1.train.MonitoredTrainingSession(
             master=me["master"], is_chief=me["is_chief"], checkpoint_dir=args.model_dir,
             scaffold=scaffold, hooks=[tf.compat.v1.train.StopAtStepHook(last_step=args.steps)],
+            chief_only_hooks=[SayRestored(args.model_dir, g["global_step"])] if args.model_dir else None,
             save_checkpoint_steps=every if args.model_dir else None, save_checkpoint_secs=None,
             save_summaries_steps=None, save_summaries_secs=None, log_step_count_steps=None,
             config=config) as sess:
-        while not sess.should_stop():
+        while not sess.should_stop() and not stop.requested.is_set():
             idx = rng.integers(0, EXAMPLES, args.batch_size)
             step, loss = sess.run([g["train_op"], g["loss"]],
                                   feed_dict={g["x"]: x_all[idx], g["y"]: y_all[idx]})
@@ -225,6 +286,8 @@ def main(argv=None) -> int:
             local_steps += 1
             if local_steps == 1 or local_steps % args.log_every == 0:
                 print(f"step={step} loss={loss:.6f}", flush=True)
+    if stop.requested.is_set():
+        return stopped(me, args.model_dir)
 
     with tf.compat.v1.Session(me["master"], config=config) as sess:
         step = sess.run(g["global_step"])

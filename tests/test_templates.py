@@ -173,3 +173,77 @@ def test_mirrored_ends_on_sigterm_though_its_strategy_catches_it(tmp_path):
             os.kill(p.popen.pid, signal.SIGTERM)
         codes = launch.wait_all(procs, 30)      # without the handler: still training, no exit
         assert all(code != 0 for code in codes), codes
+
+
+# A SIGTERM mid-training (a run's stop, a drain, a move to a spare) saves where the run
+# was, exits 128+15, and a second run on the same --model_dir says where it resumed.
+SAVED = re.compile(r"^saved (\S+) at step=(\d+)$", re.M)
+RESTORED = re.compile(r"^restored (\S+) at step=(\d+)$", re.M)
+STOPPED = 128 + 15
+
+
+def saved_step(output: str) -> int:
+    found = SAVED.findall(output)
+    assert found, f"no 'saved ... at step=N' line in:\n{output[-3000:]}"
+    return int(found[-1][1])
+
+
+def restored_step(output: str, model_dir: Path) -> int:
+    found = RESTORED.findall(output)
+    assert found, f"no 'restored ... at step=N' line in:\n{output[-3000:]}"
+    assert Path(found[0][0]).parent == model_dir, found
+    return int(found[0][1])
+
+
+def sigterm_mid_training(launch: HandLaunch, procs, signalled) -> int:
+    """Wait until every one of `procs` printed progress past its first step, SIGTERM
+    `signalled`, wait for all of `procs` to exit 128+15; the highest step any printed."""
+    import os
+    import signal
+
+    wait_for(lambda: all(len(progress(p.output())) >= 3 for p in procs)
+             or any(p.returncode is not None for p in procs), 60, what="training under way")
+    assert all(p.returncode is None for p in procs), [p.output()[-2000:] for p in procs]
+    for p in signalled:
+        os.kill(p.popen.pid, signal.SIGTERM)
+    for proc, rc in zip(procs, launch.wait_all(procs, 20)):
+        assert rc == STOPPED, f"{proc.name} exited {rc}:\n{proc.output()[-3000:]}"
+    return max(step for p in procs for step, _ in progress(p.output()))
+
+
+def assert_resumed(proc, model_dir: Path, at: int, steps: int) -> None:
+    out = proc.output()
+    assert restored_step(out, model_dir) == at
+    first = progress(out)[0][0]
+    assert at < first <= at + 5, f"first step {first} after a restore at {at}"
+    assert result(out)[0] == steps
+
+
+@pytest.mark.tf
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("template", ["between_graph", "classic"])
+def test_monitored_session_template_saves_on_sigterm_and_resumes(tmp_path, template):
+    """The chief's MonitoredTrainingSession closes normally on SIGTERM: its saver writes the
+    step reached (run 1 checkpoints every 10,000 steps, so no periodic one is taken), and a new
+    run on the same ps restores it into its own container."""
+    model_dir = tmp_path / "model"
+    with HandLaunch(tmp_path, tag="test:handlaunch") as launch:
+        cluster = make_cluster(ps=1, worker=1)
+        script = TEMPLATES / f"{template}.py"
+        if template == "classic":
+            launch.start_script(script, cluster, "ps", 0, "servers")
+        else:
+            start_servers(launch, cluster)
+
+        def worker(run_id, steps):
+            return launch.start_script(script, cluster, "worker", 0, run_id,
+                                       [f"--steps={steps}", f"--model_dir={model_dir}", "--log_every=20"])
+
+        first = worker("r1", 100_000)
+        reached = sigterm_mid_training(launch, [first], [first])
+        at = saved_step(first.output())
+        assert reached <= at < reached + 20, f"saved at {at}, printed up to {reached}"
+        assert checkpoint_step(model_dir) == at
+        second = worker("r2", at + 40)
+        assert_exit_0(launch, [second], 60)
+        assert_resumed(second, model_dir, at, at + 40)
