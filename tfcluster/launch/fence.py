@@ -20,6 +20,8 @@ def request(plan: Plan, host: str, mode: str) -> dict | None:
     """The host's `fence` request, or None where the spec leaves the ports open."""
     if plan.tf_ports == "open":
         return None
+    if idle_spare(plan, host):    # asked whether it could, never closed: nothing binds there yet
+        mode = PROBE
     return {"mode": mode, "cluster_dir": plan.cluster_dir, "tag_prefix": names.cluster_prefix(plan.name),
             "ports": sorted({t.port for t in plan.tasks_on(host)}),
             "targets": [[t.address, t.port] for t in plan.tasks],
@@ -28,12 +30,26 @@ def request(plan: Plan, host: str, mode: str) -> dict | None:
             "peers": sorted({plan.host(h).address for h in (*plan.hosts, *plan.spares)})}
 
 
+def idle_spare(plan: Plan, host: str) -> bool:
+    """A spare no move gave tasks yet."""
+    return host in plan.spares and not plan.tasks_on(host)
+
+
+def spare_problems(plan: Plan, answers: dict[str, dict | None]) -> dict[str, str]:
+    """Idle spares that could not take tasks under `tf_ports: closed`: spare -> why."""
+    if plan.tf_ports != "closed":
+        return {}
+    return {h: f"tf_ports: closed, but tfcluster cannot close TensorFlow's ports there ({a.get('why') or 'unknown'})"
+            for h, a in answers.items() if idle_spare(plan, h) and isinstance(a, dict) and not a.get("can")}
+
+
 def report(plan: Plan, ui, answers: dict[str, dict | None], mode: str) -> None:
     """After the hosts answered: a warning per host whose ports stay open (`auto`), or one
-    error naming them all (`closed`)."""
+    error naming them all (`closed`). Idle spares are spare_problems' business."""
     if plan.tf_ports == "open":
         return
-    open_on = {h: a for h, a in answers.items() if isinstance(a, dict) and not _closed(a, mode)}
+    open_on = {h: a for h, a in answers.items()
+               if isinstance(a, dict) and not idle_spare(plan, h) and not _closed(a, mode)}
     if not open_on:
         return
     if plan.tf_ports == "closed":

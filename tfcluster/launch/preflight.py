@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from tfcluster.diagnose import keras, versions
 from tfcluster.errors import PreflightError
+from tfcluster.launch.fence import idle_spare
 from tfcluster.launch.session import Session, by_host, raise_first
 from tfcluster.plan import TaskPlan, names
 from tfcluster.safetext import shell_join
@@ -51,10 +52,14 @@ def check_versions(session: Session, *, allow_skew: bool, report: bool = False) 
     with the version table before it, or with `allow_skew` the table and a warning. The
     table is printed anyway with `report` (`plan --check`). Then each host's Keras: a host
     without the tf_keras legacy Keras needs is an error, and a Keras 3 that cannot run the
-    script's model.fit a warning."""
-    infos = {h: session.infos[h] for h in session.host_names if h in session.infos}
+    script's model.fit a warning. An idle spare is checked apart: a problem there sets it
+    aside with a warning (check_spares)."""
+    check_spares(session)
+    infos = {h: session.infos[h] for h in session.host_names
+             if h in session.infos and not idle_spare(session.plan, h)}
     skews = versions.find_skews(infos)
-    table = version_table(infos, versions.odd_fields(skews))
+    shown = {h: session.infos[h] for h in session.host_names if h in session.infos}   # usable spares too
+    table = version_table(shown, versions.odd_fields(skews))
     if skews and not allow_skew:
         raise PreflightError(
             versions.message(skews), details=session.ui.table_text(*table),
@@ -69,6 +74,34 @@ def check_versions(session: Session, *, allow_skew: bool, report: bool = False) 
     warning = keras.fit_warning(session.plan, infos)
     if warning:
         session.ui.warn(warning)
+
+
+def check_spares(session: Session) -> None:
+    """Each idle spare as a host with tasks would be checked (TensorFlow there, its GPUs,
+    the hosts' Python and TensorFlow minor versions, tf_keras for legacy Keras): a spare
+    that fails is set aside with a warning, never the run's failure."""
+    plan, infos = session.plan, session.infos
+    working = [i for h, i in infos.items() if h in session.host_names and not idle_spare(plan, h)]
+    problems = {}
+    for name in [h for h in session.host_names if idle_spare(plan, h) and h in infos]:
+        problem = _spare_problem(plan.host(name), infos[name], working, plan.legacy_keras)
+        if problem:
+            problems[name] = problem
+    session.set_aside(problems)
+
+
+def _spare_problem(host, info, working: list, legacy: bool) -> str | None:
+    if not info.tf_version:
+        return f"tensorflow is not installed for {host.python}"
+    if host.gpus and info.gpus < host.gpus:
+        return f"the spec gives it {host.gpus} GPUs but it has {info.gpus}"
+    for what, attr in versions.FIELDS:
+        mine = getattr(info, attr)
+        theirs = sorted({v for i in working if (v := getattr(i, attr))}, key=versions.minor)
+        if mine and theirs and versions.minor(mine) not in {versions.minor(v) for v in theirs}:
+            return f"{what} {mine}, but the hosts with tasks have {', '.join(theirs)}"
+    problem = keras.tf_keras_problem(info) if legacy else None
+    return f"legacy Keras needs tf_keras, but {problem}" if problem else None
 
 
 def check_tf_keras(session: Session, hosts: list[str]) -> None:

@@ -140,7 +140,10 @@ class Session:
         self.light = light
         self.ui = ui
         self.paths = names.ClusterPaths(plan.cluster_dir)
-        self.host_names = tuple(hosts) if hosts is not None else plan.hosts
+        # by default the hosts with tasks and the spares (docs/spec.md, "Spare hosts"): a spare
+        # that cannot be opened or fails a check is set aside with a warning, never a failure
+        self.host_names = tuple(hosts) if hosts is not None else tuple(dict.fromkeys((*plan.hosts, *plan.spares)))
+        self.unusable: dict[str, str] = {}     # spare -> why it was set aside (set_aside)
         self.agents: dict[str, HostAgent] = {}
         self.infos: dict[str, HostInfo] = {}
         self.no_proxy = no_proxy_for(plan)    # every task's start request carries these
@@ -196,10 +199,24 @@ class Session:
             if not isinstance(result, BaseException):
                 self.infos[name] = result
         if strict:
-            raise_first(results, "host")
+            failed = {h: r for h, r in results.items() if fence.idle_spare(self.plan, h)
+                      and isinstance(r, Exception) and not isinstance(r, Terminated)}
+            self.set_aside({h: _unprefixed(h, str(e)) for h, e in failed.items()})
+            raise_first({h: r for h, r in results.items() if h not in failed}, "host")
         if self.fence in (fence.INSTALL, fence.PROBE) and survey is not None:
+            self.set_aside(fence.spare_problems(self.plan, self.fence_answers()))
             fence.report(self.plan, self.ui, self.fence_answers(), self.fence)
         return results
+
+    def set_aside(self, spares: dict[str, str]) -> None:
+        """Spares that cannot take tasks (spare -> why): one warning each, and the session
+        goes on without them."""
+        for name, why in spares.items():
+            self.ui.warn(f"spare {name} not usable: {why}")
+            self.unusable[name] = why
+            self.infos.pop(name, None)
+        self.host_names = tuple(h for h in self.host_names if h not in spares)
+        self.drop(spares)
 
     def fence_answers(self) -> dict[str, dict | None]:
         """Each opened host's answer to its `fence` request (None where none was asked)."""
@@ -258,6 +275,17 @@ class Session:
         processes are stopped by their shims, which lost their launcher)."""
         hosts = [h for h in self.agents if h not in self.losses.lost]
         return parallel(lambda h: self.agents[h].stop(prefix, grace), hosts)
+
+
+def _unprefixed(host: str, text: str) -> str:
+    """An error's text without its leading `host NAME: ` or `host NAME (ADDRESS): ` (the
+    warning names the host): `127.0.0.9:22: connection refused`."""
+    if text.startswith(f"host {host}: "):
+        return text[len(f"host {host}: "):]
+    if text.startswith(f"host {host} (") and "): " in text:
+        address, _, rest = text[len(f"host {host} ("):].partition("): ")
+        return f"{address}: {rest}"
+    return text
 
 
 def server_tasks(plan: Plan) -> list[TaskPlan]:
