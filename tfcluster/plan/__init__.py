@@ -218,7 +218,7 @@ class Plan:
         host = self.host(spare)
         need = sum(len(t.gpus) for t in moving) + sum(len(t.gpus) for t in self.tasks_on(spare))
         if need > host.gpus:
-            return f"needs {need} GPUs, has {host.gpus}"
+            return f"needs {need} GPU{'' if need == 1 else 's'}, has {host.gpus}"
         machine = machine_of(host.address)
         taken = {t.port: t for t in self.tasks if t.host != lost and machine_of(t.address) == machine}
         clash = next((t for t in moving if t.port in taken), None)
