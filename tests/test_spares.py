@@ -34,6 +34,8 @@ jobs:
 BASE = HOSTS + JOBS          # lines 1-8; anything appended starts on line 9
 NO_SPARE = BASE.replace(", spare: true", "")
 
+SYNC_PROBLEM = "10: train.checkpoint.sync: must be a positive number of seconds or a duration like 90s, 30m, 2h, or off; got "
+
 # (id, yaml text, "LINE: field: problem" after "FILE:")
 REJECTIONS = [
     ("spare-not-bool", BASE.replace("spare: true", "spare: yes"), "5: hosts[2].spare: must be true or false, got 'yes'"),
@@ -42,8 +44,8 @@ REJECTIONS = [
     ("job-tasks-name-a-spare", BASE.replace("{count: 2, hosts: [g], port: 2300, gpus: 1}", "{tasks: ['g:2300', 's:2300']}"),
      "8: jobs.worker.tasks[1]: s is a spare: it takes tasks only when a host is lost"),
     ("spare-on-loopback-among-remote-hosts", BASE.replace("10.0.0.5", "127.0.0.5"),
-     "5: hosts[2].address: host s is at loopback address 127.0.0.5 but host a is at 10.0.0.1: tasks on a "
-     "would dial 127.0.0.5 and reach themselves, not s"),
+     ("5: hosts[2].address: host s is at loopback address 127.0.0.5 but host a is at 10.0.0.1: tasks on a "
+      "would dial 127.0.0.5 and reach themselves, not s")),
     ("on-host-loss-unknown", BASE + "train: {on_host_loss: move}\n",
      "9: train.on_host_loss: unknown on_host_loss 'move'; expected one of: spare, shrink, fail"),
     ("on-host-loss-typo", BASE + "train: {on_host_loss: shrnik}\n",
@@ -56,21 +58,18 @@ REJECTIONS = [
     ("checkpoint-empty-dir", BASE + "train:\n  checkpoint: {dir: ''}\n",
      "10: train.checkpoint.dir: must name a directory, got an empty string"),
     ("checkpoint-unknown-placeholder", BASE + "train:\n  checkpoint: {dir: '{rundir}/ckpt'}\n",
-     "10: train.checkpoint.dir: unknown placeholder {rundir}; known: job, index, ps_hosts, worker_hosts, "
-     "chief_hosts, workdir, num_workers"),
+     ("10: train.checkpoint.dir: unknown placeholder {rundir}; known: job, index, ps_hosts, worker_hosts, "
+      "chief_hosts, workdir, num_workers")),
     ("checkpoint-keep-zero", BASE + "train:\n  checkpoint: {dir: /c, keep: 0}\n",
      "10: train.checkpoint.keep: must be an integer from 1 to 1000, got 0"),
     ("checkpoint-keep-text", BASE + "train:\n  checkpoint: {dir: /c, keep: all}\n",
      "10: train.checkpoint.keep: must be a decimal integer, got 'all'"),
     ("checkpoint-sync-word", BASE + "train:\n  checkpoint: {dir: /c, sync: often}\n",
-     "10: train.checkpoint.sync: must be a positive number of seconds or a duration like 90s, 30m, 2h, or "
-     "off; got 'often'"),
+     SYNC_PROBLEM + "'often'"),
     ("checkpoint-sync-zero", BASE + "train:\n  checkpoint: {dir: /c, sync: 0}\n",
-     "10: train.checkpoint.sync: must be a positive number of seconds or a duration like 90s, 30m, 2h, or "
-     "off; got '0'"),
+     SYNC_PROBLEM + "'0'"),
     ("checkpoint-sync-quoted-off", BASE + "train:\n  checkpoint: {dir: /c, sync: 'off'}\n",
-     "10: train.checkpoint.sync: must be a positive number of seconds or a duration like 90s, 30m, 2h, or "
-     "off; got the quoted string 'off' (write it without quotes)"),
+     SYNC_PROBLEM + "the quoted string 'off' (write it without quotes)"),
     ("checkpoint-unknown-key", BASE + "train:\n  checkpoint: {dir: /c, every: 2m}\n",
      "10: train.checkpoint.every: unknown key 'every'; expected one of: dir, keep, sync"),
 ]
