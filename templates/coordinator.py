@@ -12,12 +12,47 @@ another one. Model: linear regression on synthetic data, plain SGD written out
 from __future__ import annotations
 
 import argparse
+import os
+import signal
+import threading
+import time
 
 import numpy as np
 import tensorflow as tf
 
 FEATURES = 8
 EXAMPLES = 2048
+
+# tfcluster stops a task with SIGTERM and KILLs it 5 s later (docs/hostloss.md): a task
+# that cannot get back to its loop ends itself just before.
+STOP_DEADLINE = 4.0
+
+
+class Stop:
+    """SIGTERM (a run's stop, a drain, a move to a spare) asks the training loop to end at
+    its next step, save a checkpoint and exit 128+15. A thread sees the signal, so
+    `requested` is set even while the main thread waits inside TensorFlow; a main thread
+    that never gets back to its loop (a task it waits for is gone) is ended STOP_DEADLINE
+    seconds later with the same code."""
+
+    EXIT = 128 + signal.SIGTERM
+
+    def __init__(self) -> None:
+        self.requested = threading.Event()
+        read, write = os.pipe()
+        os.set_blocking(write, False)
+        # The wakeup fd is written only for a signal that has a Python handler; this one
+        # does nothing, the thread acts (a Python handler runs only between bytecodes).
+        signal.signal(signal.SIGTERM, lambda signum, frame: None)
+        signal.set_wakeup_fd(write)
+        threading.Thread(target=self._watch, args=(read,), name="sigterm", daemon=True).start()
+
+    def _watch(self, fd: int) -> None:
+        while int(signal.SIGTERM) not in os.read(fd, 64):
+            pass
+        self.requested.set()
+        time.sleep(STOP_DEADLINE)
+        os._exit(self.EXIT)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -37,6 +72,17 @@ def synthetic_data(seed: int = 0):
     w = rng.normal(size=(FEATURES, 1)).astype(np.float32)
     y = x @ w + 0.5 + 0.01 * rng.normal(size=(EXAMPLES, 1)).astype(np.float32)
     return x, y
+
+
+def stopped(coordinator, manager, step) -> int:
+    """After a SIGTERM: the steps already scheduled finish, then the checkpoint is saved
+    at the step they reached (no --model_dir: nothing to save)."""
+    coordinator.join()
+    if manager:
+        path = manager.save(checkpoint_number=int(step.numpy()))
+        print(f"saved {path} at step={int(step.numpy())}", flush=True)
+    print("chief:0 stopped by SIGTERM", flush=True)
+    return Stop.EXIT
 
 
 def main(argv=None) -> int:
@@ -81,7 +127,10 @@ def main(argv=None) -> int:
 
     save_every = max(1, args.steps // 10)
     start = int(step.numpy())
+    stop = Stop()
     for i in range(start, args.steps):
+        if stop.requested.is_set():
+            return stopped(coordinator, manager, step)
         loss = coordinator.schedule(train_step, args=(iterator,))
         done = i + 1
         if done % args.log_every == 0 or done == start + 1 or done == args.steps:

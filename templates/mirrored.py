@@ -17,13 +17,45 @@ import json
 import os
 import shutil
 import signal
-import sys
+import threading
+import time
 
 import numpy as np
 import tensorflow as tf
 
 FEATURES = 8
 EXAMPLES = 2048
+
+# tfcluster stops a task with SIGTERM and KILLs it 5 s later (docs/hostloss.md): a task
+# that cannot get back to its loop ends itself just before.
+STOP_DEADLINE = 4.0
+
+
+class Stop:
+    """SIGTERM (a run's stop, a drain, a move to a spare) asks the training loop to end at
+    its next step, save a checkpoint and exit 128+15. A thread sees the signal, so
+    `requested` is set even while the main thread waits inside TensorFlow; a main thread
+    that never gets back to its loop (a task it waits for is gone) is ended STOP_DEADLINE
+    seconds later with the same code."""
+
+    EXIT = 128 + signal.SIGTERM
+
+    def __init__(self) -> None:
+        self.requested = threading.Event()
+        read, write = os.pipe()
+        os.set_blocking(write, False)
+        # The wakeup fd is written only for a signal that has a Python handler; this one
+        # does nothing, the thread acts (a Python handler runs only between bytecodes).
+        signal.signal(signal.SIGTERM, lambda signum, frame: None)
+        signal.set_wakeup_fd(write)
+        threading.Thread(target=self._watch, args=(read,), name="sigterm", daemon=True).start()
+
+    def _watch(self, fd: int) -> None:
+        while int(signal.SIGTERM) not in os.read(fd, 64):
+            pass
+        self.requested.set()
+        time.sleep(STOP_DEADLINE)
+        os._exit(self.EXIT)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -50,13 +82,38 @@ def checkpoint_dir(model_dir: str, is_chief: bool, index: int) -> str:
     return model_dir if is_chief else os.path.join(model_dir, f".tmp-worker-{index}")
 
 
+def from_chief(strategy, variables) -> None:
+    """Every worker takes the chief's values (the chief's replica is the first): only the
+    chief restores, so only the chief's host needs the checkpoint (no shared filesystem)."""
+    @tf.function
+    def masked(v):
+        first = tf.equal(tf.distribute.get_replica_context().replica_id_in_sync_group, 0)
+        return tf.where(first, v.read_value(), tf.zeros_like(v))
+
+    for v in variables:   # one all-reduce each: one of mixed types is refused
+        v.assign(strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(masked, args=(v,)), axis=None))
+
+
+def stopped(manager, step, is_chief: bool) -> int:
+    """After a SIGTERM, every worker at the same step: save together (saving is
+    collective), keep the chief's copy."""
+    if manager:
+        path = manager.save(checkpoint_number=int(step.numpy()))
+        if is_chief:
+            print(f"saved {path} at step={int(step.numpy())}", flush=True)
+        else:
+            shutil.rmtree(manager.directory, ignore_errors=True)
+    print("stopped by SIGTERM", flush=True)
+    return Stop.EXIT
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     task = json.loads(os.environ["TF_CONFIG"])["task"]
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     # With a cluster the strategy takes SIGTERM as a preemption notice and trains on; a run's
-    # stop (Ctrl-C, its timeout, a failed task) is SIGTERM: end now, as a plain script would.
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    # stop (Ctrl-C, its timeout, a failed task, a move) is SIGTERM: Stop replaces its handler.
+    stop = Stop()
     is_chief = task["type"] == "chief" or (task["type"] == "worker" and int(task["index"]) == 0)
     x_all, y_all = synthetic_data()
 
@@ -73,10 +130,11 @@ def main(argv=None) -> int:
         ckpt = tf.train.Checkpoint(global_step=step, w=w, b=b)
         manager = tf.train.CheckpointManager(
             ckpt, checkpoint_dir(args.model_dir, is_chief, int(task["index"])), max_to_keep=3)
-        latest = tf.train.latest_checkpoint(args.model_dir)
+        latest = tf.train.latest_checkpoint(args.model_dir) if is_chief else None
         if latest:
             ckpt.restore(latest)
             print(f"restored {latest} at step={int(step.numpy())}", flush=True)
+        from_chief(strategy, [w, b, step])
 
     def dataset_fn(ctx: tf.distribute.InputContext):
         ds = tf.data.Dataset.from_tensor_slices((x_all, y_all))
@@ -86,7 +144,7 @@ def main(argv=None) -> int:
     iterator = iter(strategy.distribute_datasets_from_function(dataset_fn))
 
     @tf.function
-    def train_step(iterator):
+    def train_step(iterator, stop_asked):
         def replica_fn(x, y):
             with tf.GradientTape() as tape:
                 loss = tf.reduce_mean(tf.square(tf.matmul(x, w) + b - y))
@@ -94,18 +152,23 @@ def main(argv=None) -> int:
             w.assign_sub(args.learning_rate * gw)
             b.assign_sub(args.learning_rate * gb)
             step.assign_add(1)
-            return loss
+            return tf.stack([loss, stop_asked])
 
-        losses = strategy.run(replica_fn, args=next(iterator))
-        return strategy.reduce(tf.distribute.ReduceOp.MEAN, losses, axis=None)
+        # One all-reduce carries the loss and whether any worker was asked to stop, so
+        # every worker learns it after the same step and they save it together.
+        sums = strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(replica_fn, args=next(iterator)),
+                               axis=None)
+        return sums[0] / strategy.num_replicas_in_sync, sums[1] > 0
 
     save_every = max(1, args.steps // 10)
     start = int(step.numpy())
     for i in range(start, args.steps):
-        loss = train_step(iterator)
+        loss, stop_all = train_step(iterator, tf.constant(float(stop.requested.is_set())))
         done = i + 1
         if done % args.log_every == 0 or done == start + 1 or done == args.steps:
             print(f"step={int(step.numpy())} loss={float(loss):.6f}", flush=True)
+        if stop_all:
+            return stopped(manager, step, is_chief)
         if manager and done % save_every == 0:
             manager.save(checkpoint_number=done)
     if manager and not is_chief:

@@ -177,8 +177,8 @@ def test_mirrored_ends_on_sigterm_though_its_strategy_catches_it(tmp_path):
 
 # A SIGTERM mid-training (a run's stop, a drain, a move to a spare) saves where the run
 # was, exits 128+15, and a second run on the same --model_dir says where it resumed.
-SAVED = re.compile(r"^saved (\S+) at step=(\d+)$", re.M)
-RESTORED = re.compile(r"^restored (\S+) at step=(\d+)$", re.M)
+SAVED = re.compile(r"^saved (\S+) at step=(\d+)$", re.MULTILINE)
+RESTORED = re.compile(r"^restored (\S+) at step=(\d+)$", re.MULTILINE)
 STOPPED = 128 + 15
 
 
@@ -247,3 +247,55 @@ def test_monitored_session_template_saves_on_sigterm_and_resumes(tmp_path, templ
         second = worker("r2", at + 40)
         assert_exit_0(launch, [second], 60)
         assert_resumed(second, model_dir, at, at + 40)
+
+
+@pytest.mark.tf
+@pytest.mark.timeout(90)
+def test_coordinator_saves_on_sigterm_and_resumes(tmp_path):
+    """The coordinator lets what it scheduled finish, saves at the step reached, exits
+    128+15; a new coordinator on the same servers restores it."""
+    model_dir = tmp_path / "model"
+    with HandLaunch(tmp_path, tag="test:handlaunch") as launch:
+        cluster = make_cluster(ps=1, worker=1, chief=1)
+        start_servers(launch, cluster)
+
+        def chief(run_id, steps):
+            return launch.start_script(TEMPLATES / "coordinator.py", cluster, "chief", 0, run_id,
+                                       [f"--steps={steps}", f"--model_dir={model_dir}", "--log_every=20"])
+
+        first = chief("r1", 100_000)
+        reached = sigterm_mid_training(launch, [first], [first])
+        at = saved_step(first.output())
+        assert reached <= at, f"saved at {at}, printed up to {reached}"
+        second = chief("r2", at + 40)
+        assert_exit_0(launch, [second], 60)
+        assert restored_step(second.output(), model_dir) == at
+        # A step re-run after a worker's failure may count twice: a lower bound only.
+        assert result(second.output())[0] >= at + 40
+
+
+@pytest.mark.tf
+@pytest.mark.timeout(120)
+def test_mirrored_workers_save_together_when_one_is_sigtermed_and_resume(tmp_path):
+    """A SIGTERM to worker 1 alone stops both workers after the same step (the all-reduce
+    carries it), both save that step, and a new cluster resumes it although only the chief
+    restores (worker 1 gets the chief's values by all-reduce, as on a host without the
+    checkpoint)."""
+    model_dir = tmp_path / "model"
+    with HandLaunch(tmp_path, tag="test:handlaunch") as launch:
+        def workers(run_id, steps):
+            cluster = make_cluster(ps=0, worker=2)
+            return [launch.start_script(TEMPLATES / "mirrored.py", cluster, "worker", i, run_id,
+                                        [f"--steps={steps}", f"--model_dir={model_dir}", "--log_every=20"])
+                    for i in range(2)]
+
+        first = workers("r1", 100_000)
+        reached = sigterm_mid_training(launch, first, [first[1]])
+        at = saved_step(first[0].output())
+        assert reached <= at < reached + 20, f"saved at {at}, printed up to {reached}"
+        assert not (model_dir / ".tmp-worker-1").exists()
+        second = workers("r2", at + 40)
+        assert_exit_0(launch, second, 60)
+        assert_resumed(second[0], model_dir, at, at + 40)
+        assert result(second[1].output())[0] == at + 40
+        assert not RESTORED.search(second[1].output()), "only the chief restores"
