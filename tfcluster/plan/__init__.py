@@ -104,7 +104,7 @@ class TaskPlan:
 
 @dataclass(frozen=True)
 class CheckpointPlan:
-    """train.checkpoint as the run uses it (docs/spec.md, "checkpoint")."""
+    """train.checkpoint as the run uses it (docs/spec.md, "Spare hosts")."""
 
     dir: str                             # on the chief's host, placeholders filled; may start with "~/"
     keep: int

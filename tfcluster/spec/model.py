@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 MODES = ("between-graph", "classic", "coordinator", "mirrored")
 JOB_NAMES = ("chief", "ps", "worker", "evaluator")   # canonical order everywhere
 RESTART_POLICIES = ("never", "on-failure", "exit-code")
-# train.on_host_loss: what a run does when a host is lost (docs/spec.md, "on_host_loss"); the
+# train.on_host_loss: what a run does when a host is lost (docs/spec.md, "Spare hosts"); the
 # default is `spare` when the spec has a spare host, else `fail`
 HOST_LOSS_POLICIES = ("spare", "shrink", "fail")
 HOST_KEY_POLICIES = ("reject", "accept-new")
@@ -136,7 +136,7 @@ class Progress:
 @dataclass(frozen=True)
 class Checkpoint:
     """train.checkpoint: where the chief's script keeps its checkpoints, and how often the
-    launcher copies the newest complete one back (docs/spec.md, "checkpoint")."""
+    launcher copies the newest complete one back (docs/spec.md, "Spare hosts")."""
 
     dir: str                          # as written: placeholders ({workdir}, ...) unfilled
     keep: int = 2                     # checkpoints kept (the launcher's copies too)
