@@ -300,7 +300,7 @@ def test_plan_command_shows_the_spares_what_they_take_the_loss_policy_and_the_ch
 
 @pytest.mark.ssh
 @pytest.mark.timeout(120)
-def test_plan_check_warns_of_a_spare_without_sshd_checks_the_other_and_exits_0(tmp_path, home, ssh_home, sshd):
+def test_plan_check_warns_of_spares_it_cannot_reach_or_that_fail_a_check_and_exits_0(tmp_path, home, ssh_home, sshd):
     ports = free_ports(3)
     dead = free_ports(1)[0]        # nothing listens there: the spare's sshd is not running
     spec = tmp_path / "spares.yaml"
@@ -309,12 +309,14 @@ def test_plan_check_warns_of_a_spare_without_sshd_checks_the_other_and_exits_0(t
         f"ssh:\n  port: {sshd.port}\n  connect_timeout: 5\n"
         "hosts:\n  - {name: h2, address: 127.0.0.2}\n  - {name: h3, address: 127.0.0.3}\n"
         "  - {name: h4, address: 127.0.0.4, spare: true}\n"
+        "  - {name: g4, address: 127.0.0.4, spare: true, gpus: 1}\n"      # the box has no GPU
         f"  - {{name: h9, address: 127.0.0.9, spare: true, ssh: {{port: {dead}}}}}\n"
         f"jobs:\n  ps: {{tasks: ['h2:{ports[0]}']}}\n  worker: {{tasks: ['h3:{ports[1]}', 'h3:{ports[2]}']}}\n"
         "tf_ports: open\n")
     result = tfcluster("plan", str(spec), "--check", home=home, cwd=tmp_path, timeout=100)
     assert result.returncode == 0, result.stderr
     assert f"tfcluster: warning: spare h9 not usable: 127.0.0.9:{dead}: connection refused" in result.stderr
+    assert "tfcluster: warning: spare g4 not usable: the spec gives it 1 GPUs but it has 0" in result.stderr
     assert "preflight passed" in result.stderr
     table = [line.split()[0] for line in result.stderr.splitlines() if re.match(r"h\d ", line)]
     assert table == ["h2", "h3", "h4"]          # the reachable spare is checked like the others
