@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ssh_spec, wait_for
+from tests.helpers import ssh_spec, tfcluster, wait_for
 from tests.test_host_loss import kill_host, lone
 from tfcluster.host import shim_ckpt
 from tfcluster.launch.ckptsync import CheckpointSync
@@ -27,7 +27,7 @@ from tfcluster.spec.loader import load_spec
 from tfcluster.ui import UI
 from tfcluster.ui.units import size
 
-pytestmark = [pytest.mark.tf, pytest.mark.ssh, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.timeout(120)]
 
 GONE_ADDRESS = "127.0.0.33"     # a host of its own, killed by one test
 
@@ -126,6 +126,7 @@ def files_of(path: str) -> set[str]:
 
 # ------------------------------------------------------------------ pull
 
+@pytest.mark.tf
 def test_pull_copies_the_newest_complete_checkpoint_privately(made, harness, tmp_path):
     h = harness(made / "plain")
     began = time.time()
@@ -146,6 +147,7 @@ def test_pull_copies_the_newest_complete_checkpoint_privately(made, harness, tmp
     assert h.warnings() == []
 
 
+@pytest.mark.tf
 def test_a_checkpoint_without_its_index_or_a_shard_is_never_pulled(made, harness, tmp_path):
     no_index = keep_only(made / "plain", tmp_path / "no-index", ["ckpt-30", "ckpt-40", "ckpt-50"])
     (no_index / "ckpt-50.index").unlink()                       # TF was writing it
@@ -167,6 +169,7 @@ def test_a_checkpoint_without_its_index_or_a_shard_is_never_pulled(made, harness
     assert h.warnings() == []
 
 
+@pytest.mark.tf
 def test_nothing_complete_is_nothing_pulled(made, harness, tmp_path):
     only = keep_only(made / "plain", tmp_path / "only", ["ckpt-50"])
     (only / "ckpt-50.data-00000-of-00001").unlink()
@@ -176,6 +179,7 @@ def test_nothing_complete_is_nothing_pulled(made, harness, tmp_path):
     assert h.sync.pull("h2") is None and h.warnings() == []
 
 
+@pytest.mark.tf
 def test_keep_is_honoured_and_a_pulled_checkpoint_is_not_copied_again(made, harness, tmp_path):
     live = keep_only(made / "plain", tmp_path / "live", ["ckpt-10"])
     h = harness(live, keep=2)
@@ -192,6 +196,7 @@ def test_keep_is_honoured_and_a_pulled_checkpoint_is_not_copied_again(made, harn
     assert [r["name"] for r in h.sync.records()] == ["ckpt-10", "ckpt-20", "ckpt-30"]
 
 
+@pytest.mark.tf
 def test_a_dir_without_a_state_file_gives_its_highest_numbered_complete_checkpoint(made, tmp_path):
     loose = keep_only(made / "plain", tmp_path / "loose", ["ckpt-20", "ckpt-40", "ckpt-50"])
     (loose / "checkpoint").unlink()
@@ -201,6 +206,7 @@ def test_a_dir_without_a_state_file_gives_its_highest_numbered_complete_checkpoi
 
 # ------------------------------------------------------------------ push
 
+@pytest.mark.tf
 def test_push_puts_the_newest_copy_where_tensorflow_restores_it(made, harness, tmp_path):
     h = harness(made / "plain")
     assert h.sync.push("h3") is None                             # nothing pulled yet: nothing to push
@@ -215,6 +221,7 @@ def test_push_puts_the_newest_copy_where_tensorflow_restores_it(made, harness, t
     assert h.warnings() == [] and h2.warnings() == []
 
 
+@pytest.mark.tf
 def test_pull_and_push_expand_the_home_on_the_host(made, tmp_path, home):
     """A local host: the shim runs with this HOME, so `~/` is the test's home."""
     keep_only(made / "plain", home / "ckpt", ["ckpt-40"])
@@ -234,6 +241,7 @@ def test_pull_and_push_expand_the_home_on_the_host(made, tmp_path, home):
 
 # ------------------------------------------------------------------ failures, the thread
 
+@pytest.mark.tf
 def test_a_pull_from_a_host_that_is_gone_is_a_warning(made, harness, sshd_factory, ssh_home):
     server = lone(sshd_factory, ssh_home, GONE_ADDRESS)
     h = harness(made / "plain", sshd_=server, hosts=f"  - {{name: gone, address: {GONE_ADDRESS}}}\n")
@@ -250,6 +258,7 @@ def test_a_pull_from_a_host_that_is_gone_is_a_warning(made, harness, sshd_factor
     assert [c.name for c in h.sync.kept()] == ["ckpt-50"]
 
 
+@pytest.mark.tf
 def test_the_sync_thread_pulls_every_interval_and_stops_within_its_bound(made, harness, tmp_path):
     live = keep_only(made / "plain", tmp_path / "live", ["ckpt-10"])
     h = harness(live, sync="1s")
@@ -267,7 +276,58 @@ def test_the_sync_thread_pulls_every_interval_and_stops_within_its_bound(made, h
     assert h.warnings() == []
 
 
+@pytest.mark.tf
 def test_no_thread_with_sync_off(made, harness):
     h = harness(made / "plain", sync="off")
     h.sync.start(lambda: "h2")
     assert h.sync._thread is None
+
+
+# ------------------------------------------------------------------ the parts without a host
+
+def test_the_state_file_is_read_as_tensorflow_writes_it(tmp_path):
+    text = ('model_checkpoint_path: "/data/run\\"1\\"/model.ckpt-300"\n'
+            'all_model_checkpoint_paths: "/data/run\\"1\\"/model.ckpt-100"\n'
+            'all_model_checkpoint_paths: "model.ckpt-200"\n'
+            'all_model_checkpoint_paths: "/data/run\\"1\\"/model.ckpt-300"\n'
+            "all_model_checkpoint_timestamps: 1795745895.8\nlast_preserved_timestamp: 1795745894.7\n")
+    assert shim_ckpt.state_paths(text) == ['/data/run"1"/model.ckpt-300', "model.ckpt-200",
+                                           '/data/run"1"/model.ckpt-100']
+    assert shim_ckpt.unescape(r"caf\303\251\\x") == "caf\u00e9\\x"
+    inside = tmp_path / "ckpt"
+    inside.mkdir()
+    assert shim_ckpt._in_dir(str(inside), f"{inside}/model.ckpt-3") == "model.ckpt-3"   # tf.compat.v1's Saver
+    assert shim_ckpt._in_dir(str(inside), "/elsewhere/model.ckpt-3") is None
+    assert shim_ckpt._in_dir(str(inside), "sub/model.ckpt-3") is None
+
+
+RUN = "lab-20261127-020000-ab12"
+
+
+def test_runs_and_logs_show_the_checkpoints_a_run_kept(tmp_path, home):
+    spec = tmp_path / "lab.yaml"
+    spec.write_text("name: lab\nhosts:\n  - {name: local, address: 127.0.0.1}\n"
+                    "jobs:\n  ps: {tasks: ['local:2222']}\n  worker: {tasks: ['local:2223']}\n")
+    run = tmp_path / "runs" / RUN
+    for name, size_, at in (("ckpt-20", 1000, 100.0), ("ckpt-30", 3000, 200.0)):
+        (run / "checkpoints" / name).mkdir(parents=True)
+        (run / "checkpoints" / name / f"{name}.index").write_bytes(b"i" * 100)
+        (run / "checkpoints" / name / f"{name}.data-00000-of-00001").write_bytes(b"d" * (size_ - 100))
+        (run / "checkpoints" / name / "checkpoint").write_text(f'model_checkpoint_path: "{name}"\n')
+        os.utime(run / "checkpoints" / name, (at, at))
+    (run / "checkpoints" / ".pull-x1y2").mkdir()                    # a copy still being written
+    (run / "manifest.json").write_text(json.dumps({"outcome": "succeeded", "exit_code": 0, "started": 1.0,
+                                                   "ended": 2.0, "checkpoints": []}))
+    (run / "worker-0.log").write_text("step=30 loss=0.5\n")
+    listed = tfcluster("runs", str(spec), home=home, cwd=tmp_path)
+    assert listed.returncode == 0, listed.stderr
+    assert "checkpoint" in listed.stdout and "ckpt-30 (step 30)" in listed.stdout
+    rows = json.loads(tfcluster("runs", str(spec), "--json", home=home, cwd=tmp_path).stdout)["runs"]
+    assert rows[0]["checkpoint"] == {"name": "ckpt-30", "step": 30, "bytes": 3000, "at": 200.0,
+                                     "path": os.path.join("runs", RUN, "checkpoints", "ckpt-30")}
+    logs = tfcluster("logs", str(spec), home=home, cwd=tmp_path)
+    assert logs.returncode == 0, logs.stderr
+    assert logs.stderr.splitlines()[1:3] == [
+        f"checkpoint ckpt-20 (step 20, 1.0 kB): runs/{RUN}/checkpoints/ckpt-20",
+        f"checkpoint ckpt-30 (step 30, 3.0 kB): runs/{RUN}/checkpoints/ckpt-30"]
+    assert logs.stdout.endswith("step=30 loss=0.5\n")

@@ -9,9 +9,7 @@ so a directory under checkpoints/ is always a complete checkpoint.
 from __future__ import annotations
 
 import os
-import re
 import shutil
-import stat
 import tempfile
 import threading
 import time
@@ -22,13 +20,13 @@ from tfcluster.host import shim_protocol as proto
 from tfcluster.launch.lines import json_object, tail_text
 from tfcluster.localfs import NOFOLLOW, private_dir
 from tfcluster.ui.units import size as _size
+from tfcluster.watch.runs import CHECKPOINTS_DIR, kept_checkpoints, step_of
 
 STATE_FILE = "checkpoint"          # TensorFlow's state file, named as TF names it
 LIMIT = 16 << 30                   # bytes one pull copies at most (shim_ckpt.DEFAULT_LIMIT)
 HEADER_CAP = 1 << 20               # bytes read looking for the header (a login shell's words first)
 PUT_BATCH = 256 << 20              # bytes held in memory per SFTP session when pushing
 STOP_JOIN = 10.0                   # seconds stop() waits for a pull in flight
-_STEP = re.compile(r"-(\d+)$")
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW
 
 
@@ -43,11 +41,6 @@ class PulledCheckpoint:
 
 class SyncFailed(Exception):
     """One pull or push that did not happen; its text is the warning's reason."""
-
-
-def step_of(name: str) -> int | None:
-    m = _STEP.search(name)
-    return int(m.group(1)) if m else None
 
 
 def state_text(name: str) -> bytes:
@@ -69,7 +62,7 @@ class CheckpointSync:
     def __init__(self, session, plan, run_dir: str, ui) -> None:
         self.session = session
         self.config = plan.checkpoint            # plan.CheckpointPlan | None
-        self.root = os.path.join(run_dir, "checkpoints")
+        self.root = os.path.join(run_dir, CHECKPOINTS_DIR)
         self.run_dir = run_dir
         self.ui = ui
         self._lock = threading.Lock()
@@ -83,25 +76,8 @@ class CheckpointSync:
 
     def kept(self) -> list[PulledCheckpoint]:
         """The copies under checkpoints/, oldest pull first."""
-        try:
-            entries = os.listdir(self.root)
-        except FileNotFoundError:
-            return []
-        found = []
-        for name in entries:
-            path = os.path.join(self.root, name)
-            try:
-                st = os.lstat(path)
-            except OSError:
-                continue
-            if name.startswith(".") or not stat.S_ISDIR(st.st_mode):
-                continue                         # a pull in flight, or not ours
-            try:
-                size = sum(os.lstat(os.path.join(path, f)).st_size for f in os.listdir(path) if f != STATE_FILE)
-            except OSError:                      # pruned meanwhile
-                continue
-            found.append(PulledCheckpoint(name, step_of(name), size, path, st.st_mtime))
-        return sorted(found, key=lambda c: (c.time, c.name))
+        return [PulledCheckpoint(c["name"], c["step"], c["bytes"], c["path"], c["at"])
+                for c in kept_checkpoints(self.run_dir)]
 
     def records(self) -> list[dict]:
         """What this run pulled, in order, for the manifest: {name, step, bytes, at}."""

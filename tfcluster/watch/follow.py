@@ -18,7 +18,8 @@ FINAL_TAIL = 1 << 20      # bytes of the chief's log read for a run's last step
 def run_rows(runs_dir: str, name: str, progress=None, warn=None) -> list[dict]:
     """One dict per saved run of `name`, oldest first: id, started, ended, duration,
     mode, outcome, restarts, task (the chief's), step, loss, and from Keras' `model.fit`
-    epoch, epochs and the other metrics (None, None, {} without). `progress`: the
+    epoch, epochs and the other metrics (None, None, {} without), checkpoint (the newest
+    kept in runs/<run id>/checkpoints/, runs.kept_checkpoints; None without). `progress`: the
     current spec's train.progress, for runs whose manifest has none. `warn` is told of
     each saved file not read (runs.read_manifest)."""
     out = []
@@ -30,12 +31,14 @@ def run_rows(runs_dir: str, name: str, progress=None, warn=None) -> list[dict]:
         end = ended if ended is not None else (time.time() if state == "running" else None)
         chief = _chief(doc)
         final = _final(directory, doc, chief, progress, warn)
+        kept = runs.kept_checkpoints(directory)
         out.append({"run": run_id, "started": started, "ended": ended,
                     "duration": None if started is None or end is None else round(end - started, 1),
                     "mode": doc.get("mode") if isinstance(doc.get("mode"), str) else None,
                     "outcome": _outcome(state, doc.get("exit_code")), "exit_code": doc.get("exit_code"),
                     "message": _message(state, doc.get("outcome")),
-                    "restarts": _restarts(doc), "task": chief, **final})
+                    "restarts": _restarts(doc), "task": chief, **final,
+                    "checkpoint": kept[-1] if kept else None})
     return out
 
 
@@ -129,12 +132,20 @@ def print_runs(ui, name: str, rows: list[dict], runs_dir: str) -> None:
     def epoch(r):
         return ("-" if r.get("epoch") is None else f"{r['epoch']}/{r['epochs']}",) if epochs else ()
 
+    checkpoints = any(r.get("checkpoint") for r in rows)     # a column only where a run kept one
+
+    def checkpoint(r):
+        c = r.get("checkpoint")
+        if not checkpoints:
+            return ()
+        return ("-" if c is None else c["name"] if c["step"] is None else f"{c['name']} (step {c['step']})",)
+
     table = [(r["run"], when(r["started"]), duration(r["duration"], tenths=True), r["mode"] or "-", outcome(r),
               str(r["restarts"]), "-" if r["step"] is None else str(r["step"]), *epoch(r),
-              "-" if r["loss"] is None else f"{r['loss']:.4g}") for r in rows]
+              "-" if r["loss"] is None else f"{r['loss']:.4g}", *checkpoint(r)) for r in rows]
     ui.table(f"runs of {name!r} in {runs_dir}/ (oldest first)",
              ["run", "started", "duration", "mode", "outcome", "restarts", "step", *(("epoch",) if epochs else ()),
-              "loss"], table)
+              "loss", *(("checkpoint",) if checkpoints else ())], table)
 
 
 def follow(ui, name: str, runs_dir: str, run: str | None, task: str | None, out,

@@ -13,6 +13,8 @@ from __future__ import annotations
 import collections
 import json
 import os
+import re
+import stat
 import threading
 import time
 from dataclasses import replace
@@ -28,9 +30,12 @@ from tfcluster.localfs import (
 )
 from tfcluster.plan import JOB_NAMES, Plan, plan_to_dict
 from tfcluster.plan.names import is_run_of, key_of_log, log_file
+from tfcluster.ui.units import size
 from tfcluster.watch.metrics import Tracker, target_of
 
 PROGRESS_FILE = "progress.tsv"
+CHECKPOINTS_DIR = "checkpoints"     # runs/<run id>/checkpoints/<name>/: one checkpoint each
+_STEP = re.compile(r"-(\d+)$")
 MANIFEST_CAP = 64 << 20     # bytes: a plan of thousands of tasks, with room to spare
 
 
@@ -48,9 +53,10 @@ class Manifest:
 
     def finish(self, procs, outcome: tuple[int, str], checks: dict[str, str] | None = None,
                progress: dict | None = None, hosts_lost: dict | None = None,
-               moves: list | None = None) -> None:
+               moves: list | None = None, checkpoints: list | None = None) -> None:
         """`hosts_lost`: host -> how it was found lost, its tasks, when (launch/hostloss.py);
-        `moves`: each host given up and what the run did (launch/moves.py)."""
+        `moves`: each host given up and what the run did (launch/moves.py); `checkpoints`:
+        each checkpoint copied here, {name, step, bytes, at} (launch/ckptsync.py)."""
         tasks = {}
         for p in procs:
             entry = tasks.setdefault(p.task.key, {"host": p.task.host})
@@ -60,7 +66,7 @@ class Manifest:
                 entry["host_lost"] = p.host_lost
         self._write({"outcome": outcome[1], "exit_code": outcome[0], "ended": time.time(),
                      "tasks": tasks, "checks": checks or {}, "progress": progress or {},
-                     "hosts_lost": hosts_lost or {}, "moves": moves or []})
+                     "hosts_lost": hosts_lost or {}, "moves": moves or [], "checkpoints": checkpoints or []})
 
     def _write(self, extra: dict) -> None:
         doc = {"run_id": self.run_id, "cluster": self.plan.name, "mode": self.plan.mode,
@@ -141,6 +147,42 @@ def refused(warn, path: str, e: OSError) -> None:
     """One line naming a saved file that was not read, and why."""
     if warn is not None:
         warn(f"{path}: {e.strerror or e}; skipped")
+
+
+def step_of(name: str) -> int | None:
+    """A checkpoint's step when its name ends in -N (ckpt-30, model.ckpt-17000)."""
+    m = _STEP.search(name)
+    return int(m.group(1)) if m else None
+
+
+def kept_checkpoints(directory: str) -> list[dict]:
+    """The checkpoints a run kept here (launch/ckptsync.py), oldest copy first: {name, step,
+    bytes, path, at}; `at` is when it was copied. Only directories count (no link is
+    followed); a name starting with "." is a copy still being written."""
+    root = os.path.join(directory, CHECKPOINTS_DIR)
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        path = os.path.join(root, name)
+        try:
+            st = os.lstat(path)
+            if name.startswith(".") or not stat.S_ISDIR(st.st_mode):
+                continue
+            size = sum(os.lstat(os.path.join(path, f)).st_size for f in os.listdir(path) if f != "checkpoint")
+        except OSError:                  # removed meanwhile (only the newest are kept)
+            continue
+        found.append({"name": name, "step": step_of(name), "bytes": size, "path": path, "at": st.st_mtime})
+    return sorted(found, key=lambda c: (c["at"], c["name"]))
+
+
+def show_checkpoints(ui, directory: str) -> None:
+    """`logs`: one line per checkpoint the run kept (on stderr, beside the logs)."""
+    for c in kept_checkpoints(directory):
+        step = "" if c["step"] is None else f"step {c['step']}, "
+        ui.info(f"checkpoint {c['name']} ({step}{size(c['bytes'])}): {c['path']}")
 
 
 def run_state(doc: dict) -> str:
@@ -298,6 +340,7 @@ def show_logs(ui, name: str, runs_dir: str, run: str | None, task: str | None, o
     directory = os.path.join(runs_dir, run)
     keys = task_logs(directory, run, task)
     ui.info(f"run {run}")
+    show_checkpoints(ui, directory)
     files = open_logs(ui, directory, run, keys)
     mux = LogMux(out, list(files), color=ui.color)
     try:
