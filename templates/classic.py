@@ -54,6 +54,8 @@ class Stop:
             pass
         self.requested.set()
         time.sleep(STOP_DEADLINE)
+        print(f"stopped by SIGTERM: still inside TensorFlow {STOP_DEADLINE:g}s later, "
+              f"leaving without saving", flush=True)
         os._exit(self.EXIT)
 
 

@@ -96,6 +96,7 @@ def test_between_graph_resumes_from_model_dir_after_everything_restarts(tmp_path
             assert result(proc.output())[0] == steps
         first_step = progress(procs[0].output())[0][0]
         assert first_step > steps // 10, f"did not resume: first step {first_step}"
+        assert 0 < restored_step(procs[0].output(), model_dir) < first_step
 
 
 @pytest.mark.tf
@@ -299,3 +300,28 @@ def test_mirrored_workers_save_together_when_one_is_sigtermed_and_resume(tmp_pat
         assert_resumed(second[0], model_dir, at, at + 40)
         assert result(second[1].output())[0] == at + 40
         assert not RESTORED.search(second[1].output()), "only the chief restores"
+
+
+@pytest.mark.tf
+@pytest.mark.timeout(60)
+def test_a_template_stuck_inside_tensorflow_ends_itself_after_sigterm(tmp_path):
+    """The ps gone, the chief waits inside TensorFlow for a new session and never gets back
+    to its loop: the SIGTERM it got ends it 4 s later, exit 128+15, before the launcher's
+    KILL (5 s), saying so."""
+    import os
+    import signal
+    import time
+
+    with HandLaunch(tmp_path, tag="test:handlaunch") as launch:
+        cluster = make_cluster(ps=1, worker=1)
+        start_servers(launch, cluster)
+        chief = launch.start_script(TEMPLATES / "between_graph.py", cluster, "worker", 0, "s",
+                                    ["--steps=100000", f"--model_dir={tmp_path / 'model'}", "--log_every=20"])
+        wait_for(lambda: len(progress(chief.output())) >= 2 or chief.returncode is not None, 60,
+                 what="training under way")
+        launch.kill(next(p for p in launch.procs if p.name == "server-ps0"))
+        os.kill(chief.popen.pid, signal.SIGTERM)
+        signalled = time.monotonic()
+        assert launch.wait(chief, 15) == STOPPED, chief.output()[-3000:]
+        assert 3.5 < time.monotonic() - signalled < 8, "ended by its own deadline"
+        assert "still inside TensorFlow 4s later, leaving without saving" in chief.output()
