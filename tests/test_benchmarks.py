@@ -97,3 +97,9 @@ def test_scale_up_benchmark_runs_small_and_leaves_nothing_running():
 def test_host_loss_benchmark_runs_small_and_leaves_nothing_running():
     out = _smoke("host_loss.py", 120)
     assert "TARGET host_loss dropped" in out
+
+
+@needs_sshd
+@pytest.mark.tf
+def test_ckpt_pull_benchmark_runs_small_and_leaves_nothing_running():
+    assert "RATIO ckpt_push" in _smoke("ckpt_pull.py", 150)
