@@ -25,22 +25,22 @@ import tensorflow as tf
 FEATURES = 8
 EXAMPLES = 2048
 
-# tfcluster stops a task with SIGTERM and KILLs it 5 s later (docs/hostloss.md): a task
-# that cannot get back to its loop ends itself just before.
+# tfcluster stops a task with SIGTERM and KILLs it 5 s later (10 s on Ctrl-C): a task whose
+# loop cannot get back to the signal ends itself before that (docs/hostloss.md).
 STOP_DEADLINE = 4.0
 
 
 class Stop:
     """SIGTERM (a run's stop, a drain, a move to a spare) asks the training loop to end at
-    its next step, save a checkpoint and exit 128+15. A thread sees the signal, so
-    `requested` is set even while the main thread waits inside TensorFlow; a main thread
-    that never gets back to its loop (a task it waits for is gone) is ended STOP_DEADLINE
-    seconds later with the same code."""
+    its next step, save a checkpoint and exit 128+15. A thread sees the signal at once, even
+    while the main thread waits inside TensorFlow; if the loop has not asked by
+    STOP_DEADLINE seconds later (a task it waits for is gone), the thread ends the process
+    with the same code. A loop that did ask saves for as long as it needs."""
 
     EXIT = 128 + signal.SIGTERM
 
     def __init__(self) -> None:
-        self.requested = threading.Event()
+        self.requested, self.noticed = threading.Event(), threading.Event()
         read, write = os.pipe()
         os.set_blocking(write, False)
         # The wakeup fd is written only for a signal that has a Python handler; this one
@@ -49,11 +49,19 @@ class Stop:
         signal.set_wakeup_fd(write)
         threading.Thread(target=self._watch, args=(read,), name="sigterm", daemon=True).start()
 
+    def asked(self) -> bool:
+        """The training loop's question, once per step."""
+        if self.requested.is_set():
+            self.noticed.set()
+            return True
+        return False
+
     def _watch(self, fd: int) -> None:
         while int(signal.SIGTERM) not in os.read(fd, 64):
             pass
         self.requested.set()
-        time.sleep(STOP_DEADLINE)
+        if self.noticed.wait(STOP_DEADLINE):
+            return
         print(f"stopped by SIGTERM: still inside TensorFlow {STOP_DEADLINE:g}s later, "
               f"leaving without saving", flush=True)
         os._exit(self.EXIT)
@@ -278,7 +286,7 @@ def main(argv=None) -> int:
             save_checkpoint_steps=every if args.model_dir else None, save_checkpoint_secs=None,
             save_summaries_steps=None, save_summaries_secs=None, log_step_count_steps=None,
             config=config) as sess:
-        while not sess.should_stop() and not stop.requested.is_set():
+        while not sess.should_stop() and not stop.asked():
             idx = rng.integers(0, EXAMPLES, args.batch_size)
             step, loss = sess.run([g["train_op"], g["loss"]],
                                   feed_dict={g["x"]: x_all[idx], g["y"]: y_all[idx]})
@@ -288,7 +296,7 @@ def main(argv=None) -> int:
             local_steps += 1
             if local_steps == 1 or local_steps % args.log_every == 0:
                 print(f"step={step} loss={loss:.6f}", flush=True)
-    if stop.requested.is_set():
+    if stop.asked():
         return stopped(me, args.model_dir)
 
     with tf.compat.v1.Session(me["master"], config=config) as sess:

@@ -18,7 +18,6 @@ import os
 import shutil
 import signal
 import threading
-import time
 
 import numpy as np
 import tensorflow as tf
@@ -26,22 +25,22 @@ import tensorflow as tf
 FEATURES = 8
 EXAMPLES = 2048
 
-# tfcluster stops a task with SIGTERM and KILLs it 5 s later (docs/hostloss.md): a task
-# that cannot get back to its loop ends itself just before.
+# tfcluster stops a task with SIGTERM and KILLs it 5 s later (10 s on Ctrl-C): a task whose
+# loop cannot get back to the signal ends itself before that (docs/hostloss.md).
 STOP_DEADLINE = 4.0
 
 
 class Stop:
     """SIGTERM (a run's stop, a drain, a move to a spare) asks the training loop to end at
-    its next step, save a checkpoint and exit 128+15. A thread sees the signal, so
-    `requested` is set even while the main thread waits inside TensorFlow; a main thread
-    that never gets back to its loop (a task it waits for is gone) is ended STOP_DEADLINE
-    seconds later with the same code."""
+    its next step, save a checkpoint and exit 128+15. A thread sees the signal at once, even
+    while the main thread waits inside TensorFlow; if the loop has not asked by
+    STOP_DEADLINE seconds later (a task it waits for is gone), the thread ends the process
+    with the same code. A loop that did ask saves for as long as it needs."""
 
     EXIT = 128 + signal.SIGTERM
 
     def __init__(self) -> None:
-        self.requested = threading.Event()
+        self.requested, self.noticed = threading.Event(), threading.Event()
         read, write = os.pipe()
         os.set_blocking(write, False)
         # The wakeup fd is written only for a signal that has a Python handler; this one
@@ -50,11 +49,19 @@ class Stop:
         signal.set_wakeup_fd(write)
         threading.Thread(target=self._watch, args=(read,), name="sigterm", daemon=True).start()
 
+    def asked(self) -> bool:
+        """The training loop's question, once per step."""
+        if self.requested.is_set():
+            self.noticed.set()
+            return True
+        return False
+
     def _watch(self, fd: int) -> None:
         while int(signal.SIGTERM) not in os.read(fd, 64):
             pass
         self.requested.set()
-        time.sleep(STOP_DEADLINE)
+        if self.noticed.wait(STOP_DEADLINE):
+            return
         print(f"stopped by SIGTERM: still inside TensorFlow {STOP_DEADLINE:g}s later, "
               f"leaving without saving", flush=True)
         os._exit(self.EXIT)
@@ -165,7 +172,7 @@ def main(argv=None) -> int:
     save_every = max(1, args.steps // 10)
     start = int(step.numpy())
     for i in range(start, args.steps):
-        loss, stop_all = train_step(iterator, tf.constant(float(stop.requested.is_set())))
+        loss, stop_all = train_step(iterator, tf.constant(float(stop.asked())))
         done = i + 1
         if done % args.log_every == 0 or done == start + 1 or done == args.steps:
             print(f"step={int(step.numpy())} loss={float(loss):.6f}", flush=True)
