@@ -221,6 +221,46 @@ def test_push_puts_the_newest_copy_where_tensorflow_restores_it(made, harness, t
     assert h.warnings() == [] and h2.warnings() == []
 
 
+# tf.compat.v1's MonitoredTrainingSession, as the between-graph and classic templates train:
+# a Saver whose state file names absolute paths, a .meta beside each checkpoint.
+MONITORED = r"""
+import json, sys, tensorflow as tf
+tf.compat.v1.disable_eager_execution()
+step = tf.compat.v1.train.get_or_create_global_step()
+tf.compat.v1.get_variable("w", initializer=tf.constant(3.0))
+train = tf.compat.v1.assign_add(step, 1)
+with tf.compat.v1.train.MonitoredTrainingSession(
+        checkpoint_dir=sys.argv[1], save_checkpoint_steps=5, save_summaries_steps=None,
+        hooks=[tf.compat.v1.train.StopAtStepHook(last_step=int(sys.argv[2]))]) as s:
+    start = s.run(step)
+    while not s.should_stop():
+        s.run(train)
+print(json.dumps({"start": int(start)}))
+"""
+
+
+def monitored(directory: Path, last_step: int) -> int:
+    out = subprocess.run([sys.executable, "-c", MONITORED, str(directory), str(last_step)], check=True,
+                         capture_output=True, text=True, timeout=90)
+    return json.loads(out.stdout.splitlines()[-1])["start"]
+
+
+@pytest.mark.tf
+def test_a_monitored_training_sessions_checkpoint_is_pulled_and_resumed_from_on_a_fresh_host(harness, tmp_path):
+    old = tmp_path / "old-chief"
+    assert monitored(old, 7) == 0
+    assert str(old / "model.ckpt-7") in (old / "checkpoint").read_text()     # absolute, as the Saver writes
+    h = harness(old)
+    pulled = h.sync.pull("h2")
+    assert (pulled.name, pulled.step) == ("model.ckpt-7", 7)
+    assert files_of(pulled.path) == {"checkpoint", "model.ckpt-7.index", "model.ckpt-7.meta",
+                                     "model.ckpt-7.data-00000-of-00001"}
+    fresh = tmp_path / "new-chief"
+    assert harness(fresh).sync.push("h4") == "model.ckpt-7"
+    assert monitored(fresh, 9) == 7                      # resumed at step 7, not from scratch
+    assert h.warnings() == []
+
+
 @pytest.mark.tf
 def test_pull_and_push_expand_the_home_on_the_host(made, tmp_path, home):
     """A local host: the shim runs with this HOME, so `~/` is the test's home."""

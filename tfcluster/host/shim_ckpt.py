@@ -96,7 +96,8 @@ def _regular(directory: str, name: str):
 
 
 def complete(directory: str, name: str, entries) -> list | None:
-    """[(file, size)] of checkpoint `name` (shards, then the index) when complete, else None."""
+    """[(file, size)] of checkpoint `name` (shards, then the index, then a .meta when there
+    is one) when complete, else None."""
     shards = {}
     for entry in entries:
         if entry.startswith(name + ".data-"):
@@ -110,7 +111,8 @@ def complete(directory: str, name: str, entries) -> list | None:
     sizes = [_regular(directory, f) for f in files]
     if any(size is None for size in sizes):
         return None
-    return list(zip(files, sizes))
+    meta = _regular(directory, name + ".meta")      # tf.compat.v1's Saver: the graph, when written
+    return list(zip(files, sizes)) + ([(name + ".meta", meta)] if meta is not None else [])
 
 
 def candidates(directory: str, entries) -> list:
