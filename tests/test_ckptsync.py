@@ -194,6 +194,12 @@ def test_keep_is_honoured_and_a_pulled_checkpoint_is_not_copied_again(made, harn
     again = h.sync.pull("h2")
     assert again == h.sync.kept()[-1]                            # the same copy, not a new one
     assert [r["name"] for r in h.sync.records()] == ["ckpt-10", "ckpt-20", "ckpt-30"]
+    for f in ("index", "data-00000-of-00001"):       # a chief that restarted its count saves ckpt-30 anew
+        shutil.copy(made / "plain" / f"ckpt-40.{f}", live / f"ckpt-30.{f}")
+    renewed = h.sync.pull("h2")
+    assert renewed.name == "ckpt-30" and renewed.time > again.time
+    assert (Path(renewed.path) / "ckpt-30.index").read_bytes() == (made / "plain" / "ckpt-40.index").read_bytes()
+    assert [r["name"] for r in h.sync.records()] == ["ckpt-10", "ckpt-20", "ckpt-30", "ckpt-30"]
 
 
 @pytest.mark.tf

@@ -13,8 +13,8 @@ The answer is one JSON header line on stdout, {"name", "dir", "files": [[file, s
 JSON answer, because a checkpoint is tens of megabytes to gigabytes and base64 in one JSON
 line would cost a third more on the wire and the whole of it in memory on both sides. Every
 file is opened before the header is written, so a checkpoint TensorFlow deletes meanwhile
-(max_to_keep) is still sent whole. `{"have": [names]}`: the header says `"have": true` and
-no bytes follow when the newest complete one is among them. Standard library only.
+(max_to_keep) is still sent whole. `{"have": {name: stamp}}`: the header says `"have": true`
+and no bytes follow when the newest complete one is that save of one of them (stamp()). Standard library only.
 """
 from __future__ import annotations
 
@@ -139,6 +139,16 @@ def newest_complete(directory: str):
     return None
 
 
+def stamp(directory: str, name: str):
+    """Which save of checkpoint `name` this is (its index file's inode and time): a chief that
+    restarted its count writes a new ckpt-10 over the old one, which is copied again."""
+    try:
+        st = os.lstat(os.path.join(directory, name + ".index"))
+    except OSError:
+        return None
+    return f"{st.st_ino}:{st.st_mtime_ns}"
+
+
 def _open_all(directory: str, files: list) -> list:
     """(fd, file, size) of each file, opened without following a link, checked regular."""
     opened = []
@@ -175,7 +185,8 @@ def cmd_ckpt(req: dict):
     if found is None:
         return {"name": None, "dir": directory}
     name, files = found
-    if name in req.get("have", ()):
+    have = req.get("have")
+    if isinstance(have, dict) and have.get(name) == stamp(directory, name):
         return {"name": name, "dir": directory, "have": True}
     opened = _open_all(directory, files)
     try:
@@ -185,6 +196,7 @@ def cmd_ckpt(req: dict):
             raise proto.ShimError(f"checkpoint {name} in {directory} is {total} bytes, over the {limit} "
                                   f"a sync copies")
         procs.write_all(1, proto.json_line({"name": name, "dir": directory, "bytes": total,
+                                            "stamp": stamp(directory, name),
                                             "files": [[f, size] for _, f, size in opened]}))
         try:
             for fd, f, size in opened:

@@ -71,6 +71,7 @@ class CheckpointSync:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._proc = None                        # the pull in flight, for stop()
+        self._stamps: dict[str, str] = {}        # name -> which save of it was copied (shim_ckpt.stamp)
 
     # ------------------------------------------------------------------ what is kept
 
@@ -107,7 +108,8 @@ class CheckpointSync:
         proc = agent.spawn_shim(proto.CKPT)
         self._proc = proc
         try:
-            proc.write(proto.json_line({"dir": self.config.dir, "have": sorted(kept), "limit": LIMIT}))
+            have = {n: s for n, s in self._stamps.items() if n in kept}
+            proc.write(proto.json_line({"dir": self.config.dir, "have": have, "limit": LIMIT}))
             proc.close_stdin()
             stream = _Stream(proc)
             header = stream.header()
@@ -145,6 +147,8 @@ class CheckpointSync:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        if isinstance(header.get("stamp"), str):
+            self._stamps[name] = header["stamp"]
         pulled = PulledCheckpoint(name, step_of(name), sum(s for _, s in files), final, now)
         with self._records_lock:
             self._records.append({"name": name, "step": pulled.step, "bytes": pulled.bytes, "at": round(now, 3)})
