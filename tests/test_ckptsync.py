@@ -305,6 +305,18 @@ def test_a_pull_from_a_host_that_is_gone_is_a_warning(made, harness, sshd_factor
 
 
 @pytest.mark.tf
+def test_a_run_directory_that_cannot_hold_the_copy_is_a_warning(made, harness, tmp_path):
+    h = harness(made / "plain")
+    (tmp_path / "runs" / "sshc-run").mkdir(parents=True)
+    (tmp_path / "runs" / "sshc-run" / "checkpoints").write_text("not a directory")
+    assert h.sync.pull("h2") is None
+    said = (f"tfcluster: warning: checkpoint sync: pull of {made / 'plain'} failed: on this machine: "
+            f"checkpoints: {tmp_path / 'runs' / 'sshc-run' / 'checkpoints'} is not a directory; "
+            "no copy is kept here yet")
+    assert h.warnings() == [said]
+
+
+@pytest.mark.tf
 def test_the_sync_thread_pulls_every_interval_and_stops_within_its_bound(made, harness, tmp_path):
     live = keep_only(made / "plain", tmp_path / "live", ["ckpt-10"])
     h = harness(live, sync="1s")

@@ -43,6 +43,10 @@ class SyncFailed(Exception):
     """One pull or push that did not happen; its text is the warning's reason."""
 
 
+class NotHere(SyncFailed):
+    """The copy cannot be kept on this machine (the run directory refused)."""
+
+
 def state_text(name: str) -> bytes:
     """A `checkpoint` state file naming `name` (relative: it resolves in any directory)."""
     quoted = name.replace("\\", "\\\\").replace('"', '\\"')
@@ -95,13 +99,16 @@ class CheckpointSync:
         with self._lock:
             try:
                 return self._pull(host)
-            except (SyncFailed, TfclusterError, OSError) as e:
+            except Exception as e:  # noqa: BLE001 - a failed sync never ends a run
                 if not self._stop.is_set():          # stop() dropped it: nothing to say
                     self._warn(f"pull of {self.config.dir}", host, e)
                 return None
 
     def _pull(self, host: str) -> PulledCheckpoint | None:
-        private_dir(self.root, "checkpoints", top=self.run_dir)
+        try:
+            private_dir(self.root, "checkpoints", top=self.run_dir)
+        except TfclusterError as e:
+            raise NotHere(str(e)) from None
         kept = {c.name: c for c in self.kept()}
         agent = self.session.agent(host)
         agent.prepare()
@@ -109,8 +116,11 @@ class CheckpointSync:
         self._proc = proc
         try:
             have = {n: s for n, s in self._stamps.items() if n in kept}
-            proc.write(proto.json_line({"dir": self.config.dir, "have": have, "limit": LIMIT}))
-            proc.close_stdin()
+            try:
+                proc.write(proto.json_line({"dir": self.config.dir, "have": have, "limit": LIMIT}))
+                proc.close_stdin()
+            except BrokenPipeError:      # it ended unread (no such python): its exit says why
+                pass
             stream = _Stream(proc)
             header = stream.header()
             name = header.get("name")
@@ -175,7 +185,7 @@ class CheckpointSync:
             newest = kept[-1]
             try:
                 self._push(host, newest)
-            except (SyncFailed, TfclusterError, OSError) as e:
+            except Exception as e:  # noqa: BLE001 - a failed sync never ends a run
                 self._warn(f"push of {newest.name} to {self.config.dir}", host, e)
                 return None
             return newest.name
@@ -228,9 +238,11 @@ class CheckpointSync:
 
     def _warn(self, what: str, host: str, e: BaseException) -> None:
         """One line: what failed where, why, and what is kept here (a person can copy it by hand)."""
-        why = str(e)
-        if isinstance(e, OSError) and e.strerror:           # this machine: a full disk, a refused dir
-            why = f"cannot write {e.filename or self.root}: {e.strerror}"
+        why = str(e) if isinstance(e, (SyncFailed, TfclusterError, OSError)) else f"{type(e).__name__}: {e}"
+        if isinstance(e, OSError) and e.strerror:           # this machine: a full disk
+            why = f"on this machine: {e.filename or self.root}: {e.strerror}"
+        elif isinstance(e, NotHere):
+            why = f"on this machine: {why}"
         elif not why.startswith(f"host {host}"):
             why = f"host {host}: {why}"
         kept = self.kept()
