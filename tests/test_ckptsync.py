@@ -47,6 +47,8 @@ sharded = tf.train.CheckpointManager(ckpt, root + "/sharded", max_to_keep=10)
 for n in (5, 7):
     a.assign(tf.fill([1000], float(n)))
     sharded.save(checkpoint_number=n, options=options)
+big = tf.train.Checkpoint(w=tf.Variable(tf.zeros([32 << 20])))         # 128 MiB
+tf.train.CheckpointManager(big, root + "/big", max_to_keep=1).save(checkpoint_number=1)
 """
 
 # What a fresh chief does: the latest checkpoint of the directory, restored.
@@ -331,6 +333,24 @@ def test_the_sync_thread_pulls_every_interval_and_stops_within_its_bound(made, h
     began = time.monotonic()
     h.sync.stop()
     assert time.monotonic() - began < 11 and not h.sync._thread.is_alive()
+    assert h.warnings() == []
+
+
+@pytest.mark.tf
+def test_a_pull_dropped_midway_leaves_nothing_half_there(made, harness, tmp_path):
+    import threading
+
+    h = harness(made / "big")
+    results = []
+    puller = threading.Thread(target=lambda: results.append(h.sync.pull("h2")))
+    puller.start()
+    root = tmp_path / "runs" / "sshc-run" / "checkpoints"
+    wait_for(lambda: any(f.stat().st_size for d in root.glob(".pull-*") for f in d.iterdir()),
+             timeout=20, interval=0.01, what="the copy to begin")
+    h.sync.stop()                                      # drops the pull in flight
+    puller.join(10)
+    assert results == [None] and not puller.is_alive()
+    assert os.listdir(root) == [] and h.sync.kept() == [] and h.sync.records() == []
     assert h.warnings() == []
 
 
