@@ -337,6 +337,23 @@ def test_the_sync_thread_pulls_every_interval_and_stops_within_its_bound(made, h
 
 
 @pytest.mark.tf
+def test_the_sync_thread_says_a_failure_once_until_a_pull_works(made, harness, tmp_path):
+    h = harness(made / "plain", sync="1s")
+    run = tmp_path / "runs" / "sshc-run"
+    run.mkdir(parents=True)
+    (run / "checkpoints").write_text("not a directory")
+    asked = []
+    h.sync.start(lambda: asked.append(1) or "h2")
+    wait_for(lambda: len(asked) >= 4, timeout=30, what="three failed syncs")
+    assert len(h.warnings()) == 1 and "is not a directory" in h.warnings()[0]
+    (run / "checkpoints").unlink()
+    wait_for(lambda: h.sync.kept(), timeout=20, what="a sync that works")
+    h.sync.stop()
+    assert len(h.warnings()) == 1
+    assert h.sync.pull("h2").name == "ckpt-50"      # a direct pull always speaks; this one has nothing to say
+
+
+@pytest.mark.tf
 def test_a_pull_dropped_midway_leaves_nothing_half_there(made, harness, tmp_path):
     import threading
 

@@ -76,6 +76,7 @@ class CheckpointSync:
         self._thread: threading.Thread | None = None
         self._proc = None                        # the pull in flight, for stop()
         self._stamps: dict[str, str] = {}        # name -> which save of it was copied (shim_ckpt.stamp)
+        self._said: str | None = None             # the last failure's words, until a pull works
 
     # ------------------------------------------------------------------ what is kept
 
@@ -91,18 +92,21 @@ class CheckpointSync:
 
     # ------------------------------------------------------------------ pull
 
-    def pull(self, host: str) -> PulledCheckpoint | None:
+    def pull(self, host: str, *, again: bool = True) -> PulledCheckpoint | None:
         """Copy the newest complete checkpoint of the checkpoint dir on `host` here; None
-        when there is none yet, or on failure (one warning)."""
+        when there is none yet, or on failure (one warning; `again=False`: none when the
+        last pull failed with the same words, as the thread's every interval would)."""
         if self.config is None:
             return None
         with self._lock:
             try:
-                return self._pull(host)
+                pulled = self._pull(host)
             except Exception as e:  # noqa: BLE001 - a failed sync never ends a run
                 if not self._stop.is_set():          # stop() dropped it: nothing to say
-                    self._warn(f"pull of {self.config.dir}", host, e)
+                    self._warn(f"pull of {self.config.dir}", host, e, again)
                 return None
+            self._said = None
+            return pulled
 
     def _pull(self, host: str) -> PulledCheckpoint | None:
         try:
@@ -222,8 +226,9 @@ class CheckpointSync:
         while not self._stop.wait(self.config.sync):
             try:
                 host = host_fn()
-                if host is not None:
-                    self.pull(host)
+                lost = getattr(self.session, "losses", None)
+                if host is not None and host not in (lost.lost if lost is not None else ()):
+                    self.pull(host, again=False)     # a lost host was said once, by the run
             except Exception as e:  # noqa: BLE001 - a failed sync never ends a run
                 self.ui.warn(f"checkpoint sync: {e}")
 
@@ -236,7 +241,7 @@ class CheckpointSync:
         if self._thread is not None:
             self._thread.join(STOP_JOIN)
 
-    def _warn(self, what: str, host: str, e: BaseException) -> None:
+    def _warn(self, what: str, host: str, e: BaseException, again: bool = True) -> None:
         """One line: what failed where, why, and what is kept here (a person can copy it by hand)."""
         why = str(e) if isinstance(e, (SyncFailed, TfclusterError, OSError)) else f"{type(e).__name__}: {e}"
         if isinstance(e, OSError) and e.strerror:           # this machine: a full disk
@@ -248,7 +253,10 @@ class CheckpointSync:
         kept = self.kept()
         have = (f"the newest copy here is {kept[-1].name} ({_size(kept[-1].bytes)}, {kept[-1].path})"
                 if kept else "no copy is kept here yet")
-        self.ui.warn(f"checkpoint sync: {what} failed: {why}; {have}")
+        line = f"checkpoint sync: {what} failed: {why}"
+        if again or line != self._said:
+            self.ui.warn(f"{line}; {have}")
+        self._said = line
 
 
 def _files_of(header: dict, name: str) -> list[tuple[str, int]]:
