@@ -31,9 +31,29 @@ pytestmark = [pytest.mark.timeout(120)]
 
 GONE_ADDRESS = "127.0.0.33"     # a host of its own, killed by one test
 
-# Each save's variable `a` holds its number; the sharded ones are cut into three shards.
-MAKER = r"""
-import sys, tensorflow as tf
+# tf.compat.v1's MonitoredTrainingSession, as the between-graph and classic templates train:
+# a Saver whose state file names absolute paths, a .meta beside each checkpoint. Returns the
+# step it started from.
+MONITORED_FN = r"""
+def monitored(d, last_step):
+    with tf.Graph().as_default():
+        step = tf.compat.v1.train.get_or_create_global_step()
+        tf.compat.v1.get_variable("w", initializer=tf.constant(3.0))
+        train = tf.compat.v1.assign_add(step, 1)
+        with tf.compat.v1.train.MonitoredTrainingSession(
+                checkpoint_dir=d, save_checkpoint_steps=5, save_summaries_steps=None,
+                hooks=[tf.compat.v1.train.StopAtStepHook(last_step=last_step)]) as s:
+            start = s.run(step)
+            while not s.should_stop():
+                s.run(train)
+    return int(start)
+"""
+MONITORED = ("import json, sys, tensorflow as tf\n" + MONITORED_FN
+             + 'print(json.dumps({"start": monitored(sys.argv[1], int(sys.argv[2]))}))\n')
+
+# Each save's variable `a` holds its number; the sharded ones are cut into three shards; a
+# MonitoredTrainingSession's run to step 7.
+MAKER = "import sys, tensorflow as tf\n" + MONITORED_FN + r"""
 root = sys.argv[1]
 a = tf.Variable(tf.zeros([1000]))
 ckpt = tf.train.Checkpoint(a=a, b=tf.Variable(tf.ones([1000])))
@@ -49,6 +69,7 @@ for n in (5, 7):
     sharded.save(checkpoint_number=n, options=options)
 big = tf.train.Checkpoint(w=tf.Variable(tf.zeros([32 << 20])))         # 128 MiB
 tf.train.CheckpointManager(big, root + "/big", max_to_keep=1).save(checkpoint_number=1)
+assert monitored(root + "/monitored", 7) == 0
 """
 
 # What a fresh chief does: the latest checkpoint of the directory, restored.
@@ -229,24 +250,6 @@ def test_push_puts_the_newest_copy_where_tensorflow_restores_it(made, harness, t
     assert h.warnings() == [] and h2.warnings() == []
 
 
-# tf.compat.v1's MonitoredTrainingSession, as the between-graph and classic templates train:
-# a Saver whose state file names absolute paths, a .meta beside each checkpoint.
-MONITORED = r"""
-import json, sys, tensorflow as tf
-tf.compat.v1.disable_eager_execution()
-step = tf.compat.v1.train.get_or_create_global_step()
-tf.compat.v1.get_variable("w", initializer=tf.constant(3.0))
-train = tf.compat.v1.assign_add(step, 1)
-with tf.compat.v1.train.MonitoredTrainingSession(
-        checkpoint_dir=sys.argv[1], save_checkpoint_steps=5, save_summaries_steps=None,
-        hooks=[tf.compat.v1.train.StopAtStepHook(last_step=int(sys.argv[2]))]) as s:
-    start = s.run(step)
-    while not s.should_stop():
-        s.run(train)
-print(json.dumps({"start": int(start)}))
-"""
-
-
 def monitored(directory: Path, last_step: int) -> int:
     out = subprocess.run([sys.executable, "-c", MONITORED, str(directory), str(last_step)], check=True,
                          capture_output=True, text=True, timeout=90)
@@ -254,9 +257,9 @@ def monitored(directory: Path, last_step: int) -> int:
 
 
 @pytest.mark.tf
-def test_a_monitored_training_sessions_checkpoint_is_pulled_and_resumed_from_on_a_fresh_host(harness, tmp_path):
-    old = tmp_path / "old-chief"
-    assert monitored(old, 7) == 0
+def test_a_monitored_training_sessions_checkpoint_is_pulled_and_resumed_from_on_a_fresh_host(made, harness,
+                                                                                               tmp_path):
+    old = made / "monitored"
     assert str(old / "model.ckpt-7") in (old / "checkpoint").read_text()     # absolute, as the Saver writes
     h = harness(old)
     pulled = h.sync.pull("h2")
