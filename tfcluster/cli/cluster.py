@@ -12,7 +12,7 @@ from typing import List, Optional
 import typer
 
 from tfcluster.cli.app import SKEW_HELP, SpecArg, StoppedWatching, app, load, plan_of, seconds, ui
-from tfcluster.errors import ExitCode, UsageError
+from tfcluster.errors import ExitCode, LockedError, TfclusterError, UsageError
 
 
 @app.command()
@@ -91,6 +91,60 @@ def down(
 
 
 @app.command()
+def drain(
+    spec_path: str = SpecArg,
+    host: str = typer.Argument(..., help="The host to take tasks off, as the spec names it."),
+    wait: float = typer.Option(600.0, "--wait", help="Seconds to wait for the move (0: ask and return)."),
+) -> int:
+    """Move a host's tasks to a spare while `train` runs, losing no step.
+
+    The running `train` (started from another terminal) stops the host's scripts, which save
+    a checkpoint as they stop, and starts them on a spare host (`spare: true` in the spec),
+    from that checkpoint. Exits 0 once moved, 1 when the run could not move them (it goes on
+    where it was, or no `train` of the cluster runs), 2 for a host the spec does not have,
+    6 when the move did not come within --wait.
+
+    Example:  tfcluster drain lab.yaml gpu3
+    """
+    from tfcluster.launch import drains, state
+
+    p = plan_of(spec_path)
+    names = [h.name for h in p.all_hosts]
+    if host not in names:
+        raise UsageError(f"{spec_path}: no host named {host!r} (hosts: {', '.join(names)})")
+    if host in p.spares:
+        raise UsageError(f"{spec_path}: {host} is a spare: it holds tasks only after a move, and none "
+                         f"to drain before one")
+    try:
+        with state.lock(p, "drain"):
+            holder = ""
+    except LockedError as exc:
+        holder = exc.message
+    if "tfcluster train" not in holder:
+        raise TfclusterError(f"no `tfcluster train` of cluster {p.name!r} is running: nothing to drain",
+                             hint="drain moves a running train's tasks; to run without the host, "
+                                  "edit the spec")
+    drains.ask(p, host)
+    ui.info(f"asked the running train to drain {host}")
+    deadline = time.monotonic() + wait
+    said = None
+    while time.monotonic() < deadline:
+        answer = drains.answers(p).get(host, {})
+        if answer.get("line") and answer.get("line") != said:
+            said = answer["line"]
+            ui.info(f"{host}: {answer.get('state')}: {said}")
+        if answer.get("state") == drains.MOVED:
+            return ExitCode.OK
+        if answer.get("state") == drains.FAILED:
+            return ExitCode.ERROR
+        time.sleep(0.5)
+    if wait:
+        ui.warn(f"{host}: not moved after {wait:g}s; the run goes on with the drain asked")
+        return ExitCode.TIMEOUT
+    return ExitCode.OK
+
+
+@app.command()
 def status(
     spec_path: str = SpecArg,
     json_: bool = typer.Option(False, "--json", help="Machine-readable output."),
@@ -104,17 +158,20 @@ def status(
 
     Example:  tfcluster status lab.yaml --json
     """
-    from tfcluster.launch import lifecycle
+    from tfcluster.launch import drains, lifecycle
     from tfcluster.ui.views import print_status, status_json
 
     p = plan_of(spec_path)
     if watch:
         return watch_status(p, interval, json_)
     rows, unreachable = lifecycle.status(p, ui)
+    draining = {h: a for h, a in drains.answers(p).items() if a.get("state") == drains.DRAINING}
     if json_:
-        ui.json(status_json(p, rows))
+        ui.json({**status_json(p, rows), "draining": {h: a.get("line") for h, a in draining.items()}})
     else:
         print_status(ui, p, rows)
+        for host, answer in draining.items():
+            ui.warn(f"{host}: draining ({answer.get('line')}); `tfcluster drain` waits for the move")
     if unreachable:
         raise lifecycle.unreachable_error(unreachable)
     return ExitCode.OK
@@ -161,7 +218,7 @@ def watch_status(plan, interval: float, json_: bool) -> int:
     """`status --watch`: the status table again every `interval` seconds until Ctrl-C
     (exit 130, quietly). A terminal is cleared before each table; anything else gets each
     table after the last, a blank line between (JSON: one document per line)."""
-    from tfcluster.launch import lifecycle
+    from tfcluster.launch import drains, lifecycle
     from tfcluster.ui.views import print_status, status_json
 
     if not 0 < interval < math.inf:

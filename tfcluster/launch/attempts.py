@@ -134,10 +134,8 @@ def refuse(proc: Supervised) -> None:
 
 
 def on_failure(run: Run, proc: Supervised, rc: int) -> None:
-    lost = run.session.losses.settled(run.session.losses.grace + 5)
-    if lost is not None:      # the run ends on the lost host, not on a peer that missed it
-        refuse(proc)
-        raise lost.error()
+    """A failure that is the task's own (a lost host's are recovery.py's): restart it under
+    the policy, or end the run naming it."""
     restart = run.plan.restart
     what = f"{proc.task.key}{' server' if proc.role == 'server' else ''} on {proc.task.host}"
     if policy.should_restart(restart, rc, proc.restarts):

@@ -8,8 +8,9 @@ that can be re-opened is no loss: the run goes on as before (a restart under its
 Every pump whose channel ended without an exit status asks `HostLosses.judge`; the first one
 for a host decides, the others get the same verdict. The supervisor's failure handling waits
 for verdicts under way (`settled`), so a peer that failed because the host vanished is not
-blamed for it. What a run does once a host is lost is today's: it ends, exit 3, naming the
-host (docs/design/host-loss.md).
+blamed for it. What the run does next is recovery.py's, under train.on_host_loss: with
+`fail` (the default without a spare host) it ends, exit 3, naming the host
+(docs/design/host-loss.md).
 """
 from __future__ import annotations
 

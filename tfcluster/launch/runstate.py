@@ -7,6 +7,7 @@ import queue
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from tfcluster.launch.moves import Recovery
 from tfcluster.plan import Plan, TaskPlan
 from tfcluster.watch.runs import ProgressLog
 
@@ -71,3 +72,4 @@ class Run:
     footer: LiveFooter | None = None    # on a terminal, from the scripts' start
     starts: list[StartSlot] = field(default_factory=list)   # every attached start, in order
     files: list | None = None       # shipping.collect_files(plan), read before connecting
+    recovery: Recovery = field(default_factory=Recovery)   # hosts given up, tasks moved (recovery.py)

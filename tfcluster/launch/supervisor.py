@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from tfcluster.diagnose.checks import RunChecks
 from tfcluster.errors import DeadlineError, ExitCode, Terminated, TfclusterError, UsageError
 from tfcluster.host.shim_protocol import DEFAULT_HEARTBEAT_TIMEOUT
-from tfcluster.launch import attempts, state
+from tfcluster.launch import attempts, drains, recovery, state
 from tfcluster.launch.reach import can_connect
 from tfcluster.launch.runstate import Run, Supervised
 from tfcluster.launch.session import Session, server_tasks
@@ -72,6 +72,10 @@ def train(plan: Plan, ui: UI, options: Options) -> int:
         mux, progress = _make_mux(plan, ui, options, run_id, checks, _save_failed(events))
         run = Run(plan, ui, options, run_id, session, mux, events, checks=checks, progress=progress,
                   files=files)
+        drains.clear(plan)              # a drain asked of an earlier run is not this one's
+        if plan.checkpoint is not None and plan.checkpoint.sync is not None:
+            from tfcluster.launch.ckptsync import CheckpointSync
+            run.recovery.checkpoints = CheckpointSync(session, plan, os.path.join(options.runs_dir, run_id), ui)
         manifest = Manifest(plan, run_id, os.path.join(options.runs_dir, run_id))
         outcome: tuple[int, str] = (int(ExitCode.ERROR), "did not start")
         try:
@@ -90,12 +94,16 @@ def train(plan: Plan, ui: UI, options: Options) -> int:
                 ui.pause = contextlib.nullcontext
             if run.board is not None:
                 run.board.close()
+            if run.recovery.checkpoints is not None:
+                run.recovery.checkpoints.stop()
             _shutdown(run, interrupted=outcome[0] in (ExitCode.INTERRUPTED, ExitCode.TERMINATED))
             mux.close()
             progress.close()
             try:
+                manifest.plan = run.plan        # where the tasks ended up, after any move
                 manifest.finish(run.procs, outcome, checks.summary(), progress.summary(),
-                                {h: lost.record() for h, lost in session.losses.lost.items()})
+                                {h: lost.record() for h, lost in session.losses.lost.items()},
+                                [m.record() for m in run.recovery.moves])
             except TfclusterError as exc:     # a full disk: one line, the run's own error follows
                 ui.error(exc.message)
             _summary(run, outcome)
@@ -152,6 +160,8 @@ def _run(run: Run, holder: Holder) -> tuple[int, str]:
     if footer.wanted(ui.stdout, run.options.quiet):
         run.footer = footer.LiveFooter(run.mux, run.progress, plan.restart.max_restarts)
         ui.pause = run.mux.pause_footer
+    if run.recovery.checkpoints is not None:     # the chief's, wherever it runs now
+        run.recovery.checkpoints.start(lambda: run.plan.chief.host if run.plan.chief else None)
     if plan.tensorboard:
         from tfcluster.watch import board
         run.board = board.start(run.session, plan, run.run_id, ui,
@@ -173,6 +183,8 @@ def _supervise(run: Run) -> tuple[int, str]:
                         f"stopping them")
             return int(ExitCode.OK), "succeeded (stragglers stopped)"
         run.checks.tick(run.procs, run.mux)
+        run.recovery.tick(run)
+        drains.poll(run)
         if run.footer is not None:
             run.footer.refresh(run.procs)
         try:
@@ -187,8 +199,8 @@ def _supervise(run: Run) -> tuple[int, str]:
         if attempt != proc.attempt:
             continue  # an earlier attempt's exit, already handled
         proc.exit_code, proc.ended = rc, time.time()
-        if proc.stopping:
-            continue
+        if proc.stopping or proc.task.host in run.recovery.handled and proc.host_lost:
+            continue            # stopped by the run, or its host given up (recovery.py)
         if rc == 0 and proc.role == "script":
             if policy.starts_peer_grace(run.plan.mode, proc.task.is_chief, rc):
                 chief_done_at = time.monotonic()
@@ -196,6 +208,12 @@ def _supervise(run: Run) -> tuple[int, str]:
         if chief_done_at and proc.role == "script":
             attempts.refuse(proc)
             run.ui.warn(f"{proc.task.key} exited with code {rc} after the chief had finished")
+            continue
+        run.session.losses.settled(run.session.losses.grace + 5)
+        lost = run.recovery.pending(run.session.losses.lost)
+        if lost is not None:    # the lost host is dealt with, not a peer that missed it
+            attempts.refuse(proc)
+            recovery.after_loss(run, lost)      # raises when the run cannot go on
             continue
         attempts.on_failure(run, proc, rc)
 
@@ -295,6 +313,8 @@ def _summary(run: Run, outcome: tuple[int, str]) -> None:
         rows.append((p.key, p.task.host, "-" if code is None else str(code),
                      str(p.restarts), f"{duration:.1f}s", last))
     checks = run.checks.summary() if run.checks and steps else {}    # said only once scripts ran
+    for move in run.recovery.moves:
+        run.ui.info(f"moved: {move.line()}")
     print_summary(run.ui, run.run_id, rows, outcome, os.path.join(run.options.runs_dir, run.run_id), checks,
                   steps)
 

@@ -81,3 +81,54 @@ def ignored_term(mode: str, keys: Sequence[str], grace: float) -> str:
         text += ("; TensorFlow's MultiWorkerMirroredStrategy takes SIGTERM as a preemption notice and "
                  "trains on: have the script exit on it (a SIGTERM handler, as the mirrored template has)")
     return text
+
+
+# -- a lost host (docs/design/host-loss.md) --------------------------------------------------
+
+FAIL, MOVE, SHRINK, RESTART = "fail", "move", "shrink", "restart"
+MOVES_ALONE = ("between-graph", "classic")   # a worker at a new address joins alone
+
+
+@dataclass(frozen=True)
+class LostTask:
+    job: str
+    is_chief: bool
+
+
+def on_host_loss(mode: str, choice: str, lost: Sequence[LostTask], spare: bool) -> tuple[str, str]:
+    """(what the run does, why) when a host holding `lost` is gone, under train.on_host_loss
+    `choice` (spare | shrink | fail), `spare` whether a spare can take its tasks.
+
+    move: start the host's tasks alone on the spare (between-graph and classic, plain
+    workers: nobody else needs their new address). shrink: go on without them (a plain
+    worker, where the chief ends the run). restart: stop every task and start them all again
+    on the new cluster, resuming from the checkpoint (a ps holds variables, a chief the
+    checkpoints; MirroredStrategy's collectives and the coordinator's cluster are fixed at
+    their start). fail: end the run, today's behaviour."""
+    if not lost:
+        return SHRINK, "it held no task"
+    plain = all(t.job == "worker" and not t.is_chief for t in lost)
+    if choice == FAIL:
+        return FAIL, "train.on_host_loss is fail"
+    if choice == SHRINK and plain and mode in CHIEF_ENDS_RUN:
+        return SHRINK, "its workers are not needed to finish (train.on_host_loss: shrink)"
+    if not spare:
+        if choice == SHRINK and mode == "mirrored":
+            return FAIL, "MultiWorkerMirroredStrategy cannot shrink: every worker holds a share of each step"
+        if choice == SHRINK and plain:
+            return FAIL, f"{mode} mode needs every worker to finish, so it cannot shrink"
+        what = "its workers" if plain else "a " + ("chief" if any(t.is_chief for t in lost) else "ps") + " task"
+        return FAIL, f"no spare host left to take {what}"
+    if plain and mode in MOVES_ALONE:
+        return MOVE, "a worker at a new address joins alone"
+    return RESTART, restart_reason(mode, lost)
+
+
+def restart_reason(mode: str, lost: Sequence[LostTask]) -> str:
+    if mode == "mirrored":
+        return "MultiWorkerMirroredStrategy starts every worker together"
+    if any(t.job == "ps" for t in lost):
+        return "a ps held variables: every task resumes from the checkpoint"
+    if any(t.is_chief for t in lost):
+        return "the chief is gone: every task resumes from the checkpoint"
+    return "the coordinator's cluster is fixed at its start: every task resumes from the checkpoint"

@@ -1,0 +1,123 @@
+"""A lost host's tasks moved to a spare, or the run shrunk, produced for real: the host's
+own sshd and everything started through it SIGKILLed (tests/test_host_loss.py's kill_host),
+real TensorFlow in every mode. Each lost host and each spare has an sshd of its own on a
+loopback address no other test uses."""
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import (
+    free_ports,
+    kill_group,
+    manifest,
+    only_run,
+    read_until,
+    start_tfcluster,
+    tagged_processes,
+    wait_for,
+)
+from tests.test_host_loss import kill_host, lone
+
+pytestmark = [pytest.mark.ssh, pytest.mark.tf]
+
+LOST_ADDRESS = "127.0.0.31"
+SPARE_ADDRESS = "127.0.0.32"
+
+
+def spec_with_spare(tmp: Path, sshd, lost, spare, name: str, *, mode: str = "between-graph",
+                    steps: int = 3000, on_host_loss: str | None = None, extra: str = "") -> Path:
+    """ps on h2, worker:0 (the chief) on h3, both on the shared sshd; worker:1 on h4, alone on
+    its sshd; h5 the spare (none when `spare` is None)."""
+    p = free_ports(3)
+    hosts = (f"  - {{name: h2, address: 127.0.0.2}}\n  - {{name: h3, address: 127.0.0.3}}\n"
+             f"  - {{name: h4, address: {lost.addresses[0]}, ssh: {{port: {lost.port}}}}}\n")
+    if spare is not None:
+        hosts += f"  - {{name: h5, address: {spare.addresses[0]}, spare: true, ssh: {{port: {spare.port}}}}}\n"
+    text = (f"name: {name}\npython: {sys.executable}\nworkdir: {tmp / 'remote'}\n"
+            f"ssh:\n  port: {sshd.port}\n  connect_timeout: 5\n"
+            f"hosts:\n{hosts}"
+            f"jobs:\n  ps: {{tasks: ['h2:{p[0]}']}}\n"
+            f"  worker: {{tasks: ['h3:{p[1]}', 'h4:{p[2]}']}}\n"
+            f"train:\n  mode: {mode}\n  script: template:between_graph\n"
+            f"  args: ['--steps', '{steps}', '--log_every', '100', '--cleanup_timeout', '10']\n"
+            + (f"  on_host_loss: {on_host_loss}\n" if on_host_loss else "") + extra)
+    path = tmp / f"{name}.yaml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.timeout(420)
+def test_a_lost_worker_moves_to_the_spare_and_the_run_finishes(tmp_path, home, ssh_home, sshd, sshd_factory):
+    lost = lone(sshd_factory, ssh_home, LOST_ADDRESS)
+    spare = lone(sshd_factory, ssh_home, SPARE_ADDRESS)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    spec = spec_with_spare(tmp_path, sshd, lost, spare, "rspare", steps=4000)
+    proc = start_tfcluster("train", str(spec), home=home, cwd=cwd)
+    try:
+        read_until(proc, r"worker:1 .*step=", timeout=200)
+        kill_host(lost)
+        read_until(proc, r"h4 lost: .*moving worker:1 to h5", timeout=60)
+        rest = proc.communicate(timeout=240)[0]
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 0, rest[-4000:]
+    assert re.search(r"moved: .* h4 lost: its SSH connection dropped.*: worker:1 moved to h5", rest), rest[-3000:]
+    doc = manifest(only_run(cwd / "runs"))
+    assert doc["exit_code"] == 0
+    (move,) = doc["moves"]
+    assert move["host"] == "h4" and move["to"] == "h5" and move["action"] == "move"
+    assert move["tasks"] == ["worker:1"] and move["steps_lost"] == 0, move
+    assert doc["tasks"]["worker:1"]["host"] == "h5"
+    assert doc["tasks"]["worker:1"]["script"]["restarts"] == 0      # a move is not a restart
+    assert doc["progress"]["worker:0"]["step"] >= 3900
+    wait_for(lambda: not tagged_processes(), timeout=60, what="no task left running")
+
+
+@pytest.mark.timeout(420)
+def test_shrink_goes_on_without_a_lost_worker(tmp_path, home, ssh_home, sshd, sshd_factory):
+    lost = lone(sshd_factory, ssh_home, LOST_ADDRESS)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    spec = spec_with_spare(tmp_path, sshd, lost, None, "rshrink", steps=3000, on_host_loss="shrink")
+    proc = start_tfcluster("train", str(spec), home=home, cwd=cwd)
+    try:
+        read_until(proc, r"worker:1 .*step=", timeout=200)
+        kill_host(lost)
+        read_until(proc, r"h4 lost: .*going on without worker:1", timeout=60)
+        rest = proc.communicate(timeout=240)[0]
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 0, rest[-4000:]
+    assert re.search(r"^worker:1 +h4 +lost ", rest, re.MULTILINE), rest[-3000:]
+    doc = manifest(only_run(cwd / "runs"))
+    (move,) = doc["moves"]
+    assert move["action"] == "shrink" and move["to"] is None
+    assert doc["progress"]["worker:0"]["step"] >= 2900
+    wait_for(lambda: not tagged_processes(), timeout=60, what="no task left running")
+
+
+@pytest.mark.timeout(300)
+def test_no_spare_left_fails_as_before_naming_the_host(tmp_path, home, ssh_home, sshd, sshd_factory):
+    """on_host_loss: spare, but the one spare is dead too: the run ends, exit 3, as without."""
+    lost = lone(sshd_factory, ssh_home, LOST_ADDRESS)
+    spare = lone(sshd_factory, ssh_home, SPARE_ADDRESS)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    spec = spec_with_spare(tmp_path, sshd, lost, spare, "rnone", steps=5000000)
+    proc = start_tfcluster("train", str(spec), home=home, cwd=cwd)
+    try:
+        read_until(proc, r"worker:1 .*step=", timeout=200)
+        kill_host(spare)
+        kill_host(lost)
+        rest = proc.communicate(timeout=120)[0]
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 3, rest[-3000:]
+    assert "h4: cannot recover: " in rest, rest[-3000:]
+    assert re.search(r"tfcluster: error: h4 lost: .* \(worker:1\)", rest), rest[-3000:]
+    wait_for(lambda: not tagged_processes(), timeout=90, what="no task left running")

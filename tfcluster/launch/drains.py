@@ -1,0 +1,110 @@
+"""`tfcluster drain SPEC HOST`: a host given up on purpose while `train` runs.
+
+The two processes talk through the cluster's private state directory (state.py), which only
+its owner can write: `drain` leaves one request file per host (`drain-<host>`, created
+exclusively), the running `train` finds it on its next tick, moves the host's tasks off it
+as it would a lost host's (recovery.py: at the next checkpoint, the scripts saving as they
+stop), and writes how each drain went to `drains.json`, which `drain` waits on and `status`
+shows. Nothing here trusts a file someone else could write: the directory is refused unless
+private.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import TYPE_CHECKING
+
+from tfcluster.errors import TfclusterError
+from tfcluster.launch import state
+from tfcluster.localfs import NOFOLLOW, write_private
+
+if TYPE_CHECKING:
+    from tfcluster.launch.runstate import Run
+
+REQUEST = "drain-"
+ANSWERS = "drains.json"
+POLL_EVERY = 1.0        # seconds between the supervisor's looks
+ASKED, DRAINING, MOVED, FAILED = "asked", "draining", "moved", "failed"
+
+
+def ask(plan, host: str) -> None:
+    """Leave the request for `host` (drain's side)."""
+    path = os.path.join(state.state_dir(state.key(plan)), REQUEST + host)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, 0o600)
+    except FileExistsError:
+        return          # asked already, not yet taken
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps({"host": host, "asked": time.time(), "pid": os.getpid()}))
+
+
+def answers(plan) -> dict[str, dict]:
+    """host -> {state, line, at} as the running (or last) train wrote it."""
+    path = os.path.join(state.state_dir(state.key(plan)), ANSWERS)
+    try:
+        fd = os.open(path, os.O_RDONLY | NOFOLLOW)
+        with os.fdopen(fd, "rb") as f:
+            doc = json.loads(f.read(1 << 20))
+    except (OSError, ValueError):
+        return {}
+    return {h: a for h, a in doc.items() if isinstance(h, str) and isinstance(a, dict)} \
+        if isinstance(doc, dict) else {}
+
+
+def _answer(plan, host: str, how: str, line: str) -> None:
+    doc = answers(plan)
+    doc[host] = {"state": how, "line": line, "at": time.time()}
+    write_private(os.path.join(state.state_dir(state.key(plan)), ANSWERS),
+                  json.dumps(doc, indent=2, sort_keys=True).encode())
+
+
+def clear(plan) -> None:
+    """A new train starts with no drain asked or answered (train's side, under its lock)."""
+    directory = state.state_dir(state.key(plan))
+    for name in os.listdir(directory):
+        if name.startswith(REQUEST) or name == ANSWERS:
+            try:
+                os.unlink(os.path.join(directory, name))
+            except FileNotFoundError:
+                pass
+
+
+def poll(run: Run) -> None:
+    """The supervisor's tick: take the drains asked since the last look, one at a time."""
+    now = time.monotonic()
+    if now - run.recovery.looked < POLL_EVERY:
+        return
+    run.recovery.looked = now
+    directory = state.state_dir(state.key(run.plan))
+    asked = sorted(n[len(REQUEST):] for n in os.listdir(directory) if n.startswith(REQUEST))
+    for host in asked:
+        try:
+            os.unlink(os.path.join(directory, REQUEST + host))
+        except FileNotFoundError:
+            continue
+        _drain(run, host)
+
+
+def _drain(run: Run, host: str) -> None:
+    from tfcluster.launch import recovery
+
+    if host in run.recovery.handled or not run.plan.tasks_on(host):
+        _answer(run.plan, host, MOVED, f"{host} holds no task of this run")
+        return
+    run.ui.warn(f"{host}: drain asked; moving its tasks off it at the next checkpoint")
+    _answer(run.plan, host, DRAINING, f"moving {', '.join(t.key for t in run.plan.tasks_on(host))}")
+    plan = run.plan
+    refused = TfclusterError(f"{host} cannot be drained: no spare host can take its tasks",
+                             hint="add a host with `spare: true` to the spec, or stop the run")
+    try:
+        move = recovery.give_up(run, host, "drained", refused)
+    except TfclusterError as exc:
+        if exc is not refused:      # the move itself failed: the run cannot go on
+            _answer(plan, host, FAILED, exc.message)
+            raise
+        run.recovery.handled.discard(host)      # it still runs its tasks: the run goes on
+        _answer(plan, host, FAILED, exc.message)
+        run.ui.warn(f"{host}: not drained: {exc.message}")
+        return
+    _answer(run.plan, host, MOVED, move.line() if move is not None else f"{host} drained")

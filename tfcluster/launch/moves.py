@@ -1,0 +1,89 @@
+"""The record of a run's moves: when a host was given up (lost or drained), why, what the
+run did (policy.on_host_loss), to where, the step the run had reached and the one it resumed
+from. The supervisor fills the resumed step from the progress lines that follow (tick), says
+it once, and the records go to the summary and the manifest (`moves`)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from tfcluster.plan import policy
+
+if TYPE_CHECKING:
+    from tfcluster.launch.ckptsync import CheckpointSync
+    from tfcluster.launch.hostloss import LostHost
+    from tfcluster.launch.runstate import Run
+
+
+@dataclass
+class Move:
+    host: str                       # the host given up
+    why: str                        # "lost: silent for 20s, …" | "drained"
+    action: str                     # policy.MOVE | SHRINK | RESTART
+    reason: str                     # why this action (policy.on_host_loss)
+    tasks: tuple[str, ...]
+    at: float                       # time.time() of the decision
+    step_at: int | None             # the run's step then (the furthest any script said)
+    spare: str | None = None
+    done_at: float | None = None    # the new tasks started (time.time())
+    watch: str | None = None        # the task whose first step after done_at is the resumed one
+    resumed: int | None = None
+    checkpoint: str | None = None   # the checkpoint pushed to the new host, if any
+
+    @property
+    def steps_lost(self) -> int | None:
+        if self.step_at is None or self.resumed is None:
+            return None
+        return max(0, self.step_at - self.resumed)
+
+    def line(self) -> str:
+        when = time.strftime("%H:%M:%S", time.localtime(self.at))
+        what = ", ".join(self.tasks)
+        if self.action == policy.SHRINK:
+            head = f"{when} {self.host} {self.why}: went on without {what}"
+        else:
+            head = f"{when} {self.host} {self.why}: {what} moved to {self.spare}"
+            if self.action == policy.RESTART:
+                head += ", every task restarted"
+        if self.resumed is not None:
+            head += f"; resumed at step {self.resumed}, {self.steps_lost} step(s) lost"
+        elif self.action != policy.SHRINK:
+            head += "; no step seen since"
+        return head
+
+    def record(self) -> dict:
+        return {"host": self.host, "why": self.why, "action": self.action, "reason": self.reason,
+                "tasks": list(self.tasks), "to": self.spare, "at": self.at, "step_at": self.step_at,
+                "done_at": self.done_at, "resumed_step": self.resumed, "steps_lost": self.steps_lost,
+                "checkpoint": self.checkpoint}
+
+
+@dataclass
+class Recovery:
+    """The moves of one run, and the hosts it gave up."""
+
+    moves: list[Move] = field(default_factory=list)
+    handled: set[str] = field(default_factory=set)   # hosts given up (lost or drained)
+    unusable: set[str] = field(default_factory=set)  # spares found dead when one was needed
+    checkpoints: CheckpointSync | None = None        # train.checkpoint's copies, if configured
+    looked: float = 0.0                              # monotonic time drains.poll last looked
+
+    def pending(self, lost: dict[str, LostHost]) -> LostHost | None:
+        """The first host lost and not yet dealt with."""
+        fresh = [v for h, v in lost.items() if h not in self.handled]
+        return min(fresh, key=lambda v: v.at, default=None)
+
+    def tick(self, run: Run) -> None:
+        """Fill each move's resumed step from the first step its task said after it, and say it."""
+        if run.progress is None:
+            return
+        for move in self.moves:
+            if move.resumed is not None or move.done_at is None or move.watch is None:
+                continue
+            got = run.progress.tracker.state(move.watch)
+            after = [s for s in list(got.samples) if s[0] >= move.done_at] if got is not None else []
+            if after:
+                move.resumed = after[0][1]
+                run.ui.info(f"{move.watch} on {move.spare} resumed at step {move.resumed} "
+                            f"({move.steps_lost} step(s) lost)")

@@ -1,0 +1,191 @@
+"""What a run does when a host is lost or drained: move its tasks to a spare, go on without
+them, or stop every task and start them all again on the new cluster from the checkpoint
+(train.on_host_loss; the decision is plan/policy.py's on_host_loss, the TF facts behind it
+in docs/design/host-loss.md, the user's view in docs/hostloss.md).
+
+Each move is recorded (moves.py). A move is not a restart: it does not count against
+train.restart.max_restarts.
+"""
+from __future__ import annotations
+
+import queue
+import time
+from typing import TYPE_CHECKING
+
+from tfcluster.errors import ConnectError, TfclusterError
+from tfcluster.launch import attempts
+from tfcluster.launch.hostloss import REOPEN_GRACE
+from tfcluster.launch.moves import Move
+from tfcluster.launch.servers import Started, wait_ready
+from tfcluster.launch.shipping import ship
+from tfcluster.plan import policy
+
+if TYPE_CHECKING:
+    from tfcluster.launch.hostloss import LostHost
+    from tfcluster.launch.runstate import Run, Supervised
+
+
+def step_now(run: Run) -> int | None:
+    """The run's step: the furthest any script said (between-graph: the global step)."""
+    if run.progress is None:
+        return None
+    steps = [t.step for t in run.progress.tracker.tasks.values() if t.step is not None]
+    return max(steps, default=None)
+
+
+def lost_tasks(run: Run, host: str) -> list[policy.LostTask]:
+    return [policy.LostTask(t.job, t.is_chief) for t in run.plan.tasks_on(host)]
+
+
+def after_loss(run: Run, lost: LostHost) -> None:
+    """A host was found lost: deal with it under the plan's policy, or raise its error (the
+    run ends, exit 3, as it always has with on_host_loss: fail)."""
+    give_up(run, lost.host, f"lost: {lost.how}", lost.error())
+
+
+def give_up(run: Run, host: str, why: str, error: TfclusterError) -> Move | None:
+    """Move `host`'s tasks off it under the plan's policy; raise `error` when the run cannot
+    go on. `why`: what the summary says of the host ("lost: …", "drained")."""
+    recovery = run.recovery
+    recovery.handled.add(host)
+    tasks = tuple(t.key for t in run.plan.tasks_on(host))
+    spare = _spare_for(run, host)
+    while spare is not None and (gone := _unreachable(run, spare)) is not None:
+        run.ui.warn(f"spare {spare} not usable: {gone}")
+        recovery.unusable.add(spare)
+        spare = _spare_for(run, host)
+    action, reason = policy.on_host_loss(run.plan.mode, run.plan.on_host_loss, lost_tasks(run, host),
+                                         spare is not None)
+    if action in (policy.MOVE, policy.RESTART) and not run.owns_servers and any(
+            t.runs_server for t in run.plan.tasks):
+        action, reason = policy.FAIL, "its servers were started by `tfcluster up`, which a run does not move"
+    if action == policy.FAIL:
+        if run.plan.on_host_loss != policy.FAIL:
+            run.ui.warn(f"{host}: cannot recover: {reason}")
+        raise error
+    move = Move(host, why, action, reason, tasks, time.time(), step_now(run), spare)
+    recovery.moves.append(move)
+    procs = [p for p in run.procs if p.task.host == host]
+    if action == policy.SHRINK:
+        _stop(run, procs)         # a drained host's; a lost one's shims stop their own
+        for p in procs:
+            p.host_lost = p.host_lost or why
+        run.ui.warn(f"{host} {why}: going on without {', '.join(tasks)} ({reason})")
+        return move
+    run.ui.warn(f"{host} {why}: moving {', '.join(tasks)} to {spare} ({reason})")
+    try:
+        if action == policy.MOVE:
+            _move_alone(run, move, procs)
+        else:
+            _restart_all(run, move)
+    except TfclusterError as exc:
+        raise ConnectError(f"could not move {', '.join(tasks)} to {spare}: {exc.message}",
+                           hint=exc.hint) from None
+    move.done_at = time.time()
+    return move
+
+
+def _spare_for(run: Run, host: str) -> str | None:
+    """A spare that did not fail when the run began, not taken by another move, not lost."""
+    session = run.session
+    unusable = {s for s in run.plan.spares if s in session.agents and s not in session.infos}
+    unusable |= set(session.unusable) | set(session.losses.lost) | run.recovery.handled
+    return run.plan.spare_for(host, used=unusable | run.recovery.unusable)
+
+
+def _unreachable(run: Run, spare: str) -> str | None:
+    """Why `spare` cannot be reached now (its connection dropped and will not re-open), or
+    None: a spare dies quietly, holding no task whose channel would say so."""
+    agent = run.session.agents.get(spare)
+    return None if agent is None else agent.transport.reopen(REOPEN_GRACE)
+
+
+def _adopt(run: Run, lost: str, spare: str) -> None:
+    """The run's plan becomes the one with `lost`'s tasks on `spare`."""
+    plan = run.plan.moved(lost, spare)
+    run.plan = run.session.plan = plan
+    for p in run.procs:
+        p.task = plan.task(p.task.key)
+
+
+def _watched(run: Run, moved: list[Supervised]) -> str | None:
+    """Whose first step says where the run resumed: the chief's, else a moved script's."""
+    chief = run.plan.chief
+    if chief is not None:
+        return chief.key
+    scripts = [p.key for p in moved if p.role == "script"]
+    return scripts[0] if scripts else None
+
+
+def _move_alone(run: Run, move: Move, procs: list[Supervised]) -> None:
+    """between-graph / classic: a plain worker starts on the spare; nobody else needs its
+    new address (docs/design/host-loss.md)."""
+    _stop(run, procs)      # a drained host's, still running; a lost one's are gone already
+    _adopt(run, move.host, move.spare)
+    _start(run, procs, move)
+    scripts = [p.key for p in procs if p.role == "script"]
+    move.watch = scripts[0] if scripts else None
+
+
+def _restart_all(run: Run, move: Move) -> None:
+    """Every task stops and starts again on the new cluster, from the checkpoint."""
+    _stop(run, [p for p in run.procs if p.role == "script"])    # scripts first: a last save
+    sync = run.recovery.checkpoints
+    chief = run.plan.chief
+    if sync is not None and chief is not None and chief.host not in run.session.losses.lost:
+        sync.pull(chief.host)       # the newest, after the scripts' last save (a drain)
+    _stop(run, [p for p in run.procs if p.role == "server"])
+    _adopt(run, move.host, move.spare)
+    if sync is not None:
+        move.checkpoint = sync.push(move.spare)
+    _start(run, list(run.procs), move)
+    move.watch = _watched(run, [p for p in run.procs if p.task.host == move.spare])
+
+
+def _stop(run: Run, procs: list[Supervised]) -> None:
+    """Stop these attempts (TERM, the shim's grace, KILL) and wait for their ends; the ends
+    are this run's own, not failures."""
+    live = [p for p in procs if p.handle is not None and p.exit_code is None
+            and p.task.host not in run.session.losses.lost]
+    for p in procs:
+        p.stopping = True
+        if p not in live:
+            attempts.refuse(p)      # its shim's restart in place of an attempt that failed
+    for p in live:
+        try:
+            p.handle.stop()
+        except Exception:  # noqa: BLE001 - its shim stops it when the channel goes
+            pass
+    deadline = time.monotonic() + run.options.grace + 5
+    while any(p.exit_code is None for p in live) and time.monotonic() < deadline:
+        try:
+            event = run.events.get(timeout=0.2)
+        except queue.Empty:
+            continue
+        if isinstance(event, tuple):
+            proc, attempt, rc = event
+            if attempt == proc.attempt and proc.exit_code is None:
+                proc.exit_code, proc.ended = rc, time.time()
+    for p in live:
+        if p.exit_code is None:
+            p.handle.detach_kill()
+
+
+def _start(run: Run, procs: list[Supervised], move: Move) -> None:
+    """Start `procs` afresh on the run's (new) plan: servers first, ready, then the scripts,
+    shipping the files to the spare first."""
+    for p in procs:
+        p.handle, p.stopping, p.host_lost, p.exit_code = None, False, None, None
+    session = run.session
+    if move.spare not in session.infos:          # not prepared when the run began
+        session.infos[move.spare] = session.agent(move.spare).prepare(None, None)
+    scripts = [p for p in procs if p.role == "script"]
+    on_spare = [p.task for p in scripts if p.task.host == move.spare]
+    if on_spare and run.files:
+        run.ui.info(ship(session, on_spare, run.run_id, run.files))
+    servers = [p for p in procs if p.role == "server"]
+    if servers:
+        attempts.start_all(run, servers)
+        wait_ready(session, [Started(p.task, p.launch.tag, p.handle.pid, p.launch.log) for p in servers])
+    if scripts:
+        attempts.start_all(run, scripts)
