@@ -273,6 +273,8 @@ def _files_of(header: dict, name: str) -> list[tuple[str, int]]:
         out.append((entry[0], entry[1]))
     if len({f for f, _ in out}) != len(out):
         raise SyncFailed(f"the host's answer names a file of {name} twice")
+    if sum(size for _, size in out) > LIMIT:          # what was asked: the shim refuses more itself
+        raise SyncFailed(f"checkpoint {name} is over the {_size(LIMIT)} a sync copies")
     return out
 
 
