@@ -5,6 +5,7 @@ loopback address no other test uses."""
 from __future__ import annotations
 
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -121,3 +122,102 @@ def test_no_spare_left_fails_as_before_naming_the_host(tmp_path, home, ssh_home,
     assert "h4: cannot recover: " in rest, rest[-3000:]
     assert re.search(r"tfcluster: error: h4 lost: .* \(worker:1\)", rest), rest[-3000:]
     wait_for(lambda: not tagged_processes(), timeout=90, what="no task left running")
+
+
+def chief_spec(tmp: Path, sshd, lost, spare, name: str, *, mode: str, script: str, steps: int,
+               jobs: str) -> Path:
+    """`jobs` is the YAML of the jobs with the placeholders LOST, H2, H3 for ports' hosts;
+    every task's script checkpoints to {workdir}/ckpt, which train.checkpoint copies back
+    every 2 s."""
+    hosts = (f"  - {{name: h2, address: 127.0.0.2}}\n  - {{name: h3, address: 127.0.0.3}}\n"
+             f"  - {{name: h4, address: {lost.addresses[0]}, ssh: {{port: {lost.port}}}}}\n"
+             f"  - {{name: h5, address: {spare.addresses[0]}, spare: true, ssh: {{port: {spare.port}}}}}\n")
+    text = (f"name: {name}\npython: {sys.executable}\nworkdir: {tmp / 'remote'}\n"
+            f"ssh:\n  port: {sshd.port}\n  connect_timeout: 5\n"
+            f"hosts:\n{hosts}jobs:\n{jobs}"
+            f"train:\n  mode: {mode}\n  script: template:{script}\n"
+            f"  args: ['--steps', '{steps}', '--log_every', '50', '--model_dir', '{{workdir}}/ckpt']\n"
+            f"  checkpoint: {{dir: '{{workdir}}/ckpt', keep: 2, sync: 2s}}\n")
+    path = tmp / f"{name}.yaml"
+    path.write_text(text)
+    return path
+
+
+def pulled(cwd: Path) -> list[int]:
+    """The steps of the checkpoints the launcher holds (`model.ckpt-300`, `ckpt-3`)."""
+    names = (p.name.rpartition("-")[2] for p in (cwd / "runs").glob("*/checkpoints/*"))
+    return sorted(int(n) for n in names if n.isdigit())
+
+
+@pytest.mark.timeout(420)
+def test_a_lost_chief_restarts_every_task_on_the_spare_from_the_launchers_copy(
+        tmp_path, home, ssh_home, sshd, sshd_factory):
+    """No shared filesystem: the chief's checkpoints die with its box (the test deletes them
+    with the host), and the run resumes from the copy the launcher pulled."""
+    lost = lone(sshd_factory, ssh_home, LOST_ADDRESS)
+    spare = lone(sshd_factory, ssh_home, SPARE_ADDRESS)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    p = free_ports(3)
+    spec = chief_spec(tmp_path, sshd, lost, spare, "rchief", mode="between-graph", script="between_graph",
+                      steps=3000, jobs=f"  ps: {{tasks: ['h2:{p[0]}']}}\n"
+                                       f"  worker: {{tasks: ['h4:{p[1]}', 'h3:{p[2]}']}}\n")
+    proc = start_tfcluster("train", str(spec), home=home, cwd=cwd)
+    try:
+        read_until(proc, r"worker:0 .*step=", timeout=200)
+        wait_for(lambda: any(pulled(cwd)), timeout=120, what="a checkpoint past step 0 pulled to the launcher")
+        kill_host(lost)
+        shutil.rmtree(tmp_path / "remote" / "rchief" / "ckpt")     # the chief's disk, gone with it
+        read_until(proc, r"h4 lost: .*moving worker:0 to h5 \(the chief is gone", timeout=60)
+        rest = proc.communicate(timeout=300)[0]
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 0, rest[-4000:]
+    assert re.search(r"worker:0 +│ restored \S+ at step=\d+", rest), rest[-4000:]
+    doc = manifest(only_run(cwd / "runs"))
+    (move,) = doc["moves"]
+    assert move["action"] == "restart" and move["to"] == "h5" and move["checkpoint"], move
+    assert move["resumed_step"] is not None and 0 < move["resumed_step"] <= move["step_at"], move
+    assert doc["tasks"]["worker:0"]["host"] == "h5"
+    assert doc["progress"]["worker:0"]["step"] >= 2900
+    wait_for(lambda: not tagged_processes(), timeout=60, what="no task left running")
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("mode", ["coordinator", "mirrored"])
+def test_a_lost_worker_restarts_the_strategys_cluster_on_the_spare_from_the_checkpoint(
+        tmp_path, home, ssh_home, sshd, sshd_factory, mode):
+    """ParameterServerStrategy's coordinator and MultiWorkerMirroredStrategy fix their cluster
+    at their start: a worker's new address means every task starts again, from the checkpoint."""
+    lost = lone(sshd_factory, ssh_home, LOST_ADDRESS)
+    spare = lone(sshd_factory, ssh_home, SPARE_ADDRESS)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    p = free_ports(4)
+    if mode == "coordinator":
+        jobs = (f"  chief: {{tasks: ['h2:{p[0]}']}}\n  ps: {{tasks: ['h3:{p[1]}']}}\n"
+                f"  worker: {{tasks: ['h3:{p[2]}', 'h4:{p[3]}']}}\n")
+        watched, steps = "chief:0", 1500
+    else:
+        jobs = f"  worker: {{tasks: ['h3:{p[0]}', 'h4:{p[1]}']}}\n"
+        watched, steps = "worker:0", 1500
+    spec = chief_spec(tmp_path, sshd, lost, spare, f"r{mode[:5]}", mode=mode, script=mode, steps=steps,
+                      jobs=jobs)
+    proc = start_tfcluster("train", str(spec), home=home, cwd=cwd)
+    try:
+        read_until(proc, rf"{watched} .*step=", timeout=200)
+        wait_for(lambda: any(pulled(cwd)), timeout=120, what="a checkpoint past step 0 pulled to the launcher")
+        kill_host(lost)
+        read_until(proc, r"h4 lost: .*moving worker:1 to h5 \(", timeout=60)
+        rest = proc.communicate(timeout=300)[0]
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 0, rest[-4000:]
+    assert re.search(rf"{watched} +│ restored \S+ at step=[1-9]\d*", rest), rest[-4000:]
+    doc = manifest(only_run(cwd / "runs"))
+    (move,) = doc["moves"]
+    assert move["action"] == "restart" and move["to"] == "h5", move
+    # resumed from a checkpoint, not from scratch (the coordinator's saves may run ahead of its prints)
+    assert move["resumed_step"] is not None and move["resumed_step"] > 0, move
+    assert doc["tasks"]["worker:1"]["host"] == "h5"
+    wait_for(lambda: not tagged_processes(), timeout=60, what="no task left running")

@@ -46,6 +46,8 @@ class Move:
             head = f"{when} {self.host} {self.why}: {what} moved to {self.spare}"
             if self.action == policy.RESTART:
                 head += ", every task restarted"
+        if self.checkpoint:
+            head += f" from {self.checkpoint}"
         if self.resumed is not None:
             head += f"; resumed at step {self.resumed}, {self.steps_lost} step(s) lost"
         elif self.action != policy.SHRINK:

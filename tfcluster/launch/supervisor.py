@@ -94,8 +94,12 @@ def train(plan: Plan, ui: UI, options: Options) -> int:
                 ui.pause = contextlib.nullcontext
             if run.board is not None:
                 run.board.close()
-            if run.recovery.checkpoints is not None:
-                run.recovery.checkpoints.stop()
+            sync = run.recovery.checkpoints
+            if sync is not None:
+                sync.stop()
+                chief = run.plan.chief
+                if outcome[0] == ExitCode.OK and chief is not None:
+                    sync.pull(chief.host)       # the run's last checkpoint, kept with its logs
             _shutdown(run, interrupted=outcome[0] in (ExitCode.INTERRUPTED, ExitCode.TERMINATED))
             mux.close()
             progress.close()
@@ -103,7 +107,8 @@ def train(plan: Plan, ui: UI, options: Options) -> int:
                 manifest.plan = run.plan        # where the tasks ended up, after any move
                 manifest.finish(run.procs, outcome, checks.summary(), progress.summary(),
                                 {h: lost.record() for h, lost in session.losses.lost.items()},
-                                [m.record() for m in run.recovery.moves])
+                                [m.record() for m in run.recovery.moves],
+                                checkpoints=sync.records() if sync is not None else None)
             except TfclusterError as exc:     # a full disk: one line, the run's own error follows
                 ui.error(exc.message)
             _summary(run, outcome)
