@@ -19,6 +19,7 @@ from tests.helpers import (
     read_until,
     start_tfcluster,
     tagged_processes,
+    tfcluster,
     wait_for,
 )
 from tests.test_host_loss import kill_host, lone
@@ -221,3 +222,45 @@ def test_a_lost_worker_restarts_the_strategys_cluster_on_the_spare_from_the_chec
     assert move["resumed_step"] is not None and move["resumed_step"] > 0, move
     assert doc["tasks"]["worker:1"]["host"] == "h5"
     wait_for(lambda: not tagged_processes(), timeout=60, what="no task left running")
+
+
+@pytest.mark.timeout(420)
+def test_drain_moves_the_chief_at_its_checkpoint_losing_no_step(tmp_path, home, ssh_home, sshd, sshd_factory):
+    """`tfcluster drain SPEC h4` from another terminal: the chief saves as it stops (SIGTERM),
+    every task starts again on the spare from that checkpoint, and `drain` says so."""
+    lost = lone(sshd_factory, ssh_home, LOST_ADDRESS)
+    spare = lone(sshd_factory, ssh_home, SPARE_ADDRESS)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    p = free_ports(3)
+    spec = chief_spec(tmp_path, sshd, lost, spare, "rdrain", mode="between-graph", script="between_graph",
+                      steps=3000, jobs=f"  ps: {{tasks: ['h2:{p[0]}']}}\n"
+                                       f"  worker: {{tasks: ['h4:{p[1]}', 'h3:{p[2]}']}}\n")
+    proc = start_tfcluster("train", str(spec), home=home, cwd=cwd)
+    try:
+        read_until(proc, r"worker:0 .*step=[1-9]\d\d", timeout=200)
+        drain = tfcluster("drain", str(spec), "h4", "--wait", "120", home=home, cwd=cwd)
+        assert drain.returncode == 0, drain.stdout + drain.stderr
+        assert re.search(r"h4: moved: .* h4 drained: worker:0 moved to h5, every task restarted",
+                         drain.stdout + drain.stderr), drain.stdout + drain.stderr
+        rest = proc.communicate(timeout=300)[0]
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 0, rest[-4000:]
+    doc = manifest(only_run(cwd / "runs"))
+    (move,) = doc["moves"]
+    assert move["why"] == "drained" and move["action"] == "restart" and move["to"] == "h5", move
+    assert move["steps_lost"] == 0, move
+    assert doc["tasks"]["worker:0"]["host"] == "h5" and doc["progress"]["worker:0"]["step"] >= 2900
+    wait_for(lambda: not tagged_processes(), timeout=60, what="no task left running")
+
+
+def test_drain_refuses_a_host_the_spec_lacks_and_a_cluster_not_training(tmp_path, home):
+    spec = tmp_path / "d.yaml"
+    spec.write_text(f"name: dnone\npython: {sys.executable}\nhosts:\n  - {{name: a, address: localhost}}\n"
+                    "jobs:\n  worker: {count: 1, hosts: [a], port: 23999}\ntrain:\n  mode: mirrored\n"
+                    "  script: template:mirrored\n")
+    bad = tfcluster("drain", str(spec), "zz", home=home, cwd=tmp_path)
+    assert bad.returncode == 2 and "no host named 'zz' (hosts: a)" in bad.stderr, bad.stderr
+    idle = tfcluster("drain", str(spec), "a", home=home, cwd=tmp_path)
+    assert idle.returncode == 1 and "no `tfcluster train` of cluster 'dnone' is running" in idle.stderr, idle.stderr
