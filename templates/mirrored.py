@@ -112,7 +112,7 @@ def stopped(manager, step, is_chief: bool) -> int:
             print(f"saved {path} at step={int(step.numpy())}", flush=True)
         else:
             shutil.rmtree(manager.directory, ignore_errors=True)
-    print("stopped by SIGTERM", flush=True)
+    print("stopped by SIGTERM (to this worker or another)", flush=True)
     return Stop.EXIT
 
 
