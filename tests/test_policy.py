@@ -140,3 +140,49 @@ def test_the_shim_refuses_to_batch_a_streaming_command():
                             input=json.dumps(request) + "\n", capture_output=True, text=True, timeout=30)
     assert result.returncode == proto.EXIT_ERROR
     assert proto.error_of(json.loads(result.stdout)) == "not batchable: wait"
+
+
+# -- a lost host ---------------------------------------------------------------------------
+
+W, CHIEF_W, PS, CHIEF = (policy.LostTask("worker", False), policy.LostTask("worker", True),
+                         policy.LostTask("ps", False), policy.LostTask("chief", True))
+
+
+@pytest.mark.parametrize("mode,choice,lost,spare,action", [
+    # a plain worker moves alone where a new address needs nobody else told
+    ("between-graph", "spare", [W], True, policy.MOVE),
+    ("classic", "spare", [W], True, policy.MOVE),
+    # the strategies fix their cluster at the start: every task again
+    ("coordinator", "spare", [W], True, policy.RESTART),
+    ("mirrored", "spare", [W], True, policy.RESTART),
+    # a ps or a chief: every task again, from the checkpoint
+    ("between-graph", "spare", [PS], True, policy.RESTART),
+    ("between-graph", "spare", [CHIEF_W], True, policy.RESTART),
+    ("coordinator", "spare", [CHIEF], True, policy.RESTART),
+    ("between-graph", "spare", [W, PS], True, policy.RESTART),
+    # shrink: on without plain workers where the chief ends the run; a spare still takes the rest
+    ("between-graph", "shrink", [W], False, policy.SHRINK),
+    ("coordinator", "shrink", [W], True, policy.SHRINK),
+    ("between-graph", "shrink", [PS], True, policy.RESTART),
+    ("between-graph", "shrink", [PS], False, policy.FAIL),
+    ("classic", "shrink", [W], False, policy.FAIL),
+    ("mirrored", "shrink", [W], False, policy.FAIL),
+    ("mirrored", "shrink", [W], True, policy.RESTART),
+    # no spare left, or fail asked for
+    ("between-graph", "spare", [W], False, policy.FAIL),
+    ("between-graph", "fail", [W], True, policy.FAIL),
+    # a spare that held nothing
+    ("mirrored", "spare", [], False, policy.SHRINK),
+])
+def test_what_a_lost_host_does(mode, choice, lost, spare, action):
+    got, why = policy.on_host_loss(mode, choice, lost, spare)
+    assert got == action, why
+    assert why
+
+
+def test_a_lost_host_that_cannot_be_recovered_says_why():
+    assert policy.on_host_loss("classic", "shrink", [W], False)[1] == \
+        "classic mode needs every worker to finish, so it cannot shrink"
+    assert policy.on_host_loss("between-graph", "spare", [PS], False)[1] == "no spare host left to take a ps task"
+    assert policy.on_host_loss("coordinator", "spare", [CHIEF], True)[1] == \
+        "the chief is gone: every task resumes from the checkpoint"
