@@ -264,3 +264,22 @@ def test_drain_refuses_a_host_the_spec_lacks_and_a_cluster_not_training(tmp_path
     assert bad.returncode == 2 and "no host named 'zz' (hosts: a)" in bad.stderr, bad.stderr
     idle = tfcluster("drain", str(spec), "a", home=home, cwd=tmp_path)
     assert idle.returncode == 1 and "no `tfcluster train` of cluster 'dnone' is running" in idle.stderr, idle.stderr
+
+
+@pytest.mark.timeout(300)
+def test_train_with_a_host_down_from_the_start_runs_its_tasks_on_the_spare(
+        tmp_path, home, ssh_home, sshd, sshd_factory):
+    lost = lone(sshd_factory, ssh_home, LOST_ADDRESS)
+    spare = lone(sshd_factory, ssh_home, SPARE_ADDRESS)
+    kill_host(lost)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    spec = spec_with_spare(tmp_path, sshd, lost, spare, "rdown", steps=300)
+    result = tfcluster("train", str(spec), home=home, cwd=cwd, timeout=240)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-4000:]
+    assert "h4 is down (connection refused): worker:1 start on spare h5 instead" in out, out[-4000:]
+    doc = manifest(only_run(cwd / "runs"))
+    assert doc["tasks"]["worker:1"]["host"] == "h5" and doc["tasks"]["worker:1"]["script"]["exit_code"] == 0
+    assert doc["plan"]["moves"] == [{"lost": "h4", "to": "h5"}]
+    wait_for(lambda: not tagged_processes(), timeout=60, what="no task left running")

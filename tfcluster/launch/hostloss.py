@@ -92,7 +92,7 @@ class HostLosses:
             why = transport.reopen(self.grace)
             if why is None:
                 return None
-            how = f"its SSH connection dropped and could not be re-opened in {self.grace:g}s: {_reason(why, host)}"
+            how = f"its SSH connection dropped and could not be re-opened in {self.grace:g}s: {dial_reason(why, host)}"
         now = time.time()
         return LostHost(host, how, tasks, now, now - (time.monotonic() - noticed))
 
@@ -105,7 +105,7 @@ class HostLosses:
             return min(self.lost.values(), key=lambda v: v.at, default=None)
 
 
-def _reason(why: str, host: str) -> str:
+def dial_reason(why: str, host: str) -> str:
     """The dial's error without the host's label it starts with (the line names the host) or
     the advice in parentheses it may end with: `connection refused`."""
     head, sep, rest = why.partition("): ")

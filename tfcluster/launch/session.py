@@ -152,6 +152,11 @@ class Session:
         self.fence: str | None = fence.STATUS if light else fence.INSTALL
         self.losses = HostLosses()            # hosts found lost during a run (launch/hostloss.py)
 
+    def adopt(self, plan: Plan) -> None:
+        """The plan after a move to a spare (recovery.py): its tasks' hosts and addresses."""
+        self.plan = plan
+        self.no_proxy = no_proxy_for(plan)
+
     def __enter__(self) -> "Session":
         return self
 

@@ -60,6 +60,7 @@ def train(plan: Plan, ui: UI, options: Options) -> int:
     _check_task_filter(plan, options.show)
     run_id = names.new_run_id(plan.name)
     with state.lock(plan, "train"), Session(plan, ui) as session:
+        plan = recovery.around_dead_hosts(session, ui)      # a host down already: its spare
         files = collect_files(plan)     # read (and refused if changed) before connecting
         ui.info(f"run {run_id}: connecting to {len(plan.hosts)} host(s)…")
         # the bootstrap's round trip also places the files from each host's cache

@@ -85,7 +85,8 @@ def ignored_term(mode: str, keys: Sequence[str], grace: float) -> str:
 
 # -- a lost host (docs/design/host-loss.md) --------------------------------------------------
 
-FAIL, MOVE, SHRINK, RESTART = "fail", "move", "shrink", "restart"
+FAIL, MOVE, SHRINK, RESTART = "fail", "move", "shrink", "restart"   # what the run does
+SPARE = "spare"         # train.on_host_loss's default with spares (FAIL and SHRINK are choices too)
 MOVES_ALONE = ("between-graph", "classic")   # a worker at a new address joins alone
 
 
