@@ -185,4 +185,4 @@ def test_a_lost_host_that_cannot_be_recovered_says_why():
         "classic mode needs every worker to finish, so it cannot shrink"
     assert policy.on_host_loss("between-graph", "spare", [PS], False)[1] == "no spare host left to take a ps task"
     assert policy.on_host_loss("coordinator", "spare", [CHIEF], True)[1] == \
-        "the chief is gone: every task resumes from the checkpoint"
+        "the chief is gone"

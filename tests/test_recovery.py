@@ -169,7 +169,7 @@ def test_a_lost_chief_restarts_every_task_on_the_spare_from_the_launchers_copy(
         wait_for(lambda: any(pulled(cwd)), timeout=120, what="a checkpoint past step 0 pulled to the launcher")
         kill_host(lost)
         shutil.rmtree(tmp_path / "remote" / "rchief" / "ckpt")     # the chief's disk, gone with it
-        read_until(proc, r"h4 lost: .*moving worker:0 to h5 \(the chief is gone", timeout=60)
+        read_until(proc, r"h4 lost: .*moving worker:0 to h5, every task restarting from the checkpoint \(the chief is gone", timeout=60)
         rest = proc.communicate(timeout=300)[0]
     finally:
         kill_group(proc)

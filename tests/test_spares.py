@@ -288,7 +288,8 @@ def test_plan_command_shows_the_spares_what_they_take_the_loss_policy_and_the_ch
     rows = {line.split()[0]: line for line in shown.stdout.splitlines() if re.match(r"[zst] ", line)}
     assert rows["z"].split()[:4] == ["z", "10.0.0.9", "-", "a"] and "not b: needs 2 GPUs, has 0" in rows["z"]
     assert rows["s"].split()[:4] == ["s", "10.0.0.5", "2", "a,"] and rows["s"].rstrip().endswith("a, b, c")
-    assert "on a lost host (spare): its tasks move to a spare host and the run goes on" in shown.stdout
+    assert "on a lost host (train.on_host_loss: spare):\n  holding a ps: every task starts again on the new cluster, " \
+           "from the checkpoint (a ps held the variables)\n" in shown.stdout
     assert ("checkpoints: ~/.tfcluster/t/ckpt on the chief's host, 3 kept, the newest complete one copied "
             "here every 2m00s") in shown.stdout
     as_json = json.loads(tfcluster("plan", path, "--json", home=tmp_path, cwd=tmp_path, timeout=60).stdout)

@@ -74,7 +74,8 @@ def give_up(run: Run, host: str, why: str, error: TfclusterError) -> Move | None
             p.host_lost = p.host_lost or why
         run.ui.warn(f"{host} {why}: going on without {', '.join(tasks)} ({reason})")
         return move
-    run.ui.warn(f"{host} {why}: moving {', '.join(tasks)} to {spare} ({reason})")
+    again = ", every task restarting from the checkpoint" if action == policy.RESTART else ""
+    run.ui.warn(f"{host} {why}: moving {', '.join(tasks)} to {spare}{again} ({reason})")
     try:
         if action == policy.MOVE:
             _move_alone(run, move, procs)

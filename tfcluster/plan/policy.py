@@ -126,10 +126,11 @@ def on_host_loss(mode: str, choice: str, lost: Sequence[LostTask], spare: bool) 
 
 
 def restart_reason(mode: str, lost: Sequence[LostTask]) -> str:
+    """Why every task restarts (what follows it is always: from the checkpoint)."""
     if mode == "mirrored":
         return "MultiWorkerMirroredStrategy starts every worker together"
     if any(t.job == "ps" for t in lost):
-        return "a ps held variables: every task resumes from the checkpoint"
+        return "a ps held the variables"
     if any(t.is_chief for t in lost):
-        return "the chief is gone: every task resumes from the checkpoint"
-    return "the coordinator's cluster is fixed at its start: every task resumes from the checkpoint"
+        return "the chief is gone"
+    return "the coordinator's cluster is fixed at its start"

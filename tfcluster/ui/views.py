@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from tfcluster.plan import Plan, TaskPlan, plan_to_dict, redact_env, spare_to_dict
+from tfcluster.plan import Plan, TaskPlan, plan_to_dict, policy, redact_env, spare_to_dict
 from tfcluster.safetext import escape, shell_join, shell_word
 from tfcluster.ui.units import duration, size
 
@@ -51,11 +51,25 @@ def print_plan(ui, plan: Plan, *, commands: bool = False) -> None:
             ui.text(f"  {name}={shell_word(value)}")
 
 
-ON_HOST_LOSS = {
-    "spare": "its tasks move to a spare host and the run goes on",
-    "shrink": "the run goes on without its tasks where the mode allows, else restarts without them",
-    "fail": "the run ends, naming the host",
+WHAT_A_LOSS_DOES = {
+    policy.MOVE: "its tasks start alone on a spare",
+    policy.RESTART: "every task starts again on the new cluster, from the checkpoint",
+    policy.SHRINK: "the run goes on without its tasks",
+    policy.FAIL: "the run ends, naming the host",
 }
+
+
+def host_loss_lines(plan: Plan) -> list[str]:
+    """What losing a host does to this run, per kind of task it held (policy.on_host_loss)."""
+    kinds = {}
+    for t in plan.tasks:
+        kind = "the chief" if t.is_chief and t.runs_script else ("a ps" if t.job == "ps" else f"a {t.job}")
+        kinds.setdefault(kind, policy.LostTask(t.job, t.is_chief and t.runs_script))
+    lines = []
+    for kind, task in kinds.items():
+        action, why = policy.on_host_loss(plan.mode, plan.on_host_loss, [task], bool(plan.spares))
+        lines.append(f"  holding {kind}: {WHAT_A_LOSS_DOES[action]} ({why})")
+    return lines
 
 
 def print_host_loss(ui, plan: Plan) -> None:
@@ -64,7 +78,9 @@ def print_host_loss(ui, plan: Plan) -> None:
         rows = [_spare_row(spare_to_dict(plan, name)) for name in plan.spares]
         ui.table(f"{len(plan.spares)} spare host(s): no task until a host is lost",
                  ["spare", "address", "GPUs", "could take the tasks of"], rows)
-    ui.text(f"on a lost host ({plan.on_host_loss}): {ON_HOST_LOSS[plan.on_host_loss]}")
+    ui.text(f"on a lost host (train.on_host_loss: {plan.on_host_loss}):")
+    for line in host_loss_lines(plan):
+        ui.text(line)
     for lost, spare in plan.moves:
         ui.text(f"moved: {lost}'s tasks run on {spare}")
     ckpt = plan.checkpoint
