@@ -72,10 +72,12 @@ def give_up(run: Run, host: str, why: str, error: TfclusterError) -> Move | None
         _stop(run, procs)         # a drained host's; a lost one's shims stop their own
         for p in procs:
             p.host_lost = p.host_lost or why
-        run.ui.warn(f"{host} {why}: going on without {', '.join(tasks)} ({reason})")
+        said = host if why.startswith("lost") else f"{host} {why}"
+        run.ui.warn(f"{said}: going on without {', '.join(tasks)} ({reason})")
         return move
     again = ", every task restarting from the checkpoint" if action == policy.RESTART else ""
-    run.ui.warn(f"{host} {why}: moving {', '.join(tasks)} to {spare}{again} ({reason})")
+    said = host if why.startswith("lost") else f"{host} {why}"     # the lost line was said already
+    run.ui.warn(f"{said}: moving {', '.join(tasks)} to {spare}{again} ({reason})")
     try:
         if action == policy.MOVE:
             _move_alone(run, move, procs)

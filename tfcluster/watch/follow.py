@@ -7,6 +7,7 @@ import time
 
 from tfcluster.localfs import LINE_CAP, saved_tail
 from tfcluster.plan.names import log_file
+from tfcluster.safetext import escape
 from tfcluster.ui.units import duration
 from tfcluster.watch import runs
 from tfcluster.watch.metrics import Tracker
@@ -38,8 +39,32 @@ def run_rows(runs_dir: str, name: str, progress=None, warn=None) -> list[dict]:
                     "outcome": _outcome(state, doc.get("exit_code")), "exit_code": doc.get("exit_code"),
                     "message": _message(state, doc.get("outcome")),
                     "restarts": _restarts(doc), "task": chief, **final,
-                    "checkpoint": kept[-1] if kept else None})
+                    "checkpoint": kept[-1] if kept else None, "moves": _moves(doc)})
     return out
+
+
+def _moves(doc: dict) -> list[dict]:
+    """The manifest's moves (launch/moves.py's records), each with the fields `runs` shows,
+    anything malformed left out: the manifest is only as trusted as runs/ is."""
+    keys = {"at": (int, float), "host": str, "why": str, "action": str, "to": str, "tasks": list,
+            "resumed_step": int, "steps_lost": int}
+    out = []
+    for m in doc.get("moves") if isinstance(doc.get("moves"), list) else ():
+        if isinstance(m, dict) and isinstance(m.get("host"), str):
+            out.append({k: m.get(k) if isinstance(m.get(k), t) else None for k, t in keys.items()})
+    return out
+
+
+def move_line(m: dict) -> str:
+    """One move as `runs` says it: when, which host, why, what, to where, resumed, lost."""
+    when = "--:--:--" if m["at"] is None else time.strftime("%H:%M:%S", time.localtime(m["at"]))
+    tasks = ", ".join(str(t) for t in m["tasks"] or ())
+    what = (f"went on without {tasks}" if m["action"] == "shrink" else
+            f"{tasks} moved to {m['to']}" + (", every task restarted" if m["action"] == "restart" else ""))
+    resumed = ("" if m["resumed_step"] is None else
+               f"; resumed at step {m['resumed_step']}, {m['steps_lost']} step(s) lost")
+    why = (m["why"] or "").split(":", 1)[0]
+    return f"{when} {m['host']} {why}: {what}{resumed}"
 
 
 OUTCOMES = {0: "succeeded", 6: "timeout", 130: "interrupted", 143: "terminated"}
@@ -146,6 +171,9 @@ def print_runs(ui, name: str, rows: list[dict], runs_dir: str) -> None:
     ui.table(f"runs of {name!r} in {runs_dir}/ (oldest first)",
              ["run", "started", "duration", "mode", "outcome", "restarts", "step", *(("epoch",) if epochs else ()),
               "loss", *(("checkpoint",) if checkpoints else ())], table)
+    for r in rows:          # every move of every run, under the table: hosts lost or drained
+        for m in r.get("moves") or ():
+            ui.text(escape(f"{r['run']}: {move_line(m)}"))
 
 
 def follow(ui, name: str, runs_dir: str, run: str | None, task: str | None, out,
