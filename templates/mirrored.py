@@ -152,8 +152,11 @@ def main(argv=None) -> int:
 
     iterator = iter(strategy.distribute_datasets_from_function(dataset_fn))
 
+    # 1.0 once this worker got SIGTERM; its own (made outside the strategy's scope).
+    stop_asked = tf.Variable(0.0, trainable=False)
+
     @tf.function
-    def train_step(iterator, stop_asked):
+    def train_step(iterator):
         def replica_fn(x, y):
             with tf.GradientTape() as tape:
                 loss = tf.reduce_mean(tf.square(tf.matmul(x, w) + b - y))
@@ -161,22 +164,24 @@ def main(argv=None) -> int:
             w.assign_sub(args.learning_rate * gw)
             b.assign_sub(args.learning_rate * gb)
             step.assign_add(1)
-            return tf.stack([loss, stop_asked])
+            return tf.stack([loss, stop_asked.read_value()])
 
         # One all-reduce carries the loss and whether any worker was asked to stop, so
-        # every worker learns it after the same step and they save it together.
-        sums = strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(replica_fn, args=next(iterator)),
+        # every worker learns it after the same step and they save it together: the sum of
+        # the replicas' losses, and of their stop_asked.
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(replica_fn, args=next(iterator)),
                                axis=None)
-        return sums[0] / strategy.num_replicas_in_sync, sums[1] > 0
 
     save_every = max(1, args.steps // 10)
     start = int(step.numpy())
     for i in range(start, args.steps):
-        loss, stop_all = train_step(iterator, tf.constant(float(stop.asked())))
+        if stop.asked():
+            stop_asked.assign(1.0)
+        losses, asked = train_step(iterator).numpy()
         done = i + 1
         if done % args.log_every == 0 or done == start + 1 or done == args.steps:
-            print(f"step={int(step.numpy())} loss={float(loss):.6f}", flush=True)
-        if stop_all:
+            print(f"step={int(step.numpy())} loss={losses / strategy.num_replicas_in_sync:.6f}", flush=True)
+        if asked > 0:
             return stopped(manager, step, is_chief)
         if manager and done % save_every == 0:
             manager.save(checkpoint_number=done)
