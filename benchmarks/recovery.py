@@ -200,6 +200,17 @@ def interrupt(b: Bench, proc: subprocess.Popen, name: str = "") -> None:
             os.killpg(proc.pid, sig)
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(INTERRUPT_WAIT)
+    kill_left(b)
+
+
+def kill_left(b: Bench) -> None:
+    """Bench.kill_tagged, again when a process ended between being found and being killed."""
+    for _ in range(5):
+        try:
+            b.kill_tagged()
+            return
+        except psutil.Error:
+            time.sleep(0.2)
     b.kill_tagged()
 
 
