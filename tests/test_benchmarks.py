@@ -103,3 +103,9 @@ def test_host_loss_benchmark_runs_small_and_leaves_nothing_running():
 @pytest.mark.tf
 def test_ckpt_pull_benchmark_runs_small_and_leaves_nothing_running():
     assert "RATIO ckpt_push" in _smoke("ckpt_pull.py", 150)
+
+
+@needs_sshd
+@pytest.mark.tf
+def test_recovery_benchmark_runs_small_and_leaves_nothing_running():
+    assert "steps lost, script" in _smoke("recovery.py", 180)
