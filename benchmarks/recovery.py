@@ -131,14 +131,32 @@ class Follower:
             return "\n".join(x for _, x in self.lines)
 
 
-def kill_host(sshd) -> None:
+ESCAPED: list[str] = []          # processes started through a killed sshd but not under it
+
+
+def kill_host(b: Bench, sshd) -> None:
     """The host dies: its sshd, every session's sshd and all started through them, SIGKILLed
-    together (the listener first, so nothing can reconnect in between)."""
+    together (the listener first, so nothing can reconnect in between). "Started through it"
+    also finds, by the SSH_CONNECTION its sessions set, a process no longer under the sshd
+    (one forked as the tree was read); such a find is said."""
     listener = psutil.Process(sshd.procs[0].pid)
-    for p in [listener] + listener.children(recursive=True):
+    tree = [listener] + listener.children(recursive=True)
+    mark = f" {sshd.addresses[0]} {sshd.port}".encode()
+    pids = {p.pid for p in tree}
+    others = []
+    for p in b.ours():
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{p.pid}/environ", "rb") as fh:
+                env = fh.read().split(b"\0")
+            if p.pid not in pids and any(e.startswith(b"SSH_CONNECTION=") and e.endswith(mark) for e in env):
+                others.append(p)
+    for p in tree + others:
         with contextlib.suppress(psutil.NoSuchProcess):
             p.send_signal(signal.SIGKILL)
     sshd.procs[0].wait(10)
+    if others:
+        ESCAPED.append(", ".join(f"{p.pid}" for p in others))
+        print(f"  note: {len(others)} process(es) started through the killed sshd were not under it", flush=True)
 
 
 def recovery_spec(b: Bench, shared, lost, spare, name: str, scenario: str, *, by_hand: bool,
@@ -266,7 +284,7 @@ class Recovery:
         try:
             self._warm(f, name, by_hand=False)
             t0, wall0 = time.monotonic(), time.time()
-            kill_host(lost)
+            kill_host(b, lost)
             if self.scenario == "chief":
                 shutil.rmtree(b.tmp / "remote" / name / "ckpt")    # the chief's disk, gone with it
             i = f.wait(r"h4 lost: .*moving .* to h5", 60)
@@ -301,7 +319,7 @@ class Recovery:
             self._warm(f, name, by_hand=True)
             at_kill = max(f.steps())
             t0 = time.monotonic()
-            kill_host(lost)
+            kill_host(b, lost)
             rc = proc.wait(120)
             failed = time.monotonic() - t0
             f.thread.join(10)
@@ -413,6 +431,8 @@ def main(argv=None) -> int:
         if "keepalive" in rows:
             keepalive_rows(b, reps, a.steps)
             print(f"  load average {os.getloadavg()[0]:.1f}", flush=True)
+        if ESCAPED:
+            print(f"kills that found processes outside the sshd's tree: {len(ESCAPED)}", flush=True)
         if NOT_STOPPED:
             print(f"runs Ctrl-C did not stop: {len(NOT_STOPPED)}: {NOT_STOPPED}", flush=True)
     return 0
