@@ -45,7 +45,7 @@ def spec_with_spare(tmp: Path, sshd, lost, spare, name: str, *, mode: str = "bet
             f"jobs:\n  ps: {{tasks: ['h2:{p[0]}']}}\n"
             f"  worker: {{tasks: ['h3:{p[1]}', 'h4:{p[2]}']}}\n"
             f"train:\n  mode: {mode}\n  script: template:between_graph\n"
-            f"  args: ['--steps', '{steps}', '--log_every', '100', '--cleanup_timeout', '10']\n"
+            f"  args: ['--steps', '{steps}', '--log_every', '100', '--cleanup_timeout', '3']\n"
             + (f"  on_host_loss: {on_host_loss}\n" if on_host_loss else "") + extra)
     path = tmp / f"{name}.yaml"
     path.write_text(text)
@@ -58,7 +58,7 @@ def test_a_lost_worker_moves_to_the_spare_and_the_run_finishes(tmp_path, home, s
     spare = lone(sshd_factory, ssh_home, SPARE_ADDRESS)
     cwd = tmp_path / "cwd"
     cwd.mkdir()
-    spec = spec_with_spare(tmp_path, sshd, lost, spare, "rspare", steps=4000)
+    spec = spec_with_spare(tmp_path, sshd, lost, spare, "rspare", steps=2000)
     proc = start_tfcluster("train", str(spec), home=home, cwd=cwd)
     try:
         read_until(proc, r"worker:1 .*step=", timeout=200)
@@ -76,7 +76,7 @@ def test_a_lost_worker_moves_to_the_spare_and_the_run_finishes(tmp_path, home, s
     assert move["tasks"] == ["worker:1"] and move["steps_lost"] == 0, move
     assert doc["tasks"]["worker:1"]["host"] == "h5"
     assert doc["tasks"]["worker:1"]["script"]["restarts"] == 0      # a move is not a restart
-    assert doc["progress"]["worker:0"]["step"] >= 3900
+    assert doc["progress"]["worker:0"]["step"] >= 1900
     listed = tfcluster("runs", str(spec), home=home, cwd=cwd)
     assert re.search(r"^rspare-\S+: \d\d:\d\d:\d\d h4 lost: worker:1 moved to h5; resumed at step \d+, 0 step\(s\) lost$",
                      listed.stdout, re.MULTILINE), listed.stdout
@@ -88,7 +88,7 @@ def test_shrink_goes_on_without_a_lost_worker(tmp_path, home, ssh_home, sshd, ss
     lost = lone(sshd_factory, ssh_home, LOST_ADDRESS)
     cwd = tmp_path / "cwd"
     cwd.mkdir()
-    spec = spec_with_spare(tmp_path, sshd, lost, None, "rshrink", steps=3000, on_host_loss="shrink")
+    spec = spec_with_spare(tmp_path, sshd, lost, None, "rshrink", steps=2000, on_host_loss="shrink")
     proc = start_tfcluster("train", str(spec), home=home, cwd=cwd)
     try:
         read_until(proc, r"worker:1 .*step=", timeout=200)
@@ -102,7 +102,7 @@ def test_shrink_goes_on_without_a_lost_worker(tmp_path, home, ssh_home, sshd, ss
     doc = manifest(only_run(cwd / "runs"))
     (move,) = doc["moves"]
     assert move["action"] == "shrink" and move["to"] is None
-    assert doc["progress"]["worker:0"]["step"] >= 2900
+    assert doc["progress"]["worker:0"]["step"] >= 1900
     wait_for(lambda: not tagged_processes(), timeout=60, what="no task left running")
 
 
@@ -140,7 +140,8 @@ def chief_spec(tmp: Path, sshd, lost, spare, name: str, *, mode: str, script: st
             f"ssh:\n  port: {sshd.port}\n  connect_timeout: 5\n"
             f"hosts:\n{hosts}jobs:\n{jobs}"
             f"train:\n  mode: {mode}\n  script: template:{script}\n"
-            f"  args: ['--steps', '{steps}', '--log_every', '50', '--model_dir', '{{workdir}}/ckpt']\n"
+            f"  args: ['--steps', '{steps}', '--log_every', '50', '--model_dir', '{{workdir}}/ckpt'"
+            + (", '--cleanup_timeout', '3'" if script == "between_graph" else "") + "]\n"
             f"  checkpoint: {{dir: '{{workdir}}/ckpt', keep: 2, sync: 2s}}\n")
     path = tmp / f"{name}.yaml"
     path.write_text(text)
@@ -164,7 +165,7 @@ def test_a_lost_chief_restarts_every_task_on_the_spare_from_the_launchers_copy(
     cwd.mkdir()
     p = free_ports(3)
     spec = chief_spec(tmp_path, sshd, lost, spare, "rchief", mode="between-graph", script="between_graph",
-                      steps=3000, jobs=f"  ps: {{tasks: ['h2:{p[0]}']}}\n"
+                      steps=1500, jobs=f"  ps: {{tasks: ['h2:{p[0]}']}}\n"
                                        f"  worker: {{tasks: ['h4:{p[1]}', 'h3:{p[2]}']}}\n")
     proc = start_tfcluster("train", str(spec), home=home, cwd=cwd)
     try:
@@ -183,7 +184,7 @@ def test_a_lost_chief_restarts_every_task_on_the_spare_from_the_launchers_copy(
     assert move["action"] == "restart" and move["to"] == "h5" and move["checkpoint"], move
     assert move["resumed_step"] is not None and 0 < move["resumed_step"] <= move["step_at"], move
     assert doc["tasks"]["worker:0"]["host"] == "h5"
-    assert doc["progress"]["worker:0"]["step"] >= 2900
+    assert doc["progress"]["worker:0"]["step"] >= 1400
     wait_for(lambda: not tagged_processes(), timeout=60, what="no task left running")
 
 
@@ -212,7 +213,7 @@ def test_a_lost_worker_restarts_the_strategys_cluster_on_the_spare_from_the_chec
         read_until(proc, rf"{watched} .*step=", timeout=200)
         wait_for(lambda: any(pulled(cwd)), timeout=120, what="a checkpoint past step 0 pulled to the launcher")
         kill_host(lost)
-        read_until(proc, r"h4: moving worker:1 to h5 \(", timeout=60)
+        read_until(proc, r"h4: moving worker:1 to h5, every task restarting from the checkpoint \(", timeout=60)
         rest = proc.communicate(timeout=300)[0]
     finally:
         kill_group(proc)
@@ -237,7 +238,7 @@ def test_drain_moves_the_chief_at_its_checkpoint_losing_no_step(tmp_path, home, 
     cwd.mkdir()
     p = free_ports(3)
     spec = chief_spec(tmp_path, sshd, lost, spare, "rdrain", mode="between-graph", script="between_graph",
-                      steps=3000, jobs=f"  ps: {{tasks: ['h2:{p[0]}']}}\n"
+                      steps=1500, jobs=f"  ps: {{tasks: ['h2:{p[0]}']}}\n"
                                        f"  worker: {{tasks: ['h4:{p[1]}', 'h3:{p[2]}']}}\n")
     proc = start_tfcluster("train", str(spec), home=home, cwd=cwd)
     try:
@@ -254,7 +255,7 @@ def test_drain_moves_the_chief_at_its_checkpoint_losing_no_step(tmp_path, home, 
     (move,) = doc["moves"]
     assert move["why"] == "drained" and move["action"] == "restart" and move["to"] == "h5", move
     assert move["steps_lost"] == 0, move
-    assert doc["tasks"]["worker:0"]["host"] == "h5" and doc["progress"]["worker:0"]["step"] >= 2900
+    assert doc["tasks"]["worker:0"]["host"] == "h5" and doc["progress"]["worker:0"]["step"] >= 1400
     wait_for(lambda: not tagged_processes(), timeout=60, what="no task left running")
 
 

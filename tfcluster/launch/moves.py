@@ -87,5 +87,5 @@ class Recovery:
             after = [s for s in list(got.samples) if s[0] >= move.done_at] if got is not None else []
             if after:
                 move.resumed = after[0][1]
-                run.ui.info(f"{move.watch} on {move.spare} resumed at step {move.resumed} "
+                run.ui.info(f"{move.watch} on {run.plan.task(move.watch).host} resumed at step {move.resumed} "
                             f"({move.steps_lost} step(s) lost)")
