@@ -116,7 +116,7 @@ class Follower:
                     i += 1
                 left = deadline - time.monotonic()
                 if self.done or left <= 0:
-                    tail = "\n".join(x for _, x in self.lines[-40:])
+                    tail = "\n".join(x for _, x in self.lines[:25] + [(0, "...")] + self.lines[-25:])
                     raise RuntimeError(f"no line matching {pattern!r} "
                                        f"({'output ended' if self.done else f'{timeout:g}s'}):\n{tail}")
                 self.cond.wait(min(left, 1.0))
@@ -287,7 +287,7 @@ class Recovery:
             kill_host(b, lost)
             if self.scenario == "chief":
                 shutil.rmtree(b.tmp / "remote" / name / "ckpt")    # the chief's disk, gone with it
-            i = f.wait(r"h4 lost: .*moving .* to h5", 60)
+            i = f.wait(r"h4\b.*: moving \S.* to h5", 60)
             j = f.wait(rf"^{self.task}\s+│ step=", 300, i)
             took = f.lines[j][0] - t0
             k = f.wait(r"resumed at step \d+", 60, i)
