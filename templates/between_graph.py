@@ -160,13 +160,15 @@ class SayRestored(tf.compat.v1.train.SessionRunHook):
     (a ps restart opens a new one); say which, and at what step, as `restored <path> at
     step=N`, the line tfcluster reads to say where a resumed run started."""
 
-    def __init__(self, model_dir: str, global_step) -> None:
-        self.model_dir, self.global_step = model_dir, global_step
+    def __init__(self, model_dir: str) -> None:
+        self.model_dir = model_dir
 
     def after_create_session(self, session, coord) -> None:
         path = tf.train.latest_checkpoint(self.model_dir)
         if path:
-            print(f"restored {path} at step={session.run(self.global_step)}", flush=True)
+            # The step saved in the checkpoint, not the ps's now: a worker may step at once.
+            step = tf.train.load_variable(path, tf.compat.v1.GraphKeys.GLOBAL_STEP)
+            print(f"restored {path} at step={step}", flush=True)
 
 
 def stopped(me: dict, model_dir: str | None) -> int:
@@ -260,7 +262,7 @@ def main(argv=None) -> int:
     with tf.compat.v1.train.MonitoredTrainingSession(
             master=me["master"], is_chief=me["is_chief"], checkpoint_dir=args.model_dir,
             scaffold=scaffold, hooks=[tf.compat.v1.train.StopAtStepHook(last_step=args.steps)],
-            chief_only_hooks=[SayRestored(args.model_dir, g["global_step"])] if args.model_dir else None,
+            chief_only_hooks=[SayRestored(args.model_dir)] if args.model_dir else None,
             save_checkpoint_steps=every if args.model_dir else None, save_checkpoint_secs=None,
             save_summaries_steps=None, save_summaries_secs=None, log_step_count_steps=None,
             config=config) as sess:
