@@ -309,10 +309,11 @@ def main(argv=None) -> int:
     print(f"tfcluster-result: global_step={step} loss={loss:.6f}", flush=True)
 
     if me["is_chief"] and args.cleanup_timeout > 0:
-        if not wait_for_replicas(me["master"], config, g["done"], me["replicas"], args.cleanup_timeout):
+        if wait_for_replicas(me["master"], config, g["done"], me["replicas"], args.cleanup_timeout):
+            tf.compat.v1.Session.reset(me["master"], containers=[container], config=config)
+        else:   # a worker gone (a lost host) would hold the reset forever
             print(f"warning: not every replica finished within {args.cleanup_timeout}s; "
-                  f"freeing container {container} anyway", flush=True)
-        tf.compat.v1.Session.reset(me["master"], containers=[container])
+                  f"leaving container {container} on the ps", flush=True)
     return 0
 
 

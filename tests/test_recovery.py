@@ -52,6 +52,22 @@ def spec_with_spare(tmp: Path, sshd, lost, spare, name: str, *, mode: str = "bet
     return path
 
 
+def killed_mid_run(spec: Path, home, cwd: Path, started: str, kill, said: str | None,
+                   timeout: float = 240) -> tuple[int, str]:
+    """`train` until a line matching `started`, then `kill()` (the fault), then (when `said`)
+    until a line matching it: (its exit code, what it printed after that)."""
+    proc = start_tfcluster("train", str(spec), home=home, cwd=cwd)
+    try:
+        read_until(proc, started, timeout=200)
+        kill()
+        if said is not None:
+            read_until(proc, said, timeout=60)
+        rest = proc.communicate(timeout=timeout)[0]
+    finally:
+        kill_group(proc)
+    return proc.returncode, rest
+
+
 @pytest.mark.timeout(420)
 def test_a_lost_worker_moves_to_the_spare_and_the_run_finishes(tmp_path, home, ssh_home, sshd, sshd_factory):
     lost = lone(sshd_factory, ssh_home, LOST_ADDRESS)
@@ -59,15 +75,9 @@ def test_a_lost_worker_moves_to_the_spare_and_the_run_finishes(tmp_path, home, s
     cwd = tmp_path / "cwd"
     cwd.mkdir()
     spec = spec_with_spare(tmp_path, sshd, lost, spare, "rspare", steps=2000)
-    proc = start_tfcluster("train", str(spec), home=home, cwd=cwd)
-    try:
-        read_until(proc, r"worker:1 .*step=", timeout=200)
-        kill_host(lost)
-        read_until(proc, r"h4: moving worker:1 to h5", timeout=60)
-        rest = proc.communicate(timeout=240)[0]
-    finally:
-        kill_group(proc)
-    assert proc.returncode == 0, rest[-4000:]
+    rc, rest = killed_mid_run(spec, home, cwd, r"worker:1 .*step=", lambda: kill_host(lost),
+                              r"h4: moving worker:1 to h5", timeout=240)
+    assert rc == 0, rest[-4000:]
     assert re.search(r"moved: .* h4 lost: its SSH connection dropped.*: worker:1 moved to h5", rest), rest[-3000:]
     doc = manifest(only_run(cwd / "runs"))
     assert doc["exit_code"] == 0
@@ -78,8 +88,8 @@ def test_a_lost_worker_moves_to_the_spare_and_the_run_finishes(tmp_path, home, s
     assert doc["tasks"]["worker:1"]["script"]["restarts"] == 0      # a move is not a restart
     assert doc["progress"]["worker:0"]["step"] >= 1900
     listed = tfcluster("runs", str(spec), home=home, cwd=cwd)
-    assert re.search(r"^rspare-\S+: \d\d:\d\d:\d\d h4 lost: worker:1 moved to h5; resumed at step \d+, 0 step\(s\) lost$",
-                     listed.stdout, re.MULTILINE), listed.stdout
+    assert re.search(r"^rspare-\S+: \d\d:\d\d:\d\d h4 lost: worker:1 moved to h5; resumed at step \d+, "
+                     r"0 step\(s\) lost$", listed.stdout, re.MULTILINE), listed.stdout
     wait_for(lambda: not tagged_processes(), timeout=60, what="no task left running")
 
 
@@ -89,15 +99,9 @@ def test_shrink_goes_on_without_a_lost_worker(tmp_path, home, ssh_home, sshd, ss
     cwd = tmp_path / "cwd"
     cwd.mkdir()
     spec = spec_with_spare(tmp_path, sshd, lost, None, "rshrink", steps=2000, on_host_loss="shrink")
-    proc = start_tfcluster("train", str(spec), home=home, cwd=cwd)
-    try:
-        read_until(proc, r"worker:1 .*step=", timeout=200)
-        kill_host(lost)
-        read_until(proc, r"h4: going on without worker:1", timeout=60)
-        rest = proc.communicate(timeout=240)[0]
-    finally:
-        kill_group(proc)
-    assert proc.returncode == 0, rest[-4000:]
+    rc, rest = killed_mid_run(spec, home, cwd, r"worker:1 .*step=", lambda: kill_host(lost),
+                              r"h4: going on without worker:1", timeout=240)
+    assert rc == 0, rest[-4000:]
     assert re.search(r"^worker:1 +h4 +lost ", rest, re.MULTILINE), rest[-3000:]
     doc = manifest(only_run(cwd / "runs"))
     (move,) = doc["moves"]
@@ -114,15 +118,13 @@ def test_no_spare_left_fails_as_before_naming_the_host(tmp_path, home, ssh_home,
     cwd = tmp_path / "cwd"
     cwd.mkdir()
     spec = spec_with_spare(tmp_path, sshd, lost, spare, "rnone", steps=5000000)
-    proc = start_tfcluster("train", str(spec), home=home, cwd=cwd)
-    try:
-        read_until(proc, r"worker:1 .*step=", timeout=200)
+    def fault() -> None:
         kill_host(spare)
         kill_host(lost)
-        rest = proc.communicate(timeout=120)[0]
-    finally:
-        kill_group(proc)
-    assert proc.returncode == 3, rest[-3000:]
+
+    rc, rest = killed_mid_run(spec, home, cwd, r"worker:1 .*step=", fault,
+                              None, timeout=120)
+    assert rc == 3, rest[-3000:]
     assert "h4: cannot recover: " in rest, rest[-3000:]
     assert re.search(r"tfcluster: error: h4 lost: .* \(worker:1\)", rest), rest[-3000:]
     wait_for(lambda: not tagged_processes(), timeout=90, what="no task left running")
@@ -142,7 +144,7 @@ def chief_spec(tmp: Path, sshd, lost, spare, name: str, *, mode: str, script: st
             f"train:\n  mode: {mode}\n  script: template:{script}\n"
             f"  args: ['--steps', '{steps}', '--log_every', '50', '--model_dir', '{{workdir}}/ckpt'"
             + (", '--cleanup_timeout', '3'" if script == "between_graph" else "") + "]\n"
-            f"  checkpoint: {{dir: '{{workdir}}/ckpt', keep: 2, sync: 2s}}\n")
+            "  checkpoint: {dir: '{workdir}/ckpt', keep: 2, sync: 2s}\n")
     path = tmp / f"{name}.yaml"
     path.write_text(text)
     return path
@@ -167,17 +169,15 @@ def test_a_lost_chief_restarts_every_task_on_the_spare_from_the_launchers_copy(
     spec = chief_spec(tmp_path, sshd, lost, spare, "rchief", mode="between-graph", script="between_graph",
                       steps=1500, jobs=f"  ps: {{tasks: ['h2:{p[0]}']}}\n"
                                        f"  worker: {{tasks: ['h4:{p[1]}', 'h3:{p[2]}']}}\n")
-    proc = start_tfcluster("train", str(spec), home=home, cwd=cwd)
-    try:
-        read_until(proc, r"worker:0 .*step=", timeout=200)
+
+    def fault() -> None:
         wait_for(lambda: any(pulled(cwd)), timeout=120, what="a checkpoint past step 0 pulled to the launcher")
         kill_host(lost)
         shutil.rmtree(tmp_path / "remote" / "rchief" / "ckpt")     # the chief's disk, gone with it
-        read_until(proc, r"h4: moving worker:0 to h5, every task restarting from the checkpoint \(the chief is gone", timeout=60)
-        rest = proc.communicate(timeout=300)[0]
-    finally:
-        kill_group(proc)
-    assert proc.returncode == 0, rest[-4000:]
+
+    rc, rest = killed_mid_run(spec, home, cwd, r"worker:0 .*step=", fault, r"h4: moving worker:0 to h5, every "
+                              r"task restarting from the checkpoint \(the chief is gone", timeout=300)
+    assert rc == 0, rest[-4000:]
     assert re.search(r"worker:0 +│ restored \S+ at step=\d+", rest), rest[-4000:]
     doc = manifest(only_run(cwd / "runs"))
     (move,) = doc["moves"]
@@ -208,16 +208,13 @@ def test_a_lost_worker_restarts_the_strategys_cluster_on_the_spare_from_the_chec
         watched, steps = "worker:0", 1500
     spec = chief_spec(tmp_path, sshd, lost, spare, f"r{mode[:5]}", mode=mode, script=mode, steps=steps,
                       jobs=jobs)
-    proc = start_tfcluster("train", str(spec), home=home, cwd=cwd)
-    try:
-        read_until(proc, rf"{watched} .*step=", timeout=200)
+    def fault() -> None:
         wait_for(lambda: any(pulled(cwd)), timeout=120, what="a checkpoint past step 0 pulled to the launcher")
         kill_host(lost)
-        read_until(proc, r"h4: moving worker:1 to h5, every task restarting from the checkpoint \(", timeout=60)
-        rest = proc.communicate(timeout=300)[0]
-    finally:
-        kill_group(proc)
-    assert proc.returncode == 0, rest[-4000:]
+
+    rc, rest = killed_mid_run(spec, home, cwd, rf"{watched} .*step=", fault,
+                              r"h4: moving worker:1 to h5, every task restarting from the checkpoint \(", timeout=300)
+    assert rc == 0, rest[-4000:]
     assert re.search(rf"{watched} +│ restored \S+ at step=[1-9]\d*", rest), rest[-4000:]
     doc = manifest(only_run(cwd / "runs"))
     (move,) = doc["moves"]
@@ -240,17 +237,15 @@ def test_drain_moves_the_chief_at_its_checkpoint_losing_no_step(tmp_path, home, 
     spec = chief_spec(tmp_path, sshd, lost, spare, "rdrain", mode="between-graph", script="between_graph",
                       steps=1500, jobs=f"  ps: {{tasks: ['h2:{p[0]}']}}\n"
                                        f"  worker: {{tasks: ['h4:{p[1]}', 'h3:{p[2]}']}}\n")
-    proc = start_tfcluster("train", str(spec), home=home, cwd=cwd)
-    try:
-        read_until(proc, r"worker:0 .*step=[1-9]\d\d", timeout=200)
+
+    def fault() -> None:
         drain = tfcluster("drain", str(spec), "h4", "--wait", "120", home=home, cwd=cwd)
         assert drain.returncode == 0, drain.stdout + drain.stderr
         assert re.search(r"h4: moved: .* h4 drained: worker:0 moved to h5, every task restarted",
                          drain.stdout + drain.stderr), drain.stdout + drain.stderr
-        rest = proc.communicate(timeout=300)[0]
-    finally:
-        kill_group(proc)
-    assert proc.returncode == 0, rest[-4000:]
+
+    rc, rest = killed_mid_run(spec, home, cwd, r"worker:0 .*step=[1-9]\d\d", fault, None, timeout=300)
+    assert rc == 0, rest[-4000:]
     doc = manifest(only_run(cwd / "runs"))
     (move,) = doc["moves"]
     assert move["why"] == "drained" and move["action"] == "restart" and move["to"] == "h5", move
