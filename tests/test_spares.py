@@ -323,3 +323,12 @@ def test_plan_check_warns_of_spares_it_cannot_reach_or_that_fail_a_check_and_exi
     assert table == ["h2", "h3", "h4"]          # the reachable spare is checked like the others
     assert "spare h4" not in result.stderr
     assert not tagged_processes()
+
+
+@pytest.mark.parametrize("engine", ["slurm", "tfjob"])
+def test_render_says_spares_and_checkpoints_do_not_carry_over(tmp_path, engine):
+    path = write(tmp_path, MANY + "train:\n  script: template:between_graph\n  checkpoint: {dir: '{workdir}/ckpt'}\n")
+    shown = tfcluster("render", path, "--to", engine, "--image", "tf:x", "-o", str(tmp_path / "out"),
+                      home=tmp_path, cwd=tmp_path, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    assert "spare hosts, train.on_host_loss and train.checkpoint do not carry over" in shown.stderr

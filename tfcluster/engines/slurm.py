@@ -166,6 +166,10 @@ def _notes(plan: Plan, secret) -> tuple[str, ...]:
     if plan.restart.policy != "never":
         notes.append(f"train.restart ({plan.restart.policy}) does not carry over: a failed task "
                      "fails the job (srun --kill-on-bad-exit); resubmit or use sbatch --requeue")
+    if plan.spares or plan.checkpoint is not None:
+        notes.append("spare hosts, train.on_host_loss and train.checkpoint do not carry over: a "
+                     "lost node fails the job; sbatch --requeue runs it again, from checkpoints on "
+                     "a filesystem every node shares")
     if secret:
         notes.append(f"secret env {', '.join(secret)} is not in the script: set it in the "
                      "environment you run sbatch from")

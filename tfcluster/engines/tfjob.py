@@ -348,6 +348,10 @@ def _notes(plan: Plan, name: str, namespace: str, secret: tuple[str, ...]) -> tu
                      f"port {PORT} (where the cluster's network plugin enforces NetworkPolicies)")
     notes.append("exec and train.checks (placement, reachability, proxy guard, hang watchdog) "
                  "do not run under the operator")
+    if plan.spares or plan.checkpoint is not None:
+        notes.append("spare hosts, train.on_host_loss and train.checkpoint do not carry over: the "
+                     "operator reschedules a lost pod on another node; keep checkpoints on a volume "
+                     "every pod mounts")
     if plan.tensorboard:
         notes.append("train.tensorboard is not started: run TensorBoard on its logdir yourself")
     if plan.mode == "coordinator":
