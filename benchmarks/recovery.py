@@ -201,7 +201,7 @@ def start_train(b: Bench, spec: Path, wrapper: bool = False, **env) -> tuple[sub
 
 
 NOT_STOPPED: list[str] = []      # runs Ctrl-C did not stop within INTERRUPT_WAIT (a finding)
-INTERRUPT_WAIT = 40.0
+INTERRUPT_WAIT = 15.0
 
 
 def interrupt(b: Bench, proc: subprocess.Popen, name: str = "") -> None:
@@ -233,7 +233,7 @@ def kill_left(b: Bench) -> None:
 
 
 def pulled(b: Bench, name: str) -> bool:
-    return any(p.name().rpartition("-")[2].isdigit() and int(p.name().rpartition("-")[2]) > 0
+    return any(p.name.rpartition("-")[2].isdigit() and int(p.name.rpartition("-")[2]) > 0
                for p in (b.cwd / "runs").glob(f"{name}-*/checkpoints/*"))
 
 
@@ -283,6 +283,7 @@ class Recovery:
         proc, f = start_train(b, spec)
         try:
             self._warm(f, name, by_hand=False)
+            at_kill = max(f.steps())
             t0, wall0 = time.monotonic(), time.time()
             kill_host(b, lost)
             if self.scenario == "chief":
@@ -290,6 +291,7 @@ class Recovery:
             i = f.wait(r"h4\b.*: moving \S.* to h5", 60)
             j = f.wait(rf"^{self.task}\s+│ step=", 300, i)
             took = f.lines[j][0] - t0
+            run_step = max(f.steps(0, j + 1))     # the run's furthest step by then
             k = f.wait(r"resumed at step \d+", 60, i)
         finally:
             interrupt(b, proc, name)
@@ -298,12 +300,12 @@ class Recovery:
             said = re.search(r"resumed at step (\d+) \((\d+) step", f.lines[k][1])
             print(f"  note: {name}: no finished manifest (exit {proc.returncode}); steps from the run's "
                   f"line: {f.lines[k][1].strip()}", flush=True)
-            self.info["tfc"].append({"lost": int(said.group(2)), "step_at": None, "resumed": int(said.group(1)),
+            self.info["tfc"].append({"at_kill": at_kill, "run_step": run_step, "lost": int(said.group(2)), "step_at": None, "resumed": int(said.group(1)),
                                      "decided": float("nan"), "started": float("nan")})
             return took
         (move,) = doc["moves"]
         assert move["to"] == "h5" and move["action"] == ("move" if self.scenario == "worker" else "restart"), move
-        self.info["tfc"].append({"lost": move["steps_lost"], "step_at": move["step_at"],
+        self.info["tfc"].append({"at_kill": at_kill, "run_step": run_step, "lost": move["steps_lost"], "step_at": move["step_at"],
                                  "resumed": move["resumed_step"], "decided": move["at"] - wall0,
                                  "started": move["done_at"] - wall0})
         return took
@@ -363,6 +365,9 @@ def recovery_rows(b: Bench, scenario: str, reps: int, shared, spare) -> None:
           f"{[x['lost'] for x in hand]}; against the step it restored: {[x['lost_restored'] for x in hand]} "
           f"(printed last before the kill {[x['at_kill'] for x in hand]}, old run's last {[x['last'] for x in hand]}, "
           f"new run restored {[x['restored'] for x in hand]}, printed first {[x['first'] for x in hand]})")
+    print(f"  the run's furthest step, tfcluster: {[x['at_kill'] for x in tfc]} before the kill, "
+          f"{[x['run_step'] for x in tfc]} at the moved task's first step; script: {[x['at_kill'] for x in hand]} "
+          f"before the kill, {[x['first'] for x in hand]} at the new run's first step")
     print(f"  tfcluster's manifest, from the kill: decided {fmt_list([x['decided'] for x in tfc])}, "
           f"new tasks started {fmt_list([x['started'] for x in tfc])}; the script's first run exited 3 after "
           f"{fmt_list([x['failed'] for x in hand])} (exit codes {[x['rc'] for x in hand]})", flush=True)
