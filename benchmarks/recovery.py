@@ -351,9 +351,28 @@ class Recovery:
         return took
 
 
+FAILED: list[str] = []           # reps that did not recover, with why (the row goes on)
+
+
+def tolerant(fn, label: str):
+    """One side's rep; a rep that fails is said and left out of the medians."""
+    def run() -> float:
+        try:
+            return fn()
+        except Exception as exc:  # noqa: BLE001 - said, counted, and the sitting goes on
+            FAILED.append(f"{label}: {str(exc).splitlines()[0]}")
+            print(f"  FAILED rep, {FAILED[-1]}", flush=True)
+            return float("nan")
+    return run
+
+
 def recovery_rows(b: Bench, scenario: str, reps: int, shared, spare) -> None:
     r = Recovery(b, scenario, shared, spare, 0)
-    ra, rb = alternate(reps, r.baseline, r.ours)
+    ra, rb = alternate(reps, tolerant(r.baseline, f"{scenario} script"), tolerant(r.ours, f"{scenario} tfcluster"))
+    ra, rb = [x for x in ra if not math.isnan(x)], [x for x in rb if not math.isnan(x)]
+    if not ra or not rb:
+        print(f"recovery {scenario}: no rep of one side recovered: {FAILED}", flush=True)
+        return
     what = "a plain worker's host" if scenario == "worker" else "the chief's host, train.checkpoint"
     report(f"recovery {scenario} (kill -> first step of {r.task})", "script: fail, rewrite, down, train", ra,
            f"tfcluster: {'moved alone' if scenario == 'worker' else 'every task restarted'}", rb, "s",
@@ -436,6 +455,8 @@ def main(argv=None) -> int:
         if "keepalive" in rows:
             keepalive_rows(b, reps, a.steps)
             print(f"  load average {os.getloadavg()[0]:.1f}", flush=True)
+        if FAILED:
+            print(f"reps that failed: {len(FAILED)}: {FAILED}", flush=True)
         if ESCAPED:
             print(f"kills that found processes outside the sshd's tree: {len(ESCAPED)}", flush=True)
         if NOT_STOPPED:
