@@ -270,8 +270,9 @@ class Recovery:
         if self.scenario != "chief":
             return
         if by_hand:
-            ckpt = self.b.tmp / "remote" / name / "ckpt" / "checkpoint"
-            wait_until(ckpt.exists, 120, "a checkpoint in the model dir")
+            ckpt = self.b.tmp / "remote" / name / "ckpt"
+            wait_until(lambda: any(int(p.name[len("model.ckpt-"):-len(".index")]) > 0
+                                   for p in ckpt.glob("model.ckpt-*.index")), 120, "a checkpoint in the model dir")
         else:
             wait_until(lambda: pulled(self.b, name), 120, "a checkpoint pulled to the launcher")
 
@@ -279,7 +280,7 @@ class Recovery:
         b, name = self.b, self._name("t")
         lost = b.start_sshd([LOST])
         spec = recovery_spec(b, self.shared, lost, self.spare, name, self.scenario, by_hand=False,
-                             steps=10_000_000)
+                             steps=self.steps)
         proc, f = start_train(b, spec)
         try:
             self._warm(f, name, by_hand=False)
@@ -314,7 +315,7 @@ class Recovery:
         b, name = self.b, self._name("h")
         lost = b.start_sshd([LOST])
         spec = recovery_spec(b, self.shared, lost, self.spare, name, self.scenario, by_hand=True,
-                             steps=10_000_000)
+                             steps=self.steps)
         proc, f = start_train(b, spec)
         proc2 = None
         try:
@@ -367,7 +368,9 @@ def tolerant(fn, label: str):
 
 
 def recovery_rows(b: Bench, scenario: str, reps: int, shared, spare) -> None:
-    r = Recovery(b, scenario, shared, spare, 0)
+    # the template saves every steps/10 (and on SIGTERM): the chief's row needs saves while it
+    # runs (about every 10 s here); the worker's row trains on past any recovery
+    r = Recovery(b, scenario, shared, spare, 20_000 if scenario == "chief" else 10_000_000)
     ra, rb = alternate(reps, tolerant(r.baseline, f"{scenario} script"), tolerant(r.ours, f"{scenario} tfcluster"))
     ra, rb = [x for x in ra if not math.isnan(x)], [x for x in rb if not math.isnan(x)]
     if not ra or not rb:
