@@ -204,9 +204,11 @@ NOT_STOPPED: list[str] = []      # runs Ctrl-C did not stop within INTERRUPT_WAI
 INTERRUPT_WAIT = 15.0
 
 
-def interrupt(b: Bench, proc: subprocess.Popen, name: str = "") -> None:
+def interrupt(b: Bench, proc: subprocess.Popen, name: str = "", f: Follower | None = None) -> None:
     """Ctrl-C for the run (it stops its tasks and writes its manifest); SIGTERM (which stops a
-    run as Ctrl-C does) if it goes on, then SIGKILL; then whatever is left."""
+    run as Ctrl-C does) if it goes on, then SIGKILL; then whatever is left. A run that goes
+    on is said, with what it said since the signal (its step lines left out)."""
+    since = len(f.lines) if f is not None else 0
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL):
         if proc.poll() is not None:
             break
@@ -214,6 +216,10 @@ def interrupt(b: Bench, proc: subprocess.Popen, name: str = "") -> None:
             NOT_STOPPED.append(f"{name}: still running {INTERRUPT_WAIT:g}s after "
                                f"{'SIGINT' if sig == signal.SIGTERM else 'SIGTERM'}")
             print(f"  note: {NOT_STOPPED[-1]}", flush=True)
+            if f is not None:
+                said = [x for _, x in f.lines[since:] if not STEP.search(x)]
+                print("    it said since: " + (" / ".join(said[-8:]) or "nothing but step lines"), flush=True)
+                since = len(f.lines)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, sig)
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -295,7 +301,7 @@ class Recovery:
             run_step = max(f.steps(0, j + 1))     # the run's furthest step by then
             k = f.wait(r"resumed at step \d+", 60, i)
         finally:
-            interrupt(b, proc, name)
+            interrupt(b, proc, name, f)
         doc = json.loads((run_dir(b, name) / "manifest.json").read_text())
         if "moves" not in doc:       # killed, not stopped: the line the run said instead
             said = re.search(r"resumed at step (\d+) \((\d+) step", f.lines[k][1])
