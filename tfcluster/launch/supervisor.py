@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from tfcluster.diagnose.checks import RunChecks
 from tfcluster.errors import DeadlineError, ExitCode, Terminated, TfclusterError, UsageError
 from tfcluster.host.shim_protocol import DEFAULT_HEARTBEAT_TIMEOUT
-from tfcluster.launch import attempts, drains, recovery, state
+from tfcluster.launch import attempts, drains, hostloss, recovery, state
 from tfcluster.launch.reach import can_connect
 from tfcluster.launch.runstate import Run, Supervised
 from tfcluster.launch.session import Session, server_tasks
@@ -215,6 +215,10 @@ def _supervise(run: Run) -> tuple[int, str]:
             attempts.refuse(proc)
             run.ui.warn(f"{proc.task.key} exited with code {rc} after the chief had finished")
             continue
+        if rc == 255 and proc.task.host not in run.session.losses.lost:
+            # 255 is also what a task's shim says when its host goes: judge the host now, not
+            # after its other channels noticed (a live connection answers at once)
+            hostloss.after_drop(run, proc, time.monotonic())
         run.session.losses.settled(run.session.losses.grace + 5)
         lost = run.recovery.pending(run.session.losses.lost)
         if lost is not None:    # the lost host is dealt with, not a peer that missed it
