@@ -202,10 +202,10 @@ def test_a_lost_worker_restarts_the_strategys_cluster_on_the_spare_from_the_chec
     if mode == "coordinator":
         jobs = (f"  chief: {{tasks: ['h2:{p[0]}']}}\n  ps: {{tasks: ['h3:{p[1]}']}}\n"
                 f"  worker: {{tasks: ['h3:{p[2]}', 'h4:{p[3]}']}}\n")
-        watched, steps = "chief:0", 1500
+        watched, steps = "chief:0", 800
     else:
         jobs = f"  worker: {{tasks: ['h3:{p[0]}', 'h4:{p[1]}']}}\n"
-        watched, steps = "worker:0", 1500
+        watched, steps = "worker:0", 500
     spec = chief_spec(tmp_path, sshd, lost, spare, f"r{mode[:5]}", mode=mode, script=mode, steps=steps,
                       jobs=jobs)
     def fault() -> None:

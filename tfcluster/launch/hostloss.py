@@ -72,6 +72,7 @@ class HostLosses:
             if self._alive_at.get(host, float("-inf")) >= noticed:
                 return None, False
             self._judging.add(host)
+            self._cond.notify_all()
         verdict = None
         try:
             verdict = self._decide(host, transport, tasks, noticed)
@@ -95,6 +96,16 @@ class HostLosses:
             how = f"its SSH connection dropped and could not be re-opened in {self.grace:g}s: {dial_reason(why, host)}"
         now = time.time()
         return LostHost(host, how, tasks, now, now - (time.monotonic() - noticed))
+
+    def awaited(self, host: str, within: float) -> None:
+        """Wait (at most `within` s) for a verdict on `host` to begin: a task's own exit can
+        reach the supervisor before its host's dropped channels reach their pumps."""
+        deadline = time.monotonic() + within
+        with self._cond:
+            while host not in self._judging and host not in self.lost:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._cond.wait(left):
+                    return
 
     def settled(self, timeout: float) -> LostHost | None:
         """Wait (at most `timeout` s) for the verdicts under way; the first host lost, if any."""

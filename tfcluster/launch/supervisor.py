@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from tfcluster.diagnose.checks import RunChecks
 from tfcluster.errors import DeadlineError, ExitCode, Terminated, TfclusterError, UsageError
 from tfcluster.host.shim_protocol import DEFAULT_HEARTBEAT_TIMEOUT
-from tfcluster.launch import attempts, drains, hostloss, recovery, state
+from tfcluster.launch import attempts, drains, recovery, state
 from tfcluster.launch.reach import can_connect
 from tfcluster.launch.runstate import Run, Supervised
 from tfcluster.launch.session import Session, server_tasks
@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 LOSS_LINE = re.compile(DEFAULT_LOSS)   # `loss=0.25`, not a traceback's `loss = train_step(it)`
 SCRIPT_GRACE = 10.0         # a script's last checkpoint after Ctrl-C, before KILL
 SERVER_STOP_GRACE = 2.0     # servers hold no state worth waiting for
+AWAIT_DROP = 2.0            # a task's exit 255 waits this long for its host's channels to end
 
 
 @dataclass
@@ -215,10 +216,8 @@ def _supervise(run: Run) -> tuple[int, str]:
             attempts.refuse(proc)
             run.ui.warn(f"{proc.task.key} exited with code {rc} after the chief had finished")
             continue
-        if rc == 255 and proc.task.host not in run.session.losses.lost:
-            # 255 is also what a task's shim says when its host goes: judge the host now, not
-            # after its other channels noticed (a live connection answers at once)
-            hostloss.after_drop(run, proc, time.monotonic())
+        if rc == 255:   # also what a task says when its host goes: let the pumps notice first
+            run.session.losses.awaited(proc.task.host, AWAIT_DROP)
         run.session.losses.settled(run.session.losses.grace + 5)
         lost = run.recovery.pending(run.session.losses.lost)
         if lost is not None:    # the lost host is dealt with, not a peer that missed it

@@ -93,7 +93,7 @@ class SshTransport(Transport):
                 return why
             try:
                 with self._lock:
-                    self._prune()
+                    self._prune(ending=True)
                     if self._conns:
                         return None
                     self._dial(timeout=min(left, self.options.connect_timeout))
@@ -102,12 +102,14 @@ class SshTransport(Transport):
                 why = e.message
             time.sleep(min(REOPEN_PAUSE, max(0.0, deadline - time.monotonic())))
 
-    def _prune(self) -> None:
+    def _prune(self, ending: bool = False) -> None:
         """Drop the connections that died, closing what they hold (jump connections, a
-        ProxyCommand); the caller holds self._lock."""
+        ProxyCommand); the caller holds self._lock. `ending`: also those whose transport
+        thread already ended on an EOF or a socket error (paramiko ends their channels
+        before it marks them inactive, so a channel's end can be seen first)."""
         alive = []
         for c in self._conns:
-            if c.active():
+            if c.active() and not (ending and c.ending()):
                 alive.append(c)
             else:
                 c.close()

@@ -82,6 +82,12 @@ class Connection:
         t = self.transport
         return t is not None and t.is_active()
 
+    def ending(self) -> bool:
+        """Its transport thread stopped on an EOF or a socket error: the connection is going,
+        though paramiko may not have marked it inactive yet."""
+        t = self.transport
+        return t is not None and isinstance(t.saved_exception, (EOFError, OSError))
+
     def close(self) -> None:
         self.client.close()
         if self.proxy:
