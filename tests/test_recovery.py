@@ -202,7 +202,7 @@ def test_a_lost_worker_restarts_the_strategys_cluster_on_the_spare_from_the_chec
     if mode == "coordinator":
         jobs = (f"  chief: {{tasks: ['h2:{p[0]}']}}\n  ps: {{tasks: ['h3:{p[1]}']}}\n"
                 f"  worker: {{tasks: ['h3:{p[2]}', 'h4:{p[3]}']}}\n")
-        watched, steps = "chief:0", 800
+        watched, steps = "chief:0", 4000     # the coordinator outlives a lost worker: long enough to see it
     else:
         jobs = f"  worker: {{tasks: ['h3:{p[0]}', 'h4:{p[1]}']}}\n"
         watched, steps = "worker:0", 500
