@@ -15,10 +15,10 @@ import psutil
 import pytest
 
 from tests.helpers import CLUSTER_DIR, tagged_processes
-from tfcluster.launch.agent import HostAgent
+from tfcluster.launch.agent.agent import HostAgent
 from tfcluster.transport.local import LocalTransport
 
-pytest_plugins = ["tests.sshd", "tests.users", "tests.slurm"]
+pytest_plugins = ["tests.sshd", "tests.netns", "tests.users", "tests.slurm"]
 
 # The speed classes (pyproject's markers) come from what a test starts, not from memory: a
 # test that uses a fixture starting an sshd or Slurm gets that mark here, and a test of the

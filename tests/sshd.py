@@ -95,6 +95,29 @@ def _require_sshd() -> None:
     pytest.skip(message)
 
 
+def write_config(d: Path, addresses, port: int, host_key: Path, authorized_keys: Path, options) -> Path:
+    """`d/sshd_config` for a test sshd listening on `addresses`:`port` (key-only root logins)."""
+    settings = {"Port": port, "HostKey": host_key,
+                "AuthorizedKeysFile": authorized_keys,
+                "PasswordAuthentication": "no", "KbdInteractiveAuthentication": "no",
+                "PubkeyAuthentication": "yes", "PermitRootLogin": "yes",
+                "StrictModes": "no", "UsePAM": "no", "MaxStartups": "200:30:300",
+                "MaxSessions": 64, "PidFile": d / "sshd.pid", "LogLevel": "ERROR",
+                "Subsystem": f"sftp {SFTP_SERVER}", "AllowTcpForwarding": "yes",
+                # Sessions carry this test session's marker, so the leak check in
+                # conftest.py sees processes started over SSH as ours. A login shell
+                # that runs `pyenv init` (as root's .bashrc may) rehashes under a lock
+                # file; a test that kills a host's processes can kill it mid-rehash, and
+                # the stale lock then holds every later login for pyenv's 60 s default.
+                "SetEnv": f"{SESSION_VAR}={os.environ[SESSION_VAR]} PYENV_REHASH_TIMEOUT=1"}
+    settings.update(options)
+    lines = [f"ListenAddress {a}" for a in addresses]
+    lines += [f"{k} {v}" for k, v in settings.items()]
+    config = d / "sshd_config"
+    config.write_text("\n".join(lines) + "\n")
+    return config
+
+
 class _SshdFactory:
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -120,24 +143,7 @@ class _SshdFactory:
         pytest.fail(f"sshd did not start: {(d / 'sshd.log').read_text()[-2000:]}")
 
     def _start(self, d: Path, addresses, port: int, host_key: Path, options) -> subprocess.Popen | None:
-        settings = {"Port": port, "HostKey": host_key,
-                    "AuthorizedKeysFile": self.root / "authorized_keys",
-                    "PasswordAuthentication": "no", "KbdInteractiveAuthentication": "no",
-                    "PubkeyAuthentication": "yes", "PermitRootLogin": "yes",
-                    "StrictModes": "no", "UsePAM": "no", "MaxStartups": "200:30:300",
-                    "MaxSessions": 64, "PidFile": d / "sshd.pid", "LogLevel": "ERROR",
-                    "Subsystem": f"sftp {SFTP_SERVER}", "AllowTcpForwarding": "yes",
-                    # Sessions carry this test session's marker, so the leak check in
-                    # conftest.py sees processes started over SSH as ours. A login shell
-                    # that runs `pyenv init` (as root's .bashrc may) rehashes under a lock
-                    # file; a test that kills a host's processes can kill it mid-rehash, and
-                    # the stale lock then holds every later login for pyenv's 60 s default.
-                    "SetEnv": f"{SESSION_VAR}={os.environ[SESSION_VAR]} PYENV_REHASH_TIMEOUT=1"}
-        settings.update(options)
-        lines = [f"ListenAddress {a}" for a in addresses]
-        lines += [f"{k} {v}" for k, v in settings.items()]
-        config = d / "sshd_config"
-        config.write_text("\n".join(lines) + "\n")
+        config = write_config(d, addresses, port, host_key, self.root / "authorized_keys", options)
         log = open(d / "sshd.log", "ab")
         proc = subprocess.Popen([SSHD, "-D", "-e", "-f", str(config)], stdin=subprocess.DEVNULL,
                                 stdout=log, stderr=log)
