@@ -42,7 +42,6 @@ from tfcluster.ui import UI
 
 NFT = shutil.which("nft") or next((p for p in ("/usr/sbin/nft", "/sbin/nft") if os.access(p, os.X_OK)), None)
 SYSTEM_PYTHON = "/usr/bin/python3"
-SITE = next((str(p) for p in Path(sys.prefix).glob("lib/python3*/site-packages")), "")
 CONNECT = ("import socket, sys\n"
            "for a in sys.argv[1:]:\n"
            "    h, _, p = a.rpartition(':')\n"
@@ -291,7 +290,7 @@ TF_SESSION = ("import sys, tensorflow as tf\n"
 @pytest.mark.tf
 @pytest.mark.timeout(240)
 def test_up_closes_every_task_port_to_another_users_session_while_the_owner_trains_until_down(
-        tmp_path, home, nft, drop_tables, other_user):
+        tmp_path, home, nft, drop_tables, other_user, other_python):
     drop_tables.append("fenceup")
     spec = local_spec(tmp_path, name="fenceup", args=["--steps", "30"])
     secret = tmp_path / "secret.txt"
@@ -304,12 +303,12 @@ def test_up_closes_every_task_port_to_another_users_session_while_the_owner_trai
         assert len(cluster_tables("fenceup")) == 1
         targets = _task_targets(spec)
         refused_everywhere(other_user, targets)
-        if SITE and os.access(SYSTEM_PYTHON, os.X_OK):    # the review's attack, as the other user
-            ps = next(t for t in targets if t.endswith(str(build_plan(load_spec(str(spec))).task("ps:0").port)))
-            attack = other_user.run([SYSTEM_PYTHON, "-c", TF_SESSION, f"grpc://{ps}", str(secret)],
-                                    env=other_user.env(PYTHONPATH=SITE), timeout=120)
-            assert "root's secret" not in attack.stdout
-            assert "FAILED" in attack.stdout, attack.stdout + attack.stderr[-2000:]
+        # the review's attack, as the other user
+        ps = next(t for t in targets if t.endswith(str(build_plan(load_spec(str(spec))).task("ps:0").port)))
+        attack = other_python.user.run([other_python.python, "-c", TF_SESSION, f"grpc://{ps}", str(secret)],
+                                       env=other_user.env(PYTHONPATH=other_python.site), timeout=120)
+        assert "root's secret" not in attack.stdout
+        assert "FAILED" in attack.stdout, attack.stdout + attack.stderr[-2000:]
         status = tfcluster("status", str(spec), home=home, cwd=tmp_path)
         assert "TensorFlow's ports: closed on local (nftables)" in status.stderr, status.stderr
         train = tfcluster("train", str(spec), home=home, cwd=tmp_path)      # the owner's run, on the up cluster
@@ -404,11 +403,11 @@ def test_the_shims_remove_the_table_themselves_when_the_launcher_vanishes_over_s
 
 # ---------------------------------------------------------------- a user who cannot close them
 
-def _run_as_user_without_root(user, tf_ports: str = "auto", command: tuple = ("train",)):
+def _run_as_user_without_root(other, tf_ports: str = "auto", command: tuple = ("train",)):
     """`tfcluster train` (or `command`) of a one-worker mirrored spec (a plain script, no TF
-    import) run by `user` with the system Python; (the result, the task's port)."""
-    if not (SITE and os.access(SYSTEM_PYTHON, os.X_OK)):
-        pytest.skip(f"{SYSTEM_PYTHON} and this venv's site-packages are needed to run tfcluster as the other user")
+    import) run by the other user with the system Python (`other`: tests/users.py's
+    other_python); (the result, the task's port)."""
+    user = other.user
     if shutil.which("sudo") and user.run(["sudo", "-n", "true"]).returncode == 0:
         pytest.skip("the other user has passwordless sudo here")
     work = Path(f"/tmp/tfc-fence-{os.getpid()}-{time.monotonic_ns()}")
@@ -423,38 +422,37 @@ def _run_as_user_without_root(user, tf_ports: str = "auto", command: tuple = ("t
             f"tf_ports: {tf_ports}\n")
         for path in (work / "hello.py", work / "lab.yaml"):
             os.chown(path, user.uid, user.gid)
-        env = user.env(PYTHONPATH=f"{Path(__file__).resolve().parents[1]}:{SITE}", NO_COLOR="1",
-                       **{SESSION_VAR: os.environ[SESSION_VAR]})
-        run = user.run([SYSTEM_PYTHON, "-m", "tfcluster", *command, "lab.yaml"], cwd=str(work), env=env,
+        env = user.env(PYTHONPATH=other.pythonpath, NO_COLOR="1", **{SESSION_VAR: os.environ[SESSION_VAR]})
+        run = user.run([other.python, "-m", "tfcluster", *command, "lab.yaml"], cwd=str(work), env=env,
                        timeout=120)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return run, port
 
 
-def test_a_user_without_root_or_sudo_runs_with_one_warning_naming_the_host(other_user):
-    run, port = _run_as_user_without_root(other_user)
+def test_a_user_without_root_or_sudo_runs_with_one_warning_naming_the_host(other_user, other_python):
+    run, port = _run_as_user_without_root(other_python)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     warnings = [line for line in run.stderr.splitlines() if "TensorFlow's ports" in line]
     assert len(warnings) == 1, run.stderr
     assert warnings[0].startswith(f"tfcluster: warning: host mybox: TensorFlow's ports ({port}) stay open: ")
     assert f"tfcluster runs as {other_user.name} there, not root" in warnings[0]
     assert "hello from the script" in run.stdout
-    check, port = _run_as_user_without_root(other_user, command=("plan", "--check"))
+    check, port = _run_as_user_without_root(other_python, command=("plan", "--check"))
     assert check.returncode == 0, check.stderr
     assert f"tfcluster: warning: host mybox: TensorFlow's ports ({port}) stay open: " in check.stderr
     assert "will be closed" not in check.stderr
 
 
-def test_tf_ports_closed_refuses_that_run_before_anything_starts_and_open_says_nothing(other_user):
-    run, _ = _run_as_user_without_root(other_user, "closed")
+def test_tf_ports_closed_refuses_that_run_before_anything_starts_and_open_says_nothing(other_user, other_python):
+    run, _ = _run_as_user_without_root(other_python, "closed")
     assert run.returncode == 4, run.stdout[-2000:] + run.stderr[-2000:]
     errors = [line for line in run.stderr.splitlines() if line.startswith("tfcluster: error:")]
     assert errors == [f"tfcluster: error: tf_ports: closed, but tfcluster cannot close TensorFlow's ports on "
                       f"host mybox (tfcluster runs as {other_user.name} there, not root, and `sudo -n nft` is "
                       f"not allowed)"], run.stderr
     assert "hello from the script" not in run.stdout
-    run, _ = _run_as_user_without_root(other_user, "open")
+    run, _ = _run_as_user_without_root(other_python, "open")
     assert run.returncode == 0 and "TensorFlow's ports" not in run.stderr, run.stderr
 
 
