@@ -133,13 +133,18 @@ def cmd_down(req: dict) -> dict:
     answer = cmd_stop(req)
     if not answer["survivors"]:     # also a table a killed run left, its mark gone with its dir
         answer["fence"] = fence.remove(req["cluster_dir"], req["tag_prefix"], always=True)
+        fence.drop_cgroup(req["cluster_dir"])
+    answer["swept"] = fence.sweep(keep=fence.table_name(req["cluster_dir"], req["tag_prefix"]))
     wanted = [int(p) for p in req.get("ports", [])]
     answer["ports"] = ports.wait_bindable(wanted, float(req.get("settle", proto.PORT_SETTLE)))
     return answer
 
 
 def cmd_up(req: dict) -> None:
-    """`up` in one remote execution: this host's batch, then the conversation (shim_launch)."""
+    """`up` in one remote execution: this host's batch, then the conversation (shim_launch).
+    A root shim first sweeps other clusters' stale tables (tf_ports: open asks no fence)."""
+    if proto.FENCE not in req["commands"]:      # an install sweeps as it goes
+        fence.sweep()
     return launch.up(req, cmd_batch({"commands": req["commands"]})["answers"])
 
 
@@ -299,6 +304,7 @@ def run() -> None:
     buffer's lock: the interpreter's teardown waited 1 s for that lock and then aborted
     ("Fatal Python error: _enter_buffered_busy", SIGABRT) after every `up`. Answers are
     written with os.write; nothing is left buffered."""
+    fence.OWN_PROCESS = True                        # it may join its cluster's cgroup
     for sig in (signal.SIGHUP, signal.SIGTERM):     # sshd's hangup, a stop: leave through the
         signal.signal(sig, _leave)                     # finally blocks (a warm server, the fence)
     try:

@@ -6,26 +6,35 @@ it. The table, named after the cluster's identity (`tfcluster_<name>_<instance>`
 two chains:
 
 - output: a new TCP connection (a bare SYN) to one of this host's task ports at a local
-  address, or to any task's address and port of the cluster, from a socket not owned by
-  the owner (`meta skuid`) is refused with a reset. Loopback traffic passes the output
-  hook, so this is what keeps the other users of a host out;
+  address, or to any task's address and port of the cluster, from a socket that is not the
+  cluster's own is refused with a reset. Loopback traffic passes the output hook, so this
+  is what keeps the other users of a host out. The cluster's own sockets are those made in
+  its cgroup v2 (`<cgroup2 mount>/tfcluster/<instance>`, which the shim joins before it
+  spawns or probes anything for the cluster: `socket cgroupv2`), so the owner's other
+  processes (an unfenced TF server that would relay a stranger in) are refused too. Where
+  that cannot be had (no cgroup2 that nft can name, not writable, iptables), the owner's
+  uid (`meta skuid`) is the match, and the answer says which (`match`);
 - input: a connection to one of this host's task ports from an address that is neither
   local nor one of the cluster's hosts is refused the same way.
 
 It is installed before anything binds (in the batch that opens `up`'s and `train`'s
 conversations), replaced whole in one nft transaction, and deleted when nothing of the
 cluster runs on the host any more (release_if_idle: the last attached shim, `stop`,
-`down`, a failed `up`). A root shim runs `nft`; another user's shim runs `sudo -n nft`
+`down`, a failed `up`), its cgroup with it. A root shim also deletes, on a fence install,
+`up` and `down`, another cluster's table that nothing of its cluster runs for any more
+(sweep: a killed run's table would refuse the next cluster on those ports). A root shim runs `nft`; another user's shim runs `sudo -n nft`
 when sudo lets it, else the ports stay open and the answer says why and who else has
 processes on the host. Shipped beside shim.py: standard library only, Python >= 3.8.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
 import socket
 import subprocess
+import time
 
 if __package__:
     from . import shim_fs as fs
@@ -39,6 +48,13 @@ MARK = "fence.json"            # <cluster dir>/fence.json: the table and how it 
 NFT_TIMEOUT = 10.0
 SBIN = ("/usr/sbin", "/sbin", "/usr/local/sbin")
 MAX_OTHERS = 8                 # other users named in a warning
+NFT_CGROUP_ROOT = "/sys/fs/cgroup"   # nft names a cgroup by its path under here (at load time)
+CGROUP_PARENT = "tfcluster"    # <cgroup2 mount>/tfcluster/<instance>: a cluster's processes
+SWEEP_GRACE = 300.0            # a table younger than this is never swept (its shim may not
+                               # have joined or spawned yet: a launcher's in-process install)
+OWN_PROCESS = False            # shim.run() sets it: this process is a shim of its own, which
+                               # may join a cluster's cgroup (never the launcher's process)
+_LEFT: list = []               # the cgroup this process was in before it joined one
 
 
 def table_name(cluster_dir: str, tag_prefix: str) -> str:
@@ -160,16 +176,25 @@ def _rules(ports, targets, peers) -> tuple[list, dict, dict]:
     return sorted(mine), by_family, {4: peer4, 6: peer6}
 
 
-def script(table: str, uid: int, ports, targets, peers) -> str:
+def script(table: str, uid: int, ports, targets, peers, cgroup=None, made=None) -> str:
     """The nft program that replaces the table whole (one transaction): `ports` this host's
-    task ports, `targets` [address, port] of every task, `peers` the cluster's host addresses."""
+    task ports, `targets` [address, port] of every task, `peers` the cluster's host addresses;
+    `cgroup` (path under /sys/fs/cgroup, level) the cluster's cgroup, else the uid is matched.
+    The table's comment says when it was made (`made`, epoch seconds) and by whom: sweep()."""
     mine, by_family, peers_by = _rules(ports, targets, peers)
     peer4, peer6 = peers_by[4], peers_by[6]
     # Every rule starts with the SYN test: the packets of a connection already made pass on
     # one flags compare per rule, and only a new connection meets the uid and route lookups.
     syn = "tcp flags & (syn | ack) == syn"
-    stranger = "%s meta skuid != %d" % (syn, uid)
     out = []
+    if cgroup is None:
+        stranger = "%s meta skuid != %d" % (syn, uid)
+    else:
+        # the cluster's own sockets leave this table first; every other new connection meets
+        # the rules below. (Not a `!=` on the cgroup: a socket whose cgroup is shallower than
+        # the level has no ancestor there, and the match then fails both ways.)
+        stranger = syn
+        out.append('%s socket cgroupv2 level %d "%s" accept' % (syn, cgroup[1], cgroup[0]))
     if mine:
         out.append("%s tcp dport { %s } fib daddr type local reject with tcp reset" % (stranger, _join(mine)))
     for family, ip in ((4, "ip"), (6, "ip6")):
@@ -185,6 +210,7 @@ def script(table: str, uid: int, ports, targets, peers) -> str:
                 inp.append("%s %s saddr { %s } accept" % (ports, ip, _join(sorted(peers_of))))
         inp.append("%s reject with tcp reset" % ports)
     lines = ["table inet %s" % table, "delete table inet %s" % table, "table inet %s {" % table,
+             '  comment "tfcluster made %d uid %d"' % (int(time.time() if made is None else made), uid),
              "  chain output {", "    type filter hook output priority filter; policy accept;"]
     lines += ["    " + rule for rule in out] + ["  }"]
     lines += ["  chain input {", "    type filter hook input priority filter; policy accept;"]
@@ -223,10 +249,10 @@ def iptables_rules(table: str, uid: int, ports, targets, peers) -> dict:
     return rules
 
 
-def _install(tool: dict, table: str, req: dict) -> tuple[int, str]:
+def _install(tool: dict, table: str, req: dict, cgroup=None) -> tuple[int, str]:
     args = (table, os.geteuid(), req.get("ports", ()), req.get("targets", ()), req.get("peers", ()))
     if "nft" in tool:
-        return _run(tool["nft"] + ["-f", "-"], script(*args))
+        return _run(tool["nft"] + ["-f", "-"], script(*args, cgroup=cgroup))
     _delete(tool, table)
     out_chain, in_chain = chains(table)
     for family, rules in iptables_rules(*args).items():
@@ -261,6 +287,319 @@ def _delete(tool: dict, table: str) -> tuple[int, str]:
             _run(ipt + ["-F", chain])
             _run(ipt + ["-X", chain])
     return (1, "chain %s is still there" % out_chain) if _exists_with(tool, table) else (0, "")
+
+
+# ---------------------------------------------------------------- the cluster's cgroup
+
+def cgroup2_mount() -> str | None:
+    """Where cgroup v2 is mounted here (/sys/fs/cgroup, or /sys/fs/cgroup/unified on a
+    hybrid host), from /proc/self/mountinfo; None without one."""
+    try:
+        with open("/proc/self/mountinfo", "rb") as f:
+            for line in f:
+                fields = line.split()
+                if b"-" in fields:
+                    dash = fields.index(b"-")
+                    if fields[dash + 1:dash + 2] == [b"cgroup2"] and fields[3] == b"/":
+                        return fields[4].decode().replace("\\040", " ")
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def cgroup_dir(cluster_dir: str, mount: str | None = None) -> str | None:
+    """The cluster's cgroup on this host: `<cgroup2 mount>/tfcluster/<instance>`."""
+    mount = mount or cgroup2_mount()
+    return os.path.join(mount, CGROUP_PARENT, procs.instance_id(cluster_dir)) if mount else None
+
+
+def _nft_name(path: str, mount: str) -> tuple[str, int] | None:
+    """(the path nft resolves, under /sys/fs/cgroup; the cgroup's level below the cgroup2
+    root), or None where nft cannot name it (a cgroup2 mounted elsewhere)."""
+    rel = os.path.relpath(path, NFT_CGROUP_ROOT)
+    if rel.startswith(".."):
+        return None
+    return rel, len(os.path.relpath(path, mount).split(os.sep))
+
+
+def _make_cgroup(cluster_dir: str) -> tuple[tuple | None, str | None]:
+    """((nft's path, level), None) with the cluster's cgroup made, or (None, why not)."""
+    mount = cgroup2_mount()
+    if mount is None:
+        return None, "no cgroup v2 is mounted"
+    path = cgroup_dir(cluster_dir, mount)
+    name = _nft_name(path, mount)
+    if name is None:
+        return None, "cgroup v2 is mounted at %s, where nft does not look for cgroups" % mount
+    for _ in range(3):          # another cluster's shim may remove the empty parent between
+        try:
+            os.mkdir(os.path.dirname(path), 0o755)
+        except FileExistsError:
+            pass
+        except OSError as e:
+            return None, "cannot make a cgroup in %s: %s" % (mount, e.strerror or e)
+        try:
+            os.mkdir(path, 0o755)
+        except FileExistsError:
+            pass
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            return None, "cannot make a cgroup in %s: %s" % (mount, e.strerror or e)
+        return name, None
+    return None, "cannot make a cgroup in %s" % mount
+
+
+def _move(pid: int, path: str) -> bool:
+    try:
+        fd = os.open(os.path.join(path, "cgroup.procs"), os.O_WRONLY)
+        try:
+            os.write(fd, b"%d" % pid)
+        finally:
+            os.close(fd)
+        return True
+    except OSError:
+        return False
+
+
+def _own_cgroup(mount: str) -> str | None:
+    """This process's cgroup v2 directory, from /proc/self/cgroup's `0::` line."""
+    try:
+        with open("/proc/self/cgroup", "rb") as f:
+            for line in f:
+                if line.startswith(b"0::"):
+                    return os.path.join(mount, line[3:].strip().decode().lstrip("/"))
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def join(cluster_dir: str) -> bool:
+    """Put this shim into the cluster's cgroup, where the fence made one: what it spawns from
+    now on, and the connections it opens, are the cluster's own. Only a shim that is a process
+    of its own (OWN_PROCESS) ever moves; True when it is in the cluster's cgroup."""
+    if not OWN_PROCESS or not cluster_dir:
+        return False
+    mount = cgroup2_mount()
+    path = cgroup_dir(cluster_dir, mount) if mount else None
+    if path is None or not os.path.isdir(path):
+        return False
+    here = _own_cgroup(mount)
+    if here == path:
+        return True
+    if not _move(0, path):
+        return False
+    if here and not _LEFT:
+        _LEFT.append(here)
+    return True
+
+
+def leave() -> None:
+    """Back to the cgroup this shim was in before join() (its cluster's can then go)."""
+    while _LEFT:
+        back = _LEFT.pop()
+        mount = cgroup2_mount()
+        if not _move(0, back) and mount:
+            _move(0, mount)
+
+
+def _populated(path: str) -> bool:
+    """Whether a cgroup holds a process (itself or below); False where it is gone."""
+    try:
+        with open(os.path.join(path, "cgroup.events"), "rb") as f:
+            return any(line.split() == [b"populated", b"1"] for line in f)
+    except OSError:
+        return False
+
+
+def drop_cgroup(cluster_dir: str, instance: str | None = None) -> None:
+    """Remove the cluster's cgroup once it holds no process (this shim leaves it first), and
+    the shared parent once no cluster has one. Quiet: a busy cgroup stays."""
+    mount = cgroup2_mount()
+    if mount is None:
+        return
+    path = (os.path.join(mount, CGROUP_PARENT, instance) if instance
+            else cgroup_dir(cluster_dir, mount))
+    if not os.path.isdir(path):
+        return
+    if _own_cgroup(mount) == path:
+        leave()
+    deadline = time.monotonic() + 1.0
+    while True:        # a task just killed leaves its cgroup as the kernel reaps it
+        try:
+            os.rmdir(path)
+            break
+        except FileNotFoundError:
+            break
+        except OSError as e:
+            if e.errno != errno.EBUSY or time.monotonic() > deadline:
+                return
+            time.sleep(0.01)
+    try:
+        os.rmdir(os.path.dirname(path))
+    except OSError:
+        pass        # another cluster's cgroup is there
+
+
+# ---------------------------------------------------------------- other clusters' tables
+
+def _tables(tool: dict) -> list | None:
+    """The tfcluster tables on this host (inet family), or None where they cannot be listed."""
+    rc, said = _run_out(tool["nft"] + ["list", "tables"])
+    if rc:
+        return None
+    return [w[2] for w in (line.split() for line in said.splitlines())
+            if len(w) == 3 and w[0] == "table" and w[1] == "inet" and w[2].startswith(PREFIX)]
+
+
+def _run_out(argv: list) -> tuple[int, str]:
+    """_run with the whole of stdout (a listing)."""
+    try:
+        done = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, timeout=NFT_TIMEOUT, close_fds=True)
+    except (OSError, subprocess.SubprocessError) as e:
+        return 127, str(e)
+    return done.returncode, (done.stdout or b"").decode(errors="replace")
+
+
+def _instance(table: str) -> str | None:
+    tail = table[-12:]
+    return tail if len(table) > len(PREFIX) + 13 and table[-13] == "_" and re.fullmatch(r"[0-9a-f]{12}", tail) else None
+
+
+def _made(tool: dict, table: str) -> float | None:
+    """When a table was made, from the comment install() gives it; None without one (a
+    table of another tfcluster version, or not ours)."""
+    rc, said = _run_out(tool["nft"] + ["list", "table", "inet", table])
+    found = re.search(r'comment "tfcluster made (\d+) uid \d+"', said) if rc == 0 else None
+    return float(found.group(1)) if found else None
+
+
+def _runs(instance: str) -> bool:
+    """Whether anything of the cluster `instance` runs on this host, whoever's it is: a
+    process in its cgroup, or one carrying its tag (root reads every process's tag)."""
+    mount = cgroup2_mount()
+    if mount and _populated(os.path.join(mount, CGROUP_PARENT, instance)):
+        return True
+    mark = "@%s:" % instance
+    for pid in procs.all_pids():
+        tag = procs.tag_of(pid) if pid > 1 else None
+        if tag is not None and mark in tag and procs.is_alive(pid):
+            return True
+    return False
+
+
+def sweep(keep: str | None = None, tool: dict | None = None) -> list:
+    """A root shim's sweep: delete every tfcluster table (but `keep`) whose cluster has
+    nothing running on this host and that is older than SWEEP_GRACE (so never one whose
+    `up` is still between its install and its first task), with its empty cgroup. Such a
+    table is a killed run's, and it refuses everyone else's connections to its ports. The
+    tables deleted; never raises."""
+    gone = []
+    try:
+        if os.geteuid() != 0:
+            return gone
+        tool = tool or how()[0]
+        if not tool or "nft" not in tool:
+            return gone
+        tables = _tables(tool)
+        if tables is None:
+            return gone
+        for table in tables:
+            instance = _instance(table)
+            if table == keep or instance is None or _runs(instance):
+                continue
+            made = _made(tool, table)
+            if made is None or time.time() - made < SWEEP_GRACE or _runs(instance):
+                continue
+            if _delete(tool, table)[0] == 0:
+                gone.append(table)
+                drop_cgroup("", instance)
+        _sweep_cgroups({_instance(t) for t in tables if t not in gone})
+    except (OSError, ValueError):
+        pass
+    return gone
+
+
+def _sweep_cgroups(kept: set) -> None:
+    """Remove the empty cgroups of clusters that have no table here (its table was deleted
+    by hand, or their last shim was killed), once older than SWEEP_GRACE (an install makes
+    the cgroup just before its table)."""
+    mount = cgroup2_mount()
+    parent = os.path.join(mount, CGROUP_PARENT) if mount else None
+    if parent is None or not os.path.isdir(parent):
+        return
+    for name in os.listdir(parent):
+        path = os.path.join(parent, name)
+        if (name in kept or not re.fullmatch(r"[0-9a-f]{12}", name) or not os.path.isdir(path)
+                or _populated(path) or time.time() - os.stat(path).st_mtime < SWEEP_GRACE):
+            continue
+        drop_cgroup("", name)
+
+
+def holders(port: int, exclude=()) -> list | None:
+    """The tfcluster tables on this host whose rules refuse connections to `port` (some
+    other cluster's, a killed run's), or None where the tables cannot be listed (not root)."""
+    if os.geteuid() != 0:
+        return None
+    tool = how()[0]
+    if not tool or "nft" not in tool:
+        return None
+    tables = _tables(tool)
+    if tables is None:
+        return None
+    found = []
+    for table in tables:
+        if table in exclude:
+            continue
+        rc, said = _run_out(tool["nft"] + ["-j", "list", "table", "inet", table])
+        try:
+            items = json.loads(said).get("nftables", []) if rc == 0 else []
+        except ValueError:
+            items = []
+        if any(port in _ports_of(item["rule"]) for item in items
+               if isinstance(item, dict) and isinstance(item.get("rule"), dict)):
+            found.append(table)
+    return found
+
+
+def _ports_of(rule: dict) -> set:
+    """The TCP ports a rule of ours names (`tcp dport`, alone or after an address)."""
+    ports = set()
+    for expr in rule.get("expr") or ():
+        match = expr.get("match") if isinstance(expr, dict) else None
+        if not isinstance(match, dict):
+            continue
+        left, right = match.get("left"), match.get("right")
+        right = right.get("set") if isinstance(right, dict) and "set" in right else [right]
+        concat = isinstance(left, dict) and "concat" in left
+        if not concat and left != {"payload": {"protocol": "tcp", "field": "dport"}}:
+            continue
+        for value in right:
+            if concat and isinstance(value, dict) and "concat" in value:
+                value = value["concat"][-1]
+            if isinstance(value, dict) and "range" in value:
+                lo, hi = value["range"]
+                if isinstance(lo, int) and isinstance(hi, int):
+                    ports.update(range(lo, hi + 1))
+            elif isinstance(value, int):
+                ports.add(value)
+    return ports
+
+
+def refused_hint(port: int, exclude=()) -> str:
+    """What a refused connection to `port` adds to its reason: the tables that hold it here."""
+    try:
+        found = holders(port, exclude)
+    except (OSError, ValueError):
+        found = None
+    if found is None:
+        return "another tfcluster cluster's rules may hold this port"
+    if not found:
+        return ""
+    return ("%s on this host %s port %d (another tfcluster cluster's; `tfcluster down` its spec, "
+            "or as root `nft delete table inet NAME`)" % (", ".join(found),
+                                                         "holds" if len(found) == 1 else "hold", port))
 
 
 _LOCAL: dict = {}
@@ -310,7 +649,9 @@ def cmd_fence(req: dict) -> dict:
     """`fence`: `mode` "install" (close this host's task ports; `up`, `train`), "probe"
     (could they be closed? `plan --check`) or "status" (are they? `status`). Never an error
     envelope: the answer says {"closed", "table", "why", "others"} and the launcher decides
-    (a warning, or an error for `tf_ports: closed`)."""
+    (a warning, or an error for `tf_ports: closed`); an install also says what admits the
+    cluster's own connections (`match`: "cgroup", or "uid" with `match_why`) and which stale
+    tables of other clusters it deleted (`swept`)."""
     cluster_dir, mode = req["cluster_dir"], req.get("mode", "install")
     table = table_name(cluster_dir, req["tag_prefix"])
     answer = {"closed": False, "table": table, "why": None, "others": [], "user": _user(os.geteuid())}
@@ -326,10 +667,23 @@ def cmd_fence(req: dict) -> dict:
         if tool is None or mode == "probe":
             answer.update(why=why, can=tool is not None)
         else:
-            rc, said = _install(tool, table, req)
+            answer["swept"] = sweep(keep=table, tool=tool)
+            cgroup, answer["match_why"] = _make_cgroup(cluster_dir) if "nft" in tool else (
+                None, "iptables matches the owner's uid")
+            if cgroup is not None:
+                join(cluster_dir)         # a shim of its own: the cgroup is never empty while it runs
+            rc, said = _install(tool, table, req, cgroup)
+            if rc and cgroup is not None:    # this nft cannot match a cgroup: the uid, and why
+                answer["match_why"] = "nft refused the cgroup match: %s" % said
+                drop_cgroup(cluster_dir)
+                cgroup = None
+                rc, said = _install(tool, table, req)
             if rc == 0:
-                _write_mark(cluster_dir, {"table": table, "tool": tool})
-                answer["closed"] = True
+                _write_mark(cluster_dir, {"table": table, "tool": tool,
+                                          "cgroup": cgroup[0] if cgroup else None})
+                answer.update(closed=True, match="cgroup" if cgroup else "uid")
+                if cgroup:
+                    answer["match_why"] = None
             else:
                 answer["why"] = "%s refused the rules: %s" % ("nft" if "nft" in tool else "iptables", said)
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -356,6 +710,7 @@ def remove(cluster_dir: str, tag_prefix: str, always: bool = False) -> str | Non
     if rc:
         return "could not delete the rules of %s: %s" % (table, said)
     procs.remove_quietly(_mark_path(cluster_dir))
+    drop_cgroup(cluster_dir)
     return None
 
 
@@ -363,10 +718,14 @@ def release_if_idle(cluster_dir: str, tag_prefix: str) -> None:
     """Remove the table once nothing of the cluster runs on this host: called as each of its
     processes ends (the last one removes it). Costs nothing where no table was made."""
     try:
-        if _read_mark(cluster_dir) is None:
+        marked = _read_mark(cluster_dir) is not None
+        if not marked and not _LEFT:
             return
         qualified = procs.qualify(_name(tag_prefix) + ":", cluster_dir)
         if not procs.tagged(lambda t: t.startswith(qualified)):
-            remove(cluster_dir, tag_prefix)
+            if marked:
+                remove(cluster_dir, tag_prefix)
+            else:           # its table already went: the cgroup this shim joined goes too
+                drop_cgroup(cluster_dir)
     except (OSError, ValueError):      # never the reason a stop or a task's end fails
         pass

@@ -54,7 +54,7 @@ def up(req: dict, answers: dict) -> None:
     starts = {s["key"]: dict(s, req=dict(s["req"], tag=procs.qualify(s["req"]["tag"], s["req"]["cluster_dir"])))
               for s in req.get("starts", [])}
     warm = {}               # key -> Popen, started with hold
-    reach = talk.Reach()
+    reach = talk.Reach(next((s["req"].get("cluster_dir") for s in starts.values()), None))
     try:
         if req.get("warm") and _may_warm(answers, starts.values()):
             for key, start in starts.items():

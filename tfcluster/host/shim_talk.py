@@ -17,10 +17,12 @@ import threading
 import time
 
 if __package__:
+    from . import shim_fence as fence
     from . import shim_net as net
     from . import shim_procs as procs
     from . import shim_protocol as proto
 else:  # shipped: the shim's directory is first on sys.path
+    import shim_fence as fence
     import shim_net as net
     import shim_procs as procs
     import shim_protocol as proto
@@ -73,17 +75,38 @@ def at_eof(lines: queue.Queue) -> bool:
     return line is None
 
 
-class Reach:
-    """This host's side of the reach exchange, inside a longer conversation."""
+def probe(targets, timeout: float, cluster_dir: str | None) -> dict:
+    """net.probe_all from inside the cluster's cgroup (its fence admits the cluster's own
+    connections only); a refused connection's reason names the tfcluster tables of this
+    host that hold its port (another cluster's, a killed run's)."""
+    if cluster_dir:
+        fence.join(cluster_dir)
+    results = net.probe_all(targets, timeout)
+    own = {procs.instance_id(cluster_dir)} if cluster_dir else set()
+    said = {}
+    for key, reason in results.items():
+        if reason in ("connection refused", "connection reset by peer"):
+            port = int(key.rpartition(":")[2])
+            if port not in said:
+                said[port] = fence.refused_hint(port, own)
+            if said[port]:
+                results[key] = "%s; %s" % (reason, said[port])
+    return results
 
-    def __init__(self) -> None:
+
+class Reach:
+    """This host's side of the reach exchange, inside a longer conversation; `cluster_dir`
+    the cluster whose cgroup its connections are opened from."""
+
+    def __init__(self, cluster_dir: str | None = None) -> None:
         self.acceptor = None
+        self.cluster_dir = cluster_dir
 
     def answer(self, msg: dict) -> bool:
         """Answer `msg` when it is a step of the exchange (True); any other line closes the
         listeners first (False: the caller's own line)."""
         if "targets" in msg:
-            results = net.probe_all(msg["targets"], float(msg.get("timeout", net.CONNECT_TIMEOUT)))
+            results = probe(msg["targets"], float(msg.get("timeout", net.CONNECT_TIMEOUT)), self.cluster_dir)
             procs.write_all(1, proto.json_line({"results": results}))
             return True
         self.close()
@@ -105,9 +128,9 @@ def cmd_reach(req: dict):
     launcher's targets, then the listeners held until stdin ends (or `lifetime`)."""
     timeout = float(req.get("timeout", net.CONNECT_TIMEOUT))
     if "targets" in req:
-        return {"results": net.probe_all(req["targets"], timeout)}
+        return {"results": probe(req["targets"], timeout, req.get("cluster_dir"))}
     deadline = time.monotonic() + float(req.get("lifetime", net.LIFETIME))
-    reach = Reach()
+    reach = Reach(req.get("cluster_dir"))
     lines = stdin_lines()
     try:
         reach.answer({"listen": req.get("listen") or []})

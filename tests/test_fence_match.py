@@ -1,0 +1,239 @@
+"""Whose connections the fence admits, and the tables it leaves behind (host/shim_fence.py;
+docs/security.md, "TensorFlow's ports").
+
+- The relay: the output chain admits the cluster's own processes (its cgroup v2, which the
+  shim puts everything it starts for the cluster into), no longer every socket of the owner's
+  uid: any other process of the owner (an unfenced TF server that would proxy a stranger in)
+  is refused, while the cluster's servers and the shim's reach exchange get in.
+- A stale table (its servers killed without `down`) is swept by a root shim's next fence
+  install, and a reach refused by it names it.
+
+Real nftables, real processes, the real shim run as its own process, and a real second Unix
+user (tests/users.py). Every test deletes the tables and cgroups it made and stops every
+process it started, whatever happened.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import wait_for
+from tests.tf_launch import free_ports
+from tfcluster.host import shim_fence, shim_procs
+from tfcluster.host import shim_protocol as proto
+
+NFT = shutil.which("nft") or next((p for p in ("/usr/sbin/nft", "/sbin/nft") if os.access(p, os.X_OK)), None)
+SHIM = str(Path(shim_fence.__file__).with_name("shim.py"))
+SYSTEM_PYTHON = "/usr/bin/python3"
+LISTEN = ("import socket, sys, time\n"
+          "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+          "s.bind(('127.0.0.1', int(sys.argv[1]))); s.listen(64)\n"
+          "print('up', flush=True)\n"
+          "while True:\n"
+          "    s.accept()[0].close()\n")
+CONNECT = ("import socket, sys\n"
+           "try:\n"
+           "    socket.create_connection(('127.0.0.1', int(sys.argv[1])), 3).close(); print('connected')\n"
+           "except OSError as e:\n"
+           "    print(type(e).__name__)\n")
+
+
+def shim(command: str, request: dict, timeout: float = 60) -> dict:
+    """The shim as a process of its own (as on a host), one request; its one JSON answer."""
+    done = subprocess.run([sys.executable, "-S", SHIM, command], input=json.dumps(request) + "\n",
+                          capture_output=True, text=True, timeout=timeout)
+    answers = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert done.returncode == 0 and answers, (done.returncode, done.stdout, done.stderr)
+    return answers[-1]
+
+
+def tables() -> list[str]:
+    out = subprocess.run([NFT, "list", "tables"], capture_output=True, text=True, timeout=10).stdout
+    return [line.split()[-1] for line in out.splitlines() if line.startswith("table inet ")]
+
+
+def connect(port: int, user=None) -> str:
+    """'connected' or the error's name, for a plain TCP connect from a process outside every
+    cluster's cgroup: the owner's own (root), or `user`'s."""
+    if user is None:
+        done = subprocess.run([sys.executable, "-S", "-c", CONNECT, str(port)], capture_output=True, text=True,
+                              timeout=30)
+    else:
+        done = user.run([SYSTEM_PYTHON, "-S", "-c", CONNECT, str(port)], timeout=30)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+@pytest.fixture
+def cgroup_fence():
+    """Root, nft, and a cgroup v2 that nft can name (else skip, with the reason)."""
+    if os.geteuid() != 0:
+        pytest.skip("closing ports needs root (CI runs as root)")
+    if NFT is None or subprocess.run([NFT, "list", "tables"], capture_output=True, timeout=10).returncode:
+        pytest.skip("nftables is not installed or not usable here")
+    mount = shim_fence.cgroup2_mount()
+    if mount is None or shim_fence._nft_name(os.path.join(mount, "x"), mount) is None:
+        pytest.skip(f"no cgroup v2 that nft can name here (mounted at {mount})")
+    return mount
+
+
+class Clusters:
+    """Cluster directories made by a test; at its end every process they tagged is killed and
+    every table and cgroup of theirs deleted (10 s at most)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.dirs, self.procs = root, [], []
+
+    def make(self, name: str) -> str:
+        path = self.root / "w" / name
+        path.mkdir(parents=True, mode=0o700)
+        self.dirs.append(str(path))
+        return str(path)
+
+    def cleanup(self) -> None:
+        deadline = time.monotonic() + 10
+        instances = {shim_procs.instance_id(d) for d in self.dirs}
+        for proc in self.procs:
+            proc.kill()
+            proc.wait(10)
+        for pid, tag in list(shim_procs.tagged(lambda t: any(f"@{i}:" in t for i in instances)).items()):
+            shim_procs.signal_quietly(pid, 9)
+        for table in tables():
+            if shim_fence._instance(table) in instances:
+                subprocess.run([NFT, "delete", "table", "inet", table], capture_output=True,
+                               timeout=max(1.0, deadline - time.monotonic()))
+        for instance in instances:
+            path = os.path.join(shim_fence.cgroup2_mount(), shim_fence.CGROUP_PARENT, instance)
+            if os.path.isdir(path):
+                wait_for(lambda: not shim_fence._populated(path), max(0.1, deadline - time.monotonic()),
+                         what=f"{path} to empty")
+                os.rmdir(path)
+        try:
+            os.rmdir(os.path.join(shim_fence.cgroup2_mount(), shim_fence.CGROUP_PARENT))
+        except OSError:
+            pass        # another cluster's cgroup is there
+
+
+@pytest.fixture
+def clusters(tmp_path, cgroup_fence):
+    made = Clusters(tmp_path)
+    yield made
+    made.cleanup()
+
+
+def install(cluster_dir: str, name: str, port: int) -> dict:
+    """`fence install` in a shim of its own, as the batch that opens `up` sends it."""
+    req = {"mode": "install", "cluster_dir": cluster_dir, "tag_prefix": f"{name}:", "ports": [port],
+           "targets": [["127.0.0.1", port]], "peers": ["127.0.0.1"]}
+    return shim(proto.BATCH, {"commands": {proto.FENCE: req}})["answers"][proto.FENCE]
+
+
+def start_server(cluster_dir: str, name: str, port: int) -> int:
+    """A detached listener started by the shim as `up` starts a server; its pid once it listens."""
+    tag = f"{name}:up-1:ps:0:server"
+    log = os.path.join(cluster_dir, "runs", "up-1", "ps-0.server.log")
+    answer = shim(proto.START, {"tag": tag, "cluster_dir": cluster_dir, "argv": [sys.executable, "-S", "-c", LISTEN,
+                                                                                 str(port)],
+                                "cwd": os.path.dirname(log), "log": log, "port": port,
+                                "pidfile": os.path.join(cluster_dir, "pids", tag.replace(":", "_") + ".pid")})
+    wait_for(lambda: os.path.exists(log) and "up" in Path(log).read_text(), 30, what="the server to listen")
+    return answer["pid"]
+
+
+@pytest.mark.timeout(120)
+def test_the_owners_other_processes_are_refused_and_only_the_clusters_own_get_in(clusters, other_user):
+    """The relay: a process of the owner's uid outside the cluster (here root's plain client,
+    as an unfenced TF server of root's would be) no longer gets in; the cluster's server and
+    its shim's reach exchange do; another user is refused as before. With `meta skuid` (the
+    rules before) the owner's process connected."""
+    cluster_dir = clusters.make("fencecg")
+    port = free_ports(1)[0]
+    answer = install(cluster_dir, "fencecg", port)
+    assert answer["closed"] is True and answer["match"] == "cgroup", answer
+    cgroup = shim_fence.cgroup_dir(cluster_dir)
+    assert os.path.isdir(cgroup)
+    listing = subprocess.run([NFT, "list", "table", "inet", answer["table"]], capture_output=True, text=True,
+                             timeout=10).stdout
+    assert "socket cgroupv2 level 2" in listing and "meta skuid" not in listing, listing
+    pid = start_server(cluster_dir, "fencecg", port)
+    assert str(pid) in Path(cgroup, "cgroup.procs").read_text().split()     # born in the cluster's cgroup
+
+    assert connect(port) == "ConnectionRefusedError"                 # the owner's process, outside
+    assert connect(port, other_user) == "ConnectionRefusedError"     # another user
+    reached = shim(proto.REACH, {"targets": [["127.0.0.1", port]], "cluster_dir": cluster_dir, "timeout": 3})
+    assert reached == {"results": {f"127.0.0.1:{port}": None}}       # the shim, from the cluster's cgroup
+    outside = shim(proto.REACH, {"targets": [["127.0.0.1", port]], "timeout": 3})["results"][f"127.0.0.1:{port}"]
+    assert outside.startswith("connection refused; ") and answer["table"] in outside, outside
+
+    stopped = shim(proto.STOP, {"tag_prefix": "fencecg:", "cluster_dir": cluster_dir,
+                                "piddir": os.path.join(cluster_dir, "pids")})
+    assert [s["pid"] for s in stopped["stopped"]] == [pid] and not stopped["survivors"]
+    assert answer["table"] not in tables()                           # the last task's end: table and cgroup go
+    assert not os.path.exists(cgroup)
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_clusters_table_is_swept_by_the_next_install_and_a_refusal_names_it(clusters):
+    """A cluster whose servers were killed without `down` leaves its table, which refuses
+    everyone else on its ports. A refused reach names it; a root shim's next fence install
+    deletes it (older than the grace, nothing of its cluster left), but never the table of a
+    cluster that still has a process (in its cgroup or carrying its tag)."""
+    port, other_port, busy_port = free_ports(3)
+    stale_dir, running_dir, next_dir = (clusters.make(n) for n in ("fencestale", "fencerun", "fencenext"))
+    answer = install(stale_dir, "fencestale", port)
+    assert answer["closed"] is True and answer["match"] == "cgroup", answer
+    stale = answer["table"]
+    pid = start_server(stale_dir, "fencestale", port)
+    os.kill(pid, 9)                                                   # killed, no `down`
+    wait_for(lambda: not shim_procs.is_alive(pid), 10, what="the server to die")
+    # made long ago, as a table left since then would be (the sweep spares young tables)
+    old = time.time() - 2 * shim_fence.SWEEP_GRACE
+    subprocess.run([NFT, "-f", "-"], input=shim_fence.script(
+        stale, 0, [port], [["127.0.0.1", port]], ["127.0.0.1"],
+        cgroup=shim_fence._nft_name(shim_fence.cgroup_dir(stale_dir), shim_fence.cgroup2_mount()), made=old),
+        text=True, check=True, timeout=10)
+    # another cluster's old table whose cluster still runs (a tagged process, outside any cgroup)
+    running = shim_fence.table_name(running_dir, "fencerun:")
+    subprocess.run([NFT, "-f", "-"], input=shim_fence.script(running, 0, [busy_port], [], [], made=old),
+                   text=True, check=True, timeout=10)
+    tag = shim_procs.qualify("fencerun:up-1:ps:0:server", running_dir)
+    clusters.procs.append(subprocess.Popen([sys.executable, "-S", "-c", LISTEN, str(busy_port)],
+                                           stdout=subprocess.PIPE, text=True,
+                                           env={**os.environ, proto.TAG_VAR: tag}))
+    assert clusters.procs[-1].stdout.readline() == "up\n"
+    # the next cluster on the stale one's port: its reach is refused, naming the table
+    listener = subprocess.Popen([sys.executable, "-S", "-c", LISTEN, str(port)], stdout=subprocess.PIPE, text=True)
+    clusters.procs.append(listener)
+    assert listener.stdout.readline() == "up\n"
+    reason = shim(proto.REACH, {"targets": [["127.0.0.1", port]], "cluster_dir": next_dir,
+                                "timeout": 3})["results"][f"127.0.0.1:{port}"]
+    assert reason.startswith("connection refused; ") and f"{stale} on this host holds port {port}" in reason, reason
+
+    swept = install(next_dir, "fencenext", other_port)
+    assert stale in swept["swept"] and running not in swept["swept"], swept
+    assert stale not in tables() and running in tables()
+    assert not os.path.exists(shim_fence.cgroup_dir(stale_dir))       # its empty cgroup went too
+    assert connect(port) == "connected"                               # the port is free of it
+    shim(proto.STOP, {"tag_prefix": "fencenext:", "cluster_dir": next_dir, "piddir": os.path.join(next_dir, "pids")})
+    assert swept["table"] not in tables() and not os.path.exists(shim_fence.cgroup_dir(next_dir))
+
+
+def test_the_uid_is_the_match_where_nft_cannot_name_the_clusters_cgroup():
+    """The fallback's rules (no cgroup: a cgroup2 mounted elsewhere, not writable, iptables)."""
+    text = shim_fence.script("tfcluster_t_1", 1234, [2222], [["127.0.0.1", 2222]], ["127.0.0.1"], made=0)
+    assert "meta skuid != 1234" in text and "cgroupv2" not in text
+    text = shim_fence.script("tfcluster_t_1", 1234, [2222], [["127.0.0.1", 2222]], ["127.0.0.1"],
+                             cgroup=("unified/tfcluster/abc", 2), made=0)
+    assert 'tcp flags & (syn | ack) == syn socket cgroupv2 level 2 "unified/tfcluster/abc" accept' in text
+    assert "skuid" not in text and 'comment "tfcluster made 0 uid 1234"' in text
+    assert shim_fence._nft_name("/run/cg2/tfcluster/abc", "/run/cg2") is None
+    assert shim_fence._nft_name("/sys/fs/cgroup/unified/tfcluster/abc", "/sys/fs/cgroup/unified") == (
+        "unified/tfcluster/abc", 2)
+    assert shim_fence._nft_name("/sys/fs/cgroup/tfcluster/abc", "/sys/fs/cgroup") == ("tfcluster/abc", 2)
