@@ -58,8 +58,8 @@ def main() -> int:
 
 
 def measure(b: Bench, sshd, ckpt_dir: Path, files: list[str], reps: int) -> int:
-    from tfcluster.launch.ckptsync import CheckpointSync
-    from tfcluster.launch.session import Session
+    from tfcluster.launch.cluster.session import Session
+    from tfcluster.launch.run.ckptsync import CheckpointSync
     from tfcluster.plan import build_plan
     from tfcluster.spec.loader import load_spec
     from tfcluster.ui import UI

@@ -94,7 +94,7 @@ def _wait_session(sshd, timeout: float = 15) -> None:
 
 
 def dropped(b: Bench, addr: str, grace: float):
-    from tfcluster.launch.hostloss import HostLosses
+    from tfcluster.launch.cluster.hostloss import HostLosses
 
     def baseline() -> float:
         sshd = b.start_sshd([addr])
@@ -212,7 +212,7 @@ def main(argv=None) -> int:
     p.add_argument("--conns", type=int, default=8)
     a = p.parse_args(argv)
     reps = 1 if a.smoke else a.reps
-    from tfcluster.launch.hostloss import REOPEN_GRACE
+    from tfcluster.launch.cluster.hostloss import REOPEN_GRACE
     from tfcluster.transport.liveness import PROBE_INTERVAL, SILENT_AFTER
     interval, count = (1.0, 3) if a.smoke else (PROBE_INTERVAL, int(SILENT_AFTER / PROBE_INTERVAL))
     window, conns = (3.0, 2) if a.smoke else (a.window, a.conns)

@@ -19,8 +19,8 @@ import pytest
 from tests.tf_launch import free_ports
 from tfcluster.errors import ConnectError
 from tfcluster.host import shim_procs
-from tfcluster.launch.agent import HostAgent
-from tfcluster.launch.records import TaskLaunch
+from tfcluster.launch.agent.agent import HostAgent
+from tfcluster.launch.agent.records import TaskLaunch
 from tfcluster.plan.names import ClusterPaths
 from tfcluster.transport.ssh import SshTransport
 
@@ -243,7 +243,7 @@ def noisy_python(tmp_path):
 
 def state_path(home: Path, spec: Path) -> Path:
     """Where `up` keeps the local state of the spec's cluster."""
-    from tfcluster.launch.state import key
+    from tfcluster.launch.cluster.state import key
     from tfcluster.plan import build_plan
     from tfcluster.spec import load_spec
 

@@ -29,7 +29,7 @@ from tests.helpers import (
 )
 from tfcluster.errors import HostError
 from tfcluster.host import shim_facts
-from tfcluster.launch.agent import HostAgent, TaskLaunch
+from tfcluster.launch.agent.agent import HostAgent, TaskLaunch
 from tfcluster.transport.local import LocalTransport
 
 REPO = Path(__file__).resolve().parent.parent
@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 LAUNCHER = textwrap.dedent("""
     import sys, time
-    from tfcluster.launch.agent import HostAgent, TaskLaunch
+    from tfcluster.launch.agent.agent import HostAgent, TaskLaunch
     from tfcluster.plan.names import ClusterPaths
     from tfcluster.transport.local import LocalTransport
     agent = HostAgent("local", LocalTransport(), sys.executable, "~/.tfcluster/lab")
@@ -337,7 +337,7 @@ def test_sync_files_refuses_paths_that_escape_the_run_dir(agent):
 
 
 def test_sync_files_above_the_inline_limit_uses_the_upload_path(agent, home, monkeypatch):
-    import tfcluster.launch.agent as agent_module
+    import tfcluster.launch.agent.agent as agent_module
 
     monkeypatch.setattr(agent_module, "INLINE_LIMIT", 10)
     files = [("big.bin", bytes(range(256)) * 40, 0o600)]

@@ -1,4 +1,4 @@
-"""Checkpoints that outlive their host (launch/ckptsync.py, host/shim_ckpt.py): the newest
+"""Checkpoints that outlive their host (launch/run/ckptsync.py, host/shim_ckpt.py): the newest
 complete checkpoint pulled from a real sshd host into the run directory, never a half-written
 one, the newest `keep` kept, pushed to a fresh host where TensorFlow restores the same values;
 a host that is gone is a warning. The checkpoints are TensorFlow's own, written once per module
@@ -20,8 +20,8 @@ import pytest
 from tests.helpers import ssh_spec, tfcluster, wait_for
 from tests.test_host_loss import kill_host, lone
 from tfcluster.host import shim_ckpt
-from tfcluster.launch.ckptsync import CheckpointSync
-from tfcluster.launch.session import Session
+from tfcluster.launch.cluster.session import Session
+from tfcluster.launch.run.ckptsync import CheckpointSync
 from tfcluster.plan import build_plan
 from tfcluster.spec.loader import load_spec
 from tfcluster.ui import UI

@@ -12,8 +12,8 @@ import pytest
 
 from tests.helpers import CLUSTER_DIR, C, launch, noisy_python, read_all
 from tests.sshd import make_target
-from tfcluster.launch.agent import HostAgent
-from tfcluster.launch.records import TaskLaunch
+from tfcluster.launch.agent.agent import HostAgent
+from tfcluster.launch.agent.records import TaskLaunch
 from tfcluster.plan.names import ClusterPaths
 from tfcluster.transport.local import LocalTransport
 from tfcluster.transport.ssh import SshTransport

@@ -22,7 +22,7 @@ import pytest
 
 from tests.helpers import cli_env, this_python_renamed
 from tests.tf_launch import free_ports
-from tfcluster.launch.bootstrap import bootstrap_argv
+from tfcluster.launch.agent.bootstrap import bootstrap_argv
 from tfcluster.transport.local import LocalTransport
 
 pytestmark = pytest.mark.timeout(120)

@@ -1,5 +1,5 @@
 """TensorFlow's ports closed to everyone but the cluster's owner and hosts (host/shim_fence.py,
-launch/fence.py; docs/security.md, "TensorFlow's ports").
+launch/agent/fence.py; docs/security.md, "TensorFlow's ports").
 
 The real parts: nftables on this machine (root; `apt-get install nftables`), a real second Unix
 user (tests/users.py) whose connections must be refused, TF servers started by `up` and
@@ -35,7 +35,7 @@ from tests.tf_launch import free_ports
 from tfcluster.errors import PreflightError
 from tfcluster.host import shim_fence, shim_procs
 from tfcluster.host import shim_protocol as proto
-from tfcluster.launch import fence
+from tfcluster.launch.agent import fence
 from tfcluster.plan import build_plan
 from tfcluster.spec import load_spec
 from tfcluster.ui import UI
@@ -457,7 +457,7 @@ def test_tf_ports_closed_refuses_that_run_before_anything_starts_and_open_says_n
 
 
 def test_a_refused_reachability_check_names_the_rules_as_a_cause_unless_tf_ports_is_open(tmp_path):
-    from tfcluster.launch.reach import Failure, _error
+    from tfcluster.launch.cluster.reach import Failure, _error
 
     refused = [Failure("gpu2", "ps:0", "10.0.0.1:2222", "connection refused")]
     hint = _error(refused, _plan(tmp_path)).hint

@@ -28,7 +28,7 @@ from tests.helpers import (
     tagged_processes,
     wait_for,
 )
-from tfcluster.launch.hostloss import HostLosses
+from tfcluster.launch.cluster.hostloss import HostLosses
 from tfcluster.transport.ssh import SshTransport
 from tfcluster.transport.ssh_config import SshOptions
 

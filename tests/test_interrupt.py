@@ -22,7 +22,7 @@ from tests.helpers import (
     tagged_processes,
     wait_for,
 )
-from tfcluster.launch.supervisor import SCRIPT_GRACE  # a script's last checkpoint after Ctrl-C
+from tfcluster.launch.run.runstate import SCRIPT_GRACE  # a script's last checkpoint after Ctrl-C
 
 pytestmark = [pytest.mark.tf, pytest.mark.timeout(240)]
 

@@ -22,8 +22,8 @@ from tfcluster.diagnose.keras import (
 )
 from tfcluster.errors import PreflightError
 from tfcluster.host import shim_facts
-from tfcluster.launch.preflight import check_tf_keras
-from tfcluster.launch.records import HostInfo, host_info
+from tfcluster.launch.agent.records import HostInfo, host_info
+from tfcluster.launch.cluster.preflight import check_tf_keras
 from tfcluster.plan import build_plan
 from tfcluster.spec import load_spec, script_calls_fit
 from tfcluster.ui.views import version_table

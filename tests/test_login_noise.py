@@ -20,7 +20,7 @@ from tests.helpers import (
     tfcluster,
     with_tag,
 )
-from tfcluster.launch.agent import HostAgent
+from tfcluster.launch.agent.agent import HostAgent
 from tfcluster.transport.local import LocalTransport
 
 pytestmark = pytest.mark.timeout(90)

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 from tfcluster.errors import PreflightError
-from tfcluster.launch.preflight import preflight
+from tfcluster.launch.cluster.preflight import preflight
 from tfcluster.plan import HostPlan
 from tfcluster.safetext import escape, shell_join, shell_word
 from tfcluster.ui import UI

@@ -6,7 +6,7 @@ import sys
 from types import SimpleNamespace
 
 from tests.helpers import wait_for
-from tfcluster.launch import servers
+from tfcluster.launch.cluster import servers
 from tfcluster.plan import build_plan
 from tfcluster.spec import load_spec
 from tfcluster.ui import UI

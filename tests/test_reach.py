@@ -20,8 +20,8 @@ import pytest
 from tests.helpers import tagged_processes, tfcluster, wait_for
 from tests.tf_launch import free_ports
 from tfcluster.host import shim_net
-from tfcluster.launch.reach import Failure, _error, can_connect
-from tfcluster.launch.session import Session
+from tfcluster.launch.cluster.reach import Failure, _error, can_connect
+from tfcluster.launch.cluster.session import Session
 from tfcluster.plan import build_plan
 from tfcluster.spec import load_spec
 from tfcluster.ui import UI

@@ -33,7 +33,7 @@ from tests.helpers import (
     with_tag,
 )
 from tests.tf_launch import free_ports
-from tfcluster.launch.attempts import pump
+from tfcluster.launch.run.attempts import pump
 from tfcluster.watch.logmux import LogMux
 
 # Says which attempt it is and which process started it. Attempts below GOOD exit with

@@ -24,8 +24,8 @@ from tests.tf_launch import free_ports
 from tfcluster.errors import PreflightError
 from tfcluster.host import shim
 from tfcluster.host.shim_protocol import ShimError
-from tfcluster.launch.agent import HostAgent
-from tfcluster.launch.bootstrap import BOOTSTRAP, SHIPPED, shipped
+from tfcluster.launch.agent.agent import HostAgent
+from tfcluster.launch.agent.bootstrap import BOOTSTRAP, SHIPPED, shipped
 from tfcluster.plan import build_plan
 from tfcluster.plan.names import ClusterPaths
 from tfcluster.spec import load_spec
@@ -198,7 +198,7 @@ def local_agent(home, tmp_path):
 @pytest.mark.parametrize("in_process", [True, False], ids=["in-process", "shim"])
 def test_a_cache_file_whose_content_does_not_match_its_name_is_sent_again(
         route, in_process, local_agent, tmp_path, monkeypatch):
-    import tfcluster.launch.agent as agent_module
+    import tfcluster.launch.agent.agent as agent_module
 
     if route == "upload":
         monkeypatch.setattr(agent_module, "INLINE_LIMIT", 0)
@@ -376,7 +376,7 @@ def test_local_state_another_user_could_change_is_refused(shared, other_user, ho
 
 
 def test_local_state_levels_are_0700_and_the_lock_is_never_a_link(home, tmp_path, monkeypatch):
-    from tfcluster.launch import state
+    from tfcluster.launch.cluster import state
     spec = write_spec(tmp_path, tmp_path / "wd")
     xdg = tmp_path / "xdg" / "st"
     result = tfc("down", str(spec), home=home, cwd=tmp_path, umask=0, XDG_STATE_HOME=str(xdg))
@@ -452,7 +452,7 @@ def test_over_ssh_a_shared_workdir_is_refused_naming_the_host(shared, other_user
 
 def test_over_ssh_the_tree_is_0700_and_a_wrong_cache_file_is_uploaded_again(ssh_home, sshd, tmp_path,
                                                                              monkeypatch):
-    import tfcluster.launch.agent as agent_module
+    import tfcluster.launch.agent.agent as agent_module
     from tests.sshd import make_target
     from tfcluster.transport.ssh import SshTransport
 

@@ -23,10 +23,10 @@ from tests.helpers import LISTENER, cli_env, tagged_processes, tfcluster, wait_f
 from tests.tf_launch import free_ports
 from tfcluster.errors import PreflightError
 from tfcluster.host import shim_ports, shim_procs
-from tfcluster.launch.agent import HostAgent, TaskLaunch
-from tfcluster.launch.bootstrap import SHIPPED
-from tfcluster.launch.servers import start_detached
-from tfcluster.launch.session import Session, server_tasks
+from tfcluster.launch.agent.agent import HostAgent, TaskLaunch
+from tfcluster.launch.agent.bootstrap import SHIPPED
+from tfcluster.launch.cluster.servers import start_detached
+from tfcluster.launch.cluster.session import Session, server_tasks
 from tfcluster.plan import build_plan
 from tfcluster.plan.names import ClusterPaths, Tag
 from tfcluster.spec import load_spec

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tfcluster.host import shim_facts
-from tfcluster.launch.bootstrap import NO_SITE
+from tfcluster.launch.agent.bootstrap import NO_SITE
 
 SHIM = str(Path(shim_facts.__file__).with_name("shim.py"))
 KEYS = ("tf_version", "tensorboard_version", "cuda_version", "cudnn_version", "python_version",

@@ -15,7 +15,7 @@ import pytest
 from tests.helpers import tagged_processes, tfcluster
 from tests.tf_launch import free_ports
 from tfcluster.errors import SpecError
-from tfcluster.launch import fence
+from tfcluster.launch.agent import fence
 from tfcluster.plan import CheckpointPlan, build_plan, plan_to_dict
 from tfcluster.spec import Checkpoint, load_spec
 

@@ -22,9 +22,9 @@ from tests.helpers import LISTENER, SESSION_VAR, STANDIN, state_path, tagged_pro
 from tests.tf_launch import free_ports
 from tfcluster.errors import PreflightError
 from tfcluster.host.shim_ports import listeners
-from tfcluster.launch import state
-from tfcluster.launch.servers import start_detached
-from tfcluster.launch.session import Session, server_tasks
+from tfcluster.launch.cluster import state
+from tfcluster.launch.cluster.servers import start_detached
+from tfcluster.launch.cluster.session import Session, server_tasks
 from tfcluster.plan import build_plan
 from tfcluster.spec import load_spec
 from tfcluster.ui import UI
@@ -213,7 +213,7 @@ def test_a_port_held_by_this_cluster_under_another_workdir_names_that_workdir(tm
 @pytest.mark.parametrize("tasks, verb, pronoun", [(["worker:1"], "runs", "it"),
                                                   (["worker:1", "worker:2"], "run", "them")])
 def test_status_warnings_agree_with_how_many_tasks_they_name(tasks, verb, pronoun):
-    from tfcluster.launch.lifecycle import TaskRow
+    from tfcluster.launch.cluster.lifecycle import TaskRow
     from tfcluster.ui import UI
     from tfcluster.ui.views import print_status
 

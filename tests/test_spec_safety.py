@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tfcluster.errors import SpecError, UsageError
-from tfcluster.launch import shipping
+from tfcluster.launch.cluster import shipping
 from tfcluster.plan import build_plan, plan_to_dict
 from tfcluster.spec import check_train_files, is_secret, load_spec, with_train_overrides
 from tfcluster.spec import shipped as shipped_module

@@ -365,7 +365,7 @@ def test_importing_the_transport_package_does_not_import_paramiko():
 
 def test_the_transport_package_knows_nothing_of_the_spec():
     code = ("import sys, tfcluster.transport, tfcluster.transport.ssh, tfcluster.transport.local; "
-            "sys.exit(sorted(m for m in ('tfcluster.spec', 'tfcluster.plan', 'tfcluster.launch.state') "
+            "sys.exit(sorted(m for m in ('tfcluster.spec', 'tfcluster.plan', 'tfcluster.launch.cluster.state') "
             "if m in sys.modules) or 0)")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=30)
 

@@ -15,8 +15,8 @@ import pytest
 
 from tests.helpers import bindable, tagged_processes, wait_for
 from tfcluster.host import shim_protocol as proto
-from tfcluster.launch.agent import HostAgent, TaskLaunch
-from tfcluster.launch.upexec import UpExec
+from tfcluster.launch.agent.agent import HostAgent, TaskLaunch
+from tfcluster.launch.agent.upexec import UpExec
 from tfcluster.plan import names
 from tfcluster.plan.names import ClusterPaths
 from tfcluster.transport.local import LocalTransport

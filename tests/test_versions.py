@@ -18,7 +18,7 @@ from tests.helpers import state_path, tagged_processes, tfcluster
 from tests.tf_launch import free_ports
 from tfcluster.diagnose.versions import find_skew, find_skews, message, odd_fields
 from tfcluster.host.shim_facts import _build_info, tf_version
-from tfcluster.launch.agent import HostInfo
+from tfcluster.launch.agent.agent import HostInfo
 
 SHIM = Path(__file__).resolve().parent.parent / "tfcluster" / "host" / "shim.py"
 FAKE_TF = "2.12.0"

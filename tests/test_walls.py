@@ -51,6 +51,24 @@ def test_engines_launch_stands_alone():
     assert outside_imports(path) <= set(sys.stdlib_module_names), outside_imports(path)
 
 
+def test_the_launchers_rooms_hold_with_type_hints_too():
+    """run -> cluster -> agent (docs/ARCHITECTURE.md), `if TYPE_CHECKING:` imports included:
+    import-linter's contract reads the run-time imports only (its switch is global here)."""
+    rank = {"agent": 0, "cluster": 1, "run": 2}
+    for room, mine in rank.items():
+        for path in sorted((PACKAGE / "launch" / room).glob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Import):
+                    names = [alias.name for alias in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.module:
+                    names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+                else:
+                    continue
+                for name in names:
+                    parts = name.split(".")
+                    if parts[:2] == ["tfcluster", "launch"] and len(parts) > 2:
+                        assert rank.get(parts[2], -1) <= mine, (path, node.lineno, name)
+
 def test_comments_point_only_inside_the_repository():
     for path in sorted(PACKAGE.rglob("*.py")):
         text = path.read_text()

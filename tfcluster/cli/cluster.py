@@ -44,7 +44,7 @@ def plan(
             raise UsageError(f"plan --to {to!r}: only slurm has a rank mapping to show")
         print_ranks(p)
     if check:
-        from tfcluster.launch import lifecycle
+        from tfcluster.launch.cluster import lifecycle
         lifecycle.check(p, ui, allow_skew=allow_skew)
     return ExitCode.OK
 
@@ -71,7 +71,7 @@ def up(
 
         print_plan(ui, p, commands=True)
         return ExitCode.OK
-    from tfcluster.launch import lifecycle
+    from tfcluster.launch.cluster import lifecycle
     return lifecycle.up(p, ui, timeout=timeout, allow_skew=allow_skew)
 
 
@@ -86,7 +86,7 @@ def down(
 
     Example:  tfcluster down lab.yaml
     """
-    from tfcluster.launch import lifecycle
+    from tfcluster.launch.cluster import lifecycle
     return lifecycle.down(plan_of(spec_path), ui, grace=grace)
 
 
@@ -106,7 +106,8 @@ def drain(
 
     Example:  tfcluster drain lab.yaml gpu3
     """
-    from tfcluster.launch import drains, state
+    from tfcluster.launch.cluster import state
+    from tfcluster.launch.run import drains
 
     p = plan_of(spec_path)
     names = [h.name for h in p.all_hosts]
@@ -158,7 +159,8 @@ def status(
 
     Example:  tfcluster status lab.yaml --json
     """
-    from tfcluster.launch import drains, lifecycle
+    from tfcluster.launch.cluster import lifecycle
+    from tfcluster.launch.run import drains
     from tfcluster.ui.views import print_status, status_json
 
     p = plan_of(spec_path)
@@ -190,8 +192,8 @@ def exec_(
 
     Example:  tfcluster exec lab.yaml --hosts gpu0,gpu1 -- nvidia-smi -L
     """
-    from tfcluster.launch.hostexec import exec_on_hosts, exit_code_of
-    from tfcluster.launch.session import Session
+    from tfcluster.launch.cluster.hostexec import exec_on_hosts, exit_code_of
+    from tfcluster.launch.cluster.session import Session
     from tfcluster.watch.logmux import LogMux
 
     spec, p = load(spec_path)
@@ -218,7 +220,8 @@ def watch_status(plan, interval: float, json_: bool) -> int:
     """`status --watch`: the status table again every `interval` seconds until Ctrl-C
     (exit 130, quietly). A terminal is cleared before each table; anything else gets each
     table after the last, a blank line between (JSON: one document per line)."""
-    from tfcluster.launch import drains, lifecycle
+    from tfcluster.launch.cluster import lifecycle
+    from tfcluster.launch.run import drains
     from tfcluster.ui.views import print_status, status_json
 
     if not 0 < interval < math.inf:

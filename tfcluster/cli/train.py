@@ -37,7 +37,7 @@ def train(
 
     Example:  tfcluster train sample_clusters/local.yaml -- --steps 500
     """
-    from tfcluster.launch import supervisor
+    from tfcluster.launch.run import runstate, supervisor
     from tfcluster.plan import build_plan
     from tfcluster.spec import (
         check_train_files,
@@ -57,8 +57,8 @@ def train(
 
         print_plan(ui, p, commands=True)
         return ExitCode.OK
-    options = supervisor.Options(show=tuple(task or ()), quiet=quiet, runs_dir=runs_dir,
-                                 verbose=verbose, allow_skew=allow_skew)
+    options = runstate.Options(show=tuple(task or ()), quiet=quiet, runs_dir=runs_dir,
+                               verbose=verbose, allow_skew=allow_skew)
     return supervisor.train(p, ui, options)
 
 

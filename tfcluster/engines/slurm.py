@@ -28,7 +28,7 @@ MAX_SCRIPT_BYTES = 4 << 20     # Slurm's default max_script_size (SchedulerParam
 # Run on every task: unpack the bundle read from stdin into a private directory, run the
 # launcher from there, remove the directory whatever happens. Slurm starts it in the
 # directory sbatch ran from, which `python -c` would import from first: only absolute
-# entries stay on sys.path (as in the bootstrap, launch/bootstrap.py).
+# entries stay on sys.path (as in the bootstrap, launch/agent/bootstrap.py).
 BOOT = """\
 import sys
 sys.path[:] = [p for p in sys.path if p.startswith("/")]

@@ -1,7 +1,7 @@
 """The one interface both transports implement.
 
 The launcher and supervisor never know whether a host is local or remote: they
-talk to a `HostAgent` (tfcluster/launch/agent.py), which drives the remote shim through
+talk to a `HostAgent` (tfcluster/launch/agent/agent.py), which drives the remote shim through
 a `Transport`. A transport only knows how to run an argv, spawn a long-lived
 process with pipes, and put a file.
 """

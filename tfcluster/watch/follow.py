@@ -44,7 +44,7 @@ def run_rows(runs_dir: str, name: str, progress=None, warn=None) -> list[dict]:
 
 
 def _moves(doc: dict) -> list[dict]:
-    """The manifest's moves (launch/moves.py's records), each with the fields `runs` shows,
+    """The manifest's moves (launch/run/moves.py's records), each with the fields `runs` shows,
     anything malformed left out: the manifest is only as trusted as runs/ is."""
     keys = {"at": (int, float), "host": str, "why": str, "action": str, "to": str, "tasks": list,
             "resumed_step": int, "steps_lost": int}

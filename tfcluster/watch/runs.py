@@ -54,9 +54,9 @@ class Manifest:
     def finish(self, procs, outcome: tuple[int, str], checks: dict[str, str] | None = None,
                progress: dict | None = None, hosts_lost: dict | None = None,
                moves: list | None = None, checkpoints: list | None = None) -> None:
-        """`hosts_lost`: host -> how it was found lost, its tasks, when (launch/hostloss.py);
-        `moves`: each host given up and what the run did (launch/moves.py); `checkpoints`:
-        each checkpoint copied here, {name, step, bytes, at} (launch/ckptsync.py)."""
+        """`hosts_lost`: host -> how it was found lost, its tasks, when (launch/cluster/hostloss.py);
+        `moves`: each host given up and what the run did (launch/run/moves.py); `checkpoints`:
+        each checkpoint copied here, {name, step, bytes, at} (launch/run/ckptsync.py)."""
         tasks = {}
         for p in procs:
             entry = tasks.setdefault(p.task.key, {"host": p.task.host})
@@ -156,7 +156,7 @@ def step_of(name: str) -> int | None:
 
 
 def kept_checkpoints(directory: str) -> list[dict]:
-    """The checkpoints a run kept here (launch/ckptsync.py), oldest copy first: {name, step,
+    """The checkpoints a run kept here (launch/run/ckptsync.py), oldest copy first: {name, step,
     bytes, path, at}; `at` is when it was copied. Only directories count (no link is
     followed); a name starting with "." is a copy still being written."""
     root = os.path.join(directory, CHECKPOINTS_DIR)

@@ -17,10 +17,10 @@ from typing import Callable, Iterator
 
 from tfcluster.errors import HostError, PreflightError
 from tfcluster.host import shim_protocol as proto
-from tfcluster.launch.attached import AttachedTask, Heartbeats, handshake
-from tfcluster.launch.bootstrap import ShimPlace, call_here
-from tfcluster.launch.lines import Conversation, Lines, checked, checked_answers, last_json, tail_text
-from tfcluster.launch.records import (
+from tfcluster.launch.agent.attached import AttachedTask, Heartbeats, handshake
+from tfcluster.launch.agent.bootstrap import ShimPlace, call_here
+from tfcluster.launch.agent.lines import Conversation, Lines, checked, checked_answers, last_json, tail_text
+from tfcluster.launch.agent.records import (
     HostInfo,
     StopReport,
     Survey,
@@ -63,7 +63,7 @@ class HostAgent:
         self._surveyed: tuple | None = None   # a survey prepare() answered, used once
         self.sweep_status = False   # surveys also find the cluster's tasks no pid file names
         self.info_request: dict = {}          # {"light": True}: machine id and Python only (Session)
-        self.fence_request: dict | None = None  # asked with the survey: close the ports (launch/fence.py)
+        self.fence_request: dict | None = None  # asked with the survey: close the ports (launch/agent/fence.py)
         self.fence_answer: dict | None = None
         self._placed: tuple | None = None     # (files request, what the cache lacked) from prepare()
         self._prepare_lock = threading.Lock()
@@ -193,7 +193,7 @@ class HostAgent:
             raise PreflightError(f"host {self.name}: cannot run {self.python}: {e}") from None
 
     def spawn_shim(self, command: str) -> Proc:
-        """A streaming shim command's process (reach.py speaks its lines)."""
+        """A streaming shim command's process (cluster/reach.py speaks its lines)."""
         return self.transport.spawn(self._shim_argv(command))
 
     def keep_alive(self, task: AttachedTask) -> None:

@@ -15,7 +15,7 @@ import zlib
 
 from tfcluster.errors import HostError
 from tfcluster.host import shim_protocol as proto
-from tfcluster.launch.lines import Lines, checked, json_object, tail_text
+from tfcluster.launch.agent.lines import Lines, checked, json_object, tail_text
 from tfcluster.transport.base import Proc
 
 HANDSHAKE_TIMEOUT = 60.0

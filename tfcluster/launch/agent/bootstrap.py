@@ -17,7 +17,7 @@ from pathlib import Path
 from tfcluster.errors import PreflightError
 from tfcluster.host import HOST_DIR, shim_fs
 from tfcluster.host import shim_protocol as proto
-from tfcluster.launch.lines import checked, json_object, tail_text
+from tfcluster.launch.agent.lines import checked, json_object, tail_text
 
 SHIPPED = ("shim.py", "shim_ckpt.py", "shim_facts.py", "shim_fence.py", "shim_fs.py", "shim_launch.py", "shim_net.py",
            "shim_ports.py", "shim_procs.py", "shim_protocol.py", "shim_talk.py", "shim_tasks.py", "tfserver.py", "probe/sitecustomize.py")

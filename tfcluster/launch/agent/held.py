@@ -4,7 +4,7 @@ its task only on GO.
 The shim's start (a login shell and an interpreter on the host, ~0.1-0.2 s of CPU) then
 overlaps reachability, the shipping of stale files and the servers' start instead of
 following them. Until GO the shim starts nothing; the first one on each host also holds
-that host's side of reachability (reach.py speaks its lines to it), so the check costs no
+that host's side of reachability (cluster/reach.py speaks its lines to it), so the check costs no
 exec of its own there. A check that fails drops the channels: each shim reads EOF and
 exits, having started nothing. docs/design/remote-execs.md, "Checks before a run".
 """
@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING
 
 from tfcluster.errors import HostError
 from tfcluster.host import shim_protocol as proto
-from tfcluster.launch.attached import AttachedTask, handshake
-from tfcluster.launch.lines import Deadline, Lines
-from tfcluster.launch.records import HostInfo, TaskLaunch, start_request
+from tfcluster.launch.agent.attached import AttachedTask, handshake
+from tfcluster.launch.agent.lines import Deadline, Lines
+from tfcluster.launch.agent.records import HostInfo, TaskLaunch, start_request
 from tfcluster.transport.base import Proc
 
 if TYPE_CHECKING:
-    from tfcluster.launch.agent import HostAgent
+    from tfcluster.launch.agent.agent import HostAgent
 
 ANSWER_TIMEOUT = 60.0     # the bootstrap's and the batch's answers (HostAgent's run() waits as long)
 

@@ -14,19 +14,19 @@ from typing import TYPE_CHECKING, Iterator
 
 from tfcluster.errors import HostError
 from tfcluster.host import shim_protocol as proto
-from tfcluster.launch.lines import Lines, close_input
-from tfcluster.launch.records import HostInfo, TaskLaunch, event_of, start_request
+from tfcluster.launch.agent.lines import Lines, close_input
+from tfcluster.launch.agent.records import HostInfo, TaskLaunch, event_of, start_request
 from tfcluster.plan import names
 from tfcluster.transport.base import Proc
 
 if TYPE_CHECKING:
-    from tfcluster.launch.agent import HostAgent
+    from tfcluster.launch.agent.agent import HostAgent
 
 EXIT_WAIT = 15.0     # the shim stops its warm servers (TERM, at most the grace, KILL) and exits
 
 
 class UpExec:
-    """One host's conversation. open() -> reach lines (reach.py) -> go() or close()."""
+    """One host's conversation. open() -> reach lines (cluster/reach.py) -> go() or close()."""
 
     def __init__(self, agent: HostAgent) -> None:
         self.agent = agent
@@ -126,12 +126,11 @@ def open_all(session, servers, run_id: str, timeout: float) -> dict[str, UpExec]
         raise
     return execs
 
+
 def close_all(session, execs: dict[str, UpExec], run_prefix: str) -> None:
     """Close every conversation; where one did not end cleanly (its shim killed, so its warm
     servers may live on until their import ends), stop this run's processes by tag."""
-    from tfcluster.launch.session import parallel
-
-    closed = parallel(lambda name: execs[name].close(), list(execs))
+    closed = session.parallel(lambda name: execs[name].close(), list(execs))
     unclean = [name for name, ok in closed.items() if ok is not True and execs[name].starts]
     if unclean:
-        parallel(lambda name: session.agents[name].stop(run_prefix, proto.DEFAULT_GRACE), unclean)
+        session.parallel(lambda name: session.agents[name].stop(run_prefix, proto.DEFAULT_GRACE), unclean)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tfcluster.errors import ExitCode, TfclusterError
-from tfcluster.launch.session import Session
+from tfcluster.launch.cluster.session import Session
 
 EXEC_FANOUT = 64
 

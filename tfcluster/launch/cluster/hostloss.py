@@ -5,12 +5,13 @@ seconds (its sshd is gone: the box died, rebooted, or was taken back), or when i
 went silent, no packet answering the transport's keepalives (transport/liveness.py). A drop
 that can be re-opened is no loss: the run goes on as before (a restart under its policy).
 
-Every pump whose channel ended without an exit status asks `HostLosses.judge`; the first one
-for a host decides, the others get the same verdict. The supervisor's failure handling waits
-for verdicts under way (`settled`), so a peer that failed because the host vanished is not
-blamed for it. What the run does next is recovery.py's, under train.on_host_loss: with
-`fail` (the default without a spare host) it ends, exit 3, naming the host
-(docs/design/host-loss.md).
+Every pump whose channel ended without an exit status asks `HostLosses.judge` (through
+`after_drop`, the run's side, in run/attempts.py); the first one for a host decides, the
+others get the same verdict. The supervisor's failure handling waits for verdicts under way
+(`settled`), so a peer that failed because the host vanished is not blamed for it. What the
+run does next is run/recovery.py's, under train.on_host_loss: with `fail` (the default
+without a spare host) it ends, exit 3, naming the host (docs/design/host-loss.md). A host
+already down when `up` or `train` begins: deadhosts.py.
 """
 from __future__ import annotations
 
@@ -22,7 +23,6 @@ from typing import TYPE_CHECKING
 from tfcluster.errors import ConnectError
 
 if TYPE_CHECKING:
-    from tfcluster.launch.runstate import Run, Supervised
     from tfcluster.transport.base import Transport
 
 REOPEN_GRACE = 3.0          # seconds a dropped host gets to accept a new connection
@@ -124,21 +124,3 @@ def dial_reason(why: str, host: str) -> str:
         why = rest
     return why.split(" (", 1)[0]
 
-
-def tasks_on(run: Run, host: str) -> tuple[str, ...]:
-    return tuple(t.key for t in run.plan.tasks if t.host == host)
-
-
-def after_drop(run: Run, proc: Supervised, noticed: float) -> None:
-    """proc's channel ended with no exit status: is its host lost? Said at once, by the pump
-    that found out first; every process the host held carries the verdict."""
-    host = proc.task.host
-    verdict, first = run.session.losses.judge(host, run.session.agents[host].transport,
-                                              tasks_on(run, host), noticed)
-    if verdict is None:
-        return
-    for p in run.procs:
-        if p.task.host == host:
-            p.host_lost = verdict.how
-    if first:
-        run.ui.warn(verdict.line)

@@ -11,11 +11,12 @@ from dataclasses import dataclass
 from tfcluster.diagnose import proxy
 from tfcluster.errors import ConnectError, ExitCode, TfclusterError
 from tfcluster.host.shim_protocol import DEFAULT_GRACE, PORT_SETTLE
-from tfcluster.launch import fence, recovery, state, upexec
-from tfcluster.launch.preflight import check_started_ports, check_versions, preflight
-from tfcluster.launch.reach import check_reachability
-from tfcluster.launch.servers import READY_TIMEOUT, Started, start_detached
-from tfcluster.launch.session import Session, server_tasks
+from tfcluster.launch.agent import fence, upexec
+from tfcluster.launch.cluster import deadhosts, state
+from tfcluster.launch.cluster.preflight import check_started_ports, check_versions, preflight
+from tfcluster.launch.cluster.reach import check_reachability
+from tfcluster.launch.cluster.servers import READY_TIMEOUT, Started, start_detached
+from tfcluster.launch.cluster.session import Session, server_tasks
 from tfcluster.plan import Plan, TaskPlan, names
 
 
@@ -26,12 +27,12 @@ def up(plan: Plan, ui, timeout: float = READY_TIMEOUT, allow_skew: bool = False)
                 f"(`tfcluster train` starts the scripts)")
         return ExitCode.OK
     with state.lock(plan, "up"), Session(plan, ui) as session:
-        plan = recovery.around_dead_hosts(session, ui)      # a host down already: its spare
+        plan = deadhosts.around_dead_hosts(session, ui)      # a host down already: its spare
         servers = server_tasks(plan)
         t0 = time.monotonic()
         run_id = names.new_run_id("up")
         ui.info(f"Connecting to {len(plan.hosts)} host(s)…")
-        # One exec per host from here to the end (upexec.py); closing it before GO stops
+        # One exec per host from here to the end (agent/upexec.py); closing it before GO stops
         # the servers it started warm.
         execs = upexec.open_all(session, servers, run_id, timeout)
         try:

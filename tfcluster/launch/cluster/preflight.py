@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from tfcluster.diagnose import keras, versions
 from tfcluster.errors import PreflightError
-from tfcluster.launch.fence import idle_spare
-from tfcluster.launch.session import Session, by_host, raise_first
+from tfcluster.launch.agent.fence import idle_spare
+from tfcluster.launch.cluster.session import Session, by_host, raise_first
 from tfcluster.plan import TaskPlan, names
 from tfcluster.safetext import shell_join
 from tfcluster.ui.views import version_table

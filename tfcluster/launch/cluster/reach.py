@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from tfcluster.errors import HostError, PreflightError
 from tfcluster.host import shim_protocol as proto
 from tfcluster.host.shim_net import CONNECT_TIMEOUT, probe_all_bound
-from tfcluster.launch.lines import Deadline, Lines, close_input
-from tfcluster.launch.session import raise_first
+from tfcluster.launch.agent.lines import Deadline, Lines, close_input
+from tfcluster.launch.cluster.session import raise_first
 from tfcluster.plan import Plan, TaskPlan
 from tfcluster.transport.base import Proc
 
@@ -47,8 +47,8 @@ def check_reachability(session, tasks: list[TaskPlan] | None = None, served=froz
                        timeout: float = CONNECT_TIMEOUT, execs: dict | None = None) -> float:
     """Every host that runs tasks connects to every task of `tasks` (default: the cluster).
     `served`: keys of tasks whose live server answers already (no listener there). `execs`:
-    host -> an open conversation that speaks these lines too (`up`'s, upexec.py; a held
-    script start, held.py): no exec of its own there.
+    host -> an open conversation that speaks these lines too (`up`'s, agent/upexec.py; a held
+    script start, agent/held.py): no exec of its own there.
     Raises PreflightError for a failing pair; returns the seconds it took."""
     plan, ui = session.plan, session.ui
     tasks = cluster_tasks(plan) if tasks is None else list(tasks)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from tfcluster.errors import DeadlineError, HostError, PreflightError, TfclusterError
 from tfcluster.host.shim_protocol import DEFAULT_GRACE
-from tfcluster.launch.session import Session, by_host, raise_first
+from tfcluster.launch.cluster.session import Session, by_host, raise_first
 from tfcluster.plan import TaskPlan, names
 
 READY_TIMEOUT = 120.0
@@ -31,7 +31,7 @@ class Started:
 def start_detached(session: Session, tasks: list[TaskPlan], run_id: str,
                    timeout: float = READY_TIMEOUT, execs: dict | None = None) -> list[Started]:
     """Start a detached server per task and wait until each is ready (one round trip per
-    host, or none: `execs` are `up`'s open conversations, upexec.py). On any failure, or
+    host, or none: `execs` are `up`'s open conversations, agent/upexec.py). On any failure, or
     Ctrl-C, everything started here is stopped first."""
     grouped = by_host(tasks)
     started: dict[str, Started] = {}

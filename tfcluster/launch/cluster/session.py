@@ -14,9 +14,9 @@ from typing import Callable, Iterable, TypeVar
 from tfcluster.diagnose.proxy import no_proxy_for
 from tfcluster.errors import Terminated, TfclusterError
 from tfcluster.host.shim_protocol import FLUSH_VAR, PROBE_VAR
-from tfcluster.launch import fence
-from tfcluster.launch.agent import HostAgent, HostInfo, Survey, TaskLaunch
-from tfcluster.launch.hostloss import HostLosses
+from tfcluster.launch.agent import fence
+from tfcluster.launch.agent.agent import HostAgent, HostInfo, Survey, TaskLaunch
+from tfcluster.launch.cluster.hostloss import HostLosses
 from tfcluster.plan import HostPlan, Plan, TaskPlan, names
 
 T = TypeVar("T")
@@ -148,12 +148,12 @@ class Session:
         self.infos: dict[str, HostInfo] = {}
         self.no_proxy = no_proxy_for(plan)    # every task's start request carries these
         # asked with open()'s survey: `up` and `train` close the task ports, `status` asks
-        # whether they are (launch/fence.py); None: not asked
+        # whether they are (launch/agent/fence.py); None: not asked
         self.fence: str | None = fence.STATUS if light else fence.INSTALL
-        self.losses = HostLosses()            # hosts found lost during a run (launch/hostloss.py)
+        self.losses = HostLosses()            # hosts found lost during a run (launch/cluster/hostloss.py)
 
     def adopt(self, plan: Plan) -> None:
-        """The plan after a move to a spare (recovery.py): its tasks' hosts and addresses."""
+        """The plan after a move to a spare (run/recovery.py): its tasks' hosts and addresses."""
         self.plan = plan
         self.no_proxy = no_proxy_for(plan)
 
@@ -185,7 +185,7 @@ class Session:
         should look at, for a survey() that follows. `ship` = (files, run dir, hosts): the
         same round trip places those files from each host's cache (shipping.ship then
         sends only what a cache lacked). `prepare(name, survey, files)`: prepares the host
-        in place of HostAgent.prepare (train also starts its held scripts, startup.py)."""
+        in place of HostAgent.prepare (train also starts its held scripts, run/startup.py)."""
         for name in self.host_names:
             self.agent(name)
         ports = by_host(survey or [])

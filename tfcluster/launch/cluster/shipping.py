@@ -11,7 +11,7 @@ import os
 import stat
 
 from tfcluster.errors import UsageError
-from tfcluster.launch.session import Session, raise_first
+from tfcluster.launch.cluster.session import Session, raise_first
 from tfcluster.plan import Plan, TaskPlan
 from tfcluster.ui.units import size
 

@@ -18,16 +18,15 @@ from typing import TYPE_CHECKING
 from tfcluster.diagnose import signatures
 from tfcluster.errors import TaskError
 from tfcluster.host.shim_protocol import RESTART_VAR
-from tfcluster.launch import hostloss
-from tfcluster.launch.runstate import Run, StartSlot, Supervised
-from tfcluster.launch.session import raise_first
+from tfcluster.launch.cluster.session import raise_first
+from tfcluster.launch.run.runstate import Run, StartSlot, Supervised
 from tfcluster.plan import policy
 from tfcluster.plan.names import log_file
 
 if TYPE_CHECKING:
-    from tfcluster.launch.attached import AttachedTask
-    from tfcluster.launch.records import TaskLaunch
-    from tfcluster.launch.session import Session
+    from tfcluster.launch.agent.attached import AttachedTask
+    from tfcluster.launch.agent.records import TaskLaunch
+    from tfcluster.launch.cluster.session import Session
     from tfcluster.plan import Plan
 
 
@@ -121,10 +120,29 @@ def pump(run: Run, proc: Supervised, handle: AttachedTask, attempt: int) -> None
             if not proc.stopping:
                 how = run.session.agents[proc.task.host].transport.lost or "connection dropped"
                 run.mux.note(proc.key, f"lost contact with {proc.task.host} ({how}); its shim stops the task")
-                hostloss.after_drop(run, proc, ended_at)   # a drop that cannot be re-opened is a lost host
+                after_drop(run, proc, ended_at)   # a drop that cannot be re-opened is a lost host
             rc = 255
     finally:       # the exit is always reported: a pump that died silently would leave the run waiting
         run.events.put((proc, ended, 255 if rc is None or rc < 0 else rc))
+
+
+def tasks_on(run: Run, host: str) -> tuple[str, ...]:
+    return tuple(t.key for t in run.plan.tasks if t.host == host)
+
+
+def after_drop(run: Run, proc: Supervised, noticed: float) -> None:
+    """proc's channel ended with no exit status: is its host lost? Said at once, by the pump
+    that found out first; every process the host held carries the verdict."""
+    host = proc.task.host
+    verdict, first = run.session.losses.judge(host, run.session.agents[host].transport,
+                                              tasks_on(run, host), noticed)
+    if verdict is None:
+        return
+    for p in run.procs:
+        if p.task.host == host:
+            p.host_lost = verdict.how
+    if first:
+        run.ui.warn(verdict.line)
 
 
 def refuse(proc: Supervised) -> None:

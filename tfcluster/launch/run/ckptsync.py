@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from tfcluster.errors import TfclusterError
 from tfcluster.host import shim_protocol as proto
-from tfcluster.launch.lines import json_object, tail_text
+from tfcluster.launch.agent.lines import json_object, tail_text
 from tfcluster.localfs import NOFOLLOW, private_dir
 from tfcluster.ui.units import size as _size
 from tfcluster.watch.runs import CHECKPOINTS_DIR, kept_checkpoints, step_of

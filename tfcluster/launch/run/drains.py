@@ -1,6 +1,6 @@
 """`tfcluster drain SPEC HOST`: a host given up on purpose while `train` runs.
 
-The two processes talk through the cluster's private state directory (state.py), which only
+The two processes talk through the cluster's private state directory (cluster/state.py), which only
 its owner can write: `drain` leaves one request file per host (`drain-<host>`, created
 exclusively), the running `train` finds it on its next tick, moves the host's tasks off it
 as it would a lost host's (recovery.py: at the next checkpoint, the scripts saving as they
@@ -16,11 +16,11 @@ import time
 from typing import TYPE_CHECKING
 
 from tfcluster.errors import TfclusterError
-from tfcluster.launch import state
+from tfcluster.launch.cluster import state
 from tfcluster.localfs import NOFOLLOW, write_private
 
 if TYPE_CHECKING:
-    from tfcluster.launch.runstate import Run
+    from tfcluster.launch.run.runstate import Run
 
 REQUEST = "drain-"
 ANSWERS = "drains.json"
@@ -87,7 +87,7 @@ def poll(run: Run) -> None:
 
 
 def _drain(run: Run, host: str) -> None:
-    from tfcluster.launch import recovery
+    from tfcluster.launch.run import recovery
 
     if host in run.recovery.handled or not run.plan.tasks_on(host):
         _answer(run.plan, host, MOVED, f"{host} holds no task of this run")

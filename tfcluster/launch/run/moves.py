@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING
 from tfcluster.plan import policy
 
 if TYPE_CHECKING:
-    from tfcluster.launch.ckptsync import CheckpointSync
-    from tfcluster.launch.hostloss import LostHost
-    from tfcluster.launch.runstate import Run
+    from tfcluster.launch.cluster.hostloss import LostHost
+    from tfcluster.launch.run.ckptsync import CheckpointSync
+    from tfcluster.launch.run.runstate import Run
 
 
 @dataclass

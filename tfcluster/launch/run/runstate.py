@@ -1,26 +1,42 @@
 """The record of one `train` run, shared by its start (startup.py), its attempts
-(attempts.py) and its supervisor: what runs, each supervised process's attempts, and the
-parts the run holds (the UI, the log multiplexer, the checks, TensorBoard, the footer)."""
+(attempts.py) and its supervisor: the options it was asked for, what runs, each supervised
+process's attempts, and the parts the run holds (the UI, the log multiplexer, the checks,
+TensorBoard, the footer)."""
 from __future__ import annotations
 
 import queue
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from tfcluster.launch.moves import Recovery
+from tfcluster.host.shim_protocol import DEFAULT_HEARTBEAT_TIMEOUT
+from tfcluster.launch.run.moves import Recovery
 from tfcluster.plan import Plan, TaskPlan
 from tfcluster.watch.runs import ProgressLog
 
 if TYPE_CHECKING:
     from tfcluster.diagnose.checks import RunChecks
-    from tfcluster.launch.attached import AttachedTask
-    from tfcluster.launch.records import TaskLaunch
-    from tfcluster.launch.session import Session
-    from tfcluster.launch.supervisor import Options
+    from tfcluster.launch.agent.attached import AttachedTask
+    from tfcluster.launch.agent.records import TaskLaunch
+    from tfcluster.launch.cluster.session import Session
     from tfcluster.ui import UI
     from tfcluster.watch.board import Board
     from tfcluster.watch.footer import LiveFooter
     from tfcluster.watch.logmux import LogMux
+
+SCRIPT_GRACE = 10.0         # a script's last checkpoint after Ctrl-C, before KILL
+
+
+@dataclass
+class Options:
+    """How `train` was asked to run (the command line's options)."""
+
+    show: tuple[str, ...] = ()
+    quiet: bool = False
+    runs_dir: str = "runs"
+    grace: float = SCRIPT_GRACE
+    heartbeat: float = DEFAULT_HEARTBEAT_TIMEOUT
+    verbose: bool = False           # show TF's start-up chatter too
+    allow_skew: bool = False        # hosts on other Python/TF minor versions: warn, go on
 
 
 @dataclass
@@ -39,7 +55,7 @@ class Supervised:
     restarts: int = 0
     attempt: int = 0
     stopping: bool = False
-    host_lost: str | None = None    # how its host was found lost (launch/hostloss.py)
+    host_lost: str | None = None    # how its host was found lost (launch/cluster/hostloss.py)
 
     @property
     def attempt_started(self) -> float:

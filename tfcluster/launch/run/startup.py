@@ -4,7 +4,7 @@ Every remote execution costs a login shell and an interpreter start on the host,
 steps that need one run side by side (docs/design/remote-execs.md, "Checks before a run"):
 the files were placed from each host's cache in the bootstrap's round trip (Session.open),
 and only stale ones ship, on a thread, from the end of the preflight; the scripts' shims
-start **held** (held.py) and the servers warm, both before reachability, which the held
+start **held** (agent/held.py) and the servers warm, both before reachability, which the held
 shims carry; after it passed, the servers get GO and become ready, then the scripts get
 GO. Nothing of a script runs before reachability passed, and a failed check leaves
 nothing running: the held shims exit on EOF, the warm servers are stopped by the run's
@@ -12,26 +12,21 @@ shutdown. Starting, pumping and restarting one process: attempts.py.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from tfcluster.errors import TfclusterError
-from tfcluster.launch import attempts
-from tfcluster.launch.held import HeldStart, prepare_holding
-from tfcluster.launch.preflight import check_started_ports, check_versions, preflight
-from tfcluster.launch.reach import check_reachability
-from tfcluster.launch.records import HostInfo
-from tfcluster.launch.runstate import Run, StartSlot, Supervised
-from tfcluster.launch.servers import Started, wait_ready
-from tfcluster.launch.session import Background, Session, raise_first, server_tasks
-from tfcluster.launch.shipping import ship
+from tfcluster.launch.agent.held import HeldStart, prepare_holding
+from tfcluster.launch.agent.records import HostInfo
+from tfcluster.launch.cluster.preflight import check_started_ports, check_versions, preflight
+from tfcluster.launch.cluster.reach import check_reachability
+from tfcluster.launch.cluster.servers import Started, wait_ready
+from tfcluster.launch.cluster.session import Background, Session, raise_first, server_tasks
+from tfcluster.launch.cluster.shipping import ship
+from tfcluster.launch.run import attempts
+from tfcluster.launch.run.runstate import Options, Run, StartSlot, Supervised
 from tfcluster.plan import TaskPlan, names
-
-if TYPE_CHECKING:
-    from tfcluster.launch.supervisor import Options
 
 
 class Holder:
-    """The scripts' held starts (held.py), made on each host's thread by Session.open's
+    """The scripts' held starts (agent/held.py), made on each host's thread by Session.open's
     `prepare`: a host's first one is its bootstrap's exec too, the others follow it, and
     they start while the other hosts are prepared and the checks run. Nothing of a script
     runs before GO."""

@@ -17,18 +17,17 @@ import re
 import signal
 import threading
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tfcluster.diagnose.checks import RunChecks
 from tfcluster.errors import DeadlineError, ExitCode, Terminated, TfclusterError, UsageError
-from tfcluster.host.shim_protocol import DEFAULT_HEARTBEAT_TIMEOUT
-from tfcluster.launch import attempts, drains, recovery, state
-from tfcluster.launch.reach import can_connect
-from tfcluster.launch.runstate import Run, Supervised
-from tfcluster.launch.session import Session, server_tasks
-from tfcluster.launch.shipping import collect_files
-from tfcluster.launch.startup import Holder, begin
+from tfcluster.launch.cluster import deadhosts, state
+from tfcluster.launch.cluster.reach import can_connect
+from tfcluster.launch.cluster.session import Session, server_tasks
+from tfcluster.launch.cluster.shipping import collect_files
+from tfcluster.launch.run import attempts, drains, recovery
+from tfcluster.launch.run.runstate import Options, Run, Supervised
+from tfcluster.launch.run.startup import Holder, begin
 from tfcluster.localfs import private_dir
 from tfcluster.plan import Plan, names, policy
 from tfcluster.ui.views import print_summary
@@ -41,27 +40,15 @@ if TYPE_CHECKING:
     from tfcluster.watch.logmux import LogMux
 
 LOSS_LINE = re.compile(DEFAULT_LOSS)   # `loss=0.25`, not a traceback's `loss = train_step(it)`
-SCRIPT_GRACE = 10.0         # a script's last checkpoint after Ctrl-C, before KILL
 SERVER_STOP_GRACE = 2.0     # servers hold no state worth waiting for
 AWAIT_DROP = 2.0            # a task's exit 255 waits this long for its host's channels to end
-
-
-@dataclass
-class Options:
-    show: tuple[str, ...] = ()
-    quiet: bool = False
-    runs_dir: str = "runs"
-    grace: float = SCRIPT_GRACE
-    heartbeat: float = DEFAULT_HEARTBEAT_TIMEOUT
-    verbose: bool = False           # show TF's start-up chatter too
-    allow_skew: bool = False        # hosts on other Python/TF minor versions: warn, go on
 
 
 def train(plan: Plan, ui: UI, options: Options) -> int:
     _check_task_filter(plan, options.show)
     run_id = names.new_run_id(plan.name)
     with state.lock(plan, "train"), Session(plan, ui) as session:
-        plan = recovery.around_dead_hosts(session, ui)      # a host down already: its spare
+        plan = deadhosts.around_dead_hosts(session, ui)      # a host down already: its spare
         files = collect_files(plan)     # read (and refused if changed) before connecting
         ui.info(f"run {run_id}: connecting to {len(plan.hosts)} host(s)…")
         # the bootstrap's round trip also places the files from each host's cache
@@ -76,7 +63,7 @@ def train(plan: Plan, ui: UI, options: Options) -> int:
                   files=files)
         drains.clear(plan)              # a drain asked of an earlier run is not this one's
         if plan.checkpoint is not None and plan.checkpoint.sync is not None:
-            from tfcluster.launch.ckptsync import CheckpointSync
+            from tfcluster.launch.run.ckptsync import CheckpointSync
             run.recovery.checkpoints = CheckpointSync(session, plan, os.path.join(options.runs_dir, run_id), ui)
         manifest = Manifest(plan, run_id, os.path.join(options.runs_dir, run_id))
         outcome: tuple[int, str] = (int(ExitCode.ERROR), "did not start")
@@ -318,7 +305,7 @@ def _summary(run: Run, outcome: tuple[int, str]) -> None:
         duration = (p.ended or time.time()) - p.started if p.started else 0     # every attempt
         code = "stopped" if p.stopping and p.exit_code else p.exit_code    # the run's end: no failure
         if p.host_lost:
-            code = "lost"       # its host went, not the task (launch/hostloss.py)
+            code = "lost"       # its host went, not the task (launch/cluster/hostloss.py)
         rows.append((p.key, p.task.host, "-" if code is None else str(code),
                      str(p.restarts), f"{duration:.1f}s", last))
     checks = run.checks.summary() if run.checks and steps else {}    # said only once scripts ran
