@@ -76,7 +76,8 @@ def can_connect(session, from_host: str, targets, timeout: float = CONNECT_TIMEO
     """Connect only (no listeners) from `from_host` to [(address, port), ...]:
     {"address:port": None | reason}. For a watchdog asking why a task waits."""
     agent = session.agents[from_host]
-    request = {"targets": [[a, int(p)] for a, p in targets], "timeout": timeout}
+    request = {"targets": [[a, int(p)] for a, p in targets], "timeout": timeout,
+               "cluster_dir": session.plan.cluster_dir}    # the shim joins the cluster's cgroup: the fence lets it in
     proc = agent.spawn_shim(proto.REACH)
     with Deadline(START_TIMEOUT + probe_all_bound(len(request["targets"]), timeout), [proc]) as deadline:
         proc.write(proto.json_line(request))
@@ -110,7 +111,8 @@ def _exchange(session, hosts: list[str], listen: dict, targets: list, timeout: f
             proc = procs[host] = session.agents[host].spawn_shim(proto.REACH)
             deadline.add(proc)
             lines[host] = Lines(proc, where(host))
-        lines[host].proc.write(proto.json_line({"listen": listen[host], "lifetime": lifetime}))
+        lines[host].proc.write(proto.json_line({"listen": listen[host], "lifetime": lifetime,
+                                                "cluster_dir": session.plan.cluster_dir}))
         return lines[host].answer("listening", where(host), deadline)
 
     def go(host: str) -> dict:
@@ -168,7 +170,7 @@ def _hint(f: Failure, plan: Plan) -> str:
         return (f"{address} must resolve on every host, as the tasks dial it (an ~/.ssh/config "
                 f"alias only works for ssh): give host {owner} an address every host resolves "
                 f"(DNS, /etc/hosts) or its IP; {off}")
-    if f.reason == "connection refused":
+    if f.reason.startswith("connection refused"):
         fenced = (f"tfcluster's own rules on {owner} (tf_ports) let in only the spec's host addresses: "
                   f"{f.host} may connect from another one; " if plan.tf_ports != "open" and f.host != owner else "")
         return (f"nothing listens at {f.target} as seen from {f.host}: a firewall rejects the "
