@@ -42,6 +42,12 @@ class RunChecks:
         self._diagnosing = threading.Lock()
         self.diagnoses = 0
 
+    def adopt(self, plan: Plan) -> None:
+        """The plan after a move: the watchdog names, and dials, the hosts the tasks run on now."""
+        self.plan = plan
+        if self.watchdog is not None:
+            self.watchdog.targets = {t.target: t.key for t in plan.tasks}
+
     @property
     def markers(self) -> tuple[bytes, ...]:
         marks: tuple[bytes, ...] = ()

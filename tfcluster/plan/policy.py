@@ -85,9 +85,8 @@ def ignored_term(mode: str, keys: Sequence[str], grace: float) -> str:
 
 # -- a lost host (docs/design/host-loss.md) --------------------------------------------------
 
-FAIL, MOVE, SHRINK, RESTART = "fail", "move", "shrink", "restart"   # what the run does
+FAIL, SHRINK, RESTART = "fail", "shrink", "restart"   # what the run does
 SPARE = "spare"         # train.on_host_loss's default with spares (FAIL and SHRINK are choices too)
-MOVES_ALONE = ("between-graph", "classic")   # a worker at a new address joins alone
 
 
 @dataclass(frozen=True)
@@ -100,12 +99,12 @@ def on_host_loss(mode: str, choice: str, lost: Sequence[LostTask], spare: bool) 
     """(what the run does, why) when a host holding `lost` is gone, under train.on_host_loss
     `choice` (spare | shrink | fail), `spare` whether a spare can take its tasks.
 
-    move: start the host's tasks alone on the spare (between-graph and classic, plain
-    workers: nobody else needs their new address). shrink: go on without them (a plain
-    worker, where the chief ends the run). restart: stop every task and start them all again
-    on the new cluster, resuming from the checkpoint (a ps holds variables, a chief the
-    checkpoints; MirroredStrategy's collectives and the coordinator's cluster are fixed at
-    their start). fail: end the run, today's behaviour."""
+    shrink: go on without them (a plain worker, where the chief ends the run). restart: stop
+    every task and start them all again on the new cluster, resuming from the checkpoint:
+    every task at a new address has someone who dials the old one (a ps pulls a worker's
+    gradients from the address its ClusterSpec started with; the coordinator's cluster and
+    MirroredStrategy's collectives are fixed at their start), a ps holds variables, a chief the
+    checkpoints. fail: end the run."""
     if not lost:
         return SHRINK, "it held no task"
     plain = all(t.job == "worker" and not t.is_chief for t in lost)
@@ -120,8 +119,6 @@ def on_host_loss(mode: str, choice: str, lost: Sequence[LostTask], spare: bool) 
             return FAIL, f"{mode} mode needs every worker to finish, so it cannot shrink"
         what = "its workers" if plain else "a " + ("chief" if any(t.is_chief for t in lost) else "ps") + " task"
         return FAIL, f"no spare host left to take {what}"
-    if plain and mode in MOVES_ALONE:
-        return MOVE, "a worker at a new address joins alone"
     return RESTART, restart_reason(mode, lost)
 
 
@@ -133,4 +130,6 @@ def restart_reason(mode: str, lost: Sequence[LostTask]) -> str:
         return "a ps held the variables"
     if any(t.is_chief for t in lost):
         return "the chief is gone"
-    return "the coordinator's cluster is fixed at its start"
+    if mode == "coordinator":
+        return "the coordinator's cluster is fixed at its start"
+    return "a ps dials each worker at the address it started with"

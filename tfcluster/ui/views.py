@@ -52,7 +52,6 @@ def print_plan(ui, plan: Plan, *, commands: bool = False) -> None:
 
 
 WHAT_A_LOSS_DOES = {
-    policy.MOVE: "its tasks start alone on a spare",
     policy.RESTART: "every task starts again on the new cluster, from the checkpoint",
     policy.SHRINK: "the run goes on without its tasks",
     policy.FAIL: "the run ends, naming the host",

@@ -228,6 +228,13 @@ class HostAgent:
 
     # ------------------------------------------------------------ queries
 
+    def fence(self, request: dict) -> dict:
+        """Close the cluster's task ports now, outside the batch that opened the host (a
+        restart after a move: run/recovery.py); the answer as that batch's would be."""
+        self.fence_request = request
+        self.fence_answer = self._call(proto.FENCE, request)
+        return self.fence_answer
+
     @contextlib.contextmanager
     def run_command(self, argv: list[str]) -> Iterator[Proc]:
         """A plain command on the host, no shim (for `exec`); Ctrl-C drops it."""

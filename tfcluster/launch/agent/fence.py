@@ -20,8 +20,8 @@ def request(plan: Plan, host: str, mode: str) -> dict | None:
     """The host's `fence` request, or None where the spec leaves the ports open."""
     if plan.tf_ports == "open":
         return None
-    if idle_spare(plan, host):    # asked whether it could, never closed: nothing binds there yet
-        mode = PROBE
+    # an idle spare is closed too: nothing binds there yet, but its users must not dial the
+    # others' task ports (the output chain), and a move finds its table in place
     return {"mode": mode, "cluster_dir": plan.cluster_dir, "tag_prefix": names.cluster_prefix(plan.name),
             "ports": sorted({t.port for t in plan.tasks_on(host)}),
             "targets": [[t.address, t.port] for t in plan.tasks],

@@ -275,10 +275,11 @@ class Session:
                     live[tag.key] = st
         return live, busy
 
-    def stop_run(self, prefix: str, grace: float) -> dict:
-        """Stop every process with this tag prefix on every connected host (a lost host's
-        processes are stopped by their shims, which lost their launcher)."""
-        hosts = [h for h in self.agents if h not in self.losses.lost]
+    def stop_run(self, prefix: str, grace: float, hosts: Iterable[str] | None = None) -> dict:
+        """Stop every process with this tag prefix on every connected host, or on `hosts` (a
+        lost host's processes are stopped by their shims, which lost their launcher)."""
+        hosts = [h for h in (self.agents if hosts is None else hosts)
+                 if h in self.agents and h not in self.losses.lost]
         return parallel(lambda h: self.agents[h].stop(prefix, grace), hosts)
 
 

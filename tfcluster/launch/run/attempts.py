@@ -11,6 +11,7 @@ fresh attached start, as before.
 from __future__ import annotations
 
 import os
+import queue
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -149,6 +150,50 @@ def refuse(proc: Supervised) -> None:
     """The shim restarted a task the supervisor does not restart: stop that attempt."""
     if proc.handle is not None and proc.handle.restarted():
         proc.handle.stop()
+
+
+def stop_and_wait(run: Run, procs: list[Supervised], fast: threading.Event | None = None) -> None:
+    """Stop these processes' attempts (TERM, the shim's grace, KILL; at once once `fast` is
+    set) and wait for their ends, grace + 5 s at most, then drop what is left (its shim's
+    sweep, or the run's, gets it). Their ends are the run's own doing: only a process still
+    running is marked stopping, so one that failed before keeps its exit code.
+
+    Besides the supervisor's loop, the one reader of the run's events: an exit of an earlier
+    attempt is dropped as the loop drops it, and anything else (a check's wake-up, an error
+    to raise) is put back for the loop, never lost."""
+    live = [p for p in procs if p.handle is not None and p.exit_code is None]
+    for p in procs:
+        if p not in live:
+            refuse(p)           # its shim's restart in place of an attempt that ended
+    for p in live:
+        p.stopping = True
+        try:
+            p.handle.detach_kill() if fast is not None and fast.is_set() else p.handle.stop()
+        except Exception:  # noqa: BLE001 - its shim stops it when the channel goes; the sweep after
+            pass
+    kept = []
+    deadline = time.monotonic() + run.options.grace + 5
+    while any(p.exit_code is None for p in live) and time.monotonic() < deadline:
+        if fast is not None and fast.is_set():
+            break
+        try:
+            event = run.events.get(timeout=0.2)
+        except queue.Empty:
+            continue
+        if isinstance(event, tuple):
+            proc, attempt, rc = event
+            if attempt == proc.attempt and proc.exit_code is None:
+                proc.exit_code, proc.ended = rc, time.time()
+        elif event is not None:
+            kept.append(event)
+    for event in kept:
+        run.events.put(event)
+    for p in live:
+        if p.exit_code is None:
+            try:
+                p.handle.detach_kill()
+            except Exception:  # noqa: BLE001 - the sweep gets what this misses
+                pass
 
 
 def on_failure(run: Run, proc: Supervised, rc: int) -> None:

@@ -76,6 +76,13 @@ class Recovery:
         fresh = [v for h, v in lost.items() if h not in self.handled]
         return min(fresh, key=lambda v: v.at, default=None)
 
+    def unproven(self) -> Move | None:
+        """The first move after which the task it watches never stepped: a failed recovery,
+        however the run ended (a chief that finishes while a moved worker waits for a ps that
+        dials its old address would otherwise read as a success)."""
+        return next((m for m in self.moves if m.done_at is not None and m.watch is not None
+                     and m.resumed is None), None)
+
     def tick(self, run: Run) -> None:
         """Fill each move's resumed step from the first step its task said after it, and say it."""
         if run.progress is None:

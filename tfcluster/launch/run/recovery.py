@@ -1,18 +1,19 @@
-"""What a run does when a host is lost or drained: move its tasks to a spare, go on without
-them, or stop every task and start them all again on the new cluster from the checkpoint
-(train.on_host_loss; the decision is plan/policy.py's on_host_loss, the TF facts behind it
-in docs/design/host-loss.md, the user's view in docs/hostloss.md).
+"""What a run does when a host is lost or drained: go on without its tasks, or stop every
+task and start them all again on the new cluster, the host's tasks on a spare, from the
+checkpoint (train.on_host_loss; the decision is plan/policy.py's on_host_loss, the TF facts
+behind it in docs/design/host-loss.md, the user's view in docs/hostloss.md).
 
-Each move is recorded (moves.py). A move is not a restart: it does not count against
-train.restart.max_restarts.
+Each move is recorded (moves.py) and judged by the steps that follow it: a move after which
+the task it watches never steps is a failed recovery (Recovery.unproven). A move is not a
+restart: it does not count against train.restart.max_restarts.
 """
 from __future__ import annotations
 
-import queue
 import time
 from typing import TYPE_CHECKING
 
 from tfcluster.errors import ConnectError, TfclusterError
+from tfcluster.launch.agent import fence
 from tfcluster.launch.cluster.hostloss import REOPEN_GRACE
 from tfcluster.launch.cluster.servers import Started, wait_ready
 from tfcluster.launch.cluster.shipping import ship
@@ -56,7 +57,7 @@ def give_up(run: Run, host: str, why: str, error: TfclusterError) -> Move | None
         spare = _spare_for(run, host)
     action, reason = policy.on_host_loss(run.plan.mode, run.plan.on_host_loss, lost_tasks(run, host),
                                          spare is not None)
-    if action in (policy.MOVE, policy.RESTART) and not run.owns_servers and any(
+    if action == policy.RESTART and not run.owns_servers and any(
             t.runs_server for t in run.plan.tasks):
         action, reason = policy.FAIL, "its servers were started by `tfcluster up`, which a run does not move"
     if action == policy.FAIL:
@@ -73,14 +74,11 @@ def give_up(run: Run, host: str, why: str, error: TfclusterError) -> Move | None
         said = host if why.startswith("lost") else f"{host} {why}"
         run.ui.warn(f"{said}: going on without {', '.join(tasks)} ({reason})")
         return move
-    again = ", every task restarting from the checkpoint" if action == policy.RESTART else ""
     said = host if why.startswith("lost") else f"{host} {why}"     # the lost line was said already
-    run.ui.warn(f"{said}: moving {', '.join(tasks)} to {spare}{again} ({reason})")
+    run.ui.warn(f"{said}: moving {', '.join(tasks)} to {spare}, every task restarting from the checkpoint "
+                f"({reason})")
     try:
-        if action == policy.MOVE:
-            _move_alone(run, move, procs)
-        else:
-            _restart_all(run, move)
+        _restart_all(run, move)
     except TfclusterError as exc:
         raise ConnectError(f"could not move {', '.join(tasks)} to {spare}: {exc.message}",
                            hint=exc.hint) from None
@@ -108,6 +106,8 @@ def _adopt(run: Run, lost: str, spare: str) -> None:
     plan = run.plan.moved(lost, spare)
     run.plan = plan
     run.session.adopt(plan)
+    if run.checks is not None:
+        run.checks.adopt(plan)      # the watchdog names and dials where the tasks are now
     for p in run.procs:
         p.task = plan.task(p.task.key)
 
@@ -119,16 +119,6 @@ def _watched(run: Run, moved: list[Supervised]) -> str | None:
         return chief.key
     scripts = [p.key for p in moved if p.role == "script"]
     return scripts[0] if scripts else None
-
-
-def _move_alone(run: Run, move: Move, procs: list[Supervised]) -> None:
-    """between-graph / classic: a plain worker starts on the spare; nobody else needs its
-    new address (docs/design/host-loss.md)."""
-    _stop(run, procs)      # a drained host's, still running; a lost one's are gone already
-    _adopt(run, move.host, move.spare)
-    _start(run, procs, move)
-    scripts = [p.key for p in procs if p.role == "script"]
-    move.watch = scripts[0] if scripts else None
 
 
 def _restart_all(run: Run, move: Move) -> None:
@@ -147,32 +137,9 @@ def _restart_all(run: Run, move: Move) -> None:
 
 
 def _stop(run: Run, procs: list[Supervised]) -> None:
-    """Stop these attempts (TERM, the shim's grace, KILL) and wait for their ends; the ends
-    are this run's own, not failures."""
-    live = [p for p in procs if p.handle is not None and p.exit_code is None
-            and p.task.host not in run.session.losses.lost]
-    for p in procs:
-        p.stopping = True
-        if p not in live:
-            attempts.refuse(p)      # its shim's restart in place of an attempt that failed
-    for p in live:
-        try:
-            p.handle.stop()
-        except Exception:  # noqa: BLE001 - its shim stops it when the channel goes
-            pass
-    deadline = time.monotonic() + run.options.grace + 5
-    while any(p.exit_code is None for p in live) and time.monotonic() < deadline:
-        try:
-            event = run.events.get(timeout=0.2)
-        except queue.Empty:
-            continue
-        if isinstance(event, tuple):
-            proc, attempt, rc = event
-            if attempt == proc.attempt and proc.exit_code is None:
-                proc.exit_code, proc.ended = rc, time.time()
-    for p in live:
-        if p.exit_code is None:
-            p.handle.detach_kill()
+    """Stop these attempts and wait for their ends; the ends are this run's own, not failures.
+    A lost host's are gone already (its shims stopped them when their channels ended)."""
+    attempts.stop_and_wait(run, [p for p in procs if p.task.host not in run.session.losses.lost])
 
 
 def _start(run: Run, procs: list[Supervised], move: Move) -> None:
@@ -187,6 +154,7 @@ def _start(run: Run, procs: list[Supervised], move: Move) -> None:
     on_spare = [p.task for p in scripts if p.task.host == move.spare]
     if on_spare and run.files:
         run.ui.info(ship(session, on_spare, run.run_id, run.files))
+    _refence(run)
     servers = [p for p in procs if p.role == "server"]
     if servers:
         attempts.start_all(run, servers)
@@ -194,3 +162,20 @@ def _start(run: Run, procs: list[Supervised], move: Move) -> None:
     if scripts:
         attempts.start_all(run, scripts)
 
+
+
+def _refence(run: Run) -> None:
+    """Close the task ports again on every host still in the run, before anything binds: the
+    stop took each host's table with its last task, and every table must name the moved
+    tasks' new addresses. A spare with no task gets the output chain alone (its users may
+    not dial the others' ports). Where it cannot, the run says so as at its start, and
+    `tf_ports: closed` ends it (exit 4)."""
+    plan, session = run.plan, run.session
+    if plan.tf_ports == "open":
+        return
+    hosts = [h for h in session.agents if h not in session.losses.lost and h in session.infos]
+    results = session.parallel(
+        lambda h: session.agents[h].fence(fence.request(plan, h, fence.INSTALL)), hosts)
+    answers = {h: r if isinstance(r, dict) else {"closed": False, "can": False, "why": str(r)}
+               for h, r in results.items()}
+    fence.report(plan, run.ui, answers, fence.INSTALL)

@@ -90,7 +90,9 @@ def train(plan: Plan, ui: UI, options: Options) -> int:
                 if outcome[0] == ExitCode.OK and chief is not None:
                     sync.pull(chief.host)       # the run's last checkpoint, kept with its logs
             _shutdown(run, interrupted=outcome[0] in (ExitCode.INTERRUPTED, ExitCode.TERMINATED))
+            _unread_errors(run)
             mux.close()
+            run.recovery.tick(run)      # a resumed step said just before the stop counts too
             progress.close()
             try:
                 manifest.plan = run.plan        # where the tasks ended up, after any move
@@ -168,14 +170,14 @@ def _supervise(run: Run) -> tuple[int, str]:
     chief_done_at: float | None = None
     while True:
         if policy.run_succeeded(run.plan.mode, _script_states(run)):
-            return int(ExitCode.OK), "succeeded"
+            return _judged(run, "succeeded")
         if deadline is not None and time.monotonic() > deadline:
             raise DeadlineError(f"run {run.run_id} hit its timeout ({run.plan.timeout:.0f}s); "
                                 f"stopped every task")
         if chief_done_at and time.monotonic() - chief_done_at > policy.PEER_GRACE:
             run.ui.warn(f"workers still running {policy.PEER_GRACE:.0f}s after the chief finished; "
                         f"stopping them")
-            return int(ExitCode.OK), "succeeded (stragglers stopped)"
+            return _judged(run, "succeeded (stragglers stopped)")
         run.checks.tick(run.procs, run.mux)
         run.recovery.tick(run)
         drains.poll(run)
@@ -214,6 +216,17 @@ def _supervise(run: Run) -> tuple[int, str]:
         attempts.on_failure(run, proc, rc)
 
 
+def _judged(run: Run, outcome: str) -> tuple[int, str]:
+    """The run ended well, unless a move did not: a moved task that never stepped after its
+    move is a failed recovery, exit 3 (its host was lost and not recovered)."""
+    run.recovery.tick(run)
+    move = run.recovery.unproven()
+    if move is None:
+        return int(ExitCode.OK), outcome
+    return (int(ExitCode.CONNECT), f"recovery failed: {move.watch} never stepped after {', '.join(move.tasks)} "
+                                   f"moved from {move.host} to {move.spare}")
+
+
 def _script_states(run: Run) -> list[policy.ScriptState]:
     return [policy.ScriptState(p.task.job, p.task.is_chief, p.exit_code)
             for p in run.procs if p.role == "script"]
@@ -241,9 +254,12 @@ def _shutdown(run: Run, interrupted: bool = False) -> None:
     try:
         for role in policy.STOP_ORDER:
             _stop_role(run, role, fast)
+        prefix = names.run_prefix(run.plan.name, run.run_id)
         if (run.owns_servers or run.procs) and not _swept_by_shims(run):
-            prefix = names.run_prefix(run.plan.name, run.run_id)
             run.session.stop_run(prefix, grace=0 if fast.is_set() else SERVER_STOP_GRACE)
+        elif run.owns_servers:      # no task ran on an idle spare: its stop takes its table
+            idle = [h for h in run.plan.spares if not run.plan.tasks_on(h) and h in run.session.infos]
+            run.session.stop_run(prefix, grace=0, hosts=idle)
         if run.board is not None and not fast.is_set():
             run.board.wait_stopped()
     finally:
@@ -261,30 +277,23 @@ def _swept_by_shims(run: Run) -> bool:
 
 
 def _stop_role(run: Run, role: str, fast: threading.Event) -> None:
-    live = [p for p in run.procs if p.role == role and p.exit_code is None and p.handle is not None]
-    for proc in run.procs:      # restarted in place, not confirmed: nothing to wait for
-        if proc.role == role and proc not in live:
-            attempts.refuse(proc)
-    for proc in live:
-        proc.stopping = True
-        try:
-            proc.handle.detach_kill() if fast.is_set() else proc.handle.stop()
-        except Exception:  # noqa: BLE001 - the sweep below catches what this misses
-            pass
-    deadline = time.monotonic() + run.options.grace + 5
-    while any(p.exit_code is None for p in live) and time.monotonic() < deadline and not fast.is_set():
-        try:
-            event = run.events.get(timeout=0.2)
-            if not isinstance(event, tuple):
-                continue
-            proc, _attempt, rc = event
-            if proc.exit_code is None:
-                proc.exit_code, proc.ended = rc, time.time()
-        except queue.Empty:
-            pass
-    killed = [p.key for p in live if p.exit_code == 128 + signal.SIGKILL]   # the shim's KILL after grace
+    procs = [p for p in run.procs if p.role == role]
+    attempts.stop_and_wait(run, procs, fast)
+    killed = [p.key for p in procs if p.stopping and p.exit_code == 128 + signal.SIGKILL]   # KILL after grace
     if role == "script" and killed and not fast.is_set():
         run.ui.warn(policy.ignored_term(run.plan.mode, killed, run.options.grace))
+
+
+def _unread_errors(run: Run) -> None:
+    """Errors the run sent and nobody raised (a saved file that could not be written while
+    the run stopped): said, never dropped."""
+    while True:
+        try:
+            event = run.events.get_nowait()
+        except queue.Empty:
+            return
+        if isinstance(event, TfclusterError):
+            run.ui.error(event.message)
 
 
 def _summary(run: Run, outcome: tuple[int, str]) -> None:
