@@ -115,14 +115,17 @@ def pump(run: Run, proc: Supervised, handle: AttachedTask, attempt: int) -> None
     ended_at = time.monotonic()
     try:
         run.mux.close_task(proc.key)
-        if lost is not None:
+        if lost is not None and not proc.stopping:
             run.mux.note(proc.key, f"lost contact with {proc.task.host}: {lost}")
         if rc is None or rc < 0:  # the channel closed with no exit status: connection lost
-            if not proc.stopping:
-                how = run.session.agents[proc.task.host].transport.lost or "connection dropped"
+            agent = run.session.agents.get(proc.task.host)
+            if not proc.stopping and agent is not None:
+                how = agent.transport.lost or "connection dropped"
                 run.mux.note(proc.key, f"lost contact with {proc.task.host} ({how}); its shim stops the task")
                 after_drop(run, proc, ended_at)   # a drop that cannot be re-opened is a lost host
             rc = 255
+    except Exception:  # noqa: BLE001 - the run ended under it (Ctrl-C, its session closed): no traceback
+        rc = 255 if rc is None or rc < 0 else rc
     finally:       # the exit is always reported: a pump that died silently would leave the run waiting
         run.events.put((proc, ended, 255 if rc is None or rc < 0 else rc))
 
