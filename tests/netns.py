@@ -156,9 +156,12 @@ class Bed:
         os.makedirs("/run/sshd", mode=0o755, exist_ok=True)
         config = write_config(d, (address,), SSH_PORT, host_key, self.root / "authorized_keys", {})
         log = open(d / "sshd.log", "ab")
-        # sshd is the init of the host's PID namespace: killing it kills the whole host
+        # sshd is the init of the host's PID namespace: killing it kills the whole host. `ip
+        # netns exec` mounts a fresh /sys, without the cgroup hierarchy a machine has there:
+        # cgroup2 is mounted back (the fence matches the cluster's own cgroup where it can)
+        boot = 'mount -t cgroup2 cgroup2 /sys/fs/cgroup 2>/dev/null; exec "$@"'
         proc = subprocess.Popen([IP, "netns", "exec", ns, "unshare", "--pid", "--mount-proc", "--fork",
-                                 "--kill-child", SSHD, "-D", "-e", "-f", str(config)],
+                                 "--kill-child", "sh", "-c", boot, "sh", SSHD, "-D", "-e", "-f", str(config)],
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
         log.close()
         deadline = time.monotonic() + 15

@@ -1,18 +1,21 @@
-"""A lost host's tasks moved to a spare, or the run shrunk, produced for real: the host's
-own sshd and everything started through it SIGKILLed (tests/test_host_loss.py's kill_host),
-real TensorFlow in every mode. Each lost host and each spare has an sshd of its own on a
-loopback address no other test uses."""
+"""A lost host's tasks moved to a spare, or the run shrunk, produced for real on the bed of
+separate hosts (tests/netns.py): each host a namespace of its own, killed (every process on it,
+its address then answering nothing) or silenced (its packets dropped), real TensorFlow in every
+mode. On loopback hosts a dead host's address still reached the spare's new server, so a move
+could pass there and fail between machines; here it cannot."""
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from tests.helpers import (
-    free_ports,
     kill_group,
     manifest,
     only_run,
@@ -22,34 +25,40 @@ from tests.helpers import (
     tfcluster,
     wait_for,
 )
-from tests.test_host_loss import kill_host, lone
 
 pytestmark = [pytest.mark.ssh, pytest.mark.tf]
 
-LOST_ADDRESS = "127.0.0.31"
-SPARE_ADDRESS = "127.0.0.32"
+P = (25000, 25001, 25002, 25003)    # each bed host has its own ports: no clash with any other test
 
 
-def spec_with_spare(tmp: Path, sshd, lost, spare, name: str, *, mode: str = "between-graph",
-                    steps: int = 3000, on_host_loss: str | None = None, extra: str = "") -> Path:
-    """ps on h2, worker:0 (the chief) on h3, both on the shared sshd; worker:1 on h4, alone on
-    its sshd; h5 the spare (none when `spare` is None)."""
-    p = free_ports(3)
-    hosts = (f"  - {{name: h2, address: 127.0.0.2}}\n  - {{name: h3, address: 127.0.0.3}}\n"
-             f"  - {{name: h4, address: {lost.addresses[0]}, ssh: {{port: {lost.port}}}}}\n")
-    if spare is not None:
-        hosts += f"  - {{name: h5, address: {spare.addresses[0]}, spare: true, ssh: {{port: {spare.port}}}}}\n"
+def bed_spec(tmp: Path, bed, name: str, jobs: str, *, mode: str = "between-graph",
+             script: str = "between_graph", steps: int = 3000, spare: bool = True,
+             checkpoint: bool = True, on_host_loss: str | None = None) -> Path:
+    """Bed hosts h2, h3, h4 (and h5, the spare); `jobs` is the YAML of the jobs. With
+    `checkpoint`, every task's script checkpoints to {workdir}/ckpt, which train.checkpoint
+    copies back every 2 s."""
+    hosts = [bed.add(n) for n in ("h2", "h3", "h4")]
+    listed = "".join(f"  - {h.spec()}\n" for h in hosts)
+    if spare:
+        listed += f"  - {bed.add('h5').spec(spare='true')}\n"
+    args = ["--steps", str(steps), "--log_every", "50"]
+    if checkpoint:
+        args += ["--model_dir", "{workdir}/ckpt"]
+    if script == "between_graph":
+        args += ["--cleanup_timeout", "3"]
     text = (f"name: {name}\npython: {sys.executable}\nworkdir: {tmp / 'remote'}\n"
-            f"ssh:\n  port: {sshd.port}\n  connect_timeout: 5\n"
-            f"hosts:\n{hosts}"
-            f"jobs:\n  ps: {{tasks: ['h2:{p[0]}']}}\n"
-            f"  worker: {{tasks: ['h3:{p[1]}', 'h4:{p[2]}']}}\n"
-            f"train:\n  mode: {mode}\n  script: template:between_graph\n"
-            f"  args: ['--steps', '{steps}', '--log_every', '100', '--cleanup_timeout', '3']\n"
-            + (f"  on_host_loss: {on_host_loss}\n" if on_host_loss else "") + extra)
+            f"ssh: {{connect_timeout: 5}}\nhosts:\n{listed}jobs:\n{jobs}"
+            f"train:\n  mode: {mode}\n  script: template:{script}\n"
+            f"  args: [{', '.join(repr(a) for a in args)}]\n"
+            + ("  checkpoint: {dir: '{workdir}/ckpt', keep: 2, sync: 2s}\n" if checkpoint else "")
+            + (f"  on_host_loss: {on_host_loss}\n" if on_host_loss else ""))
     path = tmp / f"{name}.yaml"
     path.write_text(text)
     return path
+
+
+PS_AND_TWO_WORKERS = f"  ps: {{tasks: ['h2:{P[0]}']}}\n  worker: {{tasks: ['h3:{P[1]}', 'h4:{P[2]}']}}\n"
+CHIEF_ON_H4 = f"  ps: {{tasks: ['h2:{P[0]}']}}\n  worker: {{tasks: ['h4:{P[1]}', 'h3:{P[2]}']}}\n"
 
 
 def killed_mid_run(spec: Path, home, cwd: Path, started: str, kill, said: str | None,
@@ -61,45 +70,48 @@ def killed_mid_run(spec: Path, home, cwd: Path, started: str, kill, said: str | 
         read_until(proc, started, timeout=200)
         kill()
         if said is not None:
-            read_until(proc, said, timeout=60)
+            read_until(proc, said, timeout=90)
         rest = proc.communicate(timeout=timeout)[0]
     finally:
         kill_group(proc)
     return proc.returncode, rest
 
 
-@pytest.mark.timeout(420)
-def test_a_lost_worker_moves_to_the_spare_and_the_run_finishes(tmp_path, home, ssh_home, sshd, sshd_factory):
-    lost = lone(sshd_factory, ssh_home, LOST_ADDRESS)
-    spare = lone(sshd_factory, ssh_home, SPARE_ADDRESS)
+@pytest.mark.timeout(480)
+@pytest.mark.parametrize("fault", ["kill", "silence"])
+def test_a_lost_workers_host_restarts_every_task_and_the_moved_worker_trains_on_the_spare(
+        tmp_path, home, ssh_home, bed, fault):
+    """Its ps dials worker:1 at the address it started with: a worker moved alone would never
+    step. Every task restarts on the new cluster, from the checkpoint, and worker:1 steps on h5."""
     cwd = tmp_path / "cwd"
     cwd.mkdir()
-    spec = spec_with_spare(tmp_path, sshd, lost, spare, "rspare", steps=2000)
-    rc, rest = killed_mid_run(spec, home, cwd, r"worker:1 .*step=", lambda: kill_host(lost),
-                              r"h4: moving worker:1 to h5", timeout=240)
+    spec = bed_spec(tmp_path, bed, f"rmove{fault[0]}", PS_AND_TWO_WORKERS, steps=2500)
+    rc, rest = killed_mid_run(spec, home, cwd, r"worker:1 .*step=[1-9]", lambda: getattr(bed, fault)("h4"),
+                              r"h4: moving worker:1 to h5, every task restarting from the checkpoint \(a ps "
+                              r"dials each worker at the address it started with\)", timeout=300)
     assert rc == 0, rest[-4000:]
-    assert re.search(r"moved: .* h4 lost: its SSH connection dropped.*: worker:1 moved to h5", rest), rest[-3000:]
     doc = manifest(only_run(cwd / "runs"))
-    assert doc["exit_code"] == 0
     (move,) = doc["moves"]
-    assert move["host"] == "h4" and move["to"] == "h5" and move["action"] == "move"
-    assert move["tasks"] == ["worker:1"] and move["steps_lost"] == 0, move
+    assert move["host"] == "h4" and move["to"] == "h5" and move["action"] == "restart", move
+    assert move["resumed_step"] is not None, (move, rest[-4000:])
     assert doc["tasks"]["worker:1"]["host"] == "h5"
     assert doc["tasks"]["worker:1"]["script"]["restarts"] == 0      # a move is not a restart
-    assert doc["progress"]["worker:0"]["step"] >= 1900
+    # the moved worker itself trained on the spare: a step past any the run had said before
+    assert doc["progress"]["worker:1"]["step"] > move["step_at"], (doc["progress"], move)
+    assert re.search(r"worker:0 on h3 resumed at step \d+", rest), rest[-3000:]
     listed = tfcluster("runs", str(spec), home=home, cwd=cwd)
-    assert re.search(r"^rspare-\S+: \d\d:\d\d:\d\d h4 lost: worker:1 moved to h5; resumed at step \d+, "
-                     r"0 step\(s\) lost$", listed.stdout, re.MULTILINE), listed.stdout
+    assert re.search(rf"^rmove{fault[0]}-\S+: \d\d:\d\d:\d\d h4 lost: worker:1 moved to h5, every task restarted"
+                     r"(?: from \S+)?; resumed at step \d+, \d+ step\(s\) lost$", listed.stdout, re.MULTILINE), listed.stdout
     wait_for(lambda: not tagged_processes(), timeout=60, what="no task left running")
 
 
 @pytest.mark.timeout(420)
-def test_shrink_goes_on_without_a_lost_worker(tmp_path, home, ssh_home, sshd, sshd_factory):
-    lost = lone(sshd_factory, ssh_home, LOST_ADDRESS)
+def test_shrink_goes_on_without_a_lost_worker(tmp_path, home, ssh_home, bed):
     cwd = tmp_path / "cwd"
     cwd.mkdir()
-    spec = spec_with_spare(tmp_path, sshd, lost, None, "rshrink", steps=2000, on_host_loss="shrink")
-    rc, rest = killed_mid_run(spec, home, cwd, r"worker:1 .*step=", lambda: kill_host(lost),
+    spec = bed_spec(tmp_path, bed, "rshrink", PS_AND_TWO_WORKERS, steps=2000, spare=False, checkpoint=False,
+                    on_host_loss="shrink")
+    rc, rest = killed_mid_run(spec, home, cwd, r"worker:1 .*step=", lambda: bed.kill("h4"),
                               r"h4: going on without worker:1", timeout=240)
     assert rc == 0, rest[-4000:]
     assert re.search(r"^worker:1 +h4 +lost ", rest, re.MULTILINE), rest[-3000:]
@@ -111,43 +123,21 @@ def test_shrink_goes_on_without_a_lost_worker(tmp_path, home, ssh_home, sshd, ss
 
 
 @pytest.mark.timeout(300)
-def test_no_spare_left_fails_as_before_naming_the_host(tmp_path, home, ssh_home, sshd, sshd_factory):
+def test_no_spare_left_fails_as_before_naming_the_host(tmp_path, home, ssh_home, bed):
     """on_host_loss: spare, but the one spare is dead too: the run ends, exit 3, as without."""
-    lost = lone(sshd_factory, ssh_home, LOST_ADDRESS)
-    spare = lone(sshd_factory, ssh_home, SPARE_ADDRESS)
     cwd = tmp_path / "cwd"
     cwd.mkdir()
-    spec = spec_with_spare(tmp_path, sshd, lost, spare, "rnone", steps=5000000)
-    def fault() -> None:
-        kill_host(spare)
-        kill_host(lost)
+    spec = bed_spec(tmp_path, bed, "rnone", PS_AND_TWO_WORKERS, steps=5000000, checkpoint=False)
 
-    rc, rest = killed_mid_run(spec, home, cwd, r"worker:1 .*step=", fault,
-                              None, timeout=120)
+    def fault() -> None:
+        bed.kill("h5")
+        bed.kill("h4")
+
+    rc, rest = killed_mid_run(spec, home, cwd, r"worker:1 .*step=", fault, None, timeout=120)
     assert rc == 3, rest[-3000:]
     assert "h4: cannot recover: " in rest, rest[-3000:]
     assert re.search(r"tfcluster: error: h4 lost: .* \(worker:1\)", rest), rest[-3000:]
     wait_for(lambda: not tagged_processes(), timeout=90, what="no task left running")
-
-
-def chief_spec(tmp: Path, sshd, lost, spare, name: str, *, mode: str, script: str, steps: int,
-               jobs: str) -> Path:
-    """`jobs` is the YAML of the jobs with the placeholders LOST, H2, H3 for ports' hosts;
-    every task's script checkpoints to {workdir}/ckpt, which train.checkpoint copies back
-    every 2 s."""
-    hosts = (f"  - {{name: h2, address: 127.0.0.2}}\n  - {{name: h3, address: 127.0.0.3}}\n"
-             f"  - {{name: h4, address: {lost.addresses[0]}, ssh: {{port: {lost.port}}}}}\n"
-             f"  - {{name: h5, address: {spare.addresses[0]}, spare: true, ssh: {{port: {spare.port}}}}}\n")
-    text = (f"name: {name}\npython: {sys.executable}\nworkdir: {tmp / 'remote'}\n"
-            f"ssh:\n  port: {sshd.port}\n  connect_timeout: 5\n"
-            f"hosts:\n{hosts}jobs:\n{jobs}"
-            f"train:\n  mode: {mode}\n  script: template:{script}\n"
-            f"  args: ['--steps', '{steps}', '--log_every', '50', '--model_dir', '{{workdir}}/ckpt'"
-            + (", '--cleanup_timeout', '3'" if script == "between_graph" else "") + "]\n"
-            "  checkpoint: {dir: '{workdir}/ckpt', keep: 2, sync: 2s}\n")
-    path = tmp / f"{name}.yaml"
-    path.write_text(text)
-    return path
 
 
 def pulled(cwd: Path) -> list[int]:
@@ -158,21 +148,16 @@ def pulled(cwd: Path) -> list[int]:
 
 @pytest.mark.timeout(420)
 def test_a_lost_chief_restarts_every_task_on_the_spare_from_the_launchers_copy(
-        tmp_path, home, ssh_home, sshd, sshd_factory):
+        tmp_path, home, ssh_home, bed):
     """No shared filesystem: the chief's checkpoints die with its box (the test deletes them
     with the host), and the run resumes from the copy the launcher pulled."""
-    lost = lone(sshd_factory, ssh_home, LOST_ADDRESS)
-    spare = lone(sshd_factory, ssh_home, SPARE_ADDRESS)
     cwd = tmp_path / "cwd"
     cwd.mkdir()
-    p = free_ports(3)
-    spec = chief_spec(tmp_path, sshd, lost, spare, "rchief", mode="between-graph", script="between_graph",
-                      steps=1500, jobs=f"  ps: {{tasks: ['h2:{p[0]}']}}\n"
-                                       f"  worker: {{tasks: ['h4:{p[1]}', 'h3:{p[2]}']}}\n")
+    spec = bed_spec(tmp_path, bed, "rchief", CHIEF_ON_H4, steps=1500)
 
     def fault() -> None:
         wait_for(lambda: any(pulled(cwd)), timeout=120, what="a checkpoint past step 0 pulled to the launcher")
-        kill_host(lost)
+        bed.kill("h4")
         shutil.rmtree(tmp_path / "remote" / "rchief" / "ckpt")     # the chief's disk, gone with it
 
     rc, rest = killed_mid_run(spec, home, cwd, r"worker:0 .*step=", fault, r"h4: moving worker:0 to h5, every "
@@ -191,14 +176,12 @@ def test_a_lost_chief_restarts_every_task_on_the_spare_from_the_launchers_copy(
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("mode", ["coordinator", "mirrored"])
 def test_a_lost_worker_restarts_the_strategys_cluster_on_the_spare_from_the_checkpoint(
-        tmp_path, home, ssh_home, sshd, sshd_factory, mode):
+        tmp_path, home, ssh_home, bed, mode):
     """ParameterServerStrategy's coordinator and MultiWorkerMirroredStrategy fix their cluster
     at their start: a worker's new address means every task starts again, from the checkpoint."""
-    lost = lone(sshd_factory, ssh_home, LOST_ADDRESS)
-    spare = lone(sshd_factory, ssh_home, SPARE_ADDRESS)
     cwd = tmp_path / "cwd"
     cwd.mkdir()
-    p = free_ports(4)
+    p = P
     if mode == "coordinator":
         jobs = (f"  chief: {{tasks: ['h2:{p[0]}']}}\n  ps: {{tasks: ['h3:{p[1]}']}}\n"
                 f"  worker: {{tasks: ['h3:{p[2]}', 'h4:{p[3]}']}}\n")
@@ -206,11 +189,10 @@ def test_a_lost_worker_restarts_the_strategys_cluster_on_the_spare_from_the_chec
     else:
         jobs = f"  worker: {{tasks: ['h3:{p[0]}', 'h4:{p[1]}']}}\n"
         watched, steps = "worker:0", 500
-    spec = chief_spec(tmp_path, sshd, lost, spare, f"r{mode[:5]}", mode=mode, script=mode, steps=steps,
-                      jobs=jobs)
+    spec = bed_spec(tmp_path, bed, f"r{mode[:5]}", jobs, mode=mode, script=mode, steps=steps)
     def fault() -> None:
         wait_for(lambda: any(pulled(cwd)), timeout=120, what="a checkpoint past step 0 pulled to the launcher")
-        kill_host(lost)
+        bed.kill("h4")
 
     rc, rest = killed_mid_run(spec, home, cwd, rf"{watched} .*step=", fault,
                               r"h4: moving worker:1 to h5, every task restarting from the checkpoint \(", timeout=300)
@@ -226,17 +208,12 @@ def test_a_lost_worker_restarts_the_strategys_cluster_on_the_spare_from_the_chec
 
 
 @pytest.mark.timeout(420)
-def test_drain_moves_the_chief_at_its_checkpoint_losing_no_step(tmp_path, home, ssh_home, sshd, sshd_factory):
+def test_drain_moves_the_chief_at_its_checkpoint_losing_no_step(tmp_path, home, ssh_home, bed):
     """`tfcluster drain SPEC h4` from another terminal: the chief saves as it stops (SIGTERM),
     every task starts again on the spare from that checkpoint, and `drain` says so."""
-    lost = lone(sshd_factory, ssh_home, LOST_ADDRESS)
-    spare = lone(sshd_factory, ssh_home, SPARE_ADDRESS)
     cwd = tmp_path / "cwd"
     cwd.mkdir()
-    p = free_ports(3)
-    spec = chief_spec(tmp_path, sshd, lost, spare, "rdrain", mode="between-graph", script="between_graph",
-                      steps=1500, jobs=f"  ps: {{tasks: ['h2:{p[0]}']}}\n"
-                                       f"  worker: {{tasks: ['h4:{p[1]}', 'h3:{p[2]}']}}\n")
+    spec = bed_spec(tmp_path, bed, "rdrain", CHIEF_ON_H4, steps=1500)
 
     def fault() -> None:
         drain = tfcluster("drain", str(spec), "h4", "--wait", "120", home=home, cwd=cwd)
@@ -267,18 +244,48 @@ def test_drain_refuses_a_host_the_spec_lacks_and_a_cluster_not_training(tmp_path
 
 @pytest.mark.timeout(300)
 def test_train_with_a_host_down_from_the_start_runs_its_tasks_on_the_spare(
-        tmp_path, home, ssh_home, sshd, sshd_factory):
-    lost = lone(sshd_factory, ssh_home, LOST_ADDRESS)
-    spare = lone(sshd_factory, ssh_home, SPARE_ADDRESS)
-    kill_host(lost)
+        tmp_path, home, ssh_home, bed):
     cwd = tmp_path / "cwd"
     cwd.mkdir()
-    spec = spec_with_spare(tmp_path, sshd, lost, spare, "rdown", steps=300)
+    spec = bed_spec(tmp_path, bed, "rdown", PS_AND_TWO_WORKERS, steps=300, checkpoint=False)
+    bed.kill("h4")
     result = tfcluster("train", str(spec), home=home, cwd=cwd, timeout=240)
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
-    assert "h4 is down (connection refused): worker:1 start on spare h5 instead" in out, out[-4000:]
+    assert re.search(r"h4 is down \(.+\): worker:1 start on spare h5 instead", out), out[-4000:]
     doc = manifest(only_run(cwd / "runs"))
     assert doc["tasks"]["worker:1"]["host"] == "h5" and doc["tasks"]["worker:1"]["script"]["exit_code"] == 0
     assert doc["plan"]["moves"] == [{"lost": "h4", "to": "h5"}]
     wait_for(lambda: not tagged_processes(), timeout=60, what="no task left running")
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_while_a_drain_restarts_every_task_leaves_nothing_on_any_host(tmp_path, home, ssh_home, bed):
+    """Ctrl-C lands while the drained host's move restarts every task: exit 130 within the
+    stop's grace (5 s) + 5 s, no traceback, and nothing of the cluster left on any host, its
+    processes and its nftables tables alike."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    spec = bed_spec(tmp_path, bed, "rintr", PS_AND_TWO_WORKERS, steps=5000000)
+    proc = start_tfcluster("train", str(spec), home=home, cwd=cwd)
+    drain = None
+    try:
+        read_until(proc, r"worker:1 .*step=[1-9]", timeout=200)
+        drain = start_tfcluster("drain", str(spec), "h4", "--wait", "60", home=home, cwd=cwd)
+        before = read_until(proc, r"h4 drained: moving worker:1 to h5", timeout=60)
+        os.killpg(proc.pid, signal.SIGINT)
+        began = time.monotonic()
+        rest = proc.communicate(timeout=60)[0]
+        took = time.monotonic() - began
+    finally:
+        kill_group(proc)
+        if drain is not None:
+            kill_group(drain)
+    out = "".join(before) + rest
+    assert proc.returncode == 130, out[-3000:]
+    assert took <= 15, took        # grace 5 s + 5 s, and a loaded machine's slack
+    assert "Traceback" not in out and "Exception in thread" not in out, out[-3000:]
+    wait_for(lambda: not tagged_processes(), timeout=20, what="no task left on any host")
+    for host in bed.hosts.values():
+        wait_for(lambda h=host: "tfcluster_" not in h.run(["nft", "list", "tables"]).stdout, timeout=20,
+                 what=f"no table of the cluster left on {host.name}")

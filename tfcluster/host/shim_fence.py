@@ -29,6 +29,7 @@ processes on the host. Shipped beside shim.py: standard library only, Python >= 
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import re
@@ -44,7 +45,7 @@ else:  # shipped: the shim's directory is first on sys.path
     import shim_procs as procs
 
 PREFIX = "tfcluster_"          # every table tfcluster makes starts so; none other is touched
-MARK = "fence.json"            # <cluster dir>/fence.json: the table and how it was made
+MARK = "fence-%s.json"         # <cluster dir>/fence-<host>.json: this host's table and how it was made
 NFT_TIMEOUT = 10.0
 SBIN = ("/usr/sbin", "/sbin", "/usr/local/sbin")
 MAX_OTHERS = 8                 # other users named in a warning
@@ -623,7 +624,27 @@ def _join(items) -> str:
 
 
 def _mark_path(cluster_dir: str) -> str:
-    return os.path.join(fs.expand(cluster_dir), MARK)
+    """One mark per host: a cluster dir on a shared filesystem (an NFS home) is every host's,
+    and one host's release must not delete another's mark, which would leave that host's
+    table behind. A host is its machine id and its network namespace (nft tables live in
+    one; the machine id alone would make the namespaces of one machine one host)."""
+    return os.path.join(fs.expand(cluster_dir), MARK % _host_key())
+
+
+def _host_key() -> str:
+    machine = ""
+    for path in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
+        try:
+            with open(path) as f:
+                machine = f.read().strip()
+            break
+        except OSError:
+            continue
+    try:
+        net = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        net = 0
+    return hashlib.sha256(("%s:%d" % (machine, net)).encode()).hexdigest()[:12]
 
 
 def _read_mark(cluster_dir: str) -> dict | None:

@@ -1,0 +1,85 @@
+"""The fence across a move, on separate hosts (tests/netns.py): a second Unix user on any host
+of a running cluster, the spare included, is refused at every task port of every host, before
+a host is lost and after every task restarted on the spare; so is the owner's own process
+outside the cluster (another TF server of the same user would otherwise relay a stranger in)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import sys
+
+import pytest
+
+from tests.helpers import kill_group, manifest, only_run, read_until, start_tfcluster, tagged_processes, wait_for
+
+pytestmark = [pytest.mark.ssh, pytest.mark.tf]
+
+PYTHON = "/usr/bin/python3"
+DIAL = ("import json, socket, sys\n"
+        "out = {}\n"
+        "for a, p in json.loads(sys.argv[1]):\n"
+        "    try:\n"
+        "        socket.create_connection((a, p), 3).close(); out[f'{a}:{p}'] = 'connected'\n"
+        "    except OSError as e:\n"
+        "        out[f'{a}:{p}'] = type(e).__name__\n"
+        "print(json.dumps(out))\n")
+
+
+def dial_from(host, targets, user=None) -> dict[str, str]:
+    done = host.run([PYTHON, "-c", DIAL, json.dumps(targets)], user=user, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def refused_everywhere(bed, targets, other_user) -> None:
+    """From every live host: the second user and the owner's process outside the cluster are
+    refused at every target; nothing connects."""
+    for host in bed.hosts.values():
+        if host.state != "up":
+            continue
+        for who in (other_user.uid, None):
+            got = dial_from(host, targets, who)
+            assert set(got.values()) == {"ConnectionRefusedError"}, (host.name, who, got)
+
+
+@pytest.mark.timeout(480)
+def test_a_second_user_is_refused_at_every_task_port_before_and_after_a_move(tmp_path, home, ssh_home, bed,
+                                                                            other_user):
+    if not os.path.exists(PYTHON):
+        pytest.fail(f"{PYTHON} is needed to dial as the second user")
+    hosts = [bed.add(n) for n in ("h2", "h3", "h4")]
+    spare = bed.add("h5")
+    spec = tmp_path / "fmove.yaml"
+    spec.write_text(
+        f"name: fmove\npython: {sys.executable}\nworkdir: {tmp_path / 'remote'}\nssh: {{connect_timeout: 5}}\n"
+        f"hosts:\n" + "".join(f"  - {h.spec()}\n" for h in hosts) + f"  - {spare.spec(spare='true')}\n"
+        "jobs:\n  ps: {tasks: ['h2:25000']}\n  worker: {tasks: ['h3:25001', 'h4:25002']}\n"
+        "train:\n  mode: between-graph\n  script: template:between_graph\n"
+        "  args: ['--steps', '5000000', '--log_every', '50', '--model_dir', '{workdir}/ckpt', '--cleanup_timeout', '3']\n"
+        "  checkpoint: {dir: '{workdir}/ckpt', keep: 2, sync: 2s}\n")
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    addr = {h.name: h.address for h in bed.hosts.values()}
+    proc = start_tfcluster("train", str(spec), home=home, cwd=cwd)
+    try:
+        read_until(proc, r"worker:1 .*step=[1-9]", timeout=200)
+        refused_everywhere(bed, [[addr["h2"], 25000], [addr["h3"], 25001], [addr["h4"], 25002]], other_user)
+        bed.kill("h4")
+        read_until(proc, r"worker:0 on h3 resumed at step \d+", timeout=150)
+        read_until(proc, r"worker:1 .*step=", timeout=60)      # worker:1 trains on h5
+        refused_everywhere(bed, [[addr["h2"], 25000], [addr["h3"], 25001], [addr["h5"], 25002]], other_user)
+        os.killpg(proc.pid, signal.SIGINT)
+        rest = proc.communicate(timeout=60)[0]
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 130, rest[-3000:]
+    assert not re.search(r"TensorFlow's ports .* stay open", rest), rest[-3000:]
+    doc = manifest(only_run(cwd / "runs"))
+    assert doc["tasks"]["worker:1"]["host"] == "h5"
+    wait_for(lambda: not tagged_processes(), timeout=30, what="no task left on any host")
+    for host in bed.hosts.values():
+        if host.state == "up":
+            wait_for(lambda h=host: "tfcluster_" not in h.run(["nft", "list", "tables"]).stdout, timeout=20,
+                     what=f"no table of the cluster left on {host.name}")
