@@ -332,3 +332,64 @@ def test_render_says_spares_and_checkpoints_do_not_carry_over(tmp_path, engine):
                       home=tmp_path, cwd=tmp_path, timeout=60)
     assert shown.returncode == 0, shown.stderr
     assert "spare hosts, train.on_host_loss and train.checkpoint do not carry over" in shown.stderr
+
+
+# --------------------------------------------------------------------------- `up`'s moves, saved
+
+
+class Said:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def info(self, text: str) -> None:
+        self.lines.append(f"info {text}")
+
+    def warn(self, text: str) -> None:
+        self.lines.append(f"warn {text}")
+
+
+def test_the_moves_up_saved_are_applied_and_said_once_each(many):
+    from tfcluster.launch.cluster.state import UpState, placed_by_up
+
+    said = Said()
+    placed = placed_by_up(many, said, UpState(moves=(("a", "z"), ("c", "s"))))
+    assert placed == many.moved("a", "z").moved("c", "s")
+    assert said.lines == ["info ps:0 runs on spare z (moved there by `up`: a was down)",
+                          "info worker:1 runs on spare s (moved there by `up`: c was down)"]
+    assert placed_by_up(many, said, UpState()) is many and len(said.lines) == 2     # nothing saved
+
+
+@pytest.mark.parametrize("edit, why", [
+    (lambda t: t.replace("  - {name: s, address: 10.0.0.5, gpus: 2, spare: true}\n", ""),
+     "the spec no longer lists s"),
+    (lambda t: t.replace("{name: s, address: 10.0.0.5, gpus: 2, spare: true}", "{name: s, address: 10.0.0.5, gpus: 2}"),
+     "s is no longer a spare in the spec"),
+    (lambda t: t.replace("  - {name: c, address: 10.0.0.3, gpus: 1}\n", "").replace("count: 3, hosts: [b, c]", "count: 2, hosts: [b]"),
+     "the spec no longer lists c"),
+    (lambda t: t.replace("{name: s, address: 10.0.0.5, gpus: 2, spare: true}", "{name: s, address: 10.0.0.5, spare: true}"),
+     "s cannot take them (needs 1 GPU, has 0)"),
+])
+def test_a_saved_move_the_edited_spec_no_longer_allows_is_ignored_with_one_warning(tmp_path, edit, why):
+    from tfcluster.launch.cluster.state import UpState, placed_by_up
+
+    plan = build_plan(load_spec(write(tmp_path, edit(MANY))))
+    said = Said()
+    assert placed_by_up(plan, said, UpState(moves=(("c", "s"),))) is plan
+    (line,) = said.lines
+    assert line.startswith(f"warn `tfcluster up` started c's tasks on spare s (local state), but {why}: "
+                           "that move is ignored"), line
+
+
+def test_the_state_up_leaves_reads_back_and_an_older_one_still_reads():
+    from tfcluster.launch.cluster.state import UpState
+
+    now = UpState(name="t", spec_sha256="ab", run_id="up-1", tasks={"ps:0": {"host": "z", "tag": "t@1:up-1:ps:0:server"}},
+                  hosts={"z": ["t@1:up-1:ps:0:server"]}, moves=(("a", "z"),))
+    assert UpState.from_doc(json.loads(json.dumps(now.to_doc()))) == now
+    assert now.to_doc()["moves"] == [{"lost": "a", "to": "z"}]
+    older = {"name": "t", "spec_sha256": "ab", "run_id": "up-1",       # before `hosts` and `moves`
+             "tasks": {"ps:0": {"host": "a", "tag": "x"}, "worker:0": {"host": "b", "tag": "y"}, "bad": 3}}
+    read = UpState.from_doc(older)
+    assert read.hosts == {"a": ["x"], "b": ["y"]} and read.moves == () and set(read.tasks) == {"ps:0", "worker:0"}
+    assert UpState.from_doc({"moves": [{"lost": "a"}, "a->z", {"lost": "a", "to": "z"}]}).moves == (("a", "z"),)
+    assert UpState.from_doc([1, 2]) == UpState()

@@ -159,11 +159,11 @@ def status(
 
     Example:  tfcluster status lab.yaml --json
     """
-    from tfcluster.launch.cluster import lifecycle
+    from tfcluster.launch.cluster import lifecycle, state
     from tfcluster.launch.run import drains
     from tfcluster.ui.views import print_status, status_json
 
-    p = plan_of(spec_path)
+    p = state.placed_by_up(plan_of(spec_path), ui)      # where `up` put a down host's tasks
     if watch:
         return watch_status(p, interval, json_)
     rows, unreachable = lifecycle.status(p, ui)

@@ -58,22 +58,33 @@ def up(plan: Plan, ui, timeout: float = READY_TIMEOUT, allow_skew: bool = False)
 
 
 def _record(plan: Plan, run_id: str, started: list[Started], live: dict) -> None:
-    old = state.load(state.key(plan)) or {}
-    hosts = state.started_on(old)     # every host an `up` started servers on, until `down`
-    tasks = {k: v for k, v in old.get("tasks", {}).items() if k in live}
+    """What this `up` started, beside what earlier ones did (`hosts`, until `down`), and where
+    the tasks of a down host were placed (`plan.moves`): the truth for every command until
+    `down` (state.placed_by_up)."""
+    old = state.load(state.key(plan)) or state.UpState()
+    hosts = old.hosts     # every host an `up` started servers on, until `down`
+    tasks = {k: v for k, v in old.tasks.items() if k in live}
     for s in started:
         tasks[s.task.key] = {"host": s.task.host, "port": s.task.port, "pid": s.pid,
                              "tag": s.tag, "log": s.log, "started": time.time()}
         hosts.setdefault(s.task.host, []).append(s.tag)
-    state.save(state.key(plan), {"name": plan.name, "spec_sha256": plan.spec_digest,
-                           "run_id": run_id, "tasks": tasks, "hosts": hosts})
+    state.save(state.key(plan), state.UpState(name=plan.name, spec_sha256=plan.spec_digest, run_id=run_id,
+                                              tasks=tasks, hosts=hosts, moves=plan.moves))
 
 
 def down(plan: Plan, ui, grace: float = DEFAULT_GRACE) -> int:
     """Stop everything of this cluster on every host of the spec, tasks or not, and on those
-    the local state says `up` started servers on; name the hosts that could not be reached."""
-    recorded = state.started_on(state.load(state.key(plan)))
-    with state.lock(plan, "down"), Session(plan, ui, _hosts_to_look_at(plan), light=True) as session:
+    the local state says `up` started servers on; name the hosts that could not be reached.
+    Tasks `up` started on a spare instead of a down host are looked for there (state.py,
+    placed_by_up); the down host is looked at too, when it answers."""
+    with state.lock(plan, "down"):
+        saved = state.load(state.key(plan))
+        plan = state.placed_by_up(plan, ui, saved)
+        return _down(plan, ui, grace, state.started_on(saved))
+
+
+def _down(plan: Plan, ui, grace: float, recorded: dict[str, list[str]]) -> int:
+    with Session(plan, ui, _hosts_to_look_at(plan), light=True) as session:
         # One exec per warm host (HostAgent.down): info, the stop, and the wait, on the host,
         # until its ports of the cluster bind again (up to PORT_SETTLE).
         opened, reports = _stop_all(session, names.cluster_prefix(plan.name), grace, PORT_SETTLE)
@@ -143,12 +154,18 @@ def _hosts_to_look_at(plan: Plan) -> list[str]:
 
 def _warn_spare(ui, plan: Plan, unreachable: dict, recorded: dict) -> dict:
     """The unreachable hosts that matter: a host without tasks in the spec, where `up` (by
-    the local state) started nothing, may be a spare that is off; it gets a warning."""
-    spare = [h for h in unreachable if h not in plan.hosts and h not in recorded]
-    for h in spare:
-        ui.warn(f"{h}: not reached ({unreachable[h]}); the spec gives it no task and the local "
-                f"state has no server started there, so it is left out")
-    return {h: e for h, e in unreachable.items() if h not in spare}
+    the local state) started nothing, may be a spare that is off; a host whose tasks `up`
+    started on a spare (plan.moves) was down then. Each gets a warning."""
+    moved = {lost: spare for lost, spare in plan.moves}
+    left = [h for h in unreachable if h not in plan.hosts and (h in moved or h not in recorded)]
+    for h in left:
+        if h in moved:
+            ui.warn(f"{h}: not reached ({unreachable[h]}); `up` started its tasks on {moved[h]}, so it is "
+                    f"left out (`tfcluster down` once it is back stops anything of the cluster left there)")
+        else:
+            ui.warn(f"{h}: not reached ({unreachable[h]}); the spec gives it no task and the local "
+                    f"state has no server started there, so it is left out")
+    return {h: e for h, e in unreachable.items() if h not in left}
 
 
 def _dropped_hosts(plan: Plan, recorded: dict, stopped: list[str]) -> dict[str, int]:

@@ -2,7 +2,9 @@
 
 State lives in `$XDG_STATE_HOME/tfcluster/<key>/` (default
 `~/.local/state/tfcluster`), written atomically and readable only by the owner.
-It is a convenience: `down` works without it by asking the hosts' pid files.
+It is a convenience: `down` works without it by asking the hosts' pid files. One part
+of it is more: where `up` started a down host's tasks instead (a spare), which every
+command plans with until `down` (placed_by_up).
 """
 from __future__ import annotations
 
@@ -10,10 +12,14 @@ import fcntl
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tfcluster.errors import LockedError, PreflightError
 from tfcluster.localfs import NOFOLLOW, private_dir, write_private  # noqa: F401 - also imported from here
+
+if TYPE_CHECKING:
+    from tfcluster.plan import Plan
 
 
 def key(plan) -> str:
@@ -43,34 +49,116 @@ def state_file(name: str) -> str:
     return os.path.join(state_dir(name), "state.json")
 
 
-def load(name: str) -> dict | None:
+@dataclass
+class UpState:
+    """What `up` left, until `down` clears it (state.json). Every field is optional on
+    reading: an older state has no `hosts` (they come from its `tasks`) and no `moves`;
+    anything malformed is skipped, as the state is a convenience."""
+
+    name: str = ""
+    spec_sha256: str = ""
+    run_id: str = ""                     # the latest `up` that started servers
+    # task key -> {host, port, pid, tag, log, started}: the servers of the latest `up`,
+    # and the ones it found running
+    tasks: dict[str, dict] = field(default_factory=dict)
+    # host -> the tags of the servers every `up` started there, until `down`
+    hosts: dict[str, list[str]] = field(default_factory=dict)
+    # (host down, spare): where `up` started a down host's tasks instead (deadhosts.py), in
+    # order; the servers run there, so every command plans with them until `down`
+    moves: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def from_doc(cls, doc) -> "UpState":
+        doc = doc if isinstance(doc, dict) else {}
+        tasks = doc.get("tasks") if isinstance(doc.get("tasks"), dict) else {}
+        tasks = {k: t for k, t in tasks.items() if isinstance(k, str) and isinstance(t, dict)}
+        hosts = doc.get("hosts")
+        if not isinstance(hosts, dict):
+            hosts = {}
+            for task in tasks.values():
+                if isinstance(task.get("host"), str):
+                    hosts.setdefault(task["host"], []).append(task.get("tag"))
+        moves = doc.get("moves") if isinstance(doc.get("moves"), list) else []
+        return cls(
+            name=_text(doc.get("name")), spec_sha256=_text(doc.get("spec_sha256")),
+            run_id=_text(doc.get("run_id")), tasks=tasks,
+            hosts={h: [t for t in tags if isinstance(t, str)] for h, tags in hosts.items()
+                   if isinstance(h, str) and isinstance(tags, list)},
+            moves=tuple((m["lost"], m["to"]) for m in moves
+                        if isinstance(m, dict) and isinstance(m.get("lost"), str) and isinstance(m.get("to"), str)))
+
+    def to_doc(self) -> dict:
+        return {"name": self.name, "spec_sha256": self.spec_sha256, "run_id": self.run_id,
+                "tasks": self.tasks, "hosts": self.hosts,
+                "moves": [{"lost": lost, "to": spare} for lost, spare in self.moves]}
+
+
+def _text(value) -> str:
+    return value if isinstance(value, str) else ""
+
+
+def load(name: str) -> UpState | None:
+    """The state `up` left for cluster `name` (key()); None when there is none (or it cannot
+    be read)."""
     try:
         fd = os.open(state_file(name), os.O_RDONLY | NOFOLLOW)
         with os.fdopen(fd, "rb") as f:
-            return json.loads(f.read())
+            return UpState.from_doc(json.loads(f.read()))
     except (OSError, ValueError):
         return None
 
 
-def started_on(state: dict | None) -> dict[str, list[str]]:
-    """Host -> the tags of the servers `up` started there, as the state recorded them
-    (`hosts`, kept from one `up` to the next until `down` clears the state; an older state
-    has only `tasks`). Anything malformed is skipped: the state is a convenience."""
-    state = state if isinstance(state, dict) else {}
-    hosts = state.get("hosts")
-    if not isinstance(hosts, dict):
-        tasks = state.get("tasks") if isinstance(state.get("tasks"), dict) else {}
-        hosts = {}
-        for task in tasks.values():
-            if isinstance(task, dict) and isinstance(task.get("host"), str):
-                hosts.setdefault(task["host"], []).append(task.get("tag"))
-    return {h: [t for t in tags if isinstance(t, str)] for h, tags in hosts.items()
-            if isinstance(h, str) and isinstance(tags, list)}
+def started_on(state: UpState | None) -> dict[str, list[str]]:
+    """Host -> the tags of the servers `up` started there (none without a state)."""
+    return state.hosts if state is not None else {}
 
 
-def save(name: str, state: dict) -> None:
+def save(name: str, state: UpState) -> None:
     write_private(state_file(name),
-                  json.dumps(state, indent=2, sort_keys=True).encode())
+                  json.dumps(state.to_doc(), indent=2, sort_keys=True).encode())
+
+
+def placed_by_up(plan: Plan, ui, saved: UpState | None = None) -> Plan:
+    """`plan` with the moves `up` saved applied (`saved`, else the cluster's state): a host
+    that was down at `up` had its tasks' servers started on a spare, and they run there until
+    `down`, whether the host is back or not, so `status`, `train`, `down` and another `up`
+    look for them there. Each move applied is said once; a move the spec no longer allows
+    (its host or spare gone, or no spare any more) is ignored with a warning."""
+    saved = saved if saved is not None else load(key(plan))
+    if saved is None or not saved.moves:
+        return plan
+    for lost, spare in saved.moves:
+        why = _move_problem(plan, lost, spare)
+        if why is None:
+            try:
+                moved = plan.moved(lost, spare)
+            except ValueError as e:
+                why = str(e)
+        if why is not None:
+            ui.warn(f"`tfcluster up` started {lost}'s tasks on spare {spare} (local state), but {why}: "
+                    f"that move is ignored and the spec's placement used; `tfcluster down` with the spec "
+                    f"`up` used stops what runs on {spare}")
+            continue
+        keys = [t.key for t in plan.tasks_on(lost)]
+        ui.info(f"{', '.join(keys)} {'runs' if len(keys) == 1 else 'run'} on spare {spare} "
+                f"(moved there by `up`: {lost} was down)")
+        plan = moved
+    return plan
+
+
+def _move_problem(plan: Plan, lost: str, spare: str) -> str | None:
+    """Why the spec no longer allows `up`'s move of `lost`'s tasks to `spare` (None: it does)."""
+    listed = {h.name for h in plan.all_hosts}
+    if lost not in listed:
+        return f"the spec no longer lists {lost}"
+    if spare not in listed:
+        return f"the spec no longer lists {spare}"
+    if spare not in plan.spares:
+        return f"{spare} is no longer a spare in the spec"
+    if not plan.tasks_on(lost):
+        return f"the spec gives {lost} no task any more"
+    problem = plan.spare_problem(spare, lost)
+    return f"{spare} cannot take them ({problem})" if problem else None
 
 
 def clear(name: str) -> None:

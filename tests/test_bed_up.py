@@ -1,0 +1,80 @@
+"""`up` with a host already down, on separate machines (tests/netns.py): its tasks' servers
+start on the spare, and that placement is the truth for every later command until `down`:
+`status` and `train` look for them on the spare, `down` stops them there and clears it. On
+loopback hosts the down host's address would still reach the spare's server; here it
+reaches nothing, so a command that planned from the spec alone would fail."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import manifest, only_run, state_path, tagged_processes, tfcluster, wait_for
+
+pytestmark = [pytest.mark.ssh, pytest.mark.tf]
+
+PORTS = (25000, 25001, 25002)      # each bed host has its own ports: no clash with any other test
+SAID = "worker:1 runs on spare h5 (moved there by `up`: h4 was down)"
+
+
+def spec_of(tmp: Path, bed, name: str) -> Path:
+    """ps on h2, worker:0 (the chief) on h3, worker:1 on h4, h5 the spare."""
+    h2, h3, h4, h5 = (bed.add(n) for n in ("h2", "h3", "h4", "h5"))
+    text = (f"name: {name}\npython: {sys.executable}\nworkdir: {tmp / 'remote'}\n"
+            f"ssh: {{connect_timeout: 5}}\n"
+            f"hosts:\n  - {h2.spec()}\n  - {h3.spec()}\n  - {h4.spec()}\n  - {h5.spec(spare='true')}\n"
+            f"jobs:\n  ps: {{tasks: ['h2:{PORTS[0]}']}}\n"
+            f"  worker: {{tasks: ['h3:{PORTS[1]}', 'h4:{PORTS[2]}']}}\n"
+            f"train:\n  mode: between-graph\n  script: template:between_graph\n"
+            f"  args: ['--steps', '200', '--log_every', '50']\n")
+    path = tmp / f"{name}.yaml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.timeout(420)
+def test_up_with_a_host_down_keeps_its_tasks_on_the_spare_for_status_train_and_down(
+        tmp_path, home, ssh_home, bed):
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    spec = spec_of(tmp_path, bed, "bup")
+    bed.kill("h4")                   # down before `up`: no sshd, its address answers nothing
+    try:
+        up = tfcluster("up", str(spec), home=home, cwd=cwd)
+        assert up.returncode == 0, up.stderr[-4000:]
+        assert "h4 is down (" in up.stderr and "worker:1 start on spare h5 instead" in up.stderr, up.stderr
+        saved = json.loads(state_path(home, spec).read_text())
+        assert saved["moves"] == [{"lost": "h4", "to": "h5"}], saved
+        assert saved["tasks"]["worker:1"]["host"] == "h5", saved
+
+        status = tfcluster("status", str(spec), "--json", home=home, cwd=cwd)
+        assert status.returncode == 0, status.stderr
+        rows = {r["task"]: r for r in json.loads(status.stdout)["tasks"]}
+        assert rows["worker:1"]["host"] == "h5" and rows["worker:1"]["status"] == "running", rows
+        assert all(r["status"] == "running" and r["in_spec"] for r in rows.values()), rows
+        assert status.stderr.count(SAID) == 1, status.stderr
+        assert "h4: not reached" in status.stderr and "`up` started its tasks on h5" in status.stderr
+
+        again = tfcluster("up", str(spec), home=home, cwd=cwd)      # h4 still down: the move stands
+        assert again.returncode == 0 and "is already up" in again.stderr, again.stderr
+        assert SAID in again.stderr and "start on spare" not in again.stderr, again.stderr
+        assert json.loads(state_path(home, spec).read_text())["moves"] == [{"lost": "h4", "to": "h5"}]
+
+        train = tfcluster("train", str(spec), home=home, cwd=cwd, timeout=300)
+        out = train.stdout + train.stderr
+        assert train.returncode == 0, out[-4000:]
+        assert SAID in out, out[-4000:]
+        doc = manifest(only_run(cwd / "runs"))
+        assert doc["tasks"]["worker:1"]["host"] == "h5", doc["tasks"]["worker:1"]
+        assert doc["tasks"]["worker:1"]["script"]["exit_code"] == 0, doc["tasks"]["worker:1"]
+        assert doc["plan"]["moves"] == [{"lost": "h4", "to": "h5"}]
+        assert doc["progress"]["worker:1"]["step"] >= 150, doc["progress"]
+    finally:
+        down = tfcluster("down", str(spec), home=home, cwd=cwd)
+    assert down.returncode == 0, down.stderr
+    assert "h5: stopped 1 process(es)" in down.stderr, down.stderr
+    assert "h4: not reached" in down.stderr, down.stderr
+    assert not state_path(home, spec).exists()
+    wait_for(lambda: not tagged_processes(), timeout=60, what="no task left running")
