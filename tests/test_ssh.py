@@ -14,7 +14,7 @@ import pytest
 
 from tests.helpers import assert_went_through_jump, connect_error, fingerprint, keygen, wait_for, where
 from tests.sshd import Target, make_target
-from tfcluster.errors import ConnectError, DeadlineError
+from tfcluster.errors import Cause, ConnectError, DeadlineError
 from tfcluster.transport import make_transport
 from tfcluster.transport.base import home_relative
 from tfcluster.transport.options import SshOptions
@@ -164,6 +164,7 @@ def test_unknown_host_key_is_rejected_with_one_line_and_a_hint(ssh_home, sshd, t
     assert err.message == f"host gpu0 (127.0.0.3:{sshd.port}): unknown host key (ssh-ed25519 {fp})"
     assert err.hint == (f"run `ssh-keyscan -p {sshd.port} 127.0.0.3 >> {kh}` after checking "
                         "the fingerprint, or set ssh.host_key_policy: accept-new")
+    assert err.cause is Cause.HOST_KEY
     assert not os.path.exists(kh)
 
 
@@ -190,7 +191,7 @@ def test_changed_host_key_is_refused_even_under_accept_new(ssh_home, sshd, trans
     assert err.message.startswith(f"host gpu0 (127.0.0.3:{sshd.port}): host key CHANGED "
                                   f"(ssh-ed25519 {fingerprint(sshd.host_key + '.pub')}, "
                                   f"known_hosts has {fingerprint(other + '.pub')})")
-    assert "possible man-in-the-middle" in err.message
+    assert "possible man-in-the-middle" in err.message and err.cause is Cause.HOST_KEY
     assert kh.read_text() == f"[127.0.0.3]:{sshd.port} {fake}\n"
 
 
@@ -202,7 +203,7 @@ def test_wrong_key_fails_authentication_naming_host_and_user(ssh_home, sshd, tra
     err = connect_error(transports(make_target("gpu0", "127.0.0.2", sshd, identity_file=wrong)))
     assert err.message.startswith(
         f"host gpu0 (127.0.0.2:{sshd.port}): authentication failed as user {sshd.user}")
-    assert "identity_file" in err.hint
+    assert "identity_file" in err.hint and err.cause is Cause.AUTH
 
 
 def test_closed_port_is_refused_naming_the_host(ssh_home, transports):
@@ -210,6 +211,7 @@ def test_closed_port_is_refused_naming_the_host(ssh_home, transports):
     err = connect_error(transports(Target("gpu0", "127.0.0.2", SshOptions(port=port))))
     assert err.message == (f"host gpu0 (127.0.0.2:{port}): connection refused "
                            "(is sshd running on that port?)")
+    assert err.cause is Cause.REFUSED
 
 
 def test_missing_identity_file_is_named(ssh_home, sshd, transports):
@@ -269,6 +271,16 @@ def test_spec_jump_host_tunnels_through_the_second_sshd(sshd, trust_jump, transp
     assert_went_through_jump(t, trust_jump)
 
 
+def test_a_target_the_jump_host_cannot_connect_to_is_unreachable(sshd, trust_jump, transports):
+    """The jump host's sshd answers the direct-tcpip open with OPEN_CONNECT_FAILED (paramiko
+    keeps the code, not its words): a host down behind a jump is down too."""
+    port = free_port("127.0.0.2")
+    err = connect_error(transports(make_target("gpu0", "127.0.0.2", sshd, port=port,
+                                               jump_host=f"root@127.0.0.5:{trust_jump.port}")))
+    assert err.message == f"host gpu0 (127.0.0.2:{port}): jump host cannot reach it: Connect failed"
+    assert err.cause is Cause.UNREACHABLE
+
+
 def test_ssh_config_proxyjump_tunnels_through_the_second_sshd(ssh_home, sshd, trust_jump,
                                                               transports):
     (ssh_home / "config").write_text(
@@ -285,6 +297,7 @@ def test_unreachable_jump_host_is_named(ssh_home, sshd, transports):
                                                jump_host=f"127.0.0.5:{port}")))
     assert err.message == (f"host gpu0 (127.0.0.2:{sshd.port}): via jump host 127.0.0.5 "
                            f"(127.0.0.5:{port}): connection refused (is sshd running on that port?)")
+    assert err.cause is Cause.REFUSED       # the jump host's, as without a jump
 
 
 # --- concurrency --------------------------------------------------------------------

@@ -50,10 +50,31 @@ class UsageError(TfclusterError):
     exit_code = ExitCode.USAGE
 
 
+class Cause(enum.Enum):
+    """Why a connection failed, as the transport told it apart where it caught the error
+    (transport/ssh_connect.py): code decides on this, never on the message's words."""
+
+    REFUSED = "refused"          # the host answered: nothing listens at the port
+    UNREACHABLE = "unreachable"  # no route to it (EHOSTUNREACH, ENETUNREACH, EHOSTDOWN)
+    TIMEOUT = "timeout"          # the TCP connect went unanswered in time
+    RESOLVE = "resolve"          # the address does not resolve here
+    HANDSHAKE = "handshake"      # connected, but the SSH handshake failed or timed out
+    DROPPED = "dropped"          # sshd dropped the handshake again and again (MaxStartups)
+    AUTH = "auth"                # the host refused every key offered
+    HOST_KEY = "host-key"        # its host key is unknown, changed or revoked
+    PROXY = "proxy"              # the ProxyCommand could not run or exited
+    LOST = "lost"                # a host lost during a run (launch/cluster/hostloss.py)
+    OTHER = "other"
+
+
 class ConnectError(TfclusterError):
-    """A host could not be reached, authenticated or trusted."""
+    """A host could not be reached, authenticated or trusted; `cause` says which."""
 
     exit_code = ExitCode.CONNECT
+
+    def __init__(self, message: str, *, cause: Cause = Cause.OTHER, **kwargs) -> None:
+        super().__init__(message, **kwargs)
+        self.cause = cause
 
 
 class PreflightError(TfclusterError):
@@ -84,7 +105,16 @@ class DeadlineError(TfclusterError):
 
 
 class LockedError(TfclusterError):
+    """Another tfcluster holds the cluster's lock: its pid and command (`train`, `up`, ...)
+    as its lock file says them, None when it says nothing readable."""
+
     exit_code = ExitCode.LOCKED
+
+    def __init__(self, message: str, *, holder_pid: int | None = None,
+                 holder_command: str | None = None, **kwargs) -> None:
+        super().__init__(message, **kwargs)
+        self.holder_pid = holder_pid
+        self.holder_command = holder_command
 
 
 class Terminated(BaseException):

@@ -12,7 +12,7 @@ from typing import List, Optional
 import typer
 
 from tfcluster.cli.app import SKEW_HELP, SpecArg, StoppedWatching, app, load, plan_of, seconds, ui
-from tfcluster.errors import ExitCode, LockedError, TfclusterError, UsageError
+from tfcluster.errors import ExitCode, UsageError
 
 
 @app.command()
@@ -106,7 +106,6 @@ def drain(
 
     Example:  tfcluster drain lab.yaml gpu3
     """
-    from tfcluster.launch.cluster import state
     from tfcluster.launch.run import drains
 
     p = plan_of(spec_path)
@@ -116,33 +115,7 @@ def drain(
     if host in p.spares:
         raise UsageError(f"{spec_path}: {host} is a spare: it holds tasks only after a move, and none "
                          f"to drain before one")
-    try:
-        with state.lock(p, "drain"):
-            holder = ""
-    except LockedError as exc:
-        holder = exc.message
-    if "tfcluster train" not in holder:
-        raise TfclusterError(f"no `tfcluster train` of cluster {p.name!r} is running: nothing to drain",
-                             hint="drain moves a running train's tasks; to run without the host, "
-                                  "edit the spec")
-    drains.ask(p, host)
-    ui.info(f"asked the running train to drain {host}")
-    deadline = time.monotonic() + wait
-    said = None
-    while time.monotonic() < deadline:
-        answer = drains.answers(p).get(host, {})
-        if answer.get("line") and answer.get("line") != said:
-            said = answer["line"]
-            ui.info(f"{host}: {answer.get('state')}: {said}")
-        if answer.get("state") == drains.MOVED:
-            return ExitCode.OK
-        if answer.get("state") == drains.FAILED:
-            return ExitCode.ERROR
-        time.sleep(0.5)
-    if wait:
-        ui.warn(f"{host}: not moved after {wait:g}s; the run goes on with the drain asked")
-        return ExitCode.TIMEOUT
-    return ExitCode.OK
+    return drains.request(p, host, wait, ui)
 
 
 @app.command()

@@ -17,6 +17,8 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from tfcluster.errors import Cause
+
 if TYPE_CHECKING:
     from tfcluster.transport.ssh_config import Endpoint
 
@@ -142,7 +144,8 @@ class KnownHosts:
             if e.marker == REVOKED and e.blob == blob:
                 raise ep.error(f"host key REVOKED ({key_type} {fingerprint(blob)} is marked "
                                f"@revoked in {e.path})",
-                               hint="the host must get a new host key; ask its administrator")
+                               hint="the host must get a new host key; ask its administrator",
+                               cause=Cause.HOST_KEY)
         known = [e for e in entries if e.marker is None]
         if any(e.blob == blob for e in known):
             return True
@@ -152,7 +155,8 @@ class KnownHosts:
         raise ep.error(f"host key CHANGED ({key_type} {fingerprint(blob)}, known_hosts has "
                        f"{fingerprint(old.blob)}): possible man-in-the-middle",
                        hint="if the host was reinstalled, check the new fingerprint, then "
-                            f"`ssh-keygen -R {shlex.quote(name)} -f {shell_path(old.path)}`")
+                            f"`ssh-keygen -R {shlex.quote(name)} -f {shell_path(old.path)}`",
+                       cause=Cause.HOST_KEY)
 
 
 class HostKeyPolicy:
@@ -172,7 +176,8 @@ class HostKeyPolicy:
             scan = f"ssh-keyscan -p {ep.port} {shlex.quote(ep.address)} >> {kh}"
             raise ep.error(f"unknown host key ({key.get_name()} {fingerprint(blob)})",
                            hint=f"run `{scan}` after checking the fingerprint, "
-                                "or set ssh.host_key_policy: accept-new")
+                                "or set ssh.host_key_policy: accept-new",
+                           cause=Cause.HOST_KEY)
         append(os.path.expanduser(ep.known_hosts[0]), ep.key_name, key.get_name(), blob,
                hashed=ep.hash_known_hosts)
 

@@ -17,7 +17,7 @@ import shlex
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from tfcluster.errors import ConnectError
+from tfcluster.errors import Cause, ConnectError
 from tfcluster.transport.options import SshOptions
 
 if TYPE_CHECKING:
@@ -64,9 +64,9 @@ class Endpoint:
         """The known_hosts name, as OpenSSH writes it: `[addr]:port` off port 22."""
         return self.address if self.port == 22 else f"[{self.address}]:{self.port}"
 
-    def error(self, problem: str, hint: str | None = None) -> ConnectError:
+    def error(self, problem: str, hint: str | None = None, cause: Cause = Cause.OTHER) -> ConnectError:
         """A one-line ConnectError naming this endpoint."""
-        return ConnectError(f"{self.role} {self.label}: {problem}", hint=hint)
+        return ConnectError(f"{self.role} {self.label}: {problem}", hint=hint, cause=cause)
 
 
 def load_ssh_config(path: str = USER_CONFIG, system: str | None = None) -> paramiko.SSHConfig:

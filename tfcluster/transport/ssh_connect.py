@@ -4,7 +4,8 @@ host-key policy, which keys are offered.
 paramiko is imported inside functions only: `plan` and `--help` never pay for it.
 Host keys are checked against the user's and the global known_hosts by our own policy
 (known_hosts.py): `reject` or `accept-new`; a changed or revoked key is always refused.
-Every failure is a one-line ConnectError naming the host (and the jump host it failed at).
+Every failure is a one-line ConnectError naming the host (and the jump host it failed at),
+its `cause` told here, where the socket's or paramiko's exception is caught.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from tfcluster.errors import ConnectError
+from tfcluster.errors import Cause, ConnectError
 from tfcluster.transport.known_hosts import HostKeyPolicy, KnownHosts
 from tfcluster.transport.ssh_config import Endpoint, SshOptions, jump_endpoint
 
@@ -51,18 +52,23 @@ def _is_dropped(e: BaseException) -> bool:
         "protocol banner" in str(e) or "Connection reset" in str(e))
 
 
+# A machine that is off or gone: its address times out (nothing answers the SYN) or has no
+# route (the last router's, or our own ARP's, verdict; EHOSTDOWN where the stack says so).
+UNREACHABLE_ERRNOS = (errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN)
+
+
 def _tcp(ep: Endpoint) -> socket.socket:
     try:
         return socket.create_connection((ep.address, ep.port), timeout=ep.timeout)
     except socket.gaierror:
-        raise ep.error(f"cannot resolve address {ep.address!r}") from None
+        raise ep.error(f"cannot resolve address {ep.address!r}", cause=Cause.RESOLVE) from None
     except ConnectionRefusedError:
-        raise ep.error("connection refused (is sshd running on that port?)") from None
+        raise ep.error("connection refused (is sshd running on that port?)", cause=Cause.REFUSED) from None
     except (socket.timeout, TimeoutError):
-        raise ep.error(f"unreachable: connect timed out after {ep.timeout:g}s") from None
+        raise ep.error(f"unreachable: connect timed out after {ep.timeout:g}s", cause=Cause.TIMEOUT) from None
     except OSError as e:
-        if e.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH):
-            raise ep.error(f"unreachable: {os.strerror(e.errno).lower()}") from None
+        if e.errno in UNREACHABLE_ERRNOS:
+            raise ep.error(f"unreachable: {os.strerror(e.errno).lower()}", cause=Cause.UNREACHABLE) from None
         raise ep.error(f"cannot connect: {e.strerror or e}") from None
 
 
@@ -109,7 +115,7 @@ def dial(ep: Endpoint, options: SshOptions, config: paramiko.SSHConfig,
         try:
             jump = dial(jump_endpoint(ep, options, config), options, config, depth + 1)
         except ConnectError as e:
-            raise ep.error(f"via {e.message}", e.hint) from None
+            raise ep.error(f"via {e.message}", e.hint, e.cause) from None
     try:
         client, proxy = _handshake_retrying(ep, jump)
         return Connection(client, [jump] if jump else [], proxy)
@@ -134,7 +140,8 @@ def _handshake_retrying(ep: Endpoint, jump: Connection | None):
         return _handshake(ep, jump)
     except _Dropped as e:
         raise ep.error(f"connection dropped during the SSH handshake ({e})",
-                       "the host's sshd may limit concurrent connections (MaxStartups)") from None
+                       "the host's sshd may limit concurrent connections (MaxStartups)",
+                       Cause.DROPPED) from None
 
 
 def _open_sock(ep: Endpoint, jump: Connection | None):
@@ -150,9 +157,23 @@ def _open_sock(ep: Endpoint, jump: Connection | None):
         return jump.transport.open_channel("direct-tcpip", (ep.address, ep.port),
                                            ("127.0.0.1", 0), timeout=ep.timeout), None
     except paramiko.ChannelException as e:
-        raise ep.error(f"jump host cannot reach it: {e.text}") from None
+        raise ep.error(f"jump host cannot reach it: {e.text}", cause=_jump_cause(e)) from None
     except paramiko.SSHException as e:
-        raise ep.error(f"jump host connection failed: {e}") from None
+        # paramiko gave up waiting for the jump host's connect to the target (a SYN unanswered)
+        timeout = "Timeout opening channel" in str(e)
+        raise ep.error(f"jump host connection failed: {e}",
+                       cause=Cause.TIMEOUT if timeout else Cause.OTHER) from None
+
+
+def _jump_cause(e) -> Cause:
+    """What a jump host's failed direct-tcpip open says of the target. OPEN_CONNECT_FAILED: the
+    jump host's own TCP connect to it failed (refused, no route or timed out there; paramiko
+    keeps the code, not the jump host's words): unreachable from the only place we can reach
+    it from. Any other code (forwarding prohibited, no resources) is the jump host's matter."""
+    from tfcluster.transport._paramiko import paramiko
+    if e.code == paramiko.common.OPEN_FAILED_CONNECT_FAILED:
+        return Cause.UNREACHABLE
+    return Cause.OTHER
 
 
 # Task output is bulk data through a pure-Python SSH stack: a large window keeps the
@@ -257,14 +278,14 @@ def _map_handshake_error(ep: Endpoint, e: BaseException, elapsed: float) -> Base
                          + ("~/.ssh/id_*",) * ep.look_for_keys) or "no key"
         return ep.error(f"authentication failed as user {ep.user} (tried {keys})",
                         hint="set ssh.identity_file (or IdentityFile in ~/.ssh/config) to a key "
-                             f"authorised for {ep.user}, or ssh.user")
+                             f"authorised for {ep.user}, or ssh.user", cause=Cause.AUTH)
     if _is_dropped(e) and elapsed < ep.timeout * 0.9:
         return _Dropped(str(e) or type(e).__name__)
     if isinstance(e, (socket.timeout, TimeoutError)) or "banner" in str(e):
         via = f" through ProxyCommand `{ep.proxy_command}`" if ep.proxy_command else ""
-        return ep.error(f"no SSH handshake within {ep.timeout:g}s{via}")
+        return ep.error(f"no SSH handshake within {ep.timeout:g}s{via}", cause=Cause.HANDSHAKE)
     if isinstance(e, (paramiko.SSHException, OSError, EOFError)):
-        return ep.error(f"SSH handshake failed: {e or type(e).__name__}")
+        return ep.error(f"SSH handshake failed: {e or type(e).__name__}", cause=Cause.HANDSHAKE)
     return e
 
 

@@ -15,8 +15,9 @@ import subprocess
 import threading
 from typing import TYPE_CHECKING
 
+from tfcluster.errors import Cause, ConnectError
+
 if TYPE_CHECKING:
-    from tfcluster.errors import ConnectError
     from tfcluster.transport.ssh_config import Endpoint
 
 STDERR_LINES = 20
@@ -54,7 +55,7 @@ class ProxyProcess:
 
     def _error(self, problem: str) -> ConnectError:
         return self.ep.error(f"ProxyCommand `{self.ep.proxy_command}` {problem}",
-                             hint="check ProxyCommand for this host in ~/.ssh/config")
+                             hint="check ProxyCommand for this host in ~/.ssh/config", cause=Cause.PROXY)
 
     def exited(self, timeout: float | None = None) -> ConnectError | None:
         """The error to report when the command has exited (within `timeout`, by default

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tfcluster.errors import ConnectError
+from tfcluster.errors import Cause, ConnectError
 from tfcluster.launch.cluster import state
 from tfcluster.launch.cluster.hostloss import dial_reason
 from tfcluster.plan import policy
@@ -15,7 +15,10 @@ if TYPE_CHECKING:
     from tfcluster.plan import Plan
 
 
-DOWN_SIGNS = ("connection refused", "unreachable", "no route to host")
+# What a host that is off or gone gives a connect: a refusal (up, but no sshd), no route, or
+# a TCP connect nobody answers (a powered-off machine's address, most often). A host that
+# answers but fails the SSH handshake, a login or its host key is no dead host.
+DOWN_CAUSES = frozenset({Cause.REFUSED, Cause.UNREACHABLE, Cause.TIMEOUT})
 
 
 def around_dead_hosts(session: Session, ui) -> Plan:
@@ -44,7 +47,7 @@ def _off_dead_hosts(session: Session, plan: Plan, ui) -> tuple[Plan, dict[str, s
     hosts = list(dict.fromkeys((*plan.hosts, *plan.spares)))
     results = session.parallel(lambda h: session.agent(h).transport.connect(), hosts)
     dead = {h: r.message for h, r in results.items()
-            if isinstance(r, ConnectError) and any(sign in r.message for sign in DOWN_SIGNS)}
+            if isinstance(r, ConnectError) and r.cause in DOWN_CAUSES}
     moved = plan
     for host in plan.hosts:
         if host not in dead:

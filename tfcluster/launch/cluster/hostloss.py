@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from tfcluster.errors import ConnectError
+from tfcluster.errors import Cause, ConnectError
 
 if TYPE_CHECKING:
     from tfcluster.transport.base import Transport
@@ -43,7 +43,7 @@ class LostHost:
     def error(self) -> ConnectError:
         return ConnectError(self.line, hint=f"the run cannot go on without {self.host}: bring it back "
                                             f"(or move its tasks to another host in the spec) and "
-                                            f"run `train` again")
+                                            f"run `train` again", cause=Cause.LOST)
 
     def record(self) -> dict:
         """The manifest's entry (watch/runs.py)."""

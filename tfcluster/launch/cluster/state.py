@@ -12,6 +12,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -168,6 +169,17 @@ def clear(name: str) -> None:
         pass
 
 
+HOLDER = "pid {pid} running `tfcluster {command}`"       # what the lock file says of its holder
+_HOLDER = re.compile(r"pid (\d+) running `tfcluster ([^`]*)`")
+
+
+def holder_of(text: str) -> tuple[int | None, str | None]:
+    """(pid, command) from a lock file's HOLDER line; (None, None) for anything else (the
+    holder has not written it yet, or wrote it before the line had this form)."""
+    found = _HOLDER.fullmatch(text.strip())
+    return (int(found.group(1)), found.group(2)) if found else (None, None)
+
+
 @dataclass
 class ClusterLock:
     """An exclusive, non-blocking lock per cluster (`name`: key()), released when the process
@@ -189,12 +201,14 @@ class ClusterLock:
         except BlockingIOError:
             holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another tfcluster"
             os.close(fd)
+            pid, command = holder_of(holder)
             raise LockedError(
                 f"cluster {self.label or repr(self.name)} is busy: {holder}",
                 hint="wait for it to finish, or stop it with Ctrl-C / `tfcluster down`",
+                holder_pid=pid, holder_command=command,
             ) from None
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} running `tfcluster {self.command}`".encode(), 0)
+        os.pwrite(fd, HOLDER.format(pid=os.getpid(), command=self.command).encode(), 0)
         self._fd = fd
         return self
 

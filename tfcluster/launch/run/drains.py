@@ -15,7 +15,7 @@ import os
 import time
 from typing import TYPE_CHECKING
 
-from tfcluster.errors import TfclusterError
+from tfcluster.errors import ExitCode, LockedError, TfclusterError
 from tfcluster.launch.cluster import state
 from tfcluster.localfs import NOFOLLOW, write_private
 
@@ -26,6 +26,46 @@ REQUEST = "drain-"
 ANSWERS = "drains.json"
 POLL_EVERY = 1.0        # seconds between the supervisor's looks
 ASKED, DRAINING, MOVED, FAILED = "asked", "draining", "moved", "failed"
+ANSWER_POLL = 0.5       # seconds between `drain`'s looks at the answers
+
+
+def request(plan, host: str, wait: float, ui) -> ExitCode:
+    """`tfcluster drain`: ask the running train to move `host`'s tasks, then wait (at most
+    `wait` s; 0: ask and return) for its answer, saying each new line of it. OK once moved,
+    ERROR when the run could not move them, TIMEOUT when no answer came in time; no `train`
+    of the cluster holding its lock raises (exit 1), asking nothing."""
+    if running(plan) != "train":
+        raise TfclusterError(f"no `tfcluster train` of cluster {plan.name!r} is running: nothing to drain",
+                             hint="drain moves a running train's tasks; to run without the host, "
+                                  "edit the spec")
+    ask(plan, host)
+    ui.info(f"asked the running train to drain {host}")
+    deadline = time.monotonic() + wait
+    said = None
+    while time.monotonic() < deadline:
+        answer = answers(plan).get(host, {})
+        if answer.get("line") and answer.get("line") != said:
+            said = answer["line"]
+            ui.info(f"{host}: {answer.get('state')}: {said}")
+        if answer.get("state") == MOVED:
+            return ExitCode.OK
+        if answer.get("state") == FAILED:
+            return ExitCode.ERROR
+        time.sleep(ANSWER_POLL)
+    if wait:
+        ui.warn(f"{host}: not moved after {wait:g}s; the run goes on with the drain asked")
+        return ExitCode.TIMEOUT
+    return ExitCode.OK
+
+
+def running(plan) -> str | None:
+    """The command (`train`, `up`, ...) of the tfcluster holding the cluster's lock, None when
+    none does (or its lock file does not say)."""
+    try:
+        with state.lock(plan, "drain"):
+            return None
+    except LockedError as exc:
+        return exc.holder_command
 
 
 def ask(plan, host: str) -> None:
