@@ -32,15 +32,14 @@ P = (25000, 25001, 25002, 25003)    # each bed host has its own ports: no clash 
 
 
 def bed_spec(tmp: Path, bed, name: str, jobs: str, *, mode: str = "between-graph",
-             script: str = "between_graph", steps: int = 3000, spare: bool = True,
+             script: str = "between_graph", steps: int = 3000, spares: tuple[str, ...] = ("h5",),
              checkpoint: bool = True, on_host_loss: str | None = None) -> Path:
-    """Bed hosts h2, h3, h4 (and h5, the spare); `jobs` is the YAML of the jobs. With
+    """Bed hosts h2, h3, h4 and the spares (h5); `jobs` is the YAML of the jobs. With
     `checkpoint`, every task's script checkpoints to {workdir}/ckpt, which train.checkpoint
     copies back every 2 s."""
     hosts = [bed.add(n) for n in ("h2", "h3", "h4")]
     listed = "".join(f"  - {h.spec()}\n" for h in hosts)
-    if spare:
-        listed += f"  - {bed.add('h5').spec(spare='true')}\n"
+    listed += "".join(f"  - {bed.add(n).spec(spare='true')}\n" for n in spares)
     args = ["--steps", str(steps), "--log_every", "50"]
     if checkpoint:
         args += ["--model_dir", "{workdir}/ckpt"]
@@ -105,11 +104,40 @@ def test_a_lost_workers_host_restarts_every_task_and_the_moved_worker_trains_on_
     wait_for(lambda: not tagged_processes(), timeout=60, what="no task left running")
 
 
+@pytest.mark.timeout(480)
+def test_the_ps_host_lost_and_then_the_spare_that_took_it_each_restart_the_run_on_a_spare(
+        tmp_path, home, ssh_home, bed):
+    """Two losses in a row, the ps's host first: every task restarts with ps:0 on h5, then h5
+    dies too and ps:0 restarts on h6; the run reaches its target from the checkpoints."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    spec = bed_spec(tmp_path, bed, "rtwice", PS_AND_TWO_WORKERS, steps=2500, spares=("h5", "h6"))
+    proc = start_tfcluster("train", str(spec), home=home, cwd=cwd)
+    try:
+        read_until(proc, r"worker:1 .*step=[1-9]", timeout=200)
+        bed.kill("h2")
+        read_until(proc, r"h2: moving ps:0 to h5, every task restarting from the checkpoint \(a ps held", timeout=90)
+        read_until(proc, r"worker:0 on h3 resumed at step \d+", timeout=150)
+        bed.kill("h5")
+        read_until(proc, r"h5: moving ps:0 to h6, every task restarting", timeout=90)
+        rest = proc.communicate(timeout=300)[0]
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 0, rest[-4000:]
+    doc = manifest(only_run(cwd / "runs"))
+    first, second = doc["moves"]
+    assert (first["host"], first["to"], second["host"], second["to"]) == ("h2", "h5", "h5", "h6"), doc["moves"]
+    assert first["resumed_step"] is not None and second["resumed_step"] is not None, doc["moves"]
+    assert doc["tasks"]["ps:0"]["host"] == "h6" and set(doc["hosts_lost"]) == {"h2", "h5"}
+    assert doc["progress"]["worker:0"]["step"] >= 2400
+    wait_for(lambda: not tagged_processes(), timeout=60, what="no task left running")
+
+
 @pytest.mark.timeout(420)
 def test_shrink_goes_on_without_a_lost_worker(tmp_path, home, ssh_home, bed):
     cwd = tmp_path / "cwd"
     cwd.mkdir()
-    spec = bed_spec(tmp_path, bed, "rshrink", PS_AND_TWO_WORKERS, steps=2000, spare=False, checkpoint=False,
+    spec = bed_spec(tmp_path, bed, "rshrink", PS_AND_TWO_WORKERS, steps=2000, spares=(), checkpoint=False,
                     on_host_loss="shrink")
     rc, rest = killed_mid_run(spec, home, cwd, r"worker:1 .*step=", lambda: bed.kill("h4"),
                               r"h4: going on without worker:1", timeout=240)

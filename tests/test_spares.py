@@ -271,13 +271,15 @@ def test_plans_compare_without_their_spec_and_json_holds_no_spec(many, tmp_path)
     assert data["spares"][1]["holds"] == ["worker:0", "worker:2"]
 
 
-def test_fence_lets_the_spares_reach_the_ports_and_only_probes_an_idle_spare(many):
+def test_fence_lets_the_spares_reach_the_ports_and_closes_an_idle_spares_way_out(many):
     many = replace(many, tf_ports="auto")
     req = fence.request(many, "b", fence.INSTALL)
     assert req["peers"] == ["10.0.0.1", "10.0.0.2", "10.0.0.3", "10.0.0.5", "10.0.0.6", "10.0.0.9"]
     assert req["mode"] == fence.INSTALL
     spare = fence.request(many, "s", fence.INSTALL)
-    assert spare["mode"] == fence.PROBE and spare["ports"] == []
+    # nothing binds on an idle spare, but its users must not dial the others' ports
+    assert spare["mode"] == fence.INSTALL and spare["ports"] == []
+    assert sorted(map(tuple, spare["targets"])) == sorted((t.address, t.port) for t in many.tasks)
     assert fence.request(many.moved("b", "s"), "s", fence.INSTALL)["mode"] == fence.INSTALL
 
 
