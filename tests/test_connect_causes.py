@@ -19,6 +19,7 @@ from tests.helpers import connect_error
 from tests.sshd import Target
 from tfcluster.errors import Cause, ConnectError
 from tfcluster.launch.cluster.deadhosts import DOWN_CAUSES, around_dead_hosts
+from tfcluster.launch.cluster.hostpool import HostPool
 from tfcluster.plan import build_plan
 from tfcluster.spec import load_spec
 from tfcluster.transport.ssh_config import SYSTEM_CONFIG_VAR, SshOptions
@@ -142,6 +143,7 @@ class Session:
     def __init__(self, plan, errors: dict[str, ConnectError]) -> None:
         self.plan, self.errors, self.dropped = plan, errors, set()
         self.host_names = tuple(plan.hosts) + tuple(plan.spares)
+        self.pool = HostPool()
 
     def agent(self, host: str):
         def connect() -> None:

@@ -33,6 +33,8 @@ def around_dead_hosts(session: Session, ui) -> Plan:
     dead: dict[str, str] = {}
     if plan.on_host_loss == policy.SPARE and plan.spares:
         plan, dead = _off_dead_hosts(session, plan, ui)
+    for host, why in dead.items():
+        session.pool.set_aside(host, f"down at the start ({why})")
     if plan is not session.plan:
         session.drop(dead)
         session.host_names = tuple(h for h in dict.fromkeys((*plan.hosts, *plan.spares)) if h not in dead)

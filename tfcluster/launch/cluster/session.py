@@ -16,7 +16,7 @@ from tfcluster.errors import Terminated, TfclusterError
 from tfcluster.host.shim_protocol import FLUSH_VAR, PROBE_VAR
 from tfcluster.launch.agent import fence
 from tfcluster.launch.agent.agent import HostAgent, HostInfo, Survey, TaskLaunch
-from tfcluster.launch.cluster.hostloss import HostLosses
+from tfcluster.launch.cluster.hostpool import HostPool
 from tfcluster.plan import HostPlan, Plan, TaskPlan, names
 
 T = TypeVar("T")
@@ -143,14 +143,13 @@ class Session:
         # by default the hosts with tasks and the spares (docs/spec.md, "Spare hosts"): a spare
         # that cannot be opened or fails a check is set aside with a warning, never a failure
         self.host_names = tuple(hosts) if hosts is not None else tuple(dict.fromkeys((*plan.hosts, *plan.spares)))
-        self.unusable: dict[str, str] = {}     # spare -> why it was set aside (set_aside)
         self.agents: dict[str, HostAgent] = {}
         self.infos: dict[str, HostInfo] = {}
         self.no_proxy = no_proxy_for(plan)    # every task's start request carries these
         # asked with open()'s survey: `up` and `train` close the task ports, `status` asks
         # whether they are (launch/agent/fence.py); None: not asked
         self.fence: str | None = fence.STATUS if light else fence.INSTALL
-        self.losses = HostLosses()            # hosts found lost during a run (launch/cluster/hostloss.py)
+        self.pool = HostPool()                # which hosts can take tasks now (launch/cluster/hostpool.py)
 
     def adopt(self, plan: Plan) -> None:
         """The plan after a move to a spare (run/recovery.py): its tasks' hosts and addresses."""
@@ -218,7 +217,7 @@ class Session:
         goes on without them."""
         for name, why in spares.items():
             self.ui.warn(f"spare {name} not usable: {why}")
-            self.unusable[name] = why
+            self.pool.set_aside(name, why)
             self.infos.pop(name, None)
         self.host_names = tuple(h for h in self.host_names if h not in spares)
         self.drop(spares)
@@ -279,7 +278,7 @@ class Session:
         """Stop every process with this tag prefix on every connected host, or on `hosts` (a
         lost host's processes are stopped by their shims, which lost their launcher)."""
         hosts = [h for h in (self.agents if hosts is None else hosts)
-                 if h in self.agents and h not in self.losses.lost]
+                 if h in self.agents and h not in self.pool.lost]
         return parallel(lambda h: self.agents[h].stop(prefix, grace), hosts)
 
 

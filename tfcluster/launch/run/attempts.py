@@ -138,7 +138,7 @@ def after_drop(run: Run, proc: Supervised, noticed: float) -> None:
     """proc's channel ended with no exit status: is its host lost? Said at once, by the pump
     that found out first; every process the host held carries the verdict."""
     host = proc.task.host
-    verdict, first = run.session.losses.judge(host, run.session.agents[host].transport,
+    verdict, first = run.session.pool.losses.judge(host, run.session.agents[host].transport,
                                               tasks_on(run, host), noticed)
     if verdict is None:
         return

@@ -226,8 +226,7 @@ class CheckpointSync:
         while not self._stop.wait(self.config.sync):
             try:
                 host = host_fn()
-                lost = getattr(self.session, "losses", None)
-                if host is not None and host not in (lost.lost if lost is not None else ()):
+                if host is not None and self.session.pool.usable(host):
                     self.pull(host, again=False)     # a lost host was said once, by the run
             except Exception as e:  # noqa: BLE001 - a failed sync never ends a run
                 self.ui.warn(f"checkpoint sync: {e}")

@@ -129,7 +129,7 @@ def poll(run: Run) -> None:
 def _drain(run: Run, host: str) -> None:
     from tfcluster.launch.run import recovery
 
-    if host in run.recovery.handled or not run.plan.tasks_on(host):
+    if host in run.session.pool.given_up or not run.plan.tasks_on(host):
         _answer(run.plan, host, MOVED, f"{host} holds no task of this run")
         return
     run.ui.warn(f"{host}: drain asked; moving its tasks off it at the next checkpoint")
@@ -138,12 +138,12 @@ def _drain(run: Run, host: str) -> None:
     refused = TfclusterError(f"{host} cannot be drained: no spare host can take its tasks",
                              hint="add a host with `spare: true` to the spec, or stop the run")
     try:
-        move = recovery.give_up(run, host, "drained", refused)
+        move = recovery.give_up(run, host, recovery.DRAINED, refused)
     except TfclusterError as exc:
         if exc is not refused:      # the move itself failed: the run cannot go on
             _answer(plan, host, FAILED, exc.message)
             raise
-        run.recovery.handled.discard(host)      # it still runs its tasks: the run goes on
+        run.session.pool.take_back(host)        # it still runs its tasks: the run goes on
         _answer(plan, host, FAILED, exc.message)
         run.ui.warn(f"{host}: not drained: {exc.message}")
         return

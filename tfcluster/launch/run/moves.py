@@ -63,18 +63,11 @@ class Move:
 
 @dataclass
 class Recovery:
-    """The moves of one run, and the hosts it gave up."""
+    """The moves of one run (the hosts it gave up are the session's HostPool's)."""
 
     moves: list[Move] = field(default_factory=list)
-    handled: set[str] = field(default_factory=set)   # hosts given up (lost or drained)
-    unusable: set[str] = field(default_factory=set)  # spares found dead when one was needed
     checkpoints: CheckpointSync | None = None        # train.checkpoint's copies, if configured
     looked: float = 0.0                              # monotonic time drains.poll last looked
-
-    def pending(self, lost: dict[str, LostHost]) -> LostHost | None:
-        """The first host lost and not yet dealt with."""
-        fresh = [v for h, v in lost.items() if h not in self.handled]
-        return min(fresh, key=lambda v: v.at, default=None)
 
     def unproven(self) -> Move | None:
         """The first move after which the task it watches never stepped: a failed recovery,

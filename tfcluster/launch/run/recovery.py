@@ -41,20 +41,25 @@ def lost_tasks(run: Run, host: str) -> list[policy.LostTask]:
 def after_loss(run: Run, lost: LostHost) -> None:
     """A host was found lost: deal with it under the plan's policy, or raise its error (the
     run ends, exit 3, as it always has with on_host_loss: fail)."""
-    give_up(run, lost.host, f"lost: {lost.how}", lost.error())
+    give_up(run, lost.host, LOST, lost.error(), detail=lost.how)
 
 
-def give_up(run: Run, host: str, why: str, error: TfclusterError) -> Move | None:
+LOST, DRAINED = "lost", "drained"       # why a run gives a host up
+
+
+def give_up(run: Run, host: str, kind: str, error: TfclusterError, detail: str = "") -> Move | None:
     """Move `host`'s tasks off it under the plan's policy; raise `error` when the run cannot
-    go on. `why`: what the summary says of the host ("lost: …", "drained")."""
-    recovery = run.recovery
-    recovery.handled.add(host)
+    go on. `kind`: LOST (its line, naming the host, was said already) or DRAINED; `detail`:
+    how it was lost. The summary says `lost: <detail>` or `drained`."""
+    recovery, pool = run.recovery, run.session.pool
+    why = f"{kind}: {detail}" if detail else kind
+    pool.give_up(host)
     tasks = tuple(t.key for t in run.plan.tasks_on(host))
-    spare = _spare_for(run, host)
+    spare = pool.spare_for(run.plan, host)
     while spare is not None and (gone := _unreachable(run, spare)) is not None:
         run.ui.warn(f"spare {spare} not usable: {gone}")
-        recovery.unusable.add(spare)
-        spare = _spare_for(run, host)
+        pool.set_aside(spare, gone)
+        spare = pool.spare_for(run.plan, host)
     action, reason = policy.on_host_loss(run.plan.mode, run.plan.on_host_loss, lost_tasks(run, host),
                                          spare is not None)
     if action == policy.RESTART and not run.owns_servers and any(
@@ -71,10 +76,10 @@ def give_up(run: Run, host: str, why: str, error: TfclusterError) -> Move | None
         _stop(run, procs)         # a drained host's; a lost one's shims stop their own
         for p in procs:
             p.host_lost = p.host_lost or why
-        said = host if why.startswith("lost") else f"{host} {why}"
+        said = host if kind == LOST else f"{host} {why}"
         run.ui.warn(f"{said}: going on without {', '.join(tasks)} ({reason})")
         return move
-    said = host if why.startswith("lost") else f"{host} {why}"     # the lost line was said already
+    said = host if kind == LOST else f"{host} {why}"     # the lost line was said already
     run.ui.warn(f"{said}: moving {', '.join(tasks)} to {spare}, every task restarting from the checkpoint "
                 f"({reason})")
     try:
@@ -84,14 +89,6 @@ def give_up(run: Run, host: str, why: str, error: TfclusterError) -> Move | None
                            hint=exc.hint) from None
     move.done_at = time.time()
     return move
-
-
-def _spare_for(run: Run, host: str) -> str | None:
-    """A spare that did not fail when the run began, not taken by another move, not lost."""
-    session = run.session
-    unusable = {s for s in run.plan.spares if s in session.agents and s not in session.infos}
-    unusable |= set(session.unusable) | set(session.losses.lost) | run.recovery.handled
-    return run.plan.spare_for(host, used=unusable | run.recovery.unusable)
 
 
 def _unreachable(run: Run, spare: str) -> str | None:
@@ -126,7 +123,7 @@ def _restart_all(run: Run, move: Move) -> None:
     _stop(run, [p for p in run.procs if p.role == "script"])    # scripts first: a last save
     sync = run.recovery.checkpoints
     chief = run.plan.chief
-    if sync is not None and chief is not None and chief.host not in run.session.losses.lost:
+    if sync is not None and chief is not None and chief.host not in run.session.pool.lost:
         sync.pull(chief.host)       # the newest, after the scripts' last save (a drain)
     _stop(run, [p for p in run.procs if p.role == "server"])
     _adopt(run, move.host, move.spare)
@@ -139,7 +136,7 @@ def _restart_all(run: Run, move: Move) -> None:
 def _stop(run: Run, procs: list[Supervised]) -> None:
     """Stop these attempts and wait for their ends; the ends are this run's own, not failures.
     A lost host's are gone already (its shims stopped them when their channels ended)."""
-    attempts.stop_and_wait(run, [p for p in procs if p.task.host not in run.session.losses.lost])
+    attempts.stop_and_wait(run, [p for p in procs if p.task.host not in run.session.pool.lost])
 
 
 def _start(run: Run, procs: list[Supervised], move: Move) -> None:
@@ -173,7 +170,7 @@ def _refence(run: Run) -> None:
     plan, session = run.plan, run.session
     if plan.tf_ports == "open":
         return
-    hosts = [h for h in session.agents if h not in session.losses.lost and h in session.infos]
+    hosts = [h for h in session.agents if h not in session.pool.lost and h in session.infos]
     results = session.parallel(
         lambda h: session.agents[h].fence(fence.request(plan, h, fence.INSTALL)), hosts)
     answers = {h: r if isinstance(r, dict) else {"closed": False, "can": False, "why": str(r)}

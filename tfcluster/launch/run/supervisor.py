@@ -97,7 +97,7 @@ def train(plan: Plan, ui: UI, options: Options) -> int:
             try:
                 manifest.plan = run.plan        # where the tasks ended up, after any move
                 manifest.finish(run.procs, outcome, checks.summary(), progress.summary(),
-                                {h: lost.record() for h, lost in session.losses.lost.items()},
+                                {h: lost.record() for h, lost in session.pool.lost.items()},
                                 [m.record() for m in run.recovery.moves],
                                 checkpoints=sync.records() if sync is not None else None)
             except TfclusterError as exc:     # a full disk: one line, the run's own error follows
@@ -195,7 +195,7 @@ def _supervise(run: Run) -> tuple[int, str]:
         if attempt != proc.attempt:
             continue  # an earlier attempt's exit, already handled
         proc.exit_code, proc.ended = rc, time.time()
-        if proc.stopping or proc.task.host in run.recovery.handled and proc.host_lost:
+        if proc.stopping or proc.task.host in run.session.pool.given_up and proc.host_lost:
             continue            # stopped by the run, or its host given up (recovery.py)
         if rc == 0 and proc.role == "script":
             if policy.starts_peer_grace(run.plan.mode, proc.task.is_chief, rc):
@@ -206,9 +206,9 @@ def _supervise(run: Run) -> tuple[int, str]:
             run.ui.warn(f"{proc.task.key} exited with code {rc} after the chief had finished")
             continue
         if rc == 255:   # also what a task says when its host goes: let the pumps notice first
-            run.session.losses.awaited(proc.task.host, AWAIT_DROP)
-        run.session.losses.settled(run.session.losses.grace + 5)
-        lost = run.recovery.pending(run.session.losses.lost)
+            run.session.pool.losses.awaited(proc.task.host, AWAIT_DROP)
+        run.session.pool.losses.settled(run.session.pool.losses.grace + 5)
+        lost = run.session.pool.pending()
         if lost is not None:    # the lost host is dealt with, not a peer that missed it
             attempts.refuse(proc)
             recovery.after_loss(run, lost)      # raises when the run cannot go on
