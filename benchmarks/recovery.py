@@ -7,8 +7,9 @@ everything started through it SIGKILLed (tests/test_host_loss.py's kill_host). T
 templates/between_graph.py (1 ps + 2 workers, `--log_every 50 --model_dir {workdir}/ckpt`: the
 chief saves a checkpoint every 50 steps).
 
-  * worker: the plain worker's host dies; tfcluster moves that worker alone to the spare
-    (`spare: true`, on_host_loss as resolved: spare).
+  * worker: the plain worker's host dies; tfcluster restarts every task on the new cluster,
+    that worker on the spare (`spare: true`, on_host_loss as resolved: spare): its ps dials a
+    worker at the address it started with.
   * chief: the chief's host dies, with `train.checkpoint` (sync every 2 s); every task restarts
     on the new cluster from the launcher's copy. The benchmark deletes the checkpoint directory
     with the host (its disk is gone), as a lab without a shared filesystem would find it.
@@ -311,7 +312,7 @@ class Recovery:
                                      "decided": float("nan"), "started": float("nan")})
             return took
         (move,) = doc["moves"]
-        assert move["to"] == "h5" and move["action"] == ("move" if self.scenario == "worker" else "restart"), move
+        assert move["to"] == "h5" and move["action"] == "restart", move
         self.info["tfc"].append({"at_kill": at_kill, "run_step": run_step, "lost": move["steps_lost"], "step_at": move["step_at"],
                                  "resumed": move["resumed_step"], "decided": move["at"] - wall0,
                                  "started": move["done_at"] - wall0})
@@ -384,7 +385,7 @@ def recovery_rows(b: Bench, scenario: str, reps: int, shared, spare) -> None:
         return
     what = "a plain worker's host" if scenario == "worker" else "the chief's host, train.checkpoint"
     report(f"recovery {scenario} (kill -> first step of {r.task})", "script: fail, rewrite, down, train", ra,
-           f"tfcluster: {'moved alone' if scenario == 'worker' else 'every task restarted'}", rb, "s",
+           "tfcluster: every task restarted", rb, "s",
            1.0, prec=2)
     hand, tfc = r.info["hand"], r.info["tfc"]
     print(f"  {what} lost: steps lost, tfcluster (the manifest's steps_lost, max(0, step_at - resumed_step)): "
