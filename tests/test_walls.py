@@ -69,6 +69,37 @@ def test_the_launchers_rooms_hold_with_type_hints_too():
                     if parts[:2] == ["tfcluster", "launch"] and len(parts) > 2:
                         assert rank.get(parts[2], -1) <= mine, (path, node.lineno, name)
 
+
+# The programs tfcluster runs, each the one place its process ends: the CLI; on a host, the
+# shim and a TF server; in another engine's job, engines/launch.py. bootstrap.py holds the
+# text of the program a host runs first (`python -S -c BOOTSTRAP`), not code of this process.
+ENTRY_POINTS = {"cli/__init__.py", "host/shim.py", "host/tfserver.py", "engines/launch.py",
+                "launch/agent/bootstrap.py"}
+
+
+def _ends_the_process(node: ast.AST) -> bool:
+    if isinstance(node, ast.Raise) and node.exc is not None:
+        exc = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+        return isinstance(exc, ast.Name) and exc.id == "SystemExit"
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        owner = node.func.value
+        return (isinstance(owner, ast.Name) and (owner.id, node.func.attr) in
+                {("sys", "exit"), ("os", "_exit"), ("os", "abort")})
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("exit", "quit")
+
+
+def test_only_the_entry_points_end_the_process():
+    """Everything else raises a TfclusterError with an exit code, which the CLI's one error
+    boundary turns into the exit (docs/ARCHITECTURE.md, "The walls")."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        where = path.relative_to(PACKAGE).as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if _ends_the_process(node) and where not in ENTRY_POINTS:
+                found.append(f"{where}:{node.lineno}")
+    assert not found, found
+
+
 def test_comments_point_only_inside_the_repository():
     for path in sorted(PACKAGE.rglob("*.py")):
         text = path.read_text()
