@@ -109,3 +109,23 @@ def test_ckpt_pull_benchmark_runs_small_and_leaves_nothing_running():
 @pytest.mark.tf
 def test_recovery_benchmark_runs_small_and_leaves_nothing_running():
     assert "steps lost, script" in _smoke("recovery.py", 180)
+
+
+def _bed_unavailable() -> str | None:
+    from tests.netns import _unavailable
+    return _unavailable()
+
+
+@needs_sshd
+@pytest.mark.tf
+def test_kills_benchmark_runs_small_and_leaves_nothing_running():
+    """Two real kills on the bed of separate hosts (tests/netns.py), each judged lost."""
+    why = _bed_unavailable()
+    if why:
+        pytest.skip(f"the separate-host test bed cannot run: {why}")
+    r = subprocess.run([sys.executable, str(BENCH / "kills.py"), "--smoke"], capture_output=True, text=True,
+                       timeout=420, cwd=BENCH)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    assert "judged lost: 2/2" in r.stdout, out[-4000:]
+    assert "cleanup: no process of this benchmark survives" in r.stdout, out[-4000:]
