@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from tfcluster.transport.base import Transport
 
 REOPEN_GRACE = 3.0          # seconds a dropped host gets to accept a new connection
+HOLD_POLL = 0.2             # between two looks at a connection that must stay open through the grace
 
 
 @dataclass(frozen=True)
@@ -88,12 +89,23 @@ class HostLosses:
 
     def _decide(self, host: str, transport: Transport, tasks: tuple[str, ...],
                 noticed: float) -> LostHost | None:
+        """A connection open when asked is no proof of life: a host whose processes die one
+        by one has its sshd close its tasks' channels (no exit status) a moment before its
+        connections end, and a verdict taken then said "back" and was never asked again. So
+        a remote host is back only if a connection stays open (or is re-opened) through the
+        whole grace; one that ends in it must be re-opened in what is left of it."""
         how = transport.lost         # said by the transport itself: silent
-        if how is None:
-            why = transport.reopen(self.grace)
-            if why is None:
+        deadline = time.monotonic() + self.grace
+        while how is None:
+            why = transport.reopen(max(0.0, deadline - time.monotonic()) or HOLD_POLL)
+            if transport.lost is not None:
+                how = transport.lost
+            elif why is not None:
+                how = f"its SSH connection dropped and could not be re-opened in {self.grace:g}s: {dial_reason(why, host)}"
+            elif transport.is_local or time.monotonic() >= deadline:
                 return None
-            how = f"its SSH connection dropped and could not be re-opened in {self.grace:g}s: {dial_reason(why, host)}"
+            else:
+                time.sleep(min(HOLD_POLL, max(0.0, deadline - time.monotonic())))
         now = time.time()
         return LostHost(host, how, tasks, now, now - (time.monotonic() - noticed))
 
