@@ -354,3 +354,16 @@ def read_all(task) -> bytes:
 def q(text: str) -> str:
     """A tag or prefix as the host writes it: with the identity of CLUSTER_DIR (under this HOME)."""
     return shim_procs.qualify(text, CLUSTER_DIR)
+
+
+class SaidUi:
+    """A UI that keeps what it was told to say, as `info …` / `warn …` lines."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def info(self, text: str) -> None:
+        self.lines.append(f"info {text}")
+
+    def warn(self, text: str) -> None:
+        self.lines.append(f"warn {text}")

@@ -9,6 +9,7 @@ import threading
 
 import pytest
 
+from tests.helpers import SaidUi
 from tfcluster.errors import ExitCode, LockedError, TfclusterError
 from tfcluster.launch.cluster import state
 from tfcluster.launch.run import drains
@@ -16,17 +17,6 @@ from tfcluster.plan import build_plan
 from tfcluster.spec import load_spec
 
 pytestmark = pytest.mark.timeout(60)
-
-
-class Ui:
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-
-    def info(self, text: str) -> None:
-        self.lines.append(f"info {text}")
-
-    def warn(self, text: str) -> None:
-        self.lines.append(f"warn {text}")
 
 
 @pytest.fixture
@@ -66,7 +56,7 @@ def test_a_holder_that_wrote_nothing_yet_has_no_pid_or_command(plan):
 
 @pytest.mark.parametrize("holder", [None, "up", "down"])
 def test_without_a_train_holding_the_lock_nothing_is_asked(plan, holder):
-    ui = Ui()
+    ui = SaidUi()
     if holder is None:
         with pytest.raises(TfclusterError) as nothing:
             drains.request(plan, "a", 0, ui)
@@ -92,7 +82,7 @@ def answer_later(plan, *answers: tuple[str, str]) -> threading.Thread:
 
 @pytest.mark.parametrize("last,code", [(drains.MOVED, ExitCode.OK), (drains.FAILED, ExitCode.ERROR)])
 def test_each_new_answer_is_said_once_and_the_last_one_gives_the_exit_code(plan, last, code):
-    ui = Ui()
+    ui = SaidUi()
     with state.lock(plan, "train"):
         thread = answer_later(plan, (drains.DRAINING, "moving worker:0"), (drains.DRAINING, "moving worker:0"),
                               (last, "it went so"))
@@ -104,7 +94,7 @@ def test_each_new_answer_is_said_once_and_the_last_one_gives_the_exit_code(plan,
 
 
 def test_no_answer_within_wait_is_a_timeout_and_wait_0_only_asks(plan):
-    ui = Ui()
+    ui = SaidUi()
     with state.lock(plan, "train"):
         assert drains.request(plan, "a", 0.6, ui) == ExitCode.TIMEOUT
         assert ui.lines == ["info asked the running train to drain a",

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import tagged_processes, tfcluster
+from tests.helpers import SaidUi, tagged_processes, tfcluster
 from tests.tf_launch import free_ports
 from tfcluster.errors import SpecError
 from tfcluster.launch.agent import fence
@@ -339,21 +339,10 @@ def test_render_says_spares_and_checkpoints_do_not_carry_over(tmp_path, engine):
 # --------------------------------------------------------------------------- `up`'s moves, saved
 
 
-class Said:
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-
-    def info(self, text: str) -> None:
-        self.lines.append(f"info {text}")
-
-    def warn(self, text: str) -> None:
-        self.lines.append(f"warn {text}")
-
-
 def test_the_moves_up_saved_are_applied_and_said_once_each(many):
     from tfcluster.launch.cluster.state import UpState, placed_by_up
 
-    said = Said()
+    said = SaidUi()
     placed = placed_by_up(many, said, UpState(moves=(("a", "z"), ("c", "s"))))
     assert placed == many.moved("a", "z").moved("c", "s")
     assert said.lines == ["info ps:0 runs on spare z (moved there by `up`: a was down)",
@@ -375,7 +364,7 @@ def test_a_saved_move_the_edited_spec_no_longer_allows_is_ignored_with_one_warni
     from tfcluster.launch.cluster.state import UpState, placed_by_up
 
     plan = build_plan(load_spec(write(tmp_path, edit(MANY))))
-    said = Said()
+    said = SaidUi()
     assert placed_by_up(plan, said, UpState(moves=(("c", "s"),))) is plan
     (line,) = said.lines
     assert line.startswith(f"warn `tfcluster up` started c's tasks on spare s (local state), but {why}: "
