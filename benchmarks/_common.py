@@ -151,6 +151,16 @@ def port_open(host: str, port: int) -> bool:
         return False
 
 
+def listening(host: str, port: int) -> bool:
+    """Whether something listens at host:port, read from the kernel's socket table rather
+    than by connecting: tfcluster's fence refuses a connection from outside the cluster,
+    this process's included."""
+    import psutil
+
+    return any(c.status == psutil.CONN_LISTEN and c.laddr.port == port and c.laddr.ip in (host, "0.0.0.0", "::")
+               for c in psutil.net_connections(kind="tcp"))
+
+
 def wait_ports(addrs: list[tuple[str, int]], timeout: float, interval: float = 0.05) -> None:
     """Poll until every (host, port) accepts a TCP connection."""
     pending = list(addrs)

@@ -33,7 +33,8 @@ import sys
 import time
 from pathlib import Path
 
-from _common import TFCLUSTER, Bench, alternate, free_ports, loopback, parser, port_open, report, wait_ports, write_spec
+from _common import (TFCLUSTER, Bench, alternate, free_ports, listening, loopback, parser, report, wait_ports,
+                     write_spec)
 
 TARGET = 1.0
 PER_HOST = 4          # 1 ps + 3 workers
@@ -140,7 +141,7 @@ def _size(b, a, n, addrs, ports, sshd, pywrap, standin, pdsh_env, reps) -> dict:
         t = time.perf_counter()
         _tfc(b, "up", spec, n)
         ups["tfc"].append(time.perf_counter() - t)
-        if not all(port_open(*w) for w in where):
+        if not all(listening(*w) for w in where):
             raise RuntimeError("tfcluster up exited with a port not listening")
         t = time.perf_counter()
         _tfc(b, "down", spec)
@@ -208,7 +209,7 @@ def _print_phases(n: int) -> None:
 
 def _wait_free(where, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
-    while busy := [w for w in where if port_open(*w)]:
+    while busy := [w for w in where if listening(*w)]:
         if time.monotonic() > deadline:
             raise RuntimeError(f"ports still listening after {timeout}s: {busy[:5]}")
         time.sleep(0.02)

@@ -1,6 +1,7 @@
 """`down`, `status`, `up` and `train` after the spec was edited under a running cluster: a
 host left without tasks or dropped from `hosts:`, a server's port changed, the workdir
-changed. Real processes on the local transport and the test sshd (tests/sshd.py).
+changed. Real processes on the local transport and the test sshd (tests/sshd.py), and hosts
+that must be separate machines on the bed (tests/netns.py).
 
 The servers are a stand-in for tfserver.py (tests/test_down.py's STANDIN: the hold
 protocol, then a listener on the task's port; no TensorFlow, so an `up` takes a second):
@@ -9,7 +10,6 @@ on its command line as a real server's has it, and the real interpreter for the 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import types
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import LISTENER, SESSION_VAR, STANDIN, state_path, tagged_processes, tfcluster, wait_for
+from tests.helpers import LISTENER, STANDIN, state_path, tagged_processes, tfcluster, wait_for
 from tests.tf_launch import free_ports
 from tfcluster.errors import PreflightError
 from tfcluster.host.shim_ports import listeners
@@ -65,39 +65,27 @@ def tasks_running() -> list[str]:
 
 # -- hosts the edited spec gives no task ---------------------------------------------------
 
-@pytest.fixture(scope="module")
-def other_home_sshd(sshd_factory, tmp_path_factory):
-    """An sshd on 127.0.0.11 whose sessions get another HOME than this process has: a spec's
-    `workdir: ~/w` there is another directory than on the local host, so another cluster
-    instance, whose tag sweep does not see the local host's processes nor they its, as on
-    two machines (docs/ARCHITECTURE.md, "Naming")."""
-    other = tmp_path_factory.mktemp("otherhome")
-    return sshd_factory(("127.0.0.11",), SetEnv=f"{SESSION_VAR}={os.environ[SESSION_VAR]} HOME={other}")
-
-
-def two_machine_spec(tmp: Path, sshd, name: str, *, jobs: str, ports: list[int]) -> Path:
-    """Host `local` (127.0.0.1, local transport) and host h2 (other_home_sshd)."""
+def two_machine_spec(tmp: Path, h1, h2, name: str, *, jobs: str, ports: list[int]) -> Path:
+    """Hosts h1 and h2: two separate machines of the bed (tests/netns.py), each with its own
+    processes, ports and nftables; the same `workdir: ~/w` on both."""
     return write(tmp / f"{name}.yaml", (
-        f"name: {name}\npython: {wrapper(tmp)}\nworkdir: ~/w\n"
-        f"ssh:\n  port: {sshd.port}\n  connect_timeout: 5\n"
-        f"hosts:\n  - {{name: local, address: 127.0.0.1}}\n  - {{name: h2, address: 127.0.0.11}}\n"
-        f"jobs:\n  ps: {{tasks: ['local:{ports[0]}']}}\n{jobs}"
+        f"name: {name}\npython: {wrapper(tmp)}\nworkdir: ~/w\nssh: {{connect_timeout: 5}}\n"
+        f"hosts:\n  - {h1.spec()}\n  - {h2.spec()}\n"
+        f"jobs:\n  ps: {{tasks: ['h1:{ports[0]}']}}\n{jobs}"
         "train:\n  mode: between-graph\n  script: template:between_graph\n"))
 
 
-def test_down_and_status_cover_hosts_the_spec_left_without_tasks_or_dropped(tmp_path, home, ssh_home,
-                                                                            other_home_sshd, cwd):
-    sshd = other_home_sshd
-    sshd.write_known_hosts(ssh_home / "known_hosts", mode="a")
-    p = free_ports(3)
-    h2 = "  - {name: h2, address: 127.0.0.11}\n"
-    both = f"  worker: {{tasks: ['local:{p[1]}', 'h2:{p[2]}']}}\n"
-    local_only = f"  worker: {{tasks: ['local:{p[1]}']}}\n"
-    spec = two_machine_spec(tmp_path, sshd, "moved", jobs=both, ports=p)
-    no_task = write(tmp_path / "no-task.yaml", spec.read_text().replace(both, local_only))
-    dropped = write(tmp_path / "dropped.yaml", no_task.read_text().replace(h2, ""))
+def test_down_and_status_cover_hosts_the_spec_left_without_tasks_or_dropped(tmp_path, home, ssh_home, bed, cwd):
+    h1, h2 = bed.add("h1"), bed.add("h2")
+    p = [25000, 25001, 25002]
+    listed = f"  - {h2.spec()}\n"
+    both = f"  worker: {{tasks: ['h1:{p[1]}', 'h2:{p[2]}']}}\n"
+    h1_only = f"  worker: {{tasks: ['h1:{p[1]}']}}\n"
+    spec = two_machine_spec(tmp_path, h1, h2, "moved", jobs=both, ports=p)
+    no_task = write(tmp_path / "no-task.yaml", spec.read_text().replace(both, h1_only))
+    dropped = write(tmp_path / "dropped.yaml", no_task.read_text().replace(listed, ""))
     closed = write(tmp_path / "closed.yaml", no_task.read_text().replace(
-        h2, f"  - {{name: h2, address: 127.0.0.11, ssh: {{port: {free_ports(1)[0]}}}}}\n"))
+        listed, f"  - {{name: h2, address: {h2.address}, ssh: {{port: 2299}}}}\n"))    # no sshd there
     try:
         assert tfcluster("up", str(spec), home=home, cwd=cwd).returncode == 0
         assert tasks_running() == ["ps:0", "worker:0", "worker:1"]
@@ -107,7 +95,7 @@ def test_down_and_status_cover_hosts_the_spec_left_without_tasks_or_dropped(tmp_
         status = tfcluster("status", str(no_task), "--json", home=home, cwd=cwd)
         assert status.returncode == 0, status.stderr
         rows = [(r["task"], r["host"], r["status"], r["in_spec"]) for r in json.loads(status.stdout)["tasks"]]
-        assert rows == [("ps:0", "local", "running", True), ("worker:0", "local", "running", True),
+        assert rows == [("ps:0", "h1", "running", True), ("worker:0", "h1", "running", True),
                         ("worker:1", "h2", "running", False)]
         shown = tfcluster("status", str(no_task), home=home, cwd=cwd)
         assert ("h2: worker:1 of cluster 'moved' runs but the spec has no such task there (the spec "

@@ -194,7 +194,6 @@ def watch_status(plan, interval: float, json_: bool) -> int:
     (exit 130, quietly). A terminal is cleared before each table; anything else gets each
     table after the last, a blank line between (JSON: one document per line)."""
     from tfcluster.launch.cluster import lifecycle
-    from tfcluster.launch.run import drains
     from tfcluster.ui.views import print_status, status_json
 
     if not 0 < interval < math.inf:

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 from tfcluster.plan import policy
 
 if TYPE_CHECKING:
-    from tfcluster.launch.cluster.hostloss import LostHost
     from tfcluster.launch.run.ckptsync import CheckpointSync
     from tfcluster.launch.run.runstate import Run
 
