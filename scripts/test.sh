@@ -11,6 +11,8 @@ need_apt=()
 [ -x /usr/sbin/sshd ] || need_apt+=(openssh-server)
 command -v ssh >/dev/null || need_apt+=(openssh-client)
 command -v pdsh >/dev/null || need_apt+=(pdsh)
+# iproute2: the bed of separate hosts, each a network namespace (tests/netns.py)
+{ command -v ip >/dev/null || [ -x /usr/sbin/ip ]; } || need_apt+=(iproute2)
 # nftables: up and train close TensorFlow's ports with it (tests/test_fence.py)
 { command -v nft >/dev/null || [ -x /usr/sbin/nft ]; } || need_apt+=(nftables)
 # Debian's python3 makes a venv only with python3-venv (ensurepip) installed.
