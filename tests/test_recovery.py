@@ -77,14 +77,16 @@ def killed_mid_run(spec: Path, home, cwd: Path, started: str, kill, said: str | 
 
 
 @pytest.mark.timeout(480)
-@pytest.mark.parametrize("fault", ["kill", "silence"])
+@pytest.mark.parametrize("fault,mode", [("kill", "between-graph"), ("silence", "between-graph"), ("kill", "classic")])
 def test_a_lost_workers_host_restarts_every_task_and_the_moved_worker_trains_on_the_spare(
-        tmp_path, home, ssh_home, bed, fault):
+        tmp_path, home, ssh_home, bed, fault, mode):
     """Its ps dials worker:1 at the address it started with: a worker moved alone would never
     step. Every task restarts on the new cluster, from the checkpoint, and worker:1 steps on h5."""
     cwd = tmp_path / "cwd"
     cwd.mkdir()
-    spec = bed_spec(tmp_path, bed, f"rmove{fault[0]}", PS_AND_TWO_WORKERS, steps=2500)
+    script = mode.replace("-", "_")
+    spec = bed_spec(tmp_path, bed, f"rmove{fault[0]}{mode[0]}", PS_AND_TWO_WORKERS, steps=2500, mode=mode,
+                    script=script)
     rc, rest = killed_mid_run(spec, home, cwd, r"worker:1 .*step=[1-9]", lambda: getattr(bed, fault)("h4"),
                               r"h4: moving worker:1 to h5, every task restarting from the checkpoint \(a ps "
                               r"dials each worker at the address it started with\)", timeout=300)
@@ -99,7 +101,7 @@ def test_a_lost_workers_host_restarts_every_task_and_the_moved_worker_trains_on_
     assert doc["progress"]["worker:1"]["step"] > move["step_at"], (doc["progress"], move)
     assert re.search(r"worker:0 on h3 resumed at step \d+", rest), rest[-3000:]
     listed = tfcluster("runs", str(spec), home=home, cwd=cwd)
-    assert re.search(rf"^rmove{fault[0]}-\S+: \d\d:\d\d:\d\d h4 lost: worker:1 moved to h5, every task restarted"
+    assert re.search(rf"^rmove{fault[0]}{mode[0]}-\S+: \d\d:\d\d:\d\d h4 lost: worker:1 moved to h5, every task restarted"
                      r"(?: from \S+)?; resumed at step \d+, \d+ step\(s\) lost$", listed.stdout, re.MULTILINE), listed.stdout
     wait_for(lambda: not tagged_processes(), timeout=60, what="no task left running")
 
