@@ -259,6 +259,9 @@ def test_drain_moves_the_chief_at_its_checkpoint_losing_no_step(tmp_path, home, 
     assert move["steps_lost"] == 0, move
     assert doc["tasks"]["worker:0"]["host"] == "h5" and doc["progress"]["worker:0"]["step"] >= 1400
     wait_for(lambda: not tagged_processes(), timeout=60, what="no task left running")
+    for host in bed.hosts.values():     # the drained host and the spare kept no table either
+        wait_for(lambda h=host: "tfcluster_" not in h.run(["nft", "list", "tables"]).stdout, timeout=20,
+                 what=f"no table of the cluster left on {host.name}")
 
 
 def test_drain_refuses_a_host_the_spec_lacks_and_a_cluster_not_training(tmp_path, home):

@@ -72,14 +72,13 @@ def give_up(run: Run, host: str, kind: str, error: TfclusterError, detail: str =
     move = Move(host, why, action, reason, tasks, time.time(), step_now(run), spare)
     recovery.moves.append(move)
     procs = [p for p in run.procs if p.task.host == host]
+    said = host if kind == LOST else f"{host} {why}"     # the lost line was said already
     if action == policy.SHRINK:
         _stop(run, procs)         # a drained host's; a lost one's shims stop their own
         for p in procs:
             p.host_lost = p.host_lost or why
-        said = host if kind == LOST else f"{host} {why}"
         run.ui.warn(f"{said}: going on without {', '.join(tasks)} ({reason})")
         return move
-    said = host if kind == LOST else f"{host} {why}"     # the lost line was said already
     run.ui.warn(f"{said}: moving {', '.join(tasks)} to {spare}, every task restarting from the checkpoint "
                 f"({reason})")
     try:
@@ -139,6 +138,23 @@ def _stop(run: Run, procs: list[Supervised]) -> None:
     attempts.stop_and_wait(run, [p for p in procs if p.task.host not in run.session.pool.lost])
 
 
+def _refence(run: Run) -> None:
+    """Close the task ports again on every host still in the run, before anything binds: the
+    stop took each host's table with its last task, and every table must name the moved
+    tasks' new addresses. A spare with no task gets the output chain alone (its users may
+    not dial the others' ports). Where it cannot, the run says so as at its start, and
+    `tf_ports: closed` ends it (exit 4)."""
+    plan, session = run.plan, run.session
+    if plan.tf_ports == "open":
+        return
+    hosts = [h for h in session.agents if h not in session.pool.lost and h in session.infos]
+    results = session.parallel(
+        lambda h: session.agents[h].fence(fence.request(plan, h, fence.INSTALL)), hosts)
+    answers = {h: r if isinstance(r, dict) else {"closed": False, "can": False, "why": str(r)}
+               for h, r in results.items()}
+    fence.report(plan, run.ui, answers, fence.INSTALL)
+
+
 def _start(run: Run, procs: list[Supervised], move: Move) -> None:
     """Start `procs` afresh on the run's (new) plan: servers first, ready, then the scripts,
     shipping the files to the spare first."""
@@ -158,21 +174,3 @@ def _start(run: Run, procs: list[Supervised], move: Move) -> None:
         wait_ready(session, [Started(p.task, p.launch.tag, p.handle.pid, p.launch.log) for p in servers])
     if scripts:
         attempts.start_all(run, scripts)
-
-
-
-def _refence(run: Run) -> None:
-    """Close the task ports again on every host still in the run, before anything binds: the
-    stop took each host's table with its last task, and every table must name the moved
-    tasks' new addresses. A spare with no task gets the output chain alone (its users may
-    not dial the others' ports). Where it cannot, the run says so as at its start, and
-    `tf_ports: closed` ends it (exit 4)."""
-    plan, session = run.plan, run.session
-    if plan.tf_ports == "open":
-        return
-    hosts = [h for h in session.agents if h not in session.pool.lost and h in session.infos]
-    results = session.parallel(
-        lambda h: session.agents[h].fence(fence.request(plan, h, fence.INSTALL)), hosts)
-    answers = {h: r if isinstance(r, dict) else {"closed": False, "can": False, "why": str(r)}
-               for h, r in results.items()}
-    fence.report(plan, run.ui, answers, fence.INSTALL)

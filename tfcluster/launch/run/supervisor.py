@@ -257,8 +257,8 @@ def _shutdown(run: Run, interrupted: bool = False) -> None:
         prefix = names.run_prefix(run.plan.name, run.run_id)
         if (run.owns_servers or run.procs) and not _swept_by_shims(run):
             run.session.stop_run(prefix, grace=0 if fast.is_set() else SERVER_STOP_GRACE)
-        elif run.owns_servers:      # no task ran on an idle spare: its stop takes its table
-            idle = [h for h in run.plan.spares if not run.plan.tasks_on(h) and h in run.session.infos]
+        elif run.owns_servers:      # a host with no task (an idle spare, a drained host): its stop takes its table
+            idle = [h for h in run.session.infos if not run.plan.tasks_on(h)]
             run.session.stop_run(prefix, grace=0, hosts=idle)
         if run.board is not None and not fast.is_set():
             run.board.wait_stopped()
