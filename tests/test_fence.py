@@ -33,7 +33,7 @@ from tests.helpers import (
 )
 from tests.tf_launch import free_ports
 from tfcluster.errors import PreflightError
-from tfcluster.host import shim_fence, shim_procs
+from tfcluster.host import shim_cgroup, shim_fence, shim_procs
 from tfcluster.host import shim_protocol as proto
 from tfcluster.launch.agent import fence
 from tfcluster.plan import build_plan
@@ -222,7 +222,7 @@ def test_the_shims_table_refuses_another_users_connect_lets_the_owner_in_and_goe
         if answer.get("match") == "cgroup":     # the cluster's own processes get in (tests/test_fence_match.py)
             own = ("import os, socket, sys; open(sys.argv[1] + '/cgroup.procs', 'w').write(str(os.getpid()));"
                    "socket.create_connection(('127.0.0.1', int(sys.argv[2])), 3).close()")
-            subprocess.run([sys.executable, "-c", own, shim_fence.cgroup_dir(cluster_dir), str(port)],
+            subprocess.run([sys.executable, "-c", own, shim_cgroup.path_of(cluster_dir), str(port)],
                            check=True, timeout=30)
         else:
             socket.create_connection(("127.0.0.1", port), 3).close()      # the owner still gets in

@@ -26,7 +26,7 @@ import pytest
 
 from tests.helpers import wait_for
 from tests.tf_launch import free_ports
-from tfcluster.host import shim_fence, shim_procs
+from tfcluster.host import shim_cgroup, shim_fence, shim_procs
 from tfcluster.host import shim_protocol as proto
 
 NFT = shutil.which("nft") or next((p for p in ("/usr/sbin/nft", "/sbin/nft") if os.access(p, os.X_OK)), None)
@@ -78,8 +78,8 @@ def cgroup_fence():
         pytest.skip("closing ports needs root (CI runs as root)")
     if NFT is None or subprocess.run([NFT, "list", "tables"], capture_output=True, timeout=10).returncode:
         pytest.skip("nftables is not installed or not usable here")
-    mount = shim_fence.cgroup2_mount()
-    if mount is None or shim_fence._nft_name(os.path.join(mount, "x"), mount) is None:
+    mount = shim_cgroup.mount_point()
+    if mount is None or shim_cgroup.nft_name(os.path.join(mount, "x"), mount) is None:
         pytest.skip(f"no cgroup v2 that nft can name here (mounted at {mount})")
     return mount
 
@@ -110,13 +110,13 @@ class Clusters:
                 subprocess.run([NFT, "delete", "table", "inet", table], capture_output=True,
                                timeout=max(1.0, deadline - time.monotonic()))
         for instance in instances:
-            path = os.path.join(shim_fence.cgroup2_mount(), shim_fence.CGROUP_PARENT, instance)
+            path = os.path.join(shim_cgroup.mount_point(), shim_cgroup.PARENT, instance)
             if os.path.isdir(path):
-                wait_for(lambda: not shim_fence._populated(path), max(0.1, deadline - time.monotonic()),
+                wait_for(lambda: not shim_cgroup.populated(path), max(0.1, deadline - time.monotonic()),
                          what=f"{path} to empty")
                 os.rmdir(path)
         try:
-            os.rmdir(os.path.join(shim_fence.cgroup2_mount(), shim_fence.CGROUP_PARENT))
+            os.rmdir(os.path.join(shim_cgroup.mount_point(), shim_cgroup.PARENT))
         except OSError:
             pass        # another cluster's cgroup is there
 
@@ -157,7 +157,7 @@ def test_the_owners_other_processes_are_refused_and_only_the_clusters_own_get_in
     port = free_ports(1)[0]
     answer = install(cluster_dir, "fencecg", port)
     assert answer["closed"] is True and answer["match"] == "cgroup", answer
-    cgroup = shim_fence.cgroup_dir(cluster_dir)
+    cgroup = shim_cgroup.path_of(cluster_dir)
     assert os.path.isdir(cgroup)
     listing = subprocess.run([NFT, "list", "table", "inet", answer["table"]], capture_output=True, text=True,
                              timeout=10).stdout
@@ -197,7 +197,7 @@ def test_a_killed_clusters_table_is_swept_by_the_next_install_and_a_refusal_name
     old = time.time() - 2 * shim_fence.SWEEP_GRACE
     subprocess.run([NFT, "-f", "-"], input=shim_fence.script(
         stale, 0, [port], [["127.0.0.1", port]], ["127.0.0.1"],
-        cgroup=shim_fence._nft_name(shim_fence.cgroup_dir(stale_dir), shim_fence.cgroup2_mount()), made=old),
+        cgroup=shim_cgroup.nft_name(shim_cgroup.path_of(stale_dir), shim_cgroup.mount_point()), made=old),
         text=True, check=True, timeout=10)
     # another cluster's old table whose cluster still runs (a tagged process, outside any cgroup)
     running = shim_fence.table_name(running_dir, "fencerun:")
@@ -219,10 +219,10 @@ def test_a_killed_clusters_table_is_swept_by_the_next_install_and_a_refusal_name
     swept = install(next_dir, "fencenext", other_port)
     assert stale in swept["swept"] and running not in swept["swept"], swept
     assert stale not in tables() and running in tables()
-    assert not os.path.exists(shim_fence.cgroup_dir(stale_dir))       # its empty cgroup went too
+    assert not os.path.exists(shim_cgroup.path_of(stale_dir))       # its empty cgroup went too
     assert connect(port) == "connected"                               # the port is free of it
     shim(proto.STOP, {"tag_prefix": "fencenext:", "cluster_dir": next_dir, "piddir": os.path.join(next_dir, "pids")})
-    assert swept["table"] not in tables() and not os.path.exists(shim_fence.cgroup_dir(next_dir))
+    assert swept["table"] not in tables() and not os.path.exists(shim_cgroup.path_of(next_dir))
 
 
 def test_the_uid_is_the_match_where_nft_cannot_name_the_clusters_cgroup():
@@ -233,7 +233,7 @@ def test_the_uid_is_the_match_where_nft_cannot_name_the_clusters_cgroup():
                              cgroup=("unified/tfcluster/abc", 2), made=0)
     assert 'tcp flags & (syn | ack) == syn socket cgroupv2 level 2 "unified/tfcluster/abc" accept' in text
     assert "skuid" not in text and 'comment "tfcluster made 0 uid 1234"' in text
-    assert shim_fence._nft_name("/run/cg2/tfcluster/abc", "/run/cg2") is None
-    assert shim_fence._nft_name("/sys/fs/cgroup/unified/tfcluster/abc", "/sys/fs/cgroup/unified") == (
+    assert shim_cgroup.nft_name("/run/cg2/tfcluster/abc", "/run/cg2") is None
+    assert shim_cgroup.nft_name("/sys/fs/cgroup/unified/tfcluster/abc", "/sys/fs/cgroup/unified") == (
         "unified/tfcluster/abc", 2)
-    assert shim_fence._nft_name("/sys/fs/cgroup/tfcluster/abc", "/sys/fs/cgroup") == ("tfcluster/abc", 2)
+    assert shim_cgroup.nft_name("/sys/fs/cgroup/tfcluster/abc", "/sys/fs/cgroup") == ("tfcluster/abc", 2)

@@ -22,6 +22,7 @@ import sys
 import time
 
 if __package__:
+    from . import shim_cgroup as cgroup
     from . import shim_ckpt as ckpt
     from . import shim_facts as facts
     from . import shim_fence as fence
@@ -34,6 +35,7 @@ if __package__:
     from . import shim_talk as talk
     from . import shim_tasks as tasks
 else:  # shipped: this file's directory is first on sys.path
+    import shim_cgroup as cgroup
     import shim_ckpt as ckpt
     import shim_facts as facts
     import shim_fence as fence
@@ -133,7 +135,7 @@ def cmd_down(req: dict) -> dict:
     answer = cmd_stop(req)
     if not answer["survivors"]:     # also a table a killed run left, its mark gone with its dir
         answer["fence"] = fence.remove(req["cluster_dir"], req["tag_prefix"], always=True)
-        fence.drop_cgroup(req["cluster_dir"])
+        cgroup.drop(req["cluster_dir"])
     answer["swept"] = fence.sweep(keep=fence.table_name(req["cluster_dir"], req["tag_prefix"]))
     wanted = [int(p) for p in req.get("ports", [])]
     answer["ports"] = ports.wait_bindable(wanted, float(req.get("settle", proto.PORT_SETTLE)))
@@ -304,7 +306,7 @@ def run() -> None:
     buffer's lock: the interpreter's teardown waited 1 s for that lock and then aborted
     ("Fatal Python error: _enter_buffered_busy", SIGABRT) after every `up`. Answers are
     written with os.write; nothing is left buffered."""
-    fence.OWN_PROCESS = True                        # it may join its cluster's cgroup
+    cgroup.OWN_PROCESS = True                        # it may join its cluster's cgroup
     for sig in (signal.SIGHUP, signal.SIGTERM):     # sshd's hangup, a stop: leave through the
         signal.signal(sig, _leave)                     # finally blocks (a warm server, the fence)
     try:

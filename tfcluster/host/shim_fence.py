@@ -28,7 +28,6 @@ processes on the host. Shipped beside shim.py: standard library only, Python >= 
 """
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
@@ -38,9 +37,11 @@ import subprocess
 import time
 
 if __package__:
+    from . import shim_cgroup as cgroup
     from . import shim_fs as fs
     from . import shim_procs as procs
 else:  # shipped: the shim's directory is first on sys.path
+    import shim_cgroup as cgroup
     import shim_fs as fs
     import shim_procs as procs
 
@@ -49,13 +50,8 @@ MARK = "fence-%s.json"         # <cluster dir>/fence-<host>.json: this host's ta
 NFT_TIMEOUT = 10.0
 SBIN = ("/usr/sbin", "/sbin", "/usr/local/sbin")
 MAX_OTHERS = 8                 # other users named in a warning
-NFT_CGROUP_ROOT = "/sys/fs/cgroup"   # nft names a cgroup by its path under here (at load time)
-CGROUP_PARENT = "tfcluster"    # <cgroup2 mount>/tfcluster/<instance>: a cluster's processes
 SWEEP_GRACE = 300.0            # a table younger than this is never swept (its shim may not
                                # have joined or spawned yet: a launcher's in-process install)
-OWN_PROCESS = False            # shim.run() sets it: this process is a shim of its own, which
-                               # may join a cluster's cgroup (never the launcher's process)
-_LEFT: list = []               # the cgroup this process was in before it joined one
 
 
 def table_name(cluster_dir: str, tag_prefix: str) -> str:
@@ -290,158 +286,6 @@ def _delete(tool: dict, table: str) -> tuple[int, str]:
     return (1, "chain %s is still there" % out_chain) if _exists_with(tool, table) else (0, "")
 
 
-# ---------------------------------------------------------------- the cluster's cgroup
-
-def cgroup2_mount() -> str | None:
-    """Where cgroup v2 is mounted here (/sys/fs/cgroup, or /sys/fs/cgroup/unified on a
-    hybrid host), from /proc/self/mountinfo; None without one."""
-    try:
-        with open("/proc/self/mountinfo", "rb") as f:
-            for line in f:
-                fields = line.split()
-                if b"-" in fields:
-                    dash = fields.index(b"-")
-                    if fields[dash + 1:dash + 2] == [b"cgroup2"] and fields[3] == b"/":
-                        return fields[4].decode().replace("\\040", " ")
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def cgroup_dir(cluster_dir: str, mount: str | None = None) -> str | None:
-    """The cluster's cgroup on this host: `<cgroup2 mount>/tfcluster/<instance>`."""
-    mount = mount or cgroup2_mount()
-    return os.path.join(mount, CGROUP_PARENT, procs.instance_id(cluster_dir)) if mount else None
-
-
-def _nft_name(path: str, mount: str) -> tuple[str, int] | None:
-    """(the path nft resolves, under /sys/fs/cgroup; the cgroup's level below the cgroup2
-    root), or None where nft cannot name it (a cgroup2 mounted elsewhere)."""
-    rel = os.path.relpath(path, NFT_CGROUP_ROOT)
-    if rel.startswith(".."):
-        return None
-    return rel, len(os.path.relpath(path, mount).split(os.sep))
-
-
-def _make_cgroup(cluster_dir: str) -> tuple[tuple | None, str | None]:
-    """((nft's path, level), None) with the cluster's cgroup made, or (None, why not)."""
-    mount = cgroup2_mount()
-    if mount is None:
-        return None, "no cgroup v2 is mounted"
-    path = cgroup_dir(cluster_dir, mount)
-    name = _nft_name(path, mount)
-    if name is None:
-        return None, "cgroup v2 is mounted at %s, where nft does not look for cgroups" % mount
-    for _ in range(3):          # another cluster's shim may remove the empty parent between
-        try:
-            os.mkdir(os.path.dirname(path), 0o755)
-        except FileExistsError:
-            pass
-        except OSError as e:
-            return None, "cannot make a cgroup in %s: %s" % (mount, e.strerror or e)
-        try:
-            os.mkdir(path, 0o755)
-        except FileExistsError:
-            pass
-        except FileNotFoundError:
-            continue
-        except OSError as e:
-            return None, "cannot make a cgroup in %s: %s" % (mount, e.strerror or e)
-        return name, None
-    return None, "cannot make a cgroup in %s" % mount
-
-
-def _move(pid: int, path: str) -> bool:
-    try:
-        fd = os.open(os.path.join(path, "cgroup.procs"), os.O_WRONLY)
-        try:
-            os.write(fd, b"%d" % pid)
-        finally:
-            os.close(fd)
-        return True
-    except OSError:
-        return False
-
-
-def _own_cgroup(mount: str) -> str | None:
-    """This process's cgroup v2 directory, from /proc/self/cgroup's `0::` line."""
-    try:
-        with open("/proc/self/cgroup", "rb") as f:
-            for line in f:
-                if line.startswith(b"0::"):
-                    return os.path.join(mount, line[3:].strip().decode().lstrip("/"))
-    except (OSError, ValueError):
-        pass
-    return None
-
-
-def join(cluster_dir: str) -> bool:
-    """Put this shim into the cluster's cgroup, where the fence made one: what it spawns from
-    now on, and the connections it opens, are the cluster's own. Only a shim that is a process
-    of its own (OWN_PROCESS) ever moves; True when it is in the cluster's cgroup."""
-    if not OWN_PROCESS or not cluster_dir:
-        return False
-    mount = cgroup2_mount()
-    path = cgroup_dir(cluster_dir, mount) if mount else None
-    if path is None or not os.path.isdir(path):
-        return False
-    here = _own_cgroup(mount)
-    if here == path:
-        return True
-    if not _move(0, path):
-        return False
-    if here and not _LEFT:
-        _LEFT.append(here)
-    return True
-
-
-def leave() -> None:
-    """Back to the cgroup this shim was in before join() (its cluster's can then go)."""
-    while _LEFT:
-        back = _LEFT.pop()
-        mount = cgroup2_mount()
-        if not _move(0, back) and mount:
-            _move(0, mount)
-
-
-def _populated(path: str) -> bool:
-    """Whether a cgroup holds a process (itself or below); False where it is gone."""
-    try:
-        with open(os.path.join(path, "cgroup.events"), "rb") as f:
-            return any(line.split() == [b"populated", b"1"] for line in f)
-    except OSError:
-        return False
-
-
-def drop_cgroup(cluster_dir: str, instance: str | None = None) -> None:
-    """Remove the cluster's cgroup once it holds no process (this shim leaves it first), and
-    the shared parent once no cluster has one. Quiet: a busy cgroup stays."""
-    mount = cgroup2_mount()
-    if mount is None:
-        return
-    path = (os.path.join(mount, CGROUP_PARENT, instance) if instance
-            else cgroup_dir(cluster_dir, mount))
-    if not os.path.isdir(path):
-        return
-    if _own_cgroup(mount) == path:
-        leave()
-    deadline = time.monotonic() + 1.0
-    while True:        # a task just killed leaves its cgroup as the kernel reaps it
-        try:
-            os.rmdir(path)
-            break
-        except FileNotFoundError:
-            break
-        except OSError as e:
-            if e.errno != errno.EBUSY or time.monotonic() > deadline:
-                return
-            time.sleep(0.01)
-    try:
-        os.rmdir(os.path.dirname(path))
-    except OSError:
-        pass        # another cluster's cgroup is there
-
-
 # ---------------------------------------------------------------- other clusters' tables
 
 def _tables(tool: dict) -> list | None:
@@ -479,8 +323,8 @@ def _made(tool: dict, table: str) -> float | None:
 def _runs(instance: str) -> bool:
     """Whether anything of the cluster `instance` runs on this host, whoever's it is: a
     process in its cgroup, or one carrying its tag (root reads every process's tag)."""
-    mount = cgroup2_mount()
-    if mount and _populated(os.path.join(mount, CGROUP_PARENT, instance)):
+    mount = cgroup.mount_point()
+    if mount and cgroup.populated(os.path.join(mount, cgroup.PARENT, instance)):
         return True
     mark = "@%s:" % instance
     for pid in procs.all_pids():
@@ -515,27 +359,11 @@ def sweep(keep: str | None = None, tool: dict | None = None) -> list:
                 continue
             if _delete(tool, table)[0] == 0:
                 gone.append(table)
-                drop_cgroup("", instance)
-        _sweep_cgroups({_instance(t) for t in tables if t not in gone})
+                cgroup.drop("", instance)
+        cgroup.sweep_empty({_instance(t) for t in tables if t not in gone}, SWEEP_GRACE)
     except (OSError, ValueError):
         pass
     return gone
-
-
-def _sweep_cgroups(kept: set) -> None:
-    """Remove the empty cgroups of clusters that have no table here (its table was deleted
-    by hand, or their last shim was killed), once older than SWEEP_GRACE (an install makes
-    the cgroup just before its table)."""
-    mount = cgroup2_mount()
-    parent = os.path.join(mount, CGROUP_PARENT) if mount else None
-    if parent is None or not os.path.isdir(parent):
-        return
-    for name in os.listdir(parent):
-        path = os.path.join(parent, name)
-        if (name in kept or not re.fullmatch(r"[0-9a-f]{12}", name) or not os.path.isdir(path)
-                or _populated(path) or time.time() - os.stat(path).st_mtime < SWEEP_GRACE):
-            continue
-        drop_cgroup("", name)
 
 
 def holders(port: int, exclude=()) -> list | None:
@@ -689,21 +517,21 @@ def cmd_fence(req: dict) -> dict:
             answer.update(why=why, can=tool is not None)
         else:
             answer["swept"] = sweep(keep=table, tool=tool)
-            cgroup, answer["match_why"] = _make_cgroup(cluster_dir) if "nft" in tool else (
+            matched, answer["match_why"] = cgroup.make(cluster_dir) if "nft" in tool else (
                 None, "iptables matches the owner's uid")
-            if cgroup is not None:
-                join(cluster_dir)         # a shim of its own: the cgroup is never empty while it runs
-            rc, said = _install(tool, table, req, cgroup)
-            if rc and cgroup is not None:    # this nft cannot match a cgroup: the uid, and why
+            if matched is not None:
+                cgroup.join(cluster_dir)         # a shim of its own: the cgroup is never empty while it runs
+            rc, said = _install(tool, table, req, matched)
+            if rc and matched is not None:    # this nft cannot match a cgroup: the uid, and why
                 answer["match_why"] = "nft refused the cgroup match: %s" % said
-                drop_cgroup(cluster_dir)
-                cgroup = None
+                cgroup.drop(cluster_dir)
+                matched = None
                 rc, said = _install(tool, table, req)
             if rc == 0:
                 _write_mark(cluster_dir, {"table": table, "tool": tool,
-                                          "cgroup": cgroup[0] if cgroup else None})
-                answer.update(closed=True, match="cgroup" if cgroup else "uid")
-                if cgroup:
+                                          "cgroup": matched[0] if matched else None})
+                answer.update(closed=True, match="cgroup" if matched else "uid")
+                if matched:
                     answer["match_why"] = None
             else:
                 answer["why"] = "%s refused the rules: %s" % ("nft" if "nft" in tool else "iptables", said)
@@ -731,7 +559,7 @@ def remove(cluster_dir: str, tag_prefix: str, always: bool = False) -> str | Non
     if rc:
         return "could not delete the rules of %s: %s" % (table, said)
     procs.remove_quietly(_mark_path(cluster_dir))
-    drop_cgroup(cluster_dir)
+    cgroup.drop(cluster_dir)
     return None
 
 
@@ -740,13 +568,13 @@ def release_if_idle(cluster_dir: str, tag_prefix: str) -> None:
     processes ends (the last one removes it). Costs nothing where no table was made."""
     try:
         marked = _read_mark(cluster_dir) is not None
-        if not marked and not _LEFT:
+        if not marked and not cgroup.joined():
             return
         qualified = procs.qualify(_name(tag_prefix) + ":", cluster_dir)
         if not procs.tagged(lambda t: t.startswith(qualified)):
             if marked:
                 remove(cluster_dir, tag_prefix)
             else:           # its table already went: the cgroup this shim joined goes too
-                drop_cgroup(cluster_dir)
+                cgroup.drop(cluster_dir)
     except (OSError, ValueError):      # never the reason a stop or a task's end fails
         pass

@@ -17,11 +17,13 @@ import threading
 import time
 
 if __package__:
+    from . import shim_cgroup as cgroup
     from . import shim_fence as fence
     from . import shim_net as net
     from . import shim_procs as procs
     from . import shim_protocol as proto
 else:  # shipped: the shim's directory is first on sys.path
+    import shim_cgroup as cgroup
     import shim_fence as fence
     import shim_net as net
     import shim_procs as procs
@@ -80,7 +82,7 @@ def probe(targets, timeout: float, cluster_dir: str | None) -> dict:
     connections only); a refused connection's reason names the tfcluster tables of this
     host that hold its port (another cluster's, a killed run's)."""
     if cluster_dir:
-        fence.join(cluster_dir)
+        cgroup.join(cluster_dir)
     results = net.probe_all(targets, timeout)
     own = {procs.instance_id(cluster_dir)} if cluster_dir else set()
     said = {}

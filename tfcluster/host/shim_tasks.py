@@ -16,14 +16,14 @@ import threading
 import time
 
 if __package__:
-    from . import shim_fence as fence
+    from . import shim_cgroup as cgroup
     from . import shim_fs as fs
     from . import shim_net as net
     from . import shim_procs as procs
     from . import shim_protocol as proto
     from . import shim_talk as talk
 else:  # shipped: the shim's directory is first on sys.path
-    import shim_fence as fence
+    import shim_cgroup as cgroup
     import shim_fs as fs
     import shim_net as net
     import shim_procs as procs
@@ -107,7 +107,7 @@ def spawn(req: dict) -> tuple[subprocess.Popen, str, int]:
         _add_probe(env)
     log_fd = open_private(log)
     offset = os.fstat(log_fd).st_size
-    fence.join(req.get("cluster_dir"))   # the task is born in its cluster's cgroup (the fence's match)
+    cgroup.join(req.get("cluster_dir"))   # the task is born in its cluster's cgroup (the fence's match)
     try:
         stdin = subprocess.PIPE if req.get("hold") else subprocess.DEVNULL
         proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=stdin, stdout=log_fd,
