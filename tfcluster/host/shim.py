@@ -29,6 +29,7 @@ if __package__:
     from . import shim_fs as fs
     from . import shim_launch as launch
     from . import shim_net as net
+    from . import shim_notice as notice
     from . import shim_ports as ports
     from . import shim_procs as procs
     from . import shim_protocol as proto
@@ -42,6 +43,7 @@ else:  # shipped: this file's directory is first on sys.path
     import shim_fs as fs
     import shim_launch as launch
     import shim_net as net
+    import shim_notice as notice
     import shim_ports as ports
     import shim_procs as procs
     import shim_protocol as proto
@@ -271,7 +273,7 @@ COMMANDS = {proto.INFO: cmd_info, proto.PORTS: cmd_ports, proto.START: cmd_start
             proto.TAIL: cmd_tail, proto.FILES: cmd_files, proto.BATCH: cmd_batch,
             proto.LAUNCH: launch.cmd_launch, proto.REACH: talk.cmd_reach,
             proto.UP: cmd_up, proto.DOWN: cmd_down, proto.FENCE: fence.cmd_fence,
-            proto.CKPT: ckpt.cmd_ckpt}
+            proto.CKPT: ckpt.cmd_ckpt, proto.NOTICE: notice.cmd_notice}
 
 
 def main(argv: list) -> int:

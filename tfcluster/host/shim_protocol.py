@@ -30,6 +30,7 @@ UP = "up"                # stream: batch, warm the servers, reach, then launch o
 DOWN = "down"            # stop, then wait until the ports can be bound again (shim.cmd_down)
 FENCE = "fence"          # close the cluster's task ports to other users (shim_fence.py), or say why not
 CKPT = "ckpt"            # stream: the newest complete checkpoint of a directory (shim_ckpt.py)
+NOTICE = "notice"        # stream: the host's notices that it is about to go (shim_notice.py)
 
 ONE_SHOT = (INFO, PORTS, STATUS, STOP, TAIL, FILES, BATCH, DOWN, FENCE)
 BATCHABLE = (INFO, PORTS, STATUS, STOP, TAIL, FILES, DOWN, FENCE)
