@@ -136,13 +136,13 @@ def test_close_flushes_every_task():
     assert sorted(shown(out)) == ["ps:0     │ p", "worker:0 │ w"]
 
 
-def test_a_line_longer_than_the_limit_is_shown_not_held_forever(monkeypatch):
+def test_a_line_longer_than_the_limit_keeps_its_end_and_says_what_was_cut(monkeypatch):
     import tfcluster.watch.logmux as logs
-    monkeypatch.setattr(logs, "MAX_PARTIAL", 10)
+    monkeypatch.setattr(logs, "MAX_PARTIAL", 100)        # of which MARK_ROOM (40) for the mark
     m, out = mux()
-    m.feed("ps:0", b"0123456789abc")
+    m.feed("ps:0", b"a" * 120 + b"0123456789")
     m.feed("ps:0", b"\nnext\n")
-    assert lines_of(out, "ps:0") == ["0123456789abc", "next"]
+    assert lines_of(out, "ps:0") == ["[70 bytes cut] " + "a" * 50 + "0123456789", "next"]
 
 
 # -- the shared output stream -----------------------------------------------------

@@ -10,7 +10,9 @@ markup eats `[worker:0]`-style text and it manages ~19k lines/s.
 
 Line ends: `\\n`, `\\r\\n`, and a bare `\\r` (a progress-bar update). Within one
 batch only the latest update of a progress line is shown (a terminal would have
-overwritten the others); the latest state is always shown, never spliced. Keras'
+overwritten the others); the latest state is always shown, never spliced. A line (or one
+`\\r` update) longer than LINE_CAP is held by its end only and shown with how many bytes were
+cut, as the saved-run readers cut it (localfs.saved_lines). Keras'
 progress bars are folded further: a bar's updates are shown at most once per
 FOLD_EVERY seconds, and the update that ends the line (the epoch's last) always, so
 an epoch is one line per task (docs/running.md, "The live view"); the
@@ -25,7 +27,7 @@ import threading
 import time
 from typing import BinaryIO, Callable, Sequence
 
-from tfcluster.localfs import NOFOLLOW, private_dir
+from tfcluster.localfs import LINE_CAP, NOFOLLOW, private_dir
 from tfcluster.plan.names import log_file
 from tfcluster.safetext import escape
 from tfcluster.watch.logscan import (
@@ -35,6 +37,7 @@ from tfcluster.watch.logscan import (
     TF_INFO_LINE,
     TF_NOISE,
     AnyOf,
+    Fold,
     cut_echo,
     has_tf_log_line,
     is_echo,
@@ -49,7 +52,8 @@ from tfcluster.watch.metrics import keras_bar, keras_line
 NOTE_MARK = "[tfcluster] "
 HISTORY = 100                 # recent display lines kept per task (tail, summary)
 RING_LINE = 4096              # bytes of one such line kept (a longer one is cut, "…" added)
-MAX_PARTIAL = 1 << 20         # an unterminated line longer than this is shown as is
+MAX_PARTIAL = LINE_CAP        # bytes of a line held and shown: its end (a longer one is cut)
+MARK_ROOM = 40                # of those, room for the mark that says how many bytes were cut
 JOIN_BELOW = 1 << 16          # a batch smaller than this is one write with its prefix
 FOLD_EVERY = 30.0             # seconds: at most one folded Keras bar update shown per task
 _PALETTE = (36, 33, 32, 35, 34, 96, 93, 92, 95, 94)
@@ -59,7 +63,7 @@ _DIM, _RESET = b"\x1b[2m", b"\x1b[0m"
 class _Task:
     __slots__ = ("key", "prefix", "sep", "show", "lock", "carry", "partial",
                  "shown", "ring", "fd", "saved_midline", "last_output", "inside", "echo",
-                 "folded", "bar_since")
+                 "folded", "bar_since", "cut", "fold")
 
     def __init__(self, key: str, prefix: bytes, show: bool, fd: int | None) -> None:
         self.key, self.prefix, self.show, self.fd = key, prefix, show, fd
@@ -75,6 +79,8 @@ class _Task:
         self.echo: bytes | None = None  # the next line may be an absl echo (logscan.tf_python_echo)
         self.folded: bytes | None = None    # the latest Keras bar update folded, for the watchers
         self.bar_since: float | None = None  # when the current Keras bar was last shown (or began)
+        self.cut = 0              # bytes cut from the start of t.partial (MAX_PARTIAL)
+        self.fold: Fold | None = None   # long tracebacks and tensor dumps (logscan.Fold)
 
 
 class LogMux:
@@ -94,7 +100,7 @@ class LogMux:
                  save_dir: str | None = None, collapse: bool = True,
                  hide_noise: bool = False,
                  watch: tuple[Sequence[bytes], Callable[[str, bytes], None]] | None = None,
-                 save_failed: Callable[[str, OSError], None] | None = None) -> None:
+                 save_failed: Callable[[str, OSError], None] | None = None, fold: bool = False) -> None:
         if len(set(keys)) != len(keys):
             raise ValueError(f"duplicate task keys: {list(keys)}")
         self._out = out
@@ -119,6 +125,8 @@ class LogMux:
             key: _Task(key, self._prefix(key, width, i), shown[key],
                        _open_log(save_dir, key) if save_dir is not None else None)
             for i, key in enumerate(keys)}
+        for t in self._tasks.values():      # fold: long tracebacks and tensor dumps shown short
+            t.fold = Fold() if fold else None
 
     def _prefix(self, key: str, width: int, position: int) -> bytes:
         name = key.ljust(width)
@@ -152,7 +160,9 @@ class LogMux:
             body, t.carry = utf8_split(t.carry, final=True)
             if t.partial or body:
                 self._emit(t, self._block(t, body + b"\n"))
-            t.shown = False
+            if t.fold is not None:          # a run the output ended in: its held end
+                self._emit(t, t.fold.flush(), fold=False)
+            t.shown, t.cut = False, 0
             t.inside = t.echo = t.bar_since = None    # a restarted process continues nothing of this one
 
     def note(self, key: str, text: str) -> None:
@@ -262,15 +272,20 @@ class LogMux:
         Caller holds `t.lock`. The unterminated rest stays in `t.partial`.
         """
         data = t.partial + body if t.partial else body
+        if t.cut and (b"\n" in body or b"\r" in body):    # the segment held by its end ends here
+            end = min(i for i in (data.find(b"\n"), data.find(b"\r")) if i >= 0)
+            data, t.cut = _cut_line(data[:end], t.cut) + data[end:], 0
         if b"\r" in data:
             block = self._block_cr(t, data)
         else:
             block = self._block_lf(t, data)
+        if block is not None and len(block) > MAX_PARTIAL:
+            block = _cut_long(block)
         if len(t.partial) > MAX_PARTIAL:
-            # never hold an endless line: show it as it stands (it is whole
-            # characters, only validated bodies reach it)
-            block = t.partial if block is None else block + b"\n" + t.partial
-            t.partial, t.shown = b"", True
+            # never hold an endless line: keep its end, which a progress line updates
+            keep = _char_start(t.partial, len(t.partial) - MAX_PARTIAL)
+            t.cut += keep
+            t.partial = t.partial[keep:]
         return block
 
     def _block_lf(self, t: _Task, data: bytes) -> bytes | None:
@@ -332,7 +347,7 @@ class LogMux:
         segs = [s for s in segs if s]
         return segs[-1:] if self._collapse else segs
 
-    def _emit(self, t: _Task, block: bytes | None) -> None:
+    def _emit(self, t: _Task, block: bytes | None, fold: bool = True) -> None:
         if block is None:
             return
         if self._watch is not None and self._watching(block):
@@ -349,6 +364,10 @@ class LogMux:
             if not lines:
                 return
             block = b"\n".join(lines)
+        if fold and t.fold is not None:
+            block = t.fold.feed(block)
+            if block is None:
+                return
         recent = last_lines(block, HISTORY)
         t.ring.extend(_clipped(recent) if len(block) > RING_LINE else recent)
         if t.show:
@@ -434,6 +453,53 @@ def _open_log(save_dir: str, key: str) -> int:
                  os.O_WRONLY | os.O_CREAT | os.O_TRUNC | NOFOLLOW, 0o600)
     os.fchmod(fd, 0o600)  # O_CREAT's mode does not apply to a file that already existed
     return fd
+
+
+def cut_mark(n: int) -> bytes:
+    """What stands in for the `n` bytes cut from the start of a long line (its end is shown)."""
+    return f"[{n} bytes cut] ".encode()
+
+
+def _cut_line(line: bytes, already: int = 0) -> bytes:
+    """`line` (whose first `already` bytes were cut before) as shown: at most MAX_PARTIAL
+    bytes, its end after the mark saying how many bytes are gone."""
+    if not already and len(line) <= MAX_PARTIAL:
+        return line
+    room = min(MARK_ROOM, MAX_PARTIAL // 2)
+    start = _char_start(line, max(0, len(line) - (MAX_PARTIAL - room)))
+    return cut_mark(already + start) + line[start:]
+
+
+def _cut_long(block: bytes) -> bytes:
+    """`block` with every line longer than MAX_PARTIAL cut (_cut_line). Lines are found by
+    probing windows of half the cap for a line end: a window without one lies inside a line
+    of at least that length, so a batch of short lines costs a few finds per MiB."""
+    width = max(1, MAX_PARTIAL // 2)
+    parts: list[bytes] = []
+    done = probe = 0                   # block[:done] is in parts; done is a line's start
+    while probe + width <= len(block):
+        if block.find(b"\n", probe, probe + width) >= 0:
+            probe += width
+            continue
+        start = block.rfind(b"\n", done, probe) + 1 or done
+        end = block.find(b"\n", probe + width)
+        end = len(block) if end < 0 else end
+        if end - start > MAX_PARTIAL:
+            parts += [block[done:start], _cut_line(block[start:end])]
+            done = end
+        probe = end + 1
+    if not parts:
+        return block
+    parts.append(block[done:])
+    return b"".join(parts)
+
+
+def _char_start(data: bytes, at: int) -> int:
+    """`at`, or the start of the UTF-8 character it falls inside (never more than 3 back)."""
+    back = at
+    while back > 0 and at - back < 3 and data[back] & 0xC0 == 0x80:
+        back -= 1
+    return back
 
 
 def _clipped(lines: list[bytes]) -> list[bytes]:

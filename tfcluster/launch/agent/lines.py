@@ -14,6 +14,7 @@ from tfcluster.host import shim_protocol as proto
 from tfcluster.transport.base import Proc
 
 NOISE_KEPT = 4096    # bytes of skipped words kept for an error message (tail_text shows 300)
+JSON_LINE_CAP = 1 << 20   # bytes of one line held: no answer of a shim is this long, words may be
 
 
 def json_object(line: bytes) -> dict | None:
@@ -126,6 +127,7 @@ class Lines:
         self.proc, self.where, self.timeout = proc, where, timeout
         self._read = read or proc.read
         self.buf = b""           # bytes read and not yet a whole line
+        self.overlong = False    # the line in buf lost its start (JSON_LINE_CAP): words, not an answer
         self.noise = b""         # the last words skipped (quoted when the shim ends without a word)
         self.line = b""          # the last JSON line, as read
 
@@ -144,8 +146,12 @@ class Lines:
                             raise HostError(f"{where or self.where} did not answer within {deadline.seconds:g}s")
                         return None
                     self.buf += chunk
+                    if len(self.buf) > JSON_LINE_CAP and b"\n" not in chunk:
+                        # endless words (a login shell's): hold their end only, never parse them
+                        self.buf, self.overlong = self.buf[-NOISE_KEPT:], True
                 self.line, self.buf = self.buf.split(b"\n", 1)
-                answer = json_object(self.line)
+                answer = None if self.overlong else json_object(self.line)
+                self.overlong = False
                 if answer is not None:
                     return answer
                 self.noise = (self.noise + self.line + b"\n")[-NOISE_KEPT:]
