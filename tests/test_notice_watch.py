@@ -108,7 +108,7 @@ def test_aws_imdsv2_token_then_instance_action_two_minutes_ahead(fake, stream):
 
 def test_gce_preempted_is_said_as_soon_as_the_value_changes(fake, stream):
     s = stream(watch="gce", url=fake.url)
-    assert s.next() == {"watching": "gce", "how": "gce"}
+    assert s.next() == {"watching": "gce", "how": "gce spot"}
     asked_at = time.monotonic()
     fake.control("gce/set", key="preempted", value="TRUE")
     notice = s.next(timeout=5)["notice"]
@@ -121,7 +121,7 @@ def test_gce_preempted_is_said_as_soon_as_the_value_changes(fake, stream):
 
 def test_azure_preempt_acknowledged_and_a_withdrawn_event_said(fake, stream):
     s = stream(watch="azure", url=fake.url, every=0.2)
-    assert s.next() == {"watching": "azure", "how": "azure"}
+    assert s.next() == {"watching": "azure", "how": "azure spot"}
     fake.control("azure/event", id="E-PREEMPT", type="Preempt", **{"in": 30})
     notice = s.next(timeout=10)["notice"]       # the first call waited a second (the fake's start)
     assert (notice["source"], notice["kind"], notice["id"], notice["status"]) == \
@@ -178,7 +178,8 @@ def test_an_outage_of_the_metadata_service_is_a_warning_said_once(stream):
     port = closed.getsockname()[1]
     closed.close()
     s = stream(watch="aws", url=f"http://127.0.0.1:{port}", every=0.1)
-    assert s.next()["watching"] == "aws"
+    said = s.next()
+    assert said["watching"] == "aws" and said["how"].startswith("aws, no answer yet: PUT /latest/api/token"), said
     warning = s.next(skip=())
     assert "aws metadata: PUT /latest/api/token" in warning["warning"], warning
     with pytest.raises(queue.Empty):

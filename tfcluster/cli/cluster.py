@@ -95,6 +95,10 @@ def drain(
     spec_path: str = SpecArg,
     host: str = typer.Argument(..., help="The host to take tasks off, as the spec names it."),
     wait: float = typer.Option(600.0, "--wait", help="Seconds to wait for the move (0: ask and return)."),
+    deadline: Optional[float] = typer.Option(None, "--deadline", parser=seconds, metavar="DURATION",
+                                             help="The host goes in this long (30s, 2m): recorded as a notice; "
+                                                  "too short to move, the checkpoint is copied and the tasks "
+                                                  "move once the host is gone."),
 ) -> int:
     """Move a host's tasks to a spare while `train` runs, losing no step.
 
@@ -115,7 +119,9 @@ def drain(
     if host in p.spares:
         raise UsageError(f"{spec_path}: {host} is a spare: it holds tasks only after a move, and none "
                          f"to drain before one")
-    return drains.request(p, host, wait, ui)
+    if deadline is not None and deadline <= 0:
+        raise UsageError(f"--deadline {deadline:g}: must be more than 0 seconds")
+    return drains.request(p, host, wait, ui, deadline)
 
 
 @app.command()

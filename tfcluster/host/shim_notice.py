@@ -331,7 +331,9 @@ class Stream:
         self.base = str(req.get("url") or DEFAULT_URL)
         self.watch = str(req.get("watch") or "auto")
         self.every = req.get("every")
-        self.lock = threading.Lock()
+        # reentrant: the SIGTERM handler says its line from the main thread, which may be
+        # inside say() itself; each line is one small write, so lines never interleave
+        self.lock = threading.RLock()
         self.stopped = threading.Event()
         self.outage = None           # the warning said, until a good look
         self.watcher = None
@@ -355,8 +357,12 @@ class Stream:
             if self.watcher is None:
                 self.say({"watching": None, "why": how})
                 return 0
-        elif self.watch in WATCHERS:
-            self.watcher, how = WATCHERS[self.watch](self.base), self.watch
+        elif self.watch in WATCHERS:        # told which: watched whatever the first look says
+            self.watcher = WATCHERS[self.watch](self.base)
+            try:
+                how = self.watcher.probe(PROBE_TIMEOUT)
+            except MetadataError as e:
+                how = "%s, no answer yet: %s" % (self.watch, e)
         else:
             raise proto.ShimError("notice: unknown cloud %r (one of %s, auto)" % (self.watch, ", ".join(CLOUDS)))
         self.say({"watching": self.watcher.name, "how": how})

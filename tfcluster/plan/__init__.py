@@ -65,6 +65,17 @@ class HostPlan:
     python: str                          # the interpreter every process on this host runs
     bindir: str                          # where the shim and the TF server live there
     ssh: SshOptions | None = None        # None for a local host
+    preemptible: str = "no"              # whose notices a run watches for here (spec.model.PREEMPTIBLE)
+    metadata_url: str | None = None      # the metadata service's base URL (None: 169.254.169.254)
+
+    @property
+    def watched(self) -> str:
+        """How `plan` says this host's notices are watched."""
+        if self.preemptible == "no":
+            return "not watched (preemptible: no)"
+        how = "whichever cloud's metadata service answers (auto)" if self.preemptible == "auto" else \
+            f"{self.preemptible} notices"
+        return f"watched ({how}" + (f", at {self.metadata_url})" if self.metadata_url else ")")
 
     @property
     def in_process(self) -> bool:
@@ -300,7 +311,8 @@ def _host_plan(host, spec: Spec, cluster_dir: str, local_python: str) -> HostPla
     ssh = None if host.local else SshOptions(**{f.name: getattr(host.ssh, f.name)
                                                 for f in fields(SshOptions)})
     return HostPlan(name=host.name, address=host.address, local=host.local, gpus=host.gpus,
-                    python=python, bindir=shim_bindir(host.local, python, cluster_dir, local_python), ssh=ssh)
+                    python=python, bindir=shim_bindir(host.local, python, cluster_dir, local_python), ssh=ssh,
+                    preemptible=host.preemptible, metadata_url=host.metadata_url)
 
 
 def build_plan(spec: Spec, local_python: str | None = None, *,
@@ -496,7 +508,8 @@ def plan_to_dict(plan: Plan, *, redact: bool = True) -> dict:
         "files": [{"path": path, "to": dest, "bytes": size} for path, dest, size in plan.files],
         "files_problem": plan.files_problem,
         "hosts": [{"name": h.name, "address": h.address, "local": h.local, "gpus": h.gpus,
-                   "python": h.python} for h in plan.all_hosts],
+                   "python": h.python, "preemptible": h.preemptible, "metadata_url": h.metadata_url}
+                  for h in plan.all_hosts],
         "on_host_loss": plan.on_host_loss,
         "spares": [spare_to_dict(plan, name) for name in plan.spares],
         "moves": [{"lost": lost, "to": spare} for lost, spare in plan.moves],

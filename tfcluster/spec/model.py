@@ -22,6 +22,10 @@ LEGACY_KERAS_ENV = "TF_USE_LEGACY_KERAS"
 LEGACY_KERAS_VALUES = ("1", "true", "True")     # what TensorFlow reads as set
 LOCAL_ADDRESSES = ("localhost", "127.0.0.1", "::1")
 TF_PORTS = ("auto", "closed", "open")      # Spec.tf_ports
+# hosts[].preemptible: which cloud's notices a run watches on the host (docs/hostloss.md, "When
+# a host warns"); `auto` asks the three metadata services at a run's start, `no` (the default)
+# asks nothing
+PREEMPTIBLE = ("auto", "aws", "gce", "azure", "no")
 MAX_TASKS = 10_000                # bounds the layout work whatever counts the file asks for
 PLACEHOLDERS = ("job", "index", "ps_hosts", "worker_hosts", "chief_hosts", "workdir",
                 "num_workers")
@@ -90,6 +94,8 @@ class Host:
     ssh: SshSettings = field(default_factory=SshSettings)
     line: int = 0                    # line of this host's entry in the spec
     spare: bool = False              # no task until a host is lost (docs/spec.md, "Spare hosts")
+    preemptible: str = "no"          # PREEMPTIBLE: whose notices a run watches for on it
+    metadata_url: str | None = None  # the metadata service's base URL, when not 169.254.169.254
 
 
 @dataclass(frozen=True)

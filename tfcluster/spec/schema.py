@@ -30,6 +30,7 @@ from tfcluster.spec.model import (
     MAX_TASKS,
     MODES,
     PLACEHOLDERS,
+    PREEMPTIBLE,
     RESTART_POLICIES,
     TF_PORTS,
     Checkpoint,
@@ -70,7 +71,7 @@ _TOP_KEYS = ("name", "python", "workdir", "env", "secret_env", "public_env", "ss
              "train", "tf_ports")
 _SSH_KEYS = ("user", "port", "identity_file", "known_hosts", "host_key_policy", "jump_host",
              "connect_timeout")
-_HOST_KEYS = ("name", "address", "gpus", "ssh", "spare")
+_HOST_KEYS = ("name", "address", "gpus", "ssh", "spare", "preemptible", "metadata_url")
 _JOB_KEYS = ("count", "per_gpu", "hosts", "port", "gpus", "tasks")
 _TRAIN_KEYS = ("mode", "script", "files", "allow_outside", "args", "restart", "timeout", "checks",
                "tensorboard", "image", "progress", "keras", "on_host_loss", "checkpoint")
@@ -171,7 +172,25 @@ def _parse_host(node: yaml.Node, field: str, ssh: dict[str, Any]) -> Host:
         ssh=SshSettings(**{**ssh, **own}),
         line=line_of(node),
         spare="spare" in f and as_bool(f["spare"][1], sub_field(field, "spare")),
+        preemptible=as_choice(f["preemptible"][1], sub_field(field, "preemptible"), PREEMPTIBLE,
+                              "preemptible") if "preemptible" in f else "no",
+        metadata_url=_metadata_url(f["metadata_url"][1], sub_field(field, "metadata_url"))
+        if "metadata_url" in f else None,
     )
+
+
+_METADATA_URL = re.compile(r"http://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+)(:[0-9]{1,5})?(/[A-Za-z0-9._~/-]*)?")
+
+
+def _metadata_url(node: yaml.Node, field: str) -> str:
+    """A cloud metadata service's base URL: plain http (as every cloud serves it), a host,
+    an optional port and path; nothing a shell or an HTTP request line could take apart."""
+    value = as_str(node, field)
+    match = _METADATA_URL.fullmatch(value)
+    if match is None or int((match.group(2) or ":80")[1:]) > 65535:
+        raise BadValue(line_of(node), field, f"must be http://HOST[:PORT], got {value!r}",
+                       hint="the metadata service's address, e.g. http://169.254.169.254")
+    return value.rstrip("/")
 
 
 def _not_spare(host: Host, node: yaml.Node, field: str) -> None:

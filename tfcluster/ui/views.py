@@ -82,6 +82,11 @@ def print_host_loss(ui, plan: Plan) -> None:
         ui.text(line)
     for lost, spare in plan.moves:
         ui.text(f"moved: {lost}'s tasks run on {spare}")
+    watched = [h for h in plan.all_hosts if h.preemptible != "no"]
+    if watched:     # a host that warns before it goes (docs/hostloss.md, "When a host warns")
+        ui.text("on a notice (a host about to be taken back), its tasks drain first:")
+        for h in plan.all_hosts:
+            ui.text(f"  {h.name}: {h.watched}")
     ckpt = plan.checkpoint
     if ckpt is not None:
         copied = (f"the newest complete one copied here every {duration(ckpt.sync)}" if ckpt.sync is not None

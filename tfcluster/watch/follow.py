@@ -39,7 +39,7 @@ def run_rows(runs_dir: str, name: str, progress=None, warn=None) -> list[dict]:
                     "outcome": _outcome(state, doc.get("exit_code")), "exit_code": doc.get("exit_code"),
                     "message": _message(state, doc.get("outcome")),
                     "restarts": _restarts(doc), "task": chief, **final,
-                    "checkpoint": kept[-1] if kept else None, "moves": _moves(doc)})
+                    "checkpoint": kept[-1] if kept else None, "moves": _moves(doc), "notices": _notices(doc)})
     return out
 
 
@@ -53,6 +53,27 @@ def _moves(doc: dict) -> list[dict]:
         if isinstance(m, dict) and isinstance(m.get("host"), str):
             out.append({k: m.get(k) if isinstance(m.get(k), t) else None for k, t in keys.items()})
     return out
+
+
+def _notices(doc: dict) -> list[dict]:
+    """The manifest's notices (launch/run/notices.py's records), checked as _moves checks."""
+    keys = {"at": (int, float), "host": str, "source": str, "kind": str, "deadline": (int, float),
+            "action": str, "line": str, "steps_lost": int}
+    out = []
+    for n in doc.get("notices") if isinstance(doc.get("notices"), list) else ():
+        if isinstance(n, dict) and isinstance(n.get("host"), str):
+            out.append({k: n.get(k) if isinstance(n.get(k), t) else None for k, t in keys.items()})
+    return out
+
+
+def notice_line(n: dict) -> str:
+    """One notice as `runs` says it: when, which host, from where, its deadline, what was done."""
+    def clock(t) -> str:
+        return "--:--:--" if t is None else time.strftime("%H:%M:%S", time.localtime(t))
+    ahead = "" if n["deadline"] is None else f", deadline {clock(n['deadline'])}"
+    lost = "" if n["steps_lost"] is None else f"; {n['steps_lost']} step(s) lost"
+    line = f": {n['line']}" if n["line"] else ""
+    return f"{clock(n['at'])} {n['host']} notice ({n['source']} {n['kind']}{ahead}): {n['action']}{line}{lost}"
 
 
 def move_line(m: dict) -> str:
@@ -174,6 +195,8 @@ def print_runs(ui, name: str, rows: list[dict], runs_dir: str) -> None:
     for r in rows:          # every move of every run, under the table: hosts lost or drained
         for m in r.get("moves") or ():
             ui.text(escape(f"{r['run']}: {move_line(m)}"))
+        for n in r.get("notices") or ():
+            ui.text(escape(f"{r['run']}: {notice_line(n)}"))
 
 
 def follow(ui, name: str, runs_dir: str, run: str | None, task: str | None, out,

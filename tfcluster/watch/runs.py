@@ -53,10 +53,13 @@ class Manifest:
 
     def finish(self, procs, outcome: tuple[int, str], checks: dict[str, str] | None = None,
                progress: dict | None = None, hosts_lost: dict | None = None,
-               moves: list | None = None, checkpoints: list | None = None) -> None:
+               moves: list | None = None, checkpoints: list | None = None,
+               notices: list | None = None) -> None:
         """`hosts_lost`: host -> how it was found lost, its tasks, when (launch/cluster/hostloss.py);
         `moves`: each host given up and what the run did (launch/run/moves.py); `checkpoints`:
-        each checkpoint copied here, {name, step, bytes, at} (launch/run/ckptsync.py)."""
+        each checkpoint copied here, {name, step, bytes, at} (launch/run/ckptsync.py);
+        `notices`: each warning that a host was about to go, and what the run did
+        (launch/run/notices.py)."""
         tasks = {}
         for p in procs:
             entry = tasks.setdefault(p.task.key, {"host": p.task.host})
@@ -66,7 +69,8 @@ class Manifest:
                 entry["host_lost"] = p.host_lost
         self._write({"outcome": outcome[1], "exit_code": outcome[0], "ended": time.time(),
                      "tasks": tasks, "checks": checks or {}, "progress": progress or {},
-                     "hosts_lost": hosts_lost or {}, "moves": moves or [], "checkpoints": checkpoints or []})
+                     "hosts_lost": hosts_lost or {}, "moves": moves or [], "checkpoints": checkpoints or [],
+                     "notices": notices or []})
 
     def _write(self, extra: dict) -> None:
         doc = {"run_id": self.run_id, "cluster": self.plan.name, "mode": self.plan.mode,

@@ -278,7 +278,7 @@ class Session:
         """Stop every process with this tag prefix on every connected host, or on `hosts` (a
         lost host's processes are stopped by their shims, which lost their launcher)."""
         hosts = [h for h in (self.agents if hosts is None else hosts)
-                 if h in self.agents and h not in self.pool.lost]
+                 if h in self.agents and h not in self.pool.lost and not self.pool.gone_by_now(h)]
         return parallel(lambda h: self.agents[h].stop(prefix, grace), hosts)
 
 

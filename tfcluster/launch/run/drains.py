@@ -26,20 +26,26 @@ REQUEST = "drain-"
 ANSWERS = "drains.json"
 POLL_EVERY = 1.0        # seconds between the supervisor's looks
 ASKED, DRAINING, MOVED, FAILED = "asked", "draining", "moved", "failed"
+SAVED = "saved"         # --deadline too short to move: the checkpoint copied, the tasks left
+SOURCE = "drain"        # a notice's source when `drain --deadline` asked (run/notices.py)
 ANSWER_POLL = 0.5       # seconds between `drain`'s looks at the answers
 
 
-def request(plan, host: str, wait: float, ui) -> ExitCode:
+def request(plan, host: str, wait: float, ui, deadline: float | None = None) -> ExitCode:
     """`tfcluster drain`: ask the running train to move `host`'s tasks, then wait (at most
-    `wait` s; 0: ask and return) for its answer, saying each new line of it. OK once moved,
-    ERROR when the run could not move them, TIMEOUT when no answer came in time; no `train`
-    of the cluster holding its lock raises (exit 1), asking nothing."""
+    `wait` s; 0: ask and return) for its answer, saying each new line of it. OK once moved
+    (or, with a `deadline` in seconds too short to move, once saved), ERROR when the run
+    could not move them, TIMEOUT when no answer came in time; no `train` of the cluster
+    holding its lock raises (exit 1), asking nothing. A deadline makes the drain a notice
+    of the run (run/notices.py): recorded, and moved or saved as its time allows."""
     if running(plan) != "train":
         raise TfclusterError(f"no `tfcluster train` of cluster {plan.name!r} is running: nothing to drain",
                              hint="drain moves a running train's tasks; to run without the host, "
                                   "edit the spec")
-    ask(plan, host)
-    ui.info(f"asked the running train to drain {host}")
+    by = None if deadline is None else time.time() + deadline
+    ask(plan, host, by)
+    ui.info(f"asked the running train to drain {host}"
+            + ("" if by is None else f" by {time.strftime('%H:%M:%S', time.localtime(by))} ({deadline:g}s)"))
     deadline = time.monotonic() + wait
     said = None
     while time.monotonic() < deadline:
@@ -47,7 +53,7 @@ def request(plan, host: str, wait: float, ui) -> ExitCode:
         if answer.get("line") and answer.get("line") != said:
             said = answer["line"]
             ui.info(f"{host}: {answer.get('state')}: {said}")
-        if answer.get("state") == MOVED:
+        if answer.get("state") in (MOVED, SAVED):
             return ExitCode.OK
         if answer.get("state") == FAILED:
             return ExitCode.ERROR
@@ -68,15 +74,15 @@ def running(plan) -> str | None:
         return exc.holder_command
 
 
-def ask(plan, host: str) -> None:
-    """Leave the request for `host` (drain's side)."""
+def ask(plan, host: str, deadline: float | None = None) -> None:
+    """Leave the request for `host` (drain's side), with the time.time() it goes by, if any."""
     path = os.path.join(state.state_dir(state.key(plan)), REQUEST + host)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, 0o600)
     except FileExistsError:
         return          # asked already, not yet taken
     with os.fdopen(fd, "w") as f:
-        f.write(json.dumps({"host": host, "asked": time.time(), "pid": os.getpid()}))
+        f.write(json.dumps({"host": host, "asked": time.time(), "pid": os.getpid(), "deadline": deadline}))
 
 
 def answers(plan) -> dict[str, dict]:
@@ -90,6 +96,11 @@ def answers(plan) -> dict[str, dict]:
         return {}
     return {h: a for h, a in doc.items() if isinstance(h, str) and isinstance(a, dict)} \
         if isinstance(doc, dict) else {}
+
+
+def answer(plan, host: str, how: str, line: str) -> None:
+    """Say how the drain of `host` goes, for `drain` to read (train's side)."""
+    _answer(plan, host, how, line)
 
 
 def _answer(plan, host: str, how: str, line: str) -> None:
@@ -119,11 +130,30 @@ def poll(run: Run) -> None:
     directory = state.state_dir(state.key(run.plan))
     asked = sorted(n[len(REQUEST):] for n in os.listdir(directory) if n.startswith(REQUEST))
     for host in asked:
+        path = os.path.join(directory, REQUEST + host)
+        deadline = _deadline_of(path)
         try:
-            os.unlink(os.path.join(directory, REQUEST + host))
+            os.unlink(path)
         except FileNotFoundError:
             continue
+        if deadline is not None and host in {h.name for h in run.plan.all_hosts}:
+            _answer(run.plan, host, DRAINING, f"notice taken, deadline {time.strftime('%H:%M:%S', time.localtime(deadline))}")
+            run.notices.add(run, host, {"source": SOURCE, "kind": "--deadline", "id": f"drain@{deadline:.0f}",
+                                        "deadline": deadline})
+            continue
         _drain(run, host)
+
+
+def _deadline_of(path: str) -> float | None:
+    """The deadline a request carries (`drain --deadline`), None without one."""
+    try:
+        fd = os.open(path, os.O_RDONLY | NOFOLLOW)
+        with os.fdopen(fd, "rb") as f:
+            doc = json.loads(f.read(1 << 16))
+    except (OSError, ValueError):
+        return None
+    deadline = doc.get("deadline") if isinstance(doc, dict) else None
+    return float(deadline) if isinstance(deadline, (int, float)) and not isinstance(deadline, bool) else None
 
 
 def _drain(run: Run, host: str) -> None:

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from tfcluster.launch.agent.attached import AttachedTask
     from tfcluster.launch.agent.records import TaskLaunch
     from tfcluster.launch.cluster.session import Session
+    from tfcluster.launch.run.notices import Notices
     from tfcluster.ui import UI
     from tfcluster.watch.board import Board
     from tfcluster.watch.footer import LiveFooter
@@ -89,3 +90,4 @@ class Run:
     starts: list[StartSlot] = field(default_factory=list)   # every attached start, in order
     files: list | None = None       # shipping.collect_files(plan), read before connecting
     recovery: Recovery = field(default_factory=Recovery)   # hosts given up, tasks moved (recovery.py)
+    notices: Notices | None = None      # hosts that warned before going (notices.py; the supervisor's)

@@ -26,6 +26,7 @@ from tfcluster.launch.cluster.reach import can_connect
 from tfcluster.launch.cluster.session import Session, server_tasks
 from tfcluster.launch.cluster.shipping import collect_files
 from tfcluster.launch.run import attempts, drains, recovery
+from tfcluster.launch.run.notices import Notices
 from tfcluster.launch.run.runstate import Options, Run, Supervised
 from tfcluster.launch.run.startup import Holder, begin
 from tfcluster.localfs import private_dir
@@ -62,6 +63,8 @@ def train(plan: Plan, ui: UI, options: Options) -> int:
         run = Run(plan, ui, options, run_id, session, mux, events, checks=checks, progress=progress,
                   files=files)
         drains.clear(plan)              # a drain asked of an earlier run is not this one's
+        run.notices = Notices()
+        run.notices.start(run)          # each watched host's notices, from now (Azure answers slowly)
         if plan.checkpoint is not None and plan.checkpoint.sync is not None:
             from tfcluster.launch.run.ckptsync import CheckpointSync
             run.recovery.checkpoints = CheckpointSync(session, plan, os.path.join(options.runs_dir, run_id), ui)
@@ -78,6 +81,7 @@ def train(plan: Plan, ui: UI, options: Options) -> int:
             outcome = (int(exc.exit_code), exc.message)
             raise
         finally:
+            run.notices.close()
             if run.footer is not None:
                 run.footer.close()
                 ui.pause = contextlib.nullcontext
@@ -96,10 +100,12 @@ def train(plan: Plan, ui: UI, options: Options) -> int:
             progress.close()
             try:
                 manifest.plan = run.plan        # where the tasks ended up, after any move
+                run.notices.link(run.recovery.moves)
                 manifest.finish(run.procs, outcome, checks.summary(), progress.summary(),
                                 {h: lost.record() for h, lost in session.pool.lost.items()},
                                 [m.record() for m in run.recovery.moves],
-                                checkpoints=sync.records() if sync is not None else None)
+                                checkpoints=sync.records() if sync is not None else None,
+                                notices=[n.record() for n in run.notices.records])
             except TfclusterError as exc:     # a full disk: one line, the run's own error follows
                 ui.error(exc.message)
             _summary(run, outcome)
@@ -181,6 +187,7 @@ def _supervise(run: Run) -> tuple[int, str]:
         run.checks.tick(run.procs, run.mux)
         run.recovery.tick(run)
         drains.poll(run)
+        run.notices.poll(run)       # a host about to go: drained before its deadline (notices.py)
         if run.footer is not None:
             run.footer.refresh(run.procs)
         try:
@@ -320,6 +327,8 @@ def _summary(run: Run, outcome: tuple[int, str]) -> None:
     checks = run.checks.summary() if run.checks and steps else {}    # said only once scripts ran
     for move in run.recovery.moves:
         run.ui.info(f"moved: {move.line()}")
+    for notice in run.notices.records:
+        run.ui.info(f"notice: {notice.summary()}")
     print_summary(run.ui, run.run_id, rows, outcome, os.path.join(run.options.runs_dir, run.run_id), checks,
                   steps)
 

@@ -1,0 +1,285 @@
+"""A host that warns before it goes: its notices, and the drain each one becomes.
+
+Each host whose spec entry says `preemptible` gets one `notice` stream for the run
+(host/shim_notice.py), opened in a thread of its own as the run starts (Azure's first answer
+can take two minutes), which says what it watches and then every notice: the cloud's
+(AWS, GCE, Azure), a SIGTERM to the stream from outside (a shutdown), or a person's `tfcluster
+drain SPEC HOST --deadline 30s` (drains.py hands it here). The supervisor's tick (poll) turns
+each notice with deadline D into what the time allows, through the same path as `drain`
+(recovery.give_up):
+
+- D is further than START_LEAD away: wait until then (a cloud may withdraw its event; Azure
+  does, and a withdrawn one is a false alarm that moved nothing);
+- at least MOVE_BUDGET left: drain the host now, its tasks to a spare (or, with no spare,
+  what `train.on_host_loss` says: go on without them, or end the run before the kill, every
+  script saving as it stops);
+- less: save only (the chief's newest checkpoint copied here at once) and leave the tasks
+  where they are: the host's loss at D is then a plain lost host, moved from that copy.
+
+Every notice is a record (Notice): when, from where, its deadline, what was done, the move it
+led to and so the steps lost; the summary says one `notice:` line per record, `manifest.json`
+keeps them under `notices`, and `runs` lists them. An Azure event is approved (its
+StartRequests) once its host holds nothing of the run, so the cloud need not wait out its
+NotBefore.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from tfcluster.errors import ConnectError, TfclusterError
+from tfcluster.host import shim_protocol as proto
+from tfcluster.launch.agent.lines import Lines
+from tfcluster.launch.run.moves import Move
+
+if TYPE_CHECKING:
+    from tfcluster.launch.run.runstate import Run
+
+# A drain needs, before the deadline: the scripts' stop with their last save (the grace, 5 s),
+# the chief's newest checkpoint copied back, the servers' stop; the new tasks then start on
+# the spare whether or not the host is still there. On the 2-core test machine, loaded, that
+# took 6-9 s (docs/hostloss.md, "When a host warns"); this leaves twice as much again.
+MOVE_BUDGET = 20.0
+# A notice further ahead than this waits until this long before its deadline: moving at once
+# would gain nothing, and a withdrawn event then costs nothing.
+START_LEAD = 60.0
+WARNED = "warned"               # recovery.give_up's kind: the Move's `why` starts with it
+
+PENDING, WAITING, MOVED, SHRUNK, SAVED, ENDED, WITHDRAWN, NOTHING, NOTED, FAILED = (
+    "pending", "waiting", "moved", "went on without its tasks", "saved only", "ended the run",
+    "withdrawn", "nothing to move", "noted", "failed")
+
+
+def clock(t: float | None) -> str:
+    return "--:--:--" if t is None else time.strftime("%H:%M:%S", time.localtime(t))
+
+
+@dataclass
+class Notice:
+    host: str
+    source: str                 # aws | gce | azure | shutdown | drain
+    kind: str                   # terminate, preempted, Preempt, SIGTERM, --deadline, rebalance ...
+    id: str
+    at: float                   # time.time() it reached the run
+    deadline: float | None      # time.time() the host goes; None: a hint without one
+    action: str = PENDING
+    line: str = ""              # what the run said it did
+    move: Move | None = None
+    acked: bool = False
+
+    def what(self) -> str:
+        return f"{self.source} {self.kind}"
+
+    @property
+    def steps_lost(self) -> int | None:
+        return None if self.move is None else self.move.steps_lost
+
+    def summary(self) -> str:
+        ahead = "" if self.deadline is None else f", deadline {clock(self.deadline)} ({self.deadline - self.at:.0f}s ahead)"
+        lost = "" if self.steps_lost is None else f"; {self.steps_lost} step(s) lost"
+        return f"{clock(self.at)} {self.host} {self.what()}{ahead}: {self.action}" + \
+            (f": {self.line}" if self.line else "") + lost
+
+    def record(self) -> dict:
+        return {"host": self.host, "source": self.source, "kind": self.kind, "id": self.id, "at": self.at,
+                "deadline": self.deadline, "action": self.action, "line": self.line,
+                "move": None if self.move is None else {"to": self.move.spare, "action": self.move.action},
+                "steps_lost": self.steps_lost}
+
+
+@dataclass
+class Notices:
+    """The run's notice streams, their lines as they come, and the record of every notice."""
+
+    records: list[Notice] = field(default_factory=list)
+    how: dict[str, str | None] = field(default_factory=dict)   # host -> what its stream watches
+    lines: queue.Queue = field(default_factory=queue.Queue)
+    procs: dict = field(default_factory=dict)
+    closed: threading.Event = field(default_factory=threading.Event)
+
+    # -- the streams
+
+    def start(self, run: Run) -> None:
+        """One stream per watched host, each opened in a thread: the run's start waits for none."""
+        for host in run.plan.all_hosts:
+            if host.preemptible != "no" and host.name in run.session.agents:
+                request = {"watch": host.preemptible, "url": host.metadata_url}
+                threading.Thread(target=self._watch, args=(run, host.name, request), daemon=True,
+                                 name=f"notice-{host.name}").start()
+
+    def _watch(self, run: Run, host: str, request: dict) -> None:
+        try:
+            proc = run.session.agents[host].spawn_shim(proto.NOTICE)
+            self.procs[host] = proc
+            proc.write(proto.json_line(request))
+            lines = Lines(proc, f"host {host}: notice")
+            while not self.closed.is_set():
+                line = lines.next()
+                if line is None:
+                    return
+                self.lines.put((host, line))
+                run.events.put(None)            # wake the supervisor: a notice is acted on at once
+        except Exception as e:  # noqa: BLE001 - a watch that fails is said; the run goes on
+            if not self.closed.is_set():
+                self.lines.put((host, {"warning": f"cannot watch its notices: {e}"}))
+
+    def ack(self, run: Run, notice: Notice) -> None:
+        """Approve an Azure event once its host holds nothing of the run."""
+        proc = self.procs.get(notice.host)
+        if notice.source != "azure" or notice.acked or proc is None:
+            return
+        try:
+            proc.write(proto.json_line({"ack": notice.id}))
+            notice.acked = True
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.closed.set()
+        for proc in list(self.procs.values()):
+            proc.kill()
+
+    # -- the supervisor's side
+
+    def add(self, run: Run, host: str, said: dict) -> Notice:
+        """A notice reached the run: recorded, said, and acted on when due."""
+        deadline = said.get("deadline")
+        deadline = float(deadline) if isinstance(deadline, (int, float)) and not isinstance(deadline, bool) else None
+        if said.get("source") == "azure" and deadline is None:
+            deadline = time.time()          # started already (no NotBefore): it goes now
+        notice = Notice(host, str(said.get("source")), str(said.get("kind")), str(said.get("id") or ""),
+                        time.time(), deadline)
+        self.records.append(notice)
+        if deadline is None:
+            notice.action = NOTED
+            run.ui.warn(f"{host}: {notice.what()} notice, no deadline: nothing moves until one comes")
+            return notice
+        run.session.pool.warn(host, deadline)
+        left = deadline - notice.at
+        if left > START_LEAD:
+            notice.action = WAITING
+            run.ui.warn(f"{host}: {notice.what()} notice: taken back at {clock(deadline)} ({left:.0f}s from now); "
+                        f"its tasks move at {clock(deadline - START_LEAD)}, {START_LEAD:g}s before")
+        else:
+            run.ui.warn(f"{host}: {notice.what()} notice: taken back at {clock(deadline)} ({left:.0f}s from now)")
+        return notice
+
+    def link(self, moves: list[Move]) -> None:
+        """A notice that saved only is followed by its host's loss: the move that loss made
+        is the notice's (its steps lost)."""
+        for notice in self.records:
+            if notice.action == SAVED and notice.move is None:
+                notice.move = next((m for m in moves if m.host == notice.host and m.at >= notice.at), None)
+
+    def poll(self, run: Run) -> None:
+        """The supervisor's tick: the lines that came, then every notice that is due."""
+        self.link(run.recovery.moves)
+        while True:
+            try:
+                host, line = self.lines.get_nowait()
+            except queue.Empty:
+                break
+            self._line(run, host, line)
+        for notice in list(self.records):
+            if notice.action in (PENDING, WAITING) and time.time() >= notice.deadline - START_LEAD:
+                act(run, self, notice)
+
+    def _line(self, run: Run, host: str, line: dict) -> None:
+        if "watching" in line:
+            self.how[host] = line.get("how") if line["watching"] else None
+            run.ui.info(f"{host}: watched ({line.get('how')})" if line["watching"]
+                        else f"{host}: not watched: {line.get('why')}")
+        elif isinstance(line.get("notice"), dict):
+            said = line["notice"]
+            if any(n.host == host and n.id == str(said.get("id") or "") and n.source == said.get("source")
+                   for n in self.records):
+                return          # said again (a stream that restarted its look)
+            self.add(run, host, said)
+        elif isinstance(line.get("withdrawn"), dict):
+            self._withdrawn(run, host, str(line["withdrawn"].get("id")))
+        elif "warning" in line or "error" in line:
+            run.ui.warn(f"{host}: notices: {line.get('warning') or line.get('error')}")
+
+    def _withdrawn(self, run: Run, host: str, event: str) -> None:
+        notice = next((n for n in self.records if n.host == host and n.id == event), None)
+        if notice is None:
+            return
+        if notice.action in (PENDING, WAITING):
+            notice.action = WITHDRAWN
+            notice.line = "false alarm withdrawn before the move began"
+            run.session.pool.unwarn(host)
+            run.ui.warn(f"{host}: {notice.what()} {event}: false alarm withdrawn; nothing moved")
+        else:
+            run.ui.warn(f"{host}: {notice.what()} {event} withdrawn after the run acted on it ({notice.action}); "
+                        f"that stands")
+
+
+def act(run: Run, notices: Notices, notice: Notice) -> None:
+    """Do what the time left allows (the module's docstring); raises when the run must end
+    before the host goes (no spare, and on_host_loss says fail)."""
+    from tfcluster.launch.run import drains, recovery
+
+    host, pool = notice.host, run.session.pool
+    tasks = [t.key for t in run.plan.tasks_on(host)]
+    if host in pool.given_up or not tasks:
+        notice.action = NOTHING
+        if host in run.plan.spares:
+            pool.set_aside(host, f"taken back by its cloud at {clock(notice.deadline)}")
+            notice.line = "a spare taken back takes no task"
+        _said(run, notices, notice, drains.MOVED)
+        return
+    left = notice.deadline - time.time()
+    if left < MOVE_BUDGET:
+        notice.action = SAVED
+        saved = _save(run)
+        notice.line = (f"{left:.0f}s left, under the {MOVE_BUDGET:g}s a move takes: "
+                       + (f"copied {saved} here; " if saved else "no checkpoint copied; ")
+                       + f"{', '.join(tasks)} move when {host} goes")
+        run.ui.warn(f"{host}: {notice.line}")
+        _said(run, notices, notice, drains.SAVED)
+        return
+    error = ConnectError(f"{host} is taken back at {clock(notice.deadline)} ({notice.what()} notice) and no spare "
+                         f"can take {', '.join(tasks)}: the run ends before it, every script saving as it stops",
+                         hint="add a host with spare: true to the spec, or set train.on_host_loss: shrink")
+    detail = f"{notice.what()} notice, deadline {clock(notice.deadline)}"
+    try:
+        move = recovery.give_up(run, host, WARNED, error, detail=detail)
+    except TfclusterError as exc:
+        if exc is error:
+            notice.action = ENDED
+            saved = _save(run)
+            notice.line = f"no spare; {'copied ' + saved if saved else 'no checkpoint copied'}"
+        else:
+            notice.action, notice.line = FAILED, exc.message
+        _said(run, notices, notice, drains.FAILED)
+        raise
+    notice.move = move
+    if move is not None:
+        notice.action = SHRUNK if move.spare is None else MOVED
+        notice.line = (f"{', '.join(move.tasks)} moved to {move.spare}"
+                       + (", every task restarted" if move.action == "restart" else "")
+                       if move.spare else f"went on without {', '.join(tasks)}")
+    _said(run, notices, notice, drains.MOVED)
+
+
+def _save(run: Run) -> str | None:
+    """The chief's newest complete checkpoint copied here now (train.checkpoint's sync), while
+    its host still answers: the save a script makes on its own schedule, kept before the kill."""
+    sync, chief = run.recovery.checkpoints, run.plan.chief
+    if sync is None or chief is None or chief.host in run.session.pool.lost:
+        return None
+    pulled = sync.pull(chief.host)
+    return pulled.name if pulled is not None else None
+
+
+def _said(run: Run, notices: Notices, notice: Notice, state: str) -> None:
+    """Acknowledge the cloud's event when the host holds nothing of the run; answer `drain`."""
+    from tfcluster.launch.run import drains
+
+    if not run.plan.tasks_on(notice.host):
+        notices.ack(run, notice)
+    if notice.source == drains.SOURCE:
+        drains.answer(run.plan, notice.host, state, notice.summary())
