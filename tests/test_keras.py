@@ -215,7 +215,7 @@ def test_plan_check_shows_keras_and_warns_of_model_fit_in_mirrored_mode(tmp_path
     row = next(line for line in checked.stderr.splitlines() if line.startswith("local  "))
     assert "3.15.0 + tf_keras 2.21.0" in row
     warnings = [line for line in checked.stderr.splitlines() if "model.fit" in line]
-    assert warnings == [("tfcluster: warning: mirrored mode: Keras 3.15 on local cannot run model.fit under "
+    assert warnings == [("tfcluster: warning: mirrored mode: Keras 3.15 on local cannot run model.fit (train.py:2) under "
                          "MultiWorkerMirroredStrategy (keras-team/keras#20585): set train.keras: legacy "
                          "(tf_keras is installed)")]
     assert "preflight passed" in checked.stderr

@@ -74,12 +74,14 @@ def load(path: str, preview: bool = False, scan: bool = False):
     """The spec and its plan; `preview`: with the files a train would ship (or why not);
     `preview` or `scan`: with whether the script calls `.fit(` (the Keras warning's input)."""
     from tfcluster.plan import build_plan
-    from tfcluster.spec import load_spec, preview_train_files, script_calls_fit
+    from tfcluster.spec import load_spec, preview_train_files
+    from tfcluster.spec.shipped import scan_scripts
 
     spec = load_spec(path)
     files, problem = preview_train_files(spec) if preview else ((), None)
-    fits = script_calls_fit(spec) if preview or scan else None
-    return spec, build_plan(spec, files=files, files_problem=problem, script_fits=fits)
+    text = scan_scripts(spec) if preview or scan else None     # the script and its helpers
+    return spec, build_plan(spec, files=files, files_problem=problem,
+                            script_fits=text.fits if text else None, script_scan=text)
 
 
 def plan_of(path: str):

@@ -42,16 +42,18 @@ def train(
     from tfcluster.spec import (
         check_train_files,
         load_spec,
-        script_calls_fit,
         with_train_overrides,
     )
+    from tfcluster.spec.shipped import scan_scripts
 
     spec = with_train_overrides(load_spec(spec_path), script=script, args=args, timeout=timeout,
                                 tensorboard=tensorboard)
     if not spec.train.script:
         raise UsageError(f"{spec.path}: no training script: set train.script or pass --script",
                          hint="`tfcluster init` writes a template script to start from")
-    p = build_plan(spec, files=check_train_files(spec), script_fits=script_calls_fit(spec))
+    files = check_train_files(spec)
+    text = scan_scripts(spec)       # the script and its helpers, for the Keras and strategy warnings
+    p = build_plan(spec, files=files, script_fits=text.fits if text else None, script_scan=text)
     if dry_run:
         from tfcluster.ui.views import print_plan
 

@@ -1,8 +1,9 @@
-"""The checks that watch a running `train`: placement consistency and the hang watchdog.
+"""The checks that watch a running `train`: placement consistency (TF1 modes), the strategy
+against the mode (TF2 modes) and the hang watchdog.
 
 `RunChecks` is what the supervisor holds: the LogMux hands it every line that carries a
 marker (from any pump thread), and the supervisor's loop calls `tick` twice a second.
-A placement mismatch ends the run (InconsistentError, exit 8); a wait only ever gets a
+A placement or strategy mismatch ends the run (InconsistentError, exit 8); a wait only ever gets a
 diagnosis, printed at a bounded rate. Facts about the awaited task are gathered off the
 supervisor's loop (a port check over SSH may take a second). docs/design/diagnoses.md,
 "Diagnoses", says what each check costs and cannot see.
@@ -15,6 +16,7 @@ import time
 from typing import Callable
 
 from tfcluster.diagnose import placement as pl
+from tfcluster.diagnose import strategy as st
 from tfcluster.diagnose import watchdog as wd
 from tfcluster.errors import InconsistentError
 from tfcluster.host import shim_net
@@ -35,6 +37,9 @@ class RunChecks:
         probes = plan.probes().split(",")
         scripts = [t.key for t in plan.tasks if t.runs_script and t.job in ("chief", "worker")]
         self.placement = pl.PlacementCheck(scripts) if "placement" in probes else None
+        # TF2 modes: the strategy each script builds, against the mode (switched with placement)
+        judged = st.judged_tasks(plan) if plan.checks.placement else []
+        self.strategy = st.StrategyCheck(plan.mode, judged, len(scripts)) if judged else None
         chief = plan.chief
         self.watchdog = wd.Watchdog(plan.checks.hang_after, targets={t.target: t.key for t in plan.tasks},
                                     chief=chief.key if chief else None) if plan.checks.hang_after > 0 else None
@@ -53,6 +58,8 @@ class RunChecks:
         marks: tuple[bytes, ...] = ()
         if self.placement is not None:
             marks += (pl.MARK,)
+        if self.strategy is not None:
+            marks += (st.MARK,)
         if self.watchdog is not None:
             marks += wd.MARKERS
         return marks
@@ -64,13 +71,27 @@ class RunChecks:
             if report is not None and self.placement.add(report) is not None:
                 self.wake()
             return
+        if self.strategy is not None and st.MARK in line and "." not in key:
+            report = st.parse(line)
+            if report is not None and self.strategy.add(report) is not None:
+                self.wake()
+            return
         if self.watchdog is not None:
             self.watchdog.saw(key, line, time.monotonic())
 
-    def tick(self, procs, mux) -> None:
-        """Raise on a placement mismatch; start a diagnosis of any wait that is due."""
+    def verdict(self) -> None:
+        """Raise when the workers cannot have trained together: a placement or strategy
+        mismatch (also asked once the scripts ended well: a script that built no strategy
+        says so as it exits)."""
         if self.placement is not None and self.placement.mismatch is not None:
             raise InconsistentError(self.placement.mismatch.message(), hint=pl.FIX)
+        if self.strategy is not None and self.strategy.mismatch is not None:
+            message, hint = self.strategy.mismatch
+            raise InconsistentError(message, hint=hint)
+
+    def tick(self, procs, mux) -> None:
+        """Raise on a placement or strategy mismatch; start a diagnosis of any wait that is due."""
+        self.verdict()
         if self.watchdog is None:
             return
         now = time.monotonic()
@@ -88,6 +109,8 @@ class RunChecks:
         out = {}
         if self.plan.mode in ("between-graph", "classic"):     # the modes the probe serves
             out["placement"] = self.placement.summary() if self.placement is not None else "off"
+        if self.strategy is not None:
+            out["strategy"] = self.strategy.summary()
         if self.watchdog is not None:
             # what the watchdog can see: TF's session waits (a hang elsewhere is not one)
             out["hang"] = (f"{self.diagnoses} diagnosis(es)" if self.diagnoses

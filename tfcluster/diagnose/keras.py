@@ -54,6 +54,34 @@ def fit_warning(plan, infos: Mapping[str, object]) -> str | None:
     if not hosts:
         return None
     strategy, issue = FIT_UNSUPPORTED[plan.mode]
+    keras, needs = _keras_on(hosts, infos)
+    scan = getattr(plan, "script_scan", None)
+    at = f" ({scan.fit_at})" if scan is not None and scan.fit_at else ""     # a helper file's too
+    return (f"{plan.mode} mode: {keras} cannot run model.fit{at} under {strategy} ({issue}): "
+            f"set train.keras: legacy ({needs})")
+
+
+def keras2_warning(plan, infos: Mapping[str, object]) -> str | None:
+    """One line when the script or a file it ships uses what only Keras 2 has (the
+    tutorials' tf.keras.optimizers.legacy, Metric.reset_states, a TF function called on a
+    Keras input), on a host whose `tf.keras` is Keras 3, without legacy Keras; else None.
+    For any script, `.fit(` or not: a custom loop fails on these lines as model.fit does."""
+    scan = getattr(plan, "script_scan", None)
+    if plan.legacy_keras or scan is None or not scan.keras2_only:
+        return None
+    hosts = [h for h in dict.fromkeys(t.host for t in plan.tasks if t.runs_script)
+             if h in infos and is_keras3(infos[h])]
+    if not hosts:
+        return None
+    keras, needs = _keras_on(hosts, infos)
+    shown = "; ".join(f"{where}: {what}" for what, where in scan.keras2_only[:3])
+    more = f" (and {len(scan.keras2_only) - 3} more)" if len(scan.keras2_only) > 3 else ""
+    return (f"{keras}: the script uses what only Keras 2 has: {shown}{more}: set train.keras: legacy "
+            f"({needs}), or port those lines to Keras 3")
+
+
+def _keras_on(hosts: list[str], infos: Mapping[str, object]) -> tuple[str, str]:
+    """("Keras 3.15 on a and c, Keras 3.14 on b", what legacy Keras needs there)."""
     by_version: dict[str, list[str]] = {}
     for host in hosts:
         by_version.setdefault(minor(infos[host].keras_version), []).append(host)
@@ -61,5 +89,4 @@ def fit_warning(plan, infos: Mapping[str, object]) -> str | None:
     lacking = [h for h in hosts if tf_keras_problem(infos[h])]
     needs = (f"needs tf_keras, which {names(lacking)} {'lacks' if len(lacking) == 1 else 'lack'}"
              if lacking else "tf_keras is installed")
-    return (f"{plan.mode} mode: {keras} cannot run model.fit under {strategy} ({issue}): "
-            f"set train.keras: legacy ({needs})")
+    return keras, needs

@@ -32,6 +32,7 @@ from tfcluster.spec import (
     mask_userinfo,
 )
 from tfcluster.spec.addresses import machine_of
+from tfcluster.spec.shipped import ScriptScan
 from tfcluster.transport.options import SshOptions
 
 DEFAULT_PYTHON = Spec.python
@@ -159,6 +160,7 @@ class Plan:
     # `tf.keras` is tf_keras, which preflight requires (docs/modes.md, "Keras").
     legacy_keras: bool = False
     script_fits: bool | None = None      # the script calls `.fit(` (None: not read)
+    script_scan: ScriptScan | None = None  # what its text says (spec.scan_scripts; None: not read)
     tf_ports: str = "auto"               # spec.tf_ports: close the task ports (auto, closed) or not
     # A lost host's tasks and where they may go (docs/spec.md, "Spare hosts"): the hosts marked
     # spare, in spec order (all_hosts has them; `hosts` only once a move gave them tasks), what
@@ -263,6 +265,7 @@ class Plan:
 
 def redact_env(env: tuple[tuple[str, str], ...] | dict[str, str], marked=(), public=()) -> dict[str, str]:
     """`env` as shown: every secret value (is_secret, with the spec's secret_env and
+                          script_scan=self.script_scan,
     public_env) as ***, and a URL's userinfo in any other as *** (mask_userinfo)."""
     items = env.items() if isinstance(env, dict) else env
     return {k: (REDACTED if is_secret(k, marked, public) else mask_userinfo(v)) for k, v in items}
@@ -317,7 +320,8 @@ def _host_plan(host, spec: Spec, cluster_dir: str, local_python: str) -> HostPla
 
 def build_plan(spec: Spec, local_python: str | None = None, *,
                files: tuple[tuple[str, str, int], ...] = (), files_problem: str | None = None,
-               script_fits: bool | None = None, moves: tuple[tuple[str, str], ...] = ()) -> Plan:
+               script_fits: bool | None = None, script_scan: ScriptScan | None = None,
+               moves: tuple[tuple[str, str], ...] = ()) -> Plan:
     """`local_python`: the interpreter running tfcluster (default sys.executable). `files`:
     what check_train_files listed (the plan of a command that ships nothing has none).
     `script_fits`: whether the script calls `.fit(` (spec.script_calls_fit; None: not read).
@@ -369,6 +373,7 @@ def build_plan(spec: Spec, local_python: str | None = None, *,
         on_host_loss=spec.train.on_host_loss or ("spare" if spec.spares else "fail"),
         checkpoint=_checkpoint(spec, slots, placeholders),
         moves=tuple(moves),
+        script_scan=script_scan,
         source=_Source(spec, local_python),
     )
 

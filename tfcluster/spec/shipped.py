@@ -10,9 +10,11 @@ read. The result is the plan's file list: (local path, path in the run dir, byte
 """
 from __future__ import annotations
 
+import ast
 import os
 import re
 import stat
+from dataclasses import dataclass
 
 from tfcluster.spec.model import MAX_SHIP_BYTES, MAX_SHIP_FILES, Spec
 from tfcluster.spec.yamltree import BadValue, sub_field
@@ -160,22 +162,150 @@ def ship_list(spec: Spec) -> Shipped:
     return tuple(files.out)
 
 
-SCAN_BYTES = 4 << 20      # of train.script read for script_calls_fit: a script, not a data file
+SCAN_BYTES = 4 << 20      # of each file read by scan_scripts: a script, not a data file
+SCAN_FILES = 200          # Python files read, the script first
 _FIT_CALL = re.compile(rb"\.fit\s*\(")
 _STRATEGY = re.compile(rb"MultiWorkerMirroredStrategy|ParameterServerStrategy")
+# a strategy built: its class, called (`\b`: MultiWorkerMirroredStrategy is not MirroredStrategy)
+_BUILT = re.compile(rb"\b(MultiWorkerMirroredStrategy|MirroredStrategy|OneDeviceStrategy|CentralStorageStrategy|"
+                    rb"ParameterServerStrategy(?:V2)?|TPUStrategy)\s*\(")
+# Keras 2 names that Keras 3 (tf.keras from TF 2.16) does not have: what each line would raise
+_KERAS2_ONLY = ((re.compile(rb"\boptimizers\.legacy\b"), "tf.keras.optimizers.legacy (Keras 3 has none)"),
+                (re.compile(rb"\.reset_states\s*\("), "reset_states() (Keras 3's metrics have reset_state())"))
+_TF_OP = re.compile(r"tf\.[\w.]+")
 
 
-def script_calls_fit(spec: Spec) -> bool | None:
-    """Whether train.script calls `.fit(` (Keras' model.fit, as far as text can tell) and names
-    a multi-worker strategy (a script without one trains alone, whatever the mode), read as bytes
-    from its first SCAN_BYTES; None without a script or when it cannot be read
-    (check_train_files reports that). A comment or string counts too: what it feeds is a
-    warning, never a refusal (docs/modes.md, "Keras")."""
+@dataclass(frozen=True)
+class ScriptScan:
+    """What the text of train.script and the Python files it ships says, read, never run:
+    where each is FILE:LINE, FILE as it lands in the run directory. A comment or a string
+    counts too, so what this feeds is a warning, never a refusal (docs/modes.md, "Keras")."""
+
+    fits: bool = False         # a `.fit(` call and a multi-worker strategy named, in any file
+    fit_at: str | None = None  # where the first `.fit(` is
+    strategies: tuple[tuple[str, str], ...] = ()    # (class, where) of each strategy built
+    keras2_only: tuple[tuple[str, str], ...] = ()   # (what fails under Keras 3, where)
+
+
+def scan_scripts(spec: Spec) -> ScriptScan | None:
+    """train.script and the `.py` files of train.files, each from its first SCAN_BYTES; None
+    without a script or when it cannot be read (check_train_files reports that). The files
+    are the ones a run ships (none but the script when the list is refused: train says why)."""
     if not spec.train.script:
         return None
     try:
         with open(spec.train.script, "rb") as f:
-            text = f.read(SCAN_BYTES)
+            texts = [(os.path.basename(spec.train.script), f.read(SCAN_BYTES))]
     except OSError:
         return None
-    return _FIT_CALL.search(text) is not None and _STRATEGY.search(text) is not None
+    try:
+        helpers = [(real, dest) for real, dest, _ in ship_list(spec)[1:] if dest.endswith(".py")]
+    except BadValue:
+        helpers = []
+    for real, dest in helpers[:SCAN_FILES - 1]:
+        try:
+            with open(real, "rb") as f:
+                texts.append((dest, f.read(SCAN_BYTES)))
+        except OSError:
+            continue
+    fit_at, strategies, keras2 = None, [], []
+    named = False
+    for name, text in texts:
+        named = named or _STRATEGY.search(text) is not None
+        for number, line in enumerate(text.split(b"\n"), 1):
+            code = line.split(b"#", 1)[0]
+            if fit_at is None and _FIT_CALL.search(line):
+                fit_at = f"{name}:{number}"
+            strategies += [(m.group(1).decode(), f"{name}:{number}") for m in _BUILT.finditer(code)]
+            keras2 += [(what, f"{name}:{number}") for regex, what in _KERAS2_ONLY if regex.search(code)]
+        keras2 += [(what, f"{name}:{number}") for what, number in tf_ops_on_keras_inputs(text)]
+    return ScriptScan(fits=fit_at is not None and named, fit_at=fit_at, strategies=tuple(strategies),
+                      keras2_only=tuple(sorted(keras2, key=lambda k: _where_key(k[1]))))
+
+
+def _where_key(where: str) -> tuple[str, int]:
+    name, _, number = where.rpartition(":")
+    return name, int(number)
+
+
+def tf_ops_on_keras_inputs(text: bytes) -> list[tuple[str, int]]:
+    """(what, line) of each TensorFlow function called on a Keras model input, in the same
+    function (or module) body: `x = tf.keras.Input(...)` then `tf.reduce_mean(layer(x))`.
+    Keras 2 made such a call a layer of the model; Keras 3 raises "A KerasTensor cannot be
+    used as input to a TensorFlow function". Inputs are followed through assignments from
+    calls that are not TensorFlow's own (layers); a file that does not parse has none."""
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return []
+    found: list[tuple[str, int]] = []
+    bodies = [tree] + [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    for body in bodies:
+        symbolic: set[str] = set()
+        for node in _own_statements(body.body):
+            if isinstance(node, ast.Assign):
+                value = node.value
+                if isinstance(value, ast.Call) and (_called(value).endswith("Input") or
+                                                    (not _is_tf(value) and _mentions(value, symbolic))):
+                    symbolic |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+            for call in (n for n in _own_nodes(node) if isinstance(n, ast.Call)):
+                if _is_tf(call) and not _called(call).startswith("tf.keras") and \
+                        any(_mentions(a, symbolic) for a in [*call.args, *(k.value for k in call.keywords)]):
+                    found.append((f"{_called(call)} on a Keras input (Keras 3: \"A KerasTensor cannot be "
+                                  f"used as input to a TensorFlow function\")", call.lineno))
+    return found
+
+
+_BLOCKS = (ast.With, ast.AsyncWith, ast.If, ast.For, ast.AsyncFor, ast.While, ast.Try)
+
+
+def _own_statements(stmts: list[ast.stmt]) -> list[ast.stmt]:
+    """The statements of a module or function body, `with`, `if`, loop and `try` blocks
+    included, nested functions and classes left out (their names are their own), in order."""
+    out: list[ast.stmt] = []
+    for stmt in stmts:
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        out.append(stmt)
+        if isinstance(stmt, _BLOCKS):
+            for block in (stmt.body, getattr(stmt, "orelse", []), getattr(stmt, "finalbody", []),
+                          *[h.body for h in getattr(stmt, "handlers", [])]):
+                out += _own_statements(block)
+    return out
+
+
+def _own_nodes(stmt: ast.stmt) -> list[ast.AST]:
+    """The expressions of one statement, not those of the blocks it holds or of a lambda."""
+    if isinstance(stmt, _BLOCKS):
+        heads = [getattr(stmt, "test", None), getattr(stmt, "iter", None),
+                 *[item.context_expr for item in getattr(stmt, "items", [])]]
+        return [n for h in heads if h is not None for n in ast.walk(h)]
+    return [n for n in ast.walk(stmt) if not isinstance(n, ast.Lambda)]
+
+
+def _called(call: ast.Call) -> str:
+    """`tf.math.reduce_mean` for a call of that name; "" for one of no plain dotted name."""
+    parts, func = [], call.func
+    while isinstance(func, ast.Attribute):
+        parts.append(func.attr)
+        func = func.value
+    if not isinstance(func, ast.Name):
+        return ""
+    return ".".join([func.id, *reversed(parts)])
+
+
+def _is_tf(call: ast.Call) -> bool:
+    return _TF_OP.fullmatch(_called(call)) is not None
+
+
+def _mentions(node: ast.AST, names: set[str]) -> bool:
+    return bool(names) and any(isinstance(n, ast.Name) and n.id in names for n in ast.walk(node))
+
+
+def script_calls_fit(spec: Spec) -> bool | None:
+    """Whether train.script or a Python file it ships calls `.fit(` (Keras' model.fit, as far
+    as text can tell) and one of them names a multi-worker strategy (a script without one
+    trains alone, whatever the mode); None without a script or when it cannot be read
+    (scan_scripts)."""
+    scan = scan_scripts(spec)
+    return None if scan is None else scan.fits

@@ -9,7 +9,9 @@ so that the first session created with global variables in its graph prints one 
 
 to stderr (the task's log), which the launcher compares across workers. It also reports
 when `SessionManager` finds the model not ready (variables not initialised), a wait that
-TensorFlow logs only at INFO level.
+TensorFlow logs only at INFO level. In a TF2 mode (a TF_CONFIG, no TF1 probe asked for) it
+reports the strategy the script builds, `tfcluster-strategy: {"task", "class", "replicas"}`,
+which the launcher compares with the mode (diagnose/strategy.py).
 
 With TFCLUSTER_STDOUT_FLUSH=<seconds> (tfcluster's default for scripts: 0.01) it makes the
 script's stdout block-buffered with a thread that flushes it that often, instead of the
@@ -97,9 +99,57 @@ def _patch_session_manager(module):
     cls._model_not_ready = _model_not_ready
 
 
+# The strategy a TF2 script builds, reported once per strategy object: its class and
+# num_replicas_in_sync, read as StrategyBase.__init__ runs (every strategy's constructor
+# builds its `extended` first and hands it over there, so the count is known). The default
+# strategy (no strategy built: Keras and TF ask for it) is reported only at exit, and only
+# if nothing else was built: it is created for any script that trains without one, and for
+# one that builds its strategy later too.
+_STRATEGY_MARK = "tfcluster-strategy: "
+_strategies = []
+
+
+def _strategy_line(cls_name, replicas):
+    import json
+    task = "%s:%s" % (os.environ.get("TFCLUSTER_JOB", "?"), os.environ.get("TFCLUSTER_TASK_INDEX", "?"))
+    return _STRATEGY_MARK + json.dumps({"task": task, "class": cls_name, "replicas": replicas},
+                                       separators=(",", ":"))
+
+
+def _patch_strategy(module):
+    cls = getattr(module, "StrategyBase", None)
+    original = getattr(cls, "__init__", None)
+    if original is None or getattr(original, "_tfcluster", False):
+        return
+
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        try:
+            name = type(self).__name__
+            if name.startswith("_DefaultDistributionStrategy"):
+                if not _strategies:
+                    import atexit
+                    atexit.register(_default_at_exit)
+                _strategies.append(None)
+                return
+            _strategies.append(name)
+            _emit(_strategy_line(name, self.num_replicas_in_sync))
+        except Exception:  # noqa: BLE001 - the probe must never break the user's script
+            pass
+
+    __init__._tfcluster = True
+    cls.__init__ = __init__
+
+
+def _default_at_exit():
+    if not any(_strategies):
+        _emit(_strategy_line("default", 1))
+
+
 _TARGETS = {
     "tensorflow.python.client.session": _patch_session,
     "tensorflow.python.training.session_manager": _patch_session_manager,
+    "tensorflow.python.distribute.distribute_lib": _patch_strategy,
 }
 
 
@@ -251,6 +301,9 @@ if "placement" not in _WANTED:
     del _TARGETS["tensorflow.python.client.session"]
 if "waits" not in _WANTED:
     del _TARGETS["tensorflow.python.training.session_manager"]
+if not _WANTED.isdisjoint(("placement", "waits")) or not os.environ.get("TF_CONFIG"):
+    # a TF1-style mode (the probes it asks for) or no cluster: no TF2 strategy to judge
+    del _TARGETS["tensorflow.python.distribute.distribute_lib"]
 if _TARGETS:
     sys.meta_path.insert(0, _AfterImport)
 _unprobe_children()

@@ -5,7 +5,7 @@ needs, and can their Keras run the script's model.fit (keras.py, a warning). Not
 started."""
 from __future__ import annotations
 
-from tfcluster.diagnose import keras, versions
+from tfcluster.diagnose import keras, strategy, versions
 from tfcluster.errors import PreflightError
 from tfcluster.launch.agent.fence import idle_spare
 from tfcluster.launch.cluster.session import Session, by_host, raise_first
@@ -71,9 +71,10 @@ def check_versions(session: Session, *, allow_skew: bool, report: bool = False) 
         session.ui.warn(f"{versions.message(skews)} (going on: --allow-skew)")
     if session.plan.legacy_keras:
         check_tf_keras(session, list(infos))
-    warning = keras.fit_warning(session.plan, infos)
-    if warning:
-        session.ui.warn(warning)
+    for warning in (keras.fit_warning(session.plan, infos), keras.keras2_warning(session.plan, infos),
+                    strategy.static_warning(session.plan)):
+        if warning:
+            session.ui.warn(warning)
 
 
 def check_spares(session: Session) -> None:

@@ -223,6 +223,7 @@ def _supervise(run: Run) -> tuple[int, str]:
         attempts.on_failure(run, proc, rc)
 
 
+    run.checks.verdict()        # a script that built no strategy says so as it exits
 def _judged(run: Run, outcome: str) -> tuple[int, str]:
     """The run ended well, unless a move did not: a moved task that never stepped after its
     move is a failed recovery, exit 3 (its host was lost and not recovered)."""

@@ -1,0 +1,156 @@
+"""A strategy that does not fit the mode: before the run from the script's text (and its
+shipped helpers'), and while it runs from what each worker's probe reports. A single-host
+strategy (or none) in mirrored mode with two workers trains two unsynchronised copies and
+exits 0: the run is stopped, exit 8, with the fix. Real runs: tests/scripts/single_host_strategy.py
+on two local workers. docs/design/diagnoses.md, "Strategy check"."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import local_spec, tagged_processes, tfcluster, wait_for
+from tests.test_failure_report import SCRIPTS, known_spec
+from tfcluster.diagnose import strategy as st
+from tfcluster.diagnose.keras import fit_warning, keras2_warning
+from tfcluster.launch.agent.records import HostInfo
+from tfcluster.plan import build_plan
+from tfcluster.spec import load_spec
+from tfcluster.spec.shipped import scan_scripts
+
+pytestmark = [pytest.mark.timeout(120)]
+
+MWMS = "import tensorflow as tf\nstrategy = tf.distribute.MultiWorkerMirroredStrategy()\n"
+MIRRORED = "import tensorflow as tf\n\n# one host, every GPU\nstrategy = tf.distribute.MirroredStrategy()\n"
+
+
+def plan_of(tmp_path: Path, script: str, *, mode: str = "mirrored", workers: int = 2, ps: int = 0,
+            chief: int = 0, files: dict[str, str] | None = None, extra: str = ""):
+    (tmp_path / "train.py").write_text(script)
+    for name, text in (files or {}).items():
+        (tmp_path / name).write_text(text)
+    if files:
+        extra = f"  files: [{', '.join(files)}]\n" + extra
+    spec = load_spec(str(local_spec(tmp_path, mode=mode, script="train.py", ps=ps, workers=workers,
+                                    chief=chief, extra=extra)))
+    scan = scan_scripts(spec)
+    return build_plan(spec, script_fits=scan.fits if scan else None, script_scan=scan)
+
+
+# -- before the run: the text -----------------------------------------------------------------
+
+def test_a_single_host_strategy_in_mirrored_mode_is_named_with_its_line_and_the_fix(tmp_path):
+    assert st.static_warning(plan_of(tmp_path, MIRRORED)) == (
+        "train.py:4: mirrored mode: the script builds MirroredStrategy, which trains on its own host "
+        "only: each of the 2 workers trains its own copy of the model, never synchronised; build "
+        "tf.distribute.MultiWorkerMirroredStrategy() instead (it reads TF_CONFIG, which tfcluster sets)")
+    one = "import tensorflow as tf\ns = tf.distribute.OneDeviceStrategy('/cpu:0')\n"
+    assert st.static_warning(plan_of(tmp_path, one)).startswith(
+        "train.py:2: mirrored mode: the script builds OneDeviceStrategy, which trains on its own host only")
+
+
+@pytest.mark.parametrize("case", ["multi-worker-named", "one-worker", "between-graph", "comment-only"])
+def test_no_warning_where_the_strategy_fits(tmp_path, case):
+    plan = plan_of(tmp_path, **{
+        "multi-worker-named": {"script": MIRRORED + "multi = tf.distribute.MultiWorkerMirroredStrategy()\n"},
+        "one-worker": {"script": MIRRORED, "workers": 1},
+        "between-graph": {"script": MIRRORED, "mode": "between-graph", "ps": 1},
+        "comment-only": {"script": MWMS + "# not tf.distribute.MirroredStrategy()\n"},
+    }[case])
+    assert st.static_warning(plan) is None
+
+
+def test_coordinator_mode_wants_parameter_server_strategy_and_a_helper_file_counts(tmp_path):
+    plan = plan_of(tmp_path, "import model_setup\n", mode="coordinator", ps=1, chief=1, workers=1,
+                   files={"model_setup.py": "import tensorflow as tf\n\nstrategy = tf.distribute.MirroredStrategy()\n"})
+    assert st.static_warning(plan) == (
+        "model_setup.py:3: coordinator mode: the script builds MirroredStrategy: the ps and worker "
+        "servers wait for a ParameterServerStrategy coordinator, and the chief trains alone; build "
+        "tf.distribute.ParameterServerStrategy(tf.distribute.cluster_resolver.TFConfigClusterResolver()) instead")
+
+
+def test_model_fit_in_a_shipped_helper_file_gets_the_keras_warning_naming_it(tmp_path):
+    helper = "def train(model, data):\n    model.fit(data, epochs=3)\n"
+    plan = plan_of(tmp_path, MWMS + "import mnist_setup\n", files={"mnist_setup.py": helper})
+    assert plan.script_fits is True and plan.script_scan.fit_at == "mnist_setup.py:2"
+    keras3 = HostInfo(python_version="3.11.7", tf_version="2.21.0", machine_id="", gpus=0, keras_version="3.15.0")
+    assert fit_warning(plan, {"local": keras3}) == (
+        "mirrored mode: Keras 3.15 on local cannot run model.fit (mnist_setup.py:2) under "
+        "MultiWorkerMirroredStrategy (keras-team/keras#20585): set train.keras: legacy "
+        "(needs tf_keras, which local lacks)")
+
+
+PS_LOOP = '''import tensorflow as tf
+
+strategy = tf.distribute.ParameterServerStrategy(tf.distribute.cluster_resolver.TFConfigClusterResolver())
+with strategy.scope():
+    model_input = tf.keras.layers.Input(shape=(3,), dtype=tf.int64)
+    emb = tf.keras.layers.Embedding(input_dim=10, output_dim=4)
+    pooled = tf.reduce_mean(emb(model_input), axis=1)
+    model = tf.keras.Model(model_input, tf.keras.layers.Dense(1)(pooled))
+    optimizer = tf.keras.optimizers.legacy.RMSprop(learning_rate=0.1)
+
+
+class Mean(tf.keras.layers.Layer):
+    def call(self, model_input):          # a layer's own input: a tensor, never a KerasTensor
+        return tf.reduce_mean(model_input, axis=1)
+'''
+
+
+def test_a_custom_loop_without_fit_is_warned_of_what_only_keras_2_has(tmp_path):
+    plan = plan_of(tmp_path, PS_LOOP, mode="coordinator", ps=1, chief=1, workers=1)
+    assert not plan.script_fits
+    keras3 = HostInfo(python_version="3.11.7", tf_version="2.21.0", machine_id="", gpus=0,
+                      keras_version="3.15.0", tf_keras_version="2.21.0")
+    assert keras2_warning(plan, {"local": keras3}) == (
+        "Keras 3.15 on local: the script uses what only Keras 2 has: train.py:7: tf.reduce_mean on a "
+        "Keras input (Keras 3: \"A KerasTensor cannot be used as input to a TensorFlow function\"); "
+        "train.py:9: tf.keras.optimizers.legacy (Keras 3 has none): set train.keras: legacy "
+        "(tf_keras is installed), or port those lines to Keras 3")
+    legacy = plan_of(tmp_path, PS_LOOP, mode="coordinator", ps=1, chief=1, workers=1, extra="  keras: legacy\n")
+    assert keras2_warning(legacy, {"local": keras3}) is None
+    keras2 = HostInfo(python_version="3.11.7", tf_version="2.15.0", machine_id="", gpus=0, keras_version="2.15.0")
+    assert keras2_warning(plan, {"local": keras2}) is None
+
+
+# -- while it runs: the probe's reports ---------------------------------------------------------
+
+def test_reports_are_judged_per_mode_and_only_for_the_judged_tasks():
+    check = st.StrategyCheck("mirrored", ["worker:0", "worker:1"], 2)
+    assert check.add(st.parse(b'tfcluster-strategy: {"task":"evaluator:0","class":"MirroredStrategy","replicas":1}')) is None
+    assert check.add(st.Report("worker:0", "CollectiveAllReduceStrategy", 2)) is None
+    message, hint = check.add(st.Report("worker:1", "MirroredStrategyV1", 1))
+    assert message.startswith("strategy mismatch: worker:1 built MirroredStrategy, which trains on its own host only")
+    assert message.endswith("(1 replica in sync)") and "MultiWorkerMirroredStrategy()" in hint
+    assert st.parse(b"tfcluster-strategy: {not json") is None
+    pss = st.StrategyCheck("coordinator", ["chief:0"], 1)
+    assert pss.add(st.Report("chief:0", "ParameterServerStrategyV2", 1)) is None
+    assert pss.summary() == "ParameterServerStrategy, 1 replica(s) in sync on chief:0"
+
+
+@pytest.mark.tf
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("args, built", [([], "MirroredStrategy"), (["none"], "no strategy (TensorFlow's default)")],
+                         ids=["mirrored-strategy", "no-strategy"])
+def test_two_workers_that_each_train_alone_are_stopped_with_the_fix(tmp_path, home, monkeypatch, args, built):
+    monkeypatch.delenv("TF_USE_LEGACY_KERAS", raising=False)
+    spec = known_spec(tmp_path, "single_host_strategy.py", "mirrored", {"worker": 2}, args)
+    r = tfcluster("train", str(spec), home=home, cwd=tmp_path, timeout=160)
+    assert r.returncode == 8, r.stdout[-2000:] + r.stderr[-3000:]
+    if not args:       # said before the run, from the text: the line that builds it
+        assert ("tfcluster: warning: single_host_strategy.py:8: mirrored mode: the script builds "
+                "MirroredStrategy, which trains on its own host only") in r.stderr, r.stderr[-3000:]
+    error = next(line for line in r.stderr.splitlines() if line.startswith("tfcluster: error: "))
+    assert error.startswith(f"tfcluster: error: strategy mismatch: worker:") and f" built {built}, " in error
+    assert "each of the 2 workers trains its own copy of the model, never synchronised (1 replica in sync)" in error
+    assert ("hint: build tf.distribute.MultiWorkerMirroredStrategy() instead (it reads TF_CONFIG, which "
+            "tfcluster sets); switch the check off with train.checks.placement: false") in r.stderr
+    assert "Number of devices: 1" in r.stdout and "tfcluster-strategy" not in r.stdout   # probe lines stay in the logs
+    logs = "".join(p.read_text() for p in Path(tmp_path, "runs").glob("*/worker-*.log"))
+    assert "tfcluster-strategy: " in logs
+    wait_for(lambda: not tagged_processes(), 15, what="nothing of the run left")
+
+
+def test_the_test_script_is_where_the_spec_says(tmp_path):
+    assert (SCRIPTS / "single_host_strategy.py").read_text().splitlines()[7].startswith(
+        "strategy = tf.distribute.MirroredStrategy()")
