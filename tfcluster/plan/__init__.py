@@ -494,7 +494,7 @@ def plan_to_dict(plan: Plan, *, redact: bool = True) -> dict:
             "address": t.address, "port": t.port, "gpus": list(t.gpus),
             "chief": t.is_chief, "server": t.runs_server,
             "server_command": [host.python, f"{host.bindir}/tfserver.py"] if t.runs_server else [],
-            "script": [host.python, *t.argv] if t.runs_script else [],
+            "script": [host.python, *(map(mask_userinfo, t.argv) if redact else t.argv)] if t.runs_script else [],
             "script_env": dict(t.script_env),
             "tf_config_task": {"type": t.job, "index": t.index}, "env": env,
         }

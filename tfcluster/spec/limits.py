@@ -9,7 +9,7 @@ from __future__ import annotations
 import string
 
 from tfcluster.spec.envs import secret_in, secret_problem
-from tfcluster.spec.model import MAX_ARG_BYTES, MAX_ARGS, MAX_PLAN_BYTES, MAX_TASK_BYTES, Slot, Spec
+from tfcluster.spec.model import MAX_ARG_BYTES, MAX_ARGS, MAX_PLAN_BYTES, MAX_TASK_BYTES, Slot, Spec, url_password
 from tfcluster.spec.yamltree import BadValue
 
 OVERHEAD = 64       # bytes a plan spends per env entry or argument besides its text
@@ -24,8 +24,18 @@ def _arg_field(spec: Spec, i: int) -> tuple[int, str]:
     return 0, f"script argument {i + 1}"
 
 
+def url_problem(url: str) -> tuple[str, str]:
+    """(problem, hint) for an argument holding a URL with a password (`url`, masked)."""
+    return (f"holds the password of a URL ({url}); script arguments are visible in `ps` on every "
+            "host: read it from the environment",
+            "put the URL in env: under a secret name (DB_URL with secret_env: [DB_URL], or a name "
+            "with PASS, TOKEN, DSN...), which travels on the shim's stdin and is shown as ***, and "
+            "read os.environ in the script")
+
+
 def check_args(spec: Spec) -> None:
-    """train.args (or the command line's): how many, and none carrying a secret env value."""
+    """train.args (or the command line's): how many, and none carrying a secret env value
+    or a URL's password."""
     args, secrets = spec.train.args, spec.secrets()
     if len(args) > MAX_ARGS:
         where = (spec.train.args_line, "train.args") if spec.train.args_lines else (0, "script arguments")
@@ -34,6 +44,9 @@ def check_args(spec: Spec) -> None:
         name = secret_in(arg, secrets)
         if name:
             raise BadValue(*_arg_field(spec, i), *secret_problem(name))
+        url = url_password(arg)
+        if url:
+            raise BadValue(*_arg_field(spec, i), *url_problem(url))
 
 
 def _values(spec: Spec, slots: tuple[Slot, ...]) -> dict[str, int]:

@@ -49,6 +49,9 @@ SECRET_MARKERS = ("PASS", "PWD", "AUTH", "PRIVATE", "CREDENTIAL", "TOKEN", "SECR
 # and a value holding one is rendered as a secret.
 _USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/\s]*@")
 MIN_SECRET_CHARS = 4              # a shorter secret value is not looked for in train.args
+# A URL with a password (`scheme://user:password@host`) in train.args is refused: arguments are
+# visible in `ps` on every host (docs/spec.md, "Secrets").
+_URL_PASSWORD = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/\s:@]*:[^/\s]+@\S*")
 
 
 def is_secret(name: str, marked=(), public=()) -> bool:
@@ -70,6 +73,13 @@ def has_userinfo(value: str) -> bool:
 def mask_userinfo(value: str) -> str:
     """`value` with every URL's userinfo as `***`: `http://u:p@proxy:3128` -> `http://***@proxy:3128`."""
     return _USERINFO.sub(r"\1***@", value) if "@" in value else value
+
+
+def url_password(value: str) -> str | None:
+    """The first URL in `value` that holds a password, as shown (mask_userinfo, at most 80
+    characters); None when there is none."""
+    found = _URL_PASSWORD.search(value) if "@" in value else None
+    return mask_userinfo(found.group())[:80] if found else None
 
 
 @dataclass(frozen=True)
