@@ -77,6 +77,7 @@ class CheckpointSync:
         self._proc = None                        # the pull in flight, for stop()
         self._stamps: dict[str, str] = {}        # name -> which save of it was copied (shim_ckpt.stamp)
         self._said: str | None = None             # the last failure's words, until a pull works
+        self.looked: tuple[float, PulledCheckpoint | None] | None = None   # the last pull that worked, and the newest then (ckptlag.py)
 
     # ------------------------------------------------------------------ what is kept
 
@@ -106,6 +107,7 @@ class CheckpointSync:
                     self._warn(f"pull of {self.config.dir}", host, e, again)
                 return None
             self._said = None
+            self.looked = (time.time(), pulled)
             return pulled
 
     def _pull(self, host: str) -> PulledCheckpoint | None:

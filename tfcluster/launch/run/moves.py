@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from tfcluster.launch.run import ckptlag
 from tfcluster.plan import policy
 
 if TYPE_CHECKING:
@@ -67,6 +68,7 @@ class Recovery:
     moves: list[Move] = field(default_factory=list)
     checkpoints: CheckpointSync | None = None        # train.checkpoint's copies, if configured
     looked: float = 0.0                              # monotonic time drains.poll last looked
+    lag: ckptlag.LagWatch = field(default_factory=ckptlag.LagWatch)   # the checkpoint lag, said once
 
     def unproven(self) -> Move | None:
         """The first move after which the task it watches never stepped: a failed recovery,
@@ -76,9 +78,11 @@ class Recovery:
                      and m.resumed is None), None)
 
     def tick(self, run: Run) -> None:
-        """Fill each move's resumed step from the first step its task said after it, and say it."""
+        """Fill each move's resumed step from the first step its task said after it, and say it;
+        say once when the newest checkpoint kept here lags far behind the step (ckptlag.py)."""
         if run.progress is None:
             return
+        ckptlag.look(run)
         for move in self.moves:
             if move.resumed is not None or move.done_at is None or move.watch is None:
                 continue

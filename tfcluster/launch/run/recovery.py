@@ -17,7 +17,7 @@ from tfcluster.launch.agent import fence
 from tfcluster.launch.cluster.hostloss import REOPEN_GRACE
 from tfcluster.launch.cluster.servers import Started, wait_ready
 from tfcluster.launch.cluster.shipping import ship
-from tfcluster.launch.run import attempts
+from tfcluster.launch.run import attempts, ckptlag
 from tfcluster.launch.run.moves import Move
 from tfcluster.plan import policy
 
@@ -128,6 +128,9 @@ def _restart_all(run: Run, move: Move) -> None:
     _adopt(run, move.host, move.spare)
     if sync is not None:
         move.checkpoint = sync.push(move.spare)
+        cost = ckptlag.restore_cost(move.checkpoint, move.step_at)    # said before the steps are redone
+        if cost is not None:
+            run.ui.warn(cost)
     _start(run, list(run.procs), move)
     move.watch = _watched(run, [p for p in run.procs if p.task.host == move.spare])
 
