@@ -146,18 +146,18 @@ def test_host_info_takes_both_versions_from_the_shims_answer():
 def test_legacy_on_several_hosts_names_each_with_its_own_install_command():
     hosts = {h: SimpleNamespace(python=f"/opt/{h}/bin/python") for h in ("a", "b", "c")}
     infos = {"a": info(tf_keras="2.21.0"), "b": info(tf="2.20.1"), "c": info(tf_keras="2.19.0")}
-    session = SimpleNamespace(infos=infos, plan=SimpleNamespace(host=hosts.__getitem__))
+    session = SimpleNamespace(infos=infos, plan=SimpleNamespace(host=hosts.__getitem__, spec_path="lab.yaml"))
     with pytest.raises(PreflightError) as refused:
         check_tf_keras(session, ["a", "b", "c"])
     assert refused.value.message == ("legacy Keras (TF_USE_LEGACY_KERAS=1, train.keras: legacy) needs "
                                      "tf_keras matching TensorFlow on every host, and b and c lack it")
     assert refused.value.details.splitlines() == [
         ("host b: legacy Keras (TF_USE_LEGACY_KERAS=1, train.keras: legacy) needs tf_keras for "
-         "/opt/b/bin/python, but tf_keras is not installed; install it: `tfcluster exec SPEC --hosts b -- "
+         "/opt/b/bin/python, but tf_keras is not installed; install it: `tfcluster exec lab.yaml --hosts b -- "
          "/opt/b/bin/python -m pip install --no-deps 'tf_keras~=2.20.0'`"),
         ("host c: legacy Keras (TF_USE_LEGACY_KERAS=1, train.keras: legacy) needs tf_keras for "
          "/opt/c/bin/python, but its tf_keras 2.19.0 does not match its TensorFlow 2.21.0; install it: "
-         "`tfcluster exec SPEC --hosts c -- /opt/c/bin/python -m pip install --no-deps 'tf_keras~=2.21.0'`")]
+         "`tfcluster exec lab.yaml --hosts c -- /opt/c/bin/python -m pip install --no-deps 'tf_keras~=2.21.0'`")]
 
 
 # -- for real: a second interpreter, a venv whose metadata names TF and Keras ---------------
@@ -188,13 +188,13 @@ def venv_spec(tmp_path: Path, python: str, *, keras: str = "auto", script: str =
 
 def test_plan_check_refuses_legacy_on_a_host_without_tf_keras_with_the_install_command(tmp_path, home):
     python = fake_venv(tmp_path / "v", tensorflow="2.21.0", keras="3.15.0")
-    checked = tfcluster("plan", str(venv_spec(tmp_path, python, keras="legacy")), "--check",
-                        home=home, cwd=tmp_path, timeout=90)
+    spec = venv_spec(tmp_path, python, keras="legacy")
+    checked = tfcluster("plan", str(spec), "--check", home=home, cwd=tmp_path, timeout=90)
     assert checked.returncode == 4, checked.stderr
     errors = [line for line in checked.stderr.splitlines() if line.startswith("tfcluster: error: ")]
     assert errors == [(f"tfcluster: error: host local: legacy Keras (TF_USE_LEGACY_KERAS=1, train.keras: "
                        f"legacy) needs tf_keras for {python}, but tf_keras is not installed")]
-    assert (f"hint: install it there: `tfcluster exec SPEC --hosts local -- {python} -m pip install --no-deps "
+    assert (f"hint: install it there: `tfcluster exec {spec} --hosts local -- {python} -m pip install --no-deps "
             f"'tf_keras~=2.21.0'`") in checked.stderr
     assert "preflight passed" not in checked.stderr and "Traceback" not in checked.stderr
 

@@ -10,6 +10,7 @@ docs/design/diagnoses.md, "Failure signatures". Pure but for `read_tail`.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from tfcluster.localfs import saved_tail
@@ -72,6 +73,21 @@ SIGNATURES = (
         "tutorials were written for Keras 2: DatasetCreator, tf.keras.utils.experimental, ...)",
         f"{_LEGACY}, or port the script to Keras 3's API",
         also=(b"has no attribute",)),
+    Signature(
+        "keras3-tf-op-on-input", (b"A KerasTensor cannot be used as input to a TensorFlow function",),
+        "a TensorFlow function (tf.reduce_mean, tf.concat, ...) was called on a Keras 3 model input "
+        "(a KerasTensor) while building a functional model; Keras 2 wrapped such calls in layers "
+        "itself, Keras 3 does not (TensorFlow's parameter server tutorial does this)",
+        f"use the keras.ops function of the same name (keras.ops.mean for tf.reduce_mean) or wrap the "
+        f"call in a layer, or {_LEGACY}"),
+    Signature(
+        "tf-estimator-removed", (b"has no attribute 'estimator'", b"cannot import name 'estimator' from 'tensorflow",
+                                 b"No module named 'tensorflow.python.estimator'",
+                                 b"No module named 'tensorflow_estimator'"),
+        "the script uses tf.estimator, which TensorFlow removed in 2.16",
+        "port it to Keras (model.fit under MultiWorkerMirroredStrategy, `train.mode: mirrored`; "
+        "TensorFlow's guide: tensorflow.org/guide/migrate/migrating_estimator), or run it with "
+        "TensorFlow 2.15 or older on every host (`python:` naming that interpreter)"),
     Signature(
         "collectives-late", (b"Collective ops must be configured at program startup",),
         "MultiWorkerMirroredStrategy was created after TensorFlow had already run something "
@@ -147,6 +163,56 @@ def diagnose(mode: str, tail: bytes, job: str = "", signatures=SIGNATURES) -> Di
     end = tail.find(b"\n", at)
     line = tail[start:] if end < 0 else tail[start:end]
     return Diagnosis(sig.name, sig.what, sig.fix_for(mode), clip(line.decode("utf-8", "replace")))
+
+
+# The exception line of a failed task: the line Python prints after the frames of its last
+# traceback, `ValueError: A KerasTensor cannot ...` (a dotted class name, a colon and the
+# message's first line, or the bare name). A message may go on for many lines after it
+# (Keras 3 appends paragraphs of help), so it is looked for, not taken from the end.
+TRACEBACK = b"Traceback (most recent call last):"
+# a class name as Python's own exceptions end (Error, Exception, Exit, Interrupt, Warning,
+# StopIteration, ExceptionGroup), or, for the first unindented line, any class-like name
+_EXC_NAMED = re.compile(rb"(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt|Warning|Iteration|Group)"
+                        rb"(?::(?: |$)|$)")
+_EXC_ANY = re.compile(rb"(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?::(?: |$)|$)")
+EXCERPT_LINES = 15             # lines of an unmatched failure's excerpt
+
+
+def exception_line(tail: bytes) -> str | None:
+    """The exception line of the last traceback in `tail` (None: no traceback, or it was cut
+    before its exception line). After `Traceback (most recent call last):` the frames are
+    indented; the first line that names an exception class is the one (another thread's
+    unindented line may come in between, so a named class is preferred to any unindented
+    line)."""
+    at = tail.rfind(TRACEBACK)
+    if at < 0:
+        return None
+    lines = tail[at + len(TRACEBACK):].split(b"\n")[1:]
+    unindented = [line.rstrip(b"\r") for line in lines if line[:1] not in (b" ", b"\t", b"")]
+    found = next((line for line in unindented if _EXC_NAMED.match(line)), None)
+    if found is None:
+        found = next((line for line in unindented if _EXC_ANY.match(line)), None)
+    return None if found is None else found.decode("utf-8", "replace")
+
+
+def failure_excerpt(shown: list[str], tail: bytes, n: int = EXCERPT_LINES) -> list[str]:
+    """What the summary shows of a failure no signature names: the last `n` lines shown of the
+    task (`shown`, its live history), always with its exception line (exception_line of its
+    saved log's `tail`): when that line is further up, it comes first, then how many lines
+    are left out, then the last lines. Each line cut to TAIL_LINE_CHARS."""
+    last = shown[-n:]
+    exc = exception_line(tail)
+    if exc is not None and not any(_same(line, exc) for line in last):
+        older = shown[:-n] if n else shown
+        at = next((i for i in range(len(older) - 1, -1, -1) if _same(older[i], exc)), None)
+        between = f"… {len(older) - at - 1 + 2} lines …" if at is not None else "… (more lines in its whole log) …"
+        last = [exc, between, *last[2:]]
+    return [clip(line, TAIL_LINE_CHARS, squeeze=False) for line in last]
+
+
+def _same(shown: str, exc: str) -> bool:
+    """A line of the live history is the exception line (the history keeps 4 KiB of a line)."""
+    return shown == exc or (shown.endswith("…") and exc.startswith(shown[:-1]))
 
 
 def restart_note(rc: int, count: str) -> str:

@@ -177,6 +177,11 @@ class Plan:
         """The task whose script is the chief (None when no script runs)."""
         return next((t for t in self.tasks if t.is_chief and t.runs_script), None)
 
+    @property
+    def spec_path(self) -> str:
+        """The spec's path as the command line gave it, for the commands a hint prints."""
+        return self.source.spec.path if self.source is not None else "SPEC"
+
     def probes(self) -> str:
         """What the start-up probe reports in a script process ("" : no probe): the
         variables' placement, and model-not-ready waits, for TF1-style modes only."""

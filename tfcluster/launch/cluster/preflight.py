@@ -25,7 +25,7 @@ def preflight(session: Session, tasks: list[TaskPlan], *, ports: bool = True,
             raise PreflightError(
                 f"host {name}: tensorflow is not installed for {host.python}",
                 hint="install it there, e.g. `" + shell_join(
-                    ["tfcluster", "exec", "SPEC", "--hosts", name, "--", host.python, "-m", "pip",
+                    ["tfcluster", "exec", session.plan.spec_path, "--hosts", name, "--", host.python, "-m", "pip",
                      "install", "tensorflow"]) + "`, or set `python:` in the spec")
         if host.gpus and info.gpus < host.gpus:
             raise PreflightError(f"host {name}: the spec gives it {host.gpus} GPUs but it has {info.gpus}")
@@ -114,8 +114,8 @@ def check_tf_keras(session: Session, hosts: list[str]) -> None:
     lines = {}
     for name, problem in bad.items():
         host, info = session.plan.host(name), session.infos[name]
-        command = shell_join(["tfcluster", "exec", "SPEC", "--hosts", name, "--", host.python, "-m", "pip",
-                              "install", "--no-deps", keras.tf_keras_requirement(info.tf_version)])
+        command = shell_join(["tfcluster", "exec", session.plan.spec_path, "--hosts", name, "--", host.python,
+                              "-m", "pip", "install", "--no-deps", keras.tf_keras_requirement(info.tf_version)])
         message = (f"host {name}: legacy Keras (TF_USE_LEGACY_KERAS=1, train.keras: legacy) needs "
                    f"tf_keras for {host.python}, but {problem}")
         lines[name] = (message, f"`{command}`")

@@ -217,12 +217,12 @@ def on_failure(run: Run, proc: Supervised, rc: int) -> None:
     refuse(proc)
     failed = f"{what} failed with exit code {rc}"
     log = os.path.join(run.options.runs_dir, run.run_id, log_file(proc.key))
-    found = signatures.diagnose(run.plan.mode, signatures.last_attempt(signatures.read_tail(log)),
-                                proc.task.job)
+    ended = signatures.last_attempt(signatures.read_tail(log))
+    found = signatures.diagnose(run.plan.mode, ended, proc.task.job)
     if found is not None:     # what happened and the fix, not the lines before (a tensor dump)
         raise TaskError(failed, hint=found.fix,
                         details=f"{proc.key}: {found.what}\n  {found.line}\n  its whole log: {log}")
-    tail = "\n".join(signatures.clip(line, signatures.TAIL_LINE_CHARS, squeeze=False)
-                     for line in run.mux.tail(proc.key, 15))
+    # the last lines, with the exception line however far up its message's help text put it
+    tail = "\n".join(signatures.failure_excerpt(run.mux.tail(proc.key, 100), ended))
     raise TaskError(failed, hint=policy.restart_hint(restart, proc.restarts, rc),
                     details=f"last lines of {proc.key}:\n{tail}" if tail else None)
