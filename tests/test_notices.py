@@ -1,0 +1,200 @@
+"""A host that warns before it goes, on the bed of separate hosts (tests/netns.py): a fake of
+its cloud's metadata service runs inside the host's own network namespace, at 127.0.0.1 there
+(tests/metadata_fakes.py follows AWS's "Spot Instance interruption notices" with IMDSv2 and
+Azure's "Scheduled Events for Linux VMs"), the spec points the host's `metadata_url` at it,
+and the host is killed for real at the deadline. Real sshds, real TensorFlow (between-graph)."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import (
+    kill_group,
+    manifest,
+    only_run,
+    read_until,
+    start_tfcluster,
+    tagged_processes,
+    tfcluster,
+    wait_for,
+)
+
+pytestmark = [pytest.mark.ssh, pytest.mark.tf]
+
+P = (25100, 25101, 25102)
+FAKE_PORT = 18080
+FAKE = str(Path(__file__).with_name("metadata_fakes.py"))
+
+
+def start_fake(host) -> subprocess.Popen:
+    """The fake metadata service inside `host`'s namespaces (it dies with the host)."""
+    enter = ["nsenter", "-t", str(host.sshd.proc.pid), "-n", "-p", "-m", "--"]
+    proc = subprocess.Popen(enter + [sys.executable, FAKE, str(FAKE_PORT), "1"], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def control(host, what: str, **body) -> dict:
+    """The test's side of the fake, from this machine over the bed's bridge."""
+    request = urllib.request.Request(f"http://{host.address}:{FAKE_PORT}/_fake/{what}",
+                                     data=json.dumps(body).encode())
+    with urllib.request.urlopen(request, timeout=5) as r:
+        return json.loads(r.read())
+
+
+def notice_spec(tmp: Path, bed, name: str, *, watch: str | None, spare: bool, steps: int) -> Path:
+    """ps:0 on h2, worker:0 (the chief) on h3, worker:1 on h4 (watched: `watch`), spare h5."""
+    h2, h3, h4 = (bed.add(n) for n in ("h2", "h3", "h4"))
+    h4_extra = {"preemptible": watch, "metadata_url": f"'http://127.0.0.1:{FAKE_PORT}'"} if watch else {}
+    listed = f"  - {h2.spec()}\n  - {h3.spec()}\n  - {h4.spec(**h4_extra)}\n"
+    if spare:
+        listed += f"  - {bed.add('h5').spec(spare='true')}\n"
+    text = (f"name: {name}\npython: {sys.executable}\nworkdir: {tmp / 'remote'}\nssh: {{connect_timeout: 5}}\n"
+            f"hosts:\n{listed}jobs:\n  ps: {{tasks: ['h2:{P[0]}']}}\n"
+            f"  worker: {{tasks: ['h3:{P[1]}', 'h4:{P[2]}']}}\n"
+            f"train:\n  mode: between-graph\n  script: template:between_graph\n"
+            f"  args: ['--steps', '{steps}', '--log_every', '50', '--model_dir', '{{workdir}}/ckpt', "
+            f"'--cleanup_timeout', '3']\n"
+            f"  checkpoint: {{dir: '{{workdir}}/ckpt', keep: 2, sync: 2s}}\n")
+    path = tmp / f"{name}.yaml"
+    path.write_text(text)
+    return path
+
+
+def finish(proc: subprocess.Popen, timeout: float = 300) -> str:
+    try:
+        return proc.communicate(timeout=timeout)[0]
+    finally:
+        kill_group(proc)
+
+
+@pytest.mark.timeout(480)
+def test_a_spot_notice_30s_ahead_moves_the_workers_tasks_before_the_kill(tmp_path, home, ssh_home, bed):
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    spec = notice_spec(tmp_path, bed, "naws", watch="aws", spare=True, steps=2500)
+    plan = tfcluster("plan", str(spec), home=home, cwd=cwd)
+    assert f"h4: watched (aws notices, at http://127.0.0.1:{FAKE_PORT})" in plan.stdout, plan.stdout
+    assert "h2: not watched (preemptible: no)" in plan.stdout
+    start_fake(bed.hosts["h4"])
+    proc = start_tfcluster("train", str(spec), home=home, cwd=cwd)
+    try:
+        seen = "".join(read_until(proc, r"worker:1 .*step=[1-9]", timeout=200))
+        assert "h4: watched (aws spot)" in seen, seen[-3000:]
+        control(bed.hosts["h4"], "aws/action", action="terminate", **{"in": 30})
+        noticed = time.time()
+        deadline = noticed + 30
+        said = "".join(read_until(proc, r"h4 warned: aws terminate notice, deadline \S+: moving worker:1 to h5", 60))
+        assert re.search(r"h4: aws terminate notice: taken back at \S+ \(\d+s from now\)", said), said[-3000:]
+        said = "".join(read_until(proc, r"worker:0 on h3 resumed at step \d+", 120))
+        first_step = time.time() - noticed
+        assert time.time() < deadline, f"the move took {first_step:.1f}s, past the deadline"
+        wait_for(lambda: time.time() >= deadline, timeout=40, interval=0.2, what="the notice's deadline")
+        bed.kill("h4")                  # the cloud takes it back, on time
+        rest = finish(proc)
+    finally:
+        kill_group(proc)
+    print(f"notice to the chief's first step after the move: {first_step:.1f}s")
+    assert proc.returncode == 0, rest[-4000:]
+    assert re.search(r"^notice: \d\d:\d\d:\d\d h4 aws terminate, deadline \S+ \(\d+s ahead\): moved: worker:1 moved "
+                     r"to h5, every task restarted; \d+ step\(s\) lost$", rest, re.MULTILINE), rest[-3000:]
+    doc = manifest(only_run(cwd / "runs"))
+    (notice,) = doc["notices"]
+    assert (notice["host"], notice["source"], notice["kind"], notice["action"]) == ("h4", "aws", "terminate", "moved")
+    assert abs(notice["deadline"] - deadline) < 3 and notice["move"] == {"to": "h5", "action": "restart"}
+    assert notice["steps_lost"] is not None
+    (move,) = doc["moves"]
+    assert move["why"].startswith("warned: aws terminate notice") and move["done_at"] < deadline, move
+    print(f"notice to the new tasks started: {move['done_at'] - notice['at']:.1f}s")
+    assert doc["tasks"]["worker:1"]["host"] == "h5" and doc["exit_code"] == 0
+    listed = json.loads(tfcluster("runs", str(spec), "--json", home=home, cwd=cwd).stdout)
+    (run,) = listed if isinstance(listed, list) else listed["runs"]
+    assert run["notices"][0]["action"] == "moved" and run["notices"][0]["source"] == "aws"
+    wait_for(lambda: not tagged_processes(), timeout=60, what="no task left running")
+
+
+@pytest.mark.timeout(360)
+def test_a_notice_with_no_spare_ends_the_run_before_the_kill_with_a_checkpoint(tmp_path, home, ssh_home, bed):
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    spec = notice_spec(tmp_path, bed, "nnospare", watch="aws", spare=False, steps=5000)
+    start_fake(bed.hosts["h4"])
+    proc = start_tfcluster("train", str(spec), home=home, cwd=cwd)
+    try:
+        read_until(proc, r"worker:1 .*step=[1-9]", timeout=200)
+        control(bed.hosts["h4"], "aws/action", action="stop", **{"in": 30})
+        rest = finish(proc, timeout=120)
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 3, rest[-4000:]
+    assert re.search(r"h4 is taken back at \S+ \(aws stop notice\) and no spare can take worker:1: the run ends "
+                     r"before it, every script saving as it stops", rest), rest[-3000:]
+    doc = manifest(only_run(cwd / "runs"))
+    (notice,) = doc["notices"]
+    assert notice["action"] == "ended the run" and notice["line"].startswith("no spare; copied model.ckpt-"), notice
+    assert not doc["moves"]
+    wait_for(lambda: not tagged_processes(), timeout=60, what="no task left running")
+
+
+@pytest.mark.timeout(360)
+def test_an_azure_event_withdrawn_before_the_move_is_a_false_alarm(tmp_path, home, ssh_home, bed):
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    spec = notice_spec(tmp_path, bed, "nazure", watch="azure", spare=True, steps=1200)
+    h4 = bed.hosts["h4"]
+    start_fake(h4)
+    proc = start_tfcluster("train", str(spec), home=home, cwd=cwd)
+    try:
+        seen = "".join(read_until(proc, r"worker:1 .*step=[1-9]", timeout=200))
+        assert "h4: watched (azure spot)" in seen, seen[-3000:]
+        control(h4, "azure/event", id="EV-1", type="Preempt", **{"in": 120})
+        read_until(proc, r"h4: azure Preempt notice: taken back at \S+ \(\d+s from now\); its tasks move at \S+, "
+                         r"60s before", 30)
+        control(h4, "azure/withdraw", id="EV-1")
+        read_until(proc, r"h4: azure Preempt EV-1: false alarm withdrawn; nothing moved", 30)
+        rest = finish(proc)
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 0, rest[-4000:]
+    doc = manifest(only_run(cwd / "runs"))
+    (notice,) = doc["notices"]
+    assert notice["action"] == "withdrawn" and notice["id"] == "EV-1", notice
+    assert not doc["moves"] and doc["tasks"]["worker:1"]["host"] == "h4"
+    wait_for(lambda: not tagged_processes(), timeout=60, what="no task left running")
+
+
+@pytest.mark.timeout(480)
+def test_drain_with_a_deadline_too_short_to_move_saves_and_the_loss_moves_from_that_copy(
+        tmp_path, home, ssh_home, bed):
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    spec = notice_spec(tmp_path, bed, "ndrain", watch=None, spare=True, steps=2500)
+    proc = start_tfcluster("train", str(spec), home=home, cwd=cwd)
+    try:
+        read_until(proc, r"worker:1 .*step=[1-9]", timeout=200)
+        asked = tfcluster("drain", str(spec), "h4", "--deadline", "10s", "--wait", "60", home=home, cwd=cwd)
+        assert asked.returncode == 0, asked.stdout + asked.stderr
+        said = asked.stdout + asked.stderr
+        assert re.search(r"asked the running train to drain h4 by \d\d:\d\d:\d\d \(10s\)", said), said
+        assert re.search(r"h4: saved: .*drain --deadline.*: saved only: \d+s left, under the 20s a move takes: "
+                         r"copied model\.ckpt-\d+ here; worker:1 move when h4 goes", said), said
+        bed.kill("h4")
+        read_until(proc, r"h4: moving worker:1 to h5, every task restarting from the checkpoint", 90)
+        rest = finish(proc)
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 0, rest[-4000:]
+    doc = manifest(only_run(cwd / "runs"))
+    (notice,) = doc["notices"]
+    assert (notice["source"], notice["kind"], notice["action"]) == ("drain", "--deadline", "saved only"), notice
+    assert notice["move"] == {"to": "h5", "action": "restart"} and notice["steps_lost"] is not None, notice
+    (move,) = doc["moves"]
+    assert move["why"].startswith("lost:"), move
+    wait_for(lambda: not tagged_processes(), timeout=60, what="no task left running")
