@@ -16,7 +16,9 @@ cut, as the saved-run readers cut it (localfs.saved_lines). Keras'
 progress bars are folded further: a bar's updates are shown at most once per
 FOLD_EVERY seconds, and the update that ends the line (the epoch's last) always, so
 an epoch is one line per task (docs/running.md, "The live view"); the
-watchers still get every update shown or folded, and the saved log every byte.
+watchers still get every update shown or folded, and the saved log every byte. With `fold`,
+a long run of traceback frames or of a tensor's printed values is shown as its first and last
+lines, with one line saying how many are left out (logscan.Fold).
 """
 from __future__ import annotations
 

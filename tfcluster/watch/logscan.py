@@ -219,3 +219,86 @@ def has_tf_log_line(block: bytes) -> bool:
     if not (block[:1] in (b"I", b"W") or b"\nI" in block or b"\nW" in block):
         return False
     return TF_INFO_LINE.search(block) is not None
+
+
+# -- long tracebacks and tensor dumps, folded in the live view ---------------------------------
+
+TRACEBACK = b"Traceback (most recent call last):"
+# what opens a tensor's printed values: TF's `<tf.Tensor: ..., numpy=` and `tf.Tensor(`, numpy's
+# `array(` (a PerReplica value inside Keras 3's error prints one per replica, ~95 lines each)
+_TENSOR_OPENS = (b"numpy=", b"tf.Tensor(", b"array(")
+_OPENS = AnyOf((TRACEBACK, *_TENSOR_OPENS))
+# a row of printed values: brackets, numbers, `...`, commas, nan/inf, the closing `shape=`
+_ROW = re.compile(rb"[ \t]*(?:array\()?[ \t\[\]\d.eE+\-,naif]*\)?(?:, (?:shape|dtype)=[^\n]*)?>?[ \t]*\Z")
+# (lines shown at the start, lines shown at the end) of a folded run, by kind
+FOLD_KEEP = {"traceback": (4, 8), "tensor": (3, 2)}
+
+
+class Fold:
+    """One task's long runs of traceback frames (the indented lines after `Traceback (most
+    recent call last):`) and of tensor rows (after a tensor's opening line), shown as their
+    first and last few lines with one line between saying how many are left out. The lines of
+    a run's end are held until the run ends (the next line of another kind, or the task's
+    end: flush); output with neither costs one scan of the block for the openers."""
+
+    __slots__ = ("kind", "head", "held", "first_hidden", "hidden")
+
+    def __init__(self) -> None:
+        self.kind: str | None = None
+        self.head = 0                        # lines of this run shown at its start
+        self.held: list[bytes] = []          # the run's last lines so far
+        self.first_hidden: bytes | None = None
+        self.hidden = 0
+
+    def feed(self, block: bytes) -> bytes | None:
+        """`block` (whole lines) as shown; None: all of it is held."""
+        if self.kind is None and not _OPENS(block):
+            return block
+        out: list[bytes] = []
+        for line in block.split(b"\n"):
+            if self.kind is not None:
+                if self._continues(line):
+                    self._take(line, out)
+                    continue
+                out += self._end()
+            out.append(line)
+            if TRACEBACK in line:
+                self.kind = "traceback"
+            elif any(m in line for m in _TENSOR_OPENS):
+                self.kind = "tensor"
+        return b"\n".join(out) if out else None
+
+    def flush(self) -> bytes | None:
+        """The held end of a run the task's output ended in (None: nothing held)."""
+        out = self._end() if self.kind is not None else []
+        return b"\n".join(out) if out else None
+
+    def _continues(self, line: bytes) -> bool:
+        if self.kind == "traceback":
+            return line[:1] in (b" ", b"\t")
+        return _ROW.match(line) is not None
+
+    def _take(self, line: bytes, out: list[bytes]) -> None:
+        head, tail = FOLD_KEEP[self.kind or "tensor"]
+        if self.head < head:
+            self.head += 1
+            out.append(line)
+            return
+        self.held.append(line)
+        if len(self.held) > tail:
+            gone = self.held.pop(0)
+            if self.first_hidden is None:
+                self.first_hidden = gone
+            self.hidden += 1
+
+    def _end(self) -> list[bytes]:
+        if self.hidden == 1:            # one line stands for itself, not for a mark
+            out = [self.first_hidden or b""]
+        elif self.hidden:
+            what = "traceback frames" if self.kind == "traceback" else "tensor values"
+            out = [f"[tfcluster] … {self.hidden} lines of {what} folded (the saved log has them)".encode()]
+        else:
+            out = []
+        out += self.held
+        self.kind, self.head, self.held, self.first_hidden, self.hidden = None, 0, [], None, 0
+        return out

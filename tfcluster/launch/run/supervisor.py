@@ -150,7 +150,7 @@ def _make_mux(plan: Plan, ui: UI, options: Options, run_id: str,
     private_dir(save_dir, "runs", top=options.runs_dir)
     progress = ProgressLog(plan, save_dir, save_failed)
     return LogMux(ui.byte_stdout, keys, color=ui.color, show=show, save_dir=save_dir,
-                  hide_noise=not options.verbose, save_failed=save_failed,
+                  hide_noise=not options.verbose, save_failed=save_failed, fold=not options.verbose,
                   watch=progress.watch((checks.markers, checks.on_line) if checks.markers else None)), progress
 
 
@@ -223,10 +223,10 @@ def _supervise(run: Run) -> tuple[int, str]:
         attempts.on_failure(run, proc, rc)
 
 
-    run.checks.verdict()        # a script that built no strategy says so as it exits
 def _judged(run: Run, outcome: str) -> tuple[int, str]:
     """The run ended well, unless a move did not: a moved task that never stepped after its
     move is a failed recovery, exit 3 (its host was lost and not recovered)."""
+    run.checks.verdict()        # a script that built no strategy says so as it exits
     run.recovery.tick(run)
     move = run.recovery.unproven()
     if move is None:
