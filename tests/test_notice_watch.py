@@ -184,3 +184,45 @@ def test_an_outage_of_the_metadata_service_is_a_warning_said_once(stream):
     assert "aws metadata: PUT /latest/api/token" in warning["warning"], warning
     with pytest.raises(queue.Empty):
         s.next(timeout=2.5, skip=())             # the same outage is not said again
+
+
+SPEC = """name: nw
+hosts:
+  - {name: a, address: 10.9.0.1}
+  - {name: b, address: 10.9.0.2, %s}
+jobs:
+  worker: {tasks: ["a:2222", "b:2222"]}
+train:
+  mode: mirrored
+  script: template:mirrored
+"""
+
+
+@pytest.mark.parametrize("field,problem", [
+    ("preemptible: spot", "hosts[1].preemptible: unknown preemptible 'spot'"),
+    ("metadata_url: 'ftp://x'", "hosts[1].metadata_url: must be http://HOST[:PORT], got 'ftp://x'"),
+    ("metadata_url: 'http://h:99999'", "hosts[1].metadata_url: must be http://HOST[:PORT]"),
+])
+def test_a_bad_preemptible_or_metadata_url_is_one_line_naming_file_line_and_field(tmp_path, field, problem):
+    from tfcluster.errors import SpecError
+    from tfcluster.spec import load_spec
+
+    path = tmp_path / "nw.yaml"
+    path.write_text(SPEC % field)
+    with pytest.raises(SpecError) as bad:
+        load_spec(str(path))
+    assert bad.value.message.startswith(f"{path}:4: {problem}"), bad.value.message
+    assert "\n" not in bad.value.message
+
+
+def test_plan_says_which_hosts_are_watched_and_how(tmp_path):
+    from tfcluster.plan import build_plan, plan_to_dict
+    from tfcluster.spec import load_spec
+
+    path = tmp_path / "nw.yaml"
+    path.write_text(SPEC % "preemptible: auto, metadata_url: 'http://127.0.0.1:8080'")
+    plan = build_plan(load_spec(str(path)))
+    assert [h.watched for h in plan.all_hosts] == [
+        "not watched (preemptible: no)",
+        "watched (whichever cloud's metadata service answers (auto), at http://127.0.0.1:8080)"]
+    assert plan_to_dict(plan)["hosts"][1]["preemptible"] == "auto"
