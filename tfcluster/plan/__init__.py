@@ -265,12 +265,12 @@ class Plan:
             raise ValueError(f"host {lost} holds no task of this plan")
         return build_plan(self.source.spec, self.source.local_python, files=self.files,
                           files_problem=self.files_problem, script_fits=self.script_fits,
+                          script_scan=self.script_scan,
                           moves=(*self.moves, (lost, spare)))
 
 
 def redact_env(env: tuple[tuple[str, str], ...] | dict[str, str], marked=(), public=()) -> dict[str, str]:
     """`env` as shown: every secret value (is_secret, with the spec's secret_env and
-                          script_scan=self.script_scan,
     public_env) as ***, and a URL's userinfo in any other as *** (mask_userinfo)."""
     items = env.items() if isinstance(env, dict) else env
     return {k: (REDACTED if is_secret(k, marked, public) else mask_userinfo(v)) for k, v in items}
@@ -373,12 +373,12 @@ def build_plan(spec: Spec, local_python: str | None = None, *,
         progress=spec.train.progress,
         legacy_keras=spec.train.keras == "legacy" or dict(spec.env).get(LEGACY_KERAS_ENV) in LEGACY_KERAS_VALUES,
         script_fits=script_fits,
+        script_scan=script_scan,
         tf_ports=spec.tf_ports,
         spares=tuple(h.name for h in spec.spares),
         on_host_loss=spec.train.on_host_loss or ("spare" if spec.spares else "fail"),
         checkpoint=_checkpoint(spec, slots, placeholders),
         moves=tuple(moves),
-        script_scan=script_scan,
         source=_Source(spec, local_python),
     )
 
