@@ -60,8 +60,8 @@ DEFAULT_URL = "http://169.254.169.254"
 CLOUDS = ("aws", "gce", "azure")
 # `auto` asks the three at once, each with this bound on connect and answer: a host that is
 # no cloud VM (no route to 169.254.169.254, or a router that drops it) costs at most this,
-# in a stream of its own beside the run's start.
-PROBE_TIMEOUT = 0.8
+# in a stream of its own beside the run's start (a probe is two requests: 1 s in all).
+PROBE_TIMEOUT = 0.4
 AWS_EVERY = 2.0          # seconds between looks (AWS recommends 5; the notice is 2 min ahead)
 AZURE_EVERY = 1.0
 AZURE_FIRST_CALL = 130.0  # the service may take two minutes to answer its first call
