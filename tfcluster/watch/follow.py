@@ -18,8 +18,9 @@ FINAL_TAIL = 1 << 20      # bytes of the chief's log read for a run's last step
 
 def run_rows(runs_dir: str, name: str, progress=None, warn=None) -> list[dict]:
     """One dict per saved run of `name`, oldest first: id, started, ended, duration,
-    mode, outcome, restarts, task (the chief's), step, loss, and from Keras' `model.fit`
-    epoch, epochs and the other metrics (None, None, {} without), checkpoint (the newest
+    mode, outcome, restarts, task (the chief's), step, loss, steps_per_s (recorded at the
+    run's end; None before), and from Keras' `model.fit` epoch, epochs, fit (which fit of
+    the script) and the other metrics (None, None, None, {} without), checkpoint (the newest
     kept in runs/<run id>/checkpoints/, runs.kept_checkpoints; None without). `progress`: the
     current spec's train.progress, for runs whose manifest has none. `warn` is told of
     each saved file not read (runs.read_manifest)."""
@@ -130,7 +131,8 @@ def _final(directory: str, doc: dict, key: str | None, progress, warn=None) -> d
     """The chief's last step, loss, epoch, epochs and metrics: recorded in the manifest at
     the end of the run, else read from the tail of its saved log (older runs, a run still
     going or killed)."""
-    none = {"step": None, "loss": None, "epoch": None, "epochs": None, "metrics": {}}
+    none = {"step": None, "loss": None, "epoch": None, "epochs": None, "fit": None, "steps_per_s": None,
+            "metrics": {}}
     if key is None:
         return none
     recorded = (doc.get("progress") or {}).get(key)
@@ -150,7 +152,7 @@ def _final(directory: str, doc: dict, key: str | None, progress, warn=None) -> d
     if state is None:
         return none
     return {"step": state.step, "loss": state.loss, "epoch": state.epoch, "epochs": state.epochs,
-            "metrics": state.metrics}
+            "fit": state.fit, "steps_per_s": None, "metrics": state.metrics}     # a log has no times
 
 
 class _Patterns:
@@ -176,7 +178,10 @@ def print_runs(ui, name: str, rows: list[dict], runs_dir: str) -> None:
     epochs = any(r.get("epoch") is not None for r in rows)     # a column only for Keras' runs
 
     def epoch(r):
-        return ("-" if r.get("epoch") is None else f"{r['epoch']}/{r['epochs']}",) if epochs else ()
+        if not epochs:
+            return ()
+        later = f" (fit {r['fit']})" if isinstance(r.get("fit"), int) and r["fit"] > 1 else ""   # a later model.fit's
+        return ("-" if r.get("epoch") is None else f"{r['epoch']}/{r['epochs']}{later}",)
 
     checkpoints = any(r.get("checkpoint") for r in rows)     # a column only where a run kept one
 

@@ -30,8 +30,8 @@ def clock(seconds: float) -> str:
 
 
 def progress_line(states: dict, elapsed: float, now: float | None = None) -> str:
-    """The first line: global step and target, Keras' epoch, rate, ETA, elapsed, latest
-    loss and Keras' other metrics. `now` is on the clock of the step lines' times (default
+    """The first line: global step and target, Keras' fit (from its second) and epoch, rate,
+    ETA, elapsed, latest loss (Keras': its last finished epoch's) and Keras' other metrics. `now` is on the clock of the step lines' times (default
     time.time(), as runs.ProgressLog stamps them); with no step line in the last
     RATE_WINDOW, the stall replaces rate and ETA."""
     now = time.time() if now is None else now
@@ -42,6 +42,8 @@ def progress_line(states: dict, elapsed: float, now: float | None = None) -> str
     target = max((s.target for s in states.values() if s.target), default=None)
     parts = [f"step {latest.step:,}" + (f"/{target:,} ({min(100, 100 * latest.step // target)}%)"
                                          if target else "")]
+    if latest.fit is not None and latest.fit > 1:     # Keras: a script's later `model.fit`
+        parts.append(f"fit {latest.fit}")
     if latest.epoch is not None:
         parts.append(f"epoch {latest.epoch}/{latest.epochs}")
     rates = [r for r in (s.recent_rate(now=now) for s in seen) if r]

@@ -177,6 +177,10 @@ class LogMux:
                 # keep the note on its own line in the saved log
                 self._save(t, (b"\n" if t.saved_midline else b"") + b"\n".join(lines) + b"\n")
             t.ring.extend(_clipped(lines))
+            if self._watch is not None:     # the watchers see it as the saved log has it (a restart's
+                for line in lines:          # note: the progress of the next attempt counts afresh)
+                    if self._watching(line):
+                        self._watch[1](t.key, line)
             if t.show:
                 if self._color:
                     lines = [_DIM + line + _RESET for line in lines]

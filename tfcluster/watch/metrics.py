@@ -44,9 +44,13 @@ RATE_SPAN = 1.0        # seconds of arrival times a recent rate needs at least
 KERAS_EPOCH_MARK = b"Epoch "
 KERAS_BAR_MARKS = (b"/step", b"ETA: ")
 _PROBE = b"tfcluster-"      # in each of PROBE_MARKS: one `in` for every other line
+# the note LogMux writes between two attempts of a task (diagnose.signatures.restart_note),
+# as its saved log and the watchers have it: `[tfcluster] exited with code 1; restarting (1/3)`
+RESTART_NOTE = (b"[tfcluster] exited with code ", b"; restarting (")
 _ANSI = re.compile(rb"\x1b\[[0-9;]*[A-Za-z]")
 _KERAS_EPOCH = re.compile(rb"\s*Epoch (\d+)/(\d+)\s*\Z")
 _KERAS_BAR = re.compile(rb"\s*(\d+)/(\d+|Unknown) ")
+_KERAS_WHOLE = re.compile(rb"\s*\d+/\d+ - ")     # verbose=2: an epoch (or evaluate) in one line
 _KERAS_METRIC = re.compile(rb" - ([A-Za-z_][\w.]*): " + _NUMBER + rb"(?= |\Z)")
 
 
@@ -63,6 +67,7 @@ class TaskProgress:
     epoch: int | None = None                    # Keras' `Epoch k/N`: k
     epochs: int | None = None                   # and N
     metrics: dict[str, float] = field(default_factory=dict)   # Keras' other metrics, latest
+    fit: int | None = None                      # which of the attempt's `model.fit` calls (1, 2, ...)
 
     @property
     def steps_per_s(self) -> float | None:
@@ -107,6 +112,8 @@ class Reading:
     epoch: tuple[int, int] | None = None        # (k, N) of `Epoch k/N`, or of the bar's epoch
     target: int | None = None                   # epochs × steps per epoch, from Keras
     metrics: dict[str, float] | None = None     # Keras' metrics other than the loss
+    fit: int | None = None                      # Keras: which fit of the attempt
+    epoch_end: bool = False                     # Keras: the epoch's last update (its loss is the epoch's)
 
 
 class Pattern:
@@ -124,41 +131,89 @@ class Pattern:
 
 
 class KerasFit:
-    """Where one task's `model.fit` stands, from its `Epoch k/N` lines and its bars.
+    """Where one task's `model.fit` calls stand, from its `Epoch k/N` lines and its bars
+    (docs/running.md, "Keras' progress"), one global step across every `fit` of an attempt.
 
-    A bar counts only after an `Epoch k/N` line, and only while its batch does not go back
-    and its total does not change within the epoch: `evaluate` and `predict` bars (after
-    `fit`, or from a callback) are not training steps. An epoch whose size is unknown (`7/Unknown`) counts on from the
-    steps of the epochs before it."""
+    Keras prints `Epoch k/N` only for a fit of more than one epoch: a fit of one epoch is a
+    pass of bars and nothing else, as `evaluate`'s and `predict`'s are. A pass is a bar
+    whose batch goes back or whose size changes. One that follows an `Epoch` line is that
+    epoch's; one without is a fit of one epoch when it has a loss and either no fit came
+    before it, or it repeats the size of the last fit's epochs (`fit(epochs=1)` in a loop),
+    or it ends with `val_` metrics (only `fit` prints them: it counts from there); any
+    other (`evaluate`, `predict` with no loss) is no step. A new fit, with its `Epoch` line
+    or without, counts on from the step the last one reached. The first fit of an attempt
+    that starts at `Epoch k/N` (`initial_epoch`, a restore) starts at epoch k's first step.
 
-    __slots__ = ("batch", "done", "epoch", "epochs", "per_epoch", "total")
+    An epoch ends at its bar's last update (`N/N` without `ETA: `): only there is the loss
+    the epoch's own mean, which the updates before it are not always (tf_keras under
+    MultiWorkerMirroredStrategy sums them over the workers)."""
+
+    __slots__ = ("base", "batch", "counted", "done", "epoch", "epochs", "first", "fits", "last_size",
+                 "pass_batch", "pass_total", "passing", "per_epoch", "skipped")
 
     def __init__(self) -> None:
-        self.epoch = self.epochs = self.per_epoch = self.total = None
-        self.done = self.batch = 0
+        self.fits = 0              # fits seen in this attempt; the current one's number
+        self.base = 0              # global steps before the current fit
+        self.done = 0              # steps of the current fit's finished epochs
+        self.skipped = 0           # epochs a resumed first fit starts after, at its epoch size
+        self.epoch: int | None = None
+        self.epochs: int | None = None
+        self.first = 1             # the current fit's first epoch
+        self.per_epoch: int | None = None    # the current fit's epoch size, once a bar said it
+        self.last_size: int | None = None    # the last counted epoch's size
+        self.batch = 0             # the current epoch's batch
+        self.passing = False       # a pass of bars is under way
+        self.counted = False       # and it is the current fit's epoch
+        self.pass_batch = 0
+        self.pass_total: int | None = None
 
-    def start(self, k: int, n: int) -> None:
-        if self.per_epoch:
-            self.done = (k - 1) * self.per_epoch
-        elif self.epoch is not None and k == self.epoch + 1:
-            self.done += self.batch
-        else:
-            self.done = 0
-        self.epoch, self.epochs, self.batch, self.total = k, n, 0, None
-
-    def bar(self, batch: int, total: int | None) -> int | None:
-        """The global step of this bar; None: not a training bar."""
-        if self.epoch is None or batch < self.batch or (self.total is not None and total != self.total):
-            return None
-        self.batch = batch
-        if total is not None:
-            self.total = self.per_epoch = total
-            self.done = (self.epoch - 1) * total
-        return self.done + batch
+    @property
+    def step(self) -> int:
+        return self.base + self.skipped * (self.per_epoch or 0) + self.done + self.batch
 
     @property
     def target(self) -> int | None:
-        return self.epochs * self.per_epoch if self.epochs and self.per_epoch else None
+        if not (self.epochs and self.per_epoch):
+            return None
+        return self.base + (self.skipped + self.epochs - self.first + 1) * self.per_epoch
+
+    def start(self, k: int, n: int) -> None:
+        """An `Epoch k/N` line: the current fit's next epoch, or a new fit."""
+        if self.fits and n == self.epochs and self.epoch is not None and k == self.epoch + 1:
+            self.done += self.batch
+        else:
+            self._new_fit(k, n)
+        self.epoch, self.epochs, self.batch = k, n, 0
+        self.passing, self.counted, self.pass_batch, self.pass_total = True, True, 0, None
+
+    def _new_fit(self, k: int, n: int) -> None:
+        self.base = self.step if self.fits else 0
+        self.fits += 1
+        self.done, self.batch, self.per_epoch = 0, 0, None
+        self.skipped = k - 1 if self.fits == 1 else 0
+        self.first, self.epoch, self.epochs = k, k, n
+
+    def bar(self, batch: int, total: int | None, loss: bool, val: bool, whole: bool = False) -> int | None:
+        """The global step of this bar; None: no step of a fit. `whole`: a `verbose=2` line,
+        a pass of its own (unless an `Epoch` line just began one)."""
+        fresh = self.passing and self.pass_batch == 0
+        if not (fresh or self.passing and not whole and batch >= self.pass_batch
+                and (self.pass_total is None or total == self.pass_total)):
+            self.passing, self.pass_batch, self.pass_total = True, 0, None    # a new pass
+            self.counted = loss and (not self.fits or val or (total is not None and total == self.last_size))
+            if self.counted:
+                self._new_fit(1, 1)
+        elif not self.counted and loss and val:     # a pass only `fit` ends so: a fit after all
+            self.counted = True
+            self._new_fit(1, 1)
+        self.pass_batch = batch
+        self.pass_total = total if total is not None else self.pass_total
+        if not self.counted:
+            return None
+        self.batch = batch
+        if total is not None:
+            self.per_epoch = self.last_size = total
+        return self.step
 
 
 def keras_line(line: bytes) -> bytes | None:
@@ -216,7 +271,7 @@ class Tracker:
         marker that holds another is left out (the other finds its lines). Every Keras bar
         of `fit` says `loss: `, which the default loss pattern's literal finds: only a
         custom loss pattern needs the bars' own markers."""
-        found = (self.step.literal, self.loss.literal, KERAS_EPOCH_MARK)
+        found = (self.step.literal, self.loss.literal, KERAS_EPOCH_MARK, RESTART_NOTE[1])
         found += KERAS_BAR_MARKS if self.custom_loss else ()
         return tuple(m for i, m in enumerate(found)
                      if m not in found[:i] and not any(o and o != m and o in m for o in found))
@@ -240,6 +295,9 @@ class Tracker:
         state of `key`'s Keras fit moves on)."""
         if _PROBE in line and any(m in line for m in PROBE_MARKS):   # tfcluster's own (`global_step:0`)
             return []
+        if line.startswith(RESTART_NOTE[0]) and RESTART_NOTE[1] in line:
+            self.restarted(key)
+            return []
         out = []
         for seg in line.split(b"\r") if b"\r" in line else (line,):
             got = self._read_one(key, seg)
@@ -260,25 +318,38 @@ class Tracker:
         return got
 
     def _keras(self, key: str, line: bytes) -> Reading | None:
-        """A Reading of a Keras line (a bar that is no step of the fit: an empty one); None:
-        not Keras', or a bar with no fit before it (a script's own Progbar: the patterns
-        read it, as any line)."""
+        """A Reading of a Keras line (a bar that is no step of a fit: an empty one); None:
+        not Keras', or a bar with no loss and no fit before it (the patterns read it, as
+        any line). Only an epoch's last update gives the loss and the metrics."""
         m = _KERAS_EPOCH.match(line) if KERAS_EPOCH_MARK in line else None
         fit = self.fits.get(key)
         if m is not None:
             if fit is None:
                 fit = self.fits[key] = KerasFit()
             fit.start(int(m.group(1)), int(m.group(2)))
-            return Reading(epoch=(fit.epoch, fit.epochs), target=fit.target)
-        bar = keras_bar(line) if fit is not None else None
+            return Reading(epoch=(fit.epoch, fit.epochs), target=fit.target, fit=fit.fits)
+        bar = keras_bar(line)
         if bar is None:
             return None
-        step = fit.bar(*bar)
+        metrics = keras_metrics(line)
+        loss = metrics.pop("loss", None)
+        if fit is None:
+            if loss is None:
+                return None
+            fit = self.fits[key] = KerasFit()
+        batch, total = bar
+        step = fit.bar(batch, total, loss is not None, any(name.startswith("val_") for name in metrics),
+                       _KERAS_WHOLE.match(line) is not None)
         if step is None:
             return Reading()
-        metrics = keras_metrics(line)
-        return Reading(step=step, loss=metrics.pop("loss", None), epoch=(fit.epoch, fit.epochs),
-                       target=fit.target, metrics=metrics)
+        end = total is not None and batch == total and b"ETA: " not in line
+        return Reading(step=step, loss=loss if end else None, epoch=(fit.epoch, fit.epochs), target=fit.target,
+                       metrics=metrics if end else None, fit=fit.fits, epoch_end=end)
+
+    def restarted(self, key: str) -> None:
+        """`key`'s next attempt begins: its fits count from nothing again (its step goes
+        back to where the new attempt says it is)."""
+        self.fits.pop(key, None)
 
     def feed(self, key: str, line: bytes | str, now: float | None = None) -> Reading | None:
         """One line of `key`; what it said (the last update's step and loss), or None when
@@ -319,6 +390,8 @@ class Tracker:
         t.epoch, t.epochs = r.epoch
         if r.target is not None and not self.fixed_target:
             t.target = r.target
+        if r.fit is not None:
+            t.fit = r.fit
         if r.metrics:
             t.metrics.update(r.metrics)
 
@@ -334,8 +407,10 @@ class Tracker:
 
 def points(lines: Iterable[bytes], tracker: Tracker, key: str = "") -> list[tuple[int, float]]:
     """(step, loss) of every line (and `\\r` update) that gives a loss, its step the latest
-    seen (the plot's curve); lines before any step are left out."""
-    out = []
+    seen (the plot's curve: a Keras fit's at each epoch's end); lines before any step are
+    left out, and a Keras epoch's end said again at the same step (Keras 3 ends an epoch
+    with two updates) replaces the one before."""
+    out: list[tuple[int, float]] = []
     step = None
     markers = tracker.markers
     for line in lines:
@@ -344,8 +419,26 @@ def points(lines: Iterable[bytes], tracker: Tracker, key: str = "") -> list[tupl
         for r in tracker.read(key, line):
             step = r.step if r.step is not None else step
             if r.loss is not None and step is not None:
-                out.append((step, r.loss))
+                if r.epoch_end and out and out[-1][0] == step:
+                    out[-1] = (step, r.loss)
+                else:
+                    out.append((step, r.loss))
     return out
+
+
+# said once under `train`'s summary of a run that trained with model.fit (docs/running.md)
+KERAS_LOSS_NOTE = ("loss: Keras' mean over each finished epoch, as `fit` returns it; the bar's values within an "
+                   "epoch are not shown (tf_keras under MultiWorkerMirroredStrategy sums those over the workers)")
+
+
+def keras_said(got: TaskProgress) -> str:
+    """A Keras script's fit (from its second), last epoch, loss and metrics, as one line
+    (`train`'s summary); "" for another script."""
+    if got.epoch is None:
+        return ""
+    parts = ([f"fit {got.fit}"] if got.fit is not None and got.fit > 1 else []) + [f"epoch {got.epoch}/{got.epochs}"]
+    parts += [f"loss {got.loss:.4g}"] if got.loss is not None else []
+    return " · ".join(parts + [f"{name} {value:.4g}" for name, value in metric_items(got.metrics)])
 
 
 def metric_items(metrics: dict[str, float]) -> list[tuple[str, float]]:

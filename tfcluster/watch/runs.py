@@ -31,7 +31,7 @@ from tfcluster.localfs import (
 from tfcluster.plan import JOB_NAMES, Plan, plan_to_dict
 from tfcluster.plan.names import is_run_of, key_of_log, log_file
 from tfcluster.ui.units import size
-from tfcluster.watch.metrics import Tracker, target_of
+from tfcluster.watch.metrics import KERAS_LOSS_NOTE, Tracker, keras_said, target_of
 
 PROGRESS_FILE = "progress.tsv"
 CHECKPOINTS_DIR = "checkpoints"     # runs/<run id>/checkpoints/<name>/: one checkpoint each
@@ -233,6 +233,8 @@ class ProgressLog:
         self._save_failed = save_failed     # (path, OSError): a write failed (a full disk)
         targets = {t.key: target_of(plan.progress, t.argv[1:]) for t in plan.tasks if t.runs_script}
         self.tracker = Tracker(plan.progress, targets=targets)
+        # the summary's last loss line: a line the run's loss pattern finds, as shown (str)
+        self._loss_line = re.compile(self.tracker.loss.regex.pattern.decode())
         self._lock = threading.Lock()
         self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | NOFOLLOW, 0o600)
 
@@ -278,13 +280,33 @@ class ProgressLog:
                     for key, t in self.tracker.tasks.items()}
 
     def summary(self) -> dict:
-        """task -> {step, loss, steps_per_s, target, epoch, epochs, metrics}, for the
-        manifest (epoch, epochs: Keras' `Epoch k/N`, else None; metrics: Keras' others)."""
+        """task -> {step, loss, steps_per_s, target, epoch, epochs, fit, metrics}, for the
+        manifest (epoch, epochs: Keras' `Epoch k/N`, else None; fit: which `model.fit` of
+        the script; metrics: Keras' others)."""
         with self._lock:
             return {key: {"step": t.step, "loss": t.loss, "target": t.target,
                           "steps_per_s": None if t.steps_per_s is None else round(t.steps_per_s, 3),
-                          "epoch": t.epoch, "epochs": t.epochs, "metrics": dict(t.metrics)}
+                          "epoch": t.epoch, "epochs": t.epochs, "fit": t.fit, "metrics": dict(t.metrics)}
                     for key, t in self.tracker.tasks.items()}
+
+    def last_said(self, key: str, mux) -> str:
+        """`train`'s summary's last loss line of `key`: a Keras script's fit, epoch, loss and
+        metrics; else the latest line `mux` kept of it that the run's loss pattern finds
+        (`train.progress.loss` or `loss=X`); else, when that line is no longer kept, the
+        loss that pattern read last. "" when it read none."""
+        with self._lock:
+            got = self.tracker.tasks.get(key)
+            got = None if got is None else replace(got, metrics=dict(got.metrics))
+        if got is None:
+            return ""
+        said = keras_said(got) or (mux.last_line_matching(key, self._loss_line) or "").replace("tfcluster-result: ", "")
+        return said or ("" if got.loss is None else f"loss {got.loss:.4g}")
+
+    def loss_note(self) -> str | None:
+        """The one line on what a Keras loss is, for a run where a script trained with `fit`."""
+        with self._lock:
+            keras = any(t.epoch is not None for t in self.tracker.tasks.values())
+        return KERAS_LOSS_NOTE if keras and not self.tracker.custom_loss else None
 
     def close(self) -> None:
         with self._lock:

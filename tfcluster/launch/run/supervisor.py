@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
-import re
 import signal
 import threading
 import time
@@ -33,14 +32,12 @@ from tfcluster.localfs import private_dir
 from tfcluster.plan import Plan, names, policy
 from tfcluster.ui.views import print_summary
 from tfcluster.watch import footer
-from tfcluster.watch.metrics import DEFAULT_LOSS, metric_items
 from tfcluster.watch.runs import Manifest, ProgressLog
 
 if TYPE_CHECKING:
     from tfcluster.ui import UI
     from tfcluster.watch.logmux import LogMux
 
-LOSS_LINE = re.compile(DEFAULT_LOSS)   # `loss=0.25`, not a traceback's `loss = train_step(it)`
 SERVER_STOP_GRACE = 2.0     # servers hold no state worth waiting for
 AWAIT_DROP = 2.0            # a task's exit 255 waits this long for its host's channels to end
 
@@ -317,8 +314,7 @@ def _summary(run: Run, outcome: tuple[int, str]) -> None:
             rate = got.steps_per_s if got else None
             steps[p.key] = ("-" if not got or got.step is None else str(got.step),
                             "-" if rate is None else f"{rate:.3g}")
-            last = _keras_last(got) or \
-                (run.mux.last_line_matching(p.key, LOSS_LINE) or "").replace("tfcluster-result: ", "")
+            last = run.progress.last_said(p.key, run.mux) if run.progress else ""
         duration = (p.ended or time.time()) - p.started if p.started else 0     # every attempt
         code = "stopped" if p.stopping and p.exit_code else p.exit_code    # the run's end: no failure
         if p.host_lost:
@@ -328,19 +324,12 @@ def _summary(run: Run, outcome: tuple[int, str]) -> None:
     checks = run.checks.summary() if run.checks and steps else {}    # said only once scripts ran
     for move in run.recovery.moves:
         run.ui.info(f"moved: {move.line()}")
+    if run.progress is not None and run.progress.loss_note():
+        run.ui.info(run.progress.loss_note())
     for notice in run.notices.records:
         run.ui.info(f"notice: {notice.summary()}")
     print_summary(run.ui, run.run_id, rows, outcome, os.path.join(run.options.runs_dir, run.run_id), checks,
                   steps)
-
-
-def _keras_last(got) -> str:
-    """A Keras script's last epoch, loss and metrics, as the summary's last loss line (its
-    bar line is escapes and bar glyphs); "" for another script."""
-    if got is None or got.epoch is None:
-        return ""
-    parts = [f"epoch {got.epoch}/{got.epochs}"] + ([f"loss {got.loss:.4g}"] if got.loss is not None else [])
-    return " · ".join(parts + [f"{name} {value:.4g}" for name, value in metric_items(got.metrics)])
 
 
 def _failed(proc: Supervised) -> bool:
