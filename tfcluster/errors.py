@@ -17,7 +17,7 @@ class ExitCode(enum.IntEnum):
     TASK_FAILED = 5      # a training task (chief/worker) failed
     TIMEOUT = 6          # a deadline passed (readiness, train.timeout)
     LOCKED = 7           # another tfcluster holds this cluster's lock
-    INCONSISTENT = 8     # the workers disagree (variable placement differs between them)
+    INCONSISTENT = 8     # the workers disagree (variable placement) or cannot train together (strategy)
     INTERRUPTED = 130    # Ctrl-C
     TERMINATED = 143     # SIGTERM (a scheduler, `timeout`, systemd)
 
@@ -95,7 +95,8 @@ class TaskError(TfclusterError):
 
 
 class InconsistentError(TfclusterError):
-    """The tasks of one run disagree about the model (a placement mismatch): exit 8."""
+    """The tasks of one run disagree about the model (a placement mismatch) or cannot train it
+    together (a strategy that does not fit the mode): exit 8."""
 
     exit_code = ExitCode.INCONSISTENT
 
