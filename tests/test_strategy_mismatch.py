@@ -141,7 +141,7 @@ def test_two_workers_that_each_train_alone_are_stopped_with_the_fix(tmp_path, ho
         assert ("tfcluster: warning: single_host_strategy.py:8: mirrored mode: the script builds "
                 "MirroredStrategy, which trains on its own host only") in r.stderr, r.stderr[-3000:]
     error = next(line for line in r.stderr.splitlines() if line.startswith("tfcluster: error: "))
-    assert error.startswith(f"tfcluster: error: strategy mismatch: worker:") and f" built {built}, " in error
+    assert error.startswith("tfcluster: error: strategy mismatch: worker:") and f" built {built}, " in error
     assert "each of the 2 workers trains its own copy of the model, never synchronised (1 replica in sync)" in error
     assert ("hint: build tf.distribute.MultiWorkerMirroredStrategy() instead (it reads TF_CONFIG, which "
             "tfcluster sets); switch the check off with train.checks.placement: false") in r.stderr
