@@ -411,8 +411,15 @@ class Stream:
                                  "deadline": time.time() + SHUTDOWN_NOTICE}})
         except OSError:
             pass
-        raise SystemExit(128 + signum)
+        raise _Terminated(128 + signum)
+
+
+class _Terminated(Exception):
+    """A SIGTERM ends the stream; the shim's entry point turns the code into the exit status."""
 
 
 def cmd_notice(req: dict) -> int:
-    return Stream(req).run()
+    try:
+        return Stream(req).run()
+    except _Terminated as e:
+        return e.args[0]
