@@ -35,6 +35,9 @@ def pytest_collection_modifyitems(config, items):
         for fixture, mark in FIXTURE_MARKS.items():
             if fixture in item.fixturenames and item.get_closest_marker(mark) is None:
                 item.add_marker(mark)
+        if "slurm_cluster" in item.fixturenames:
+            # under pytest-xdist (`--dist loadgroup`), one worker runs them all: one Slurm cluster started
+            item.add_marker(pytest.mark.xdist_group("slurm"))
 
 
 def _slow_processes(root: psutil.Process, old: set[int]) -> list[str]:

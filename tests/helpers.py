@@ -37,6 +37,11 @@ TAG = "TFCLUSTER_JOB_ID="
 # with SetEnv), so the leak check judges only our own processes, never another session's.
 SESSION_VAR = "TFCLUSTER_TEST_SESSION"
 os.environ.setdefault(SESSION_VAR, uuid.uuid4().hex)
+# Under pytest-xdist each worker is a session of its own: the controller set the marker before
+# it started them, so a worker makes its own, or its leak check would judge its peer's processes.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _WORKER and not os.environ[SESSION_VAR].endswith("-" + _WORKER):
+    os.environ[SESSION_VAR] = f"{uuid.uuid4().hex}-{_WORKER}"
 SESSION_MARK = f"{SESSION_VAR}={os.environ[SESSION_VAR]}".encode()
 
 

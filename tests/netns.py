@@ -24,12 +24,14 @@ whatever happened; the blackhole route when the session ends.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import getpass
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -288,10 +290,31 @@ def _bed_range(tmp_path_factory, sshd_factory):
         if os.environ.get("CI", "").lower() == "true":
             pytest.fail(f"the separate-host test bed cannot run: {why}")
         pytest.skip(f"the separate-host test bed cannot run: {why}")
-    added = _ip("route", "add", "blackhole", RANGE, check=False).returncode == 0
+    with _route_holders() as holders:
+        holders.add(os.getpid())
+        _ip("route", "add", "blackhole", RANGE, check=False)    # a holder's may be there already
+        if "blackhole" not in _ip("route", "show", RANGE).stdout:
+            pytest.fail(f"no blackhole route for {RANGE}: a downed host's packets could leave the machine")
     yield tmp_path_factory.mktemp("bed"), sshd_factory.user_key
-    if added:
-        _ip("route", "delete", "blackhole", RANGE, check=False)
+    with _route_holders() as holders:
+        holders.discard(os.getpid())
+        if not holders:
+            _ip("route", "delete", "blackhole", RANGE, check=False)
+
+
+@contextlib.contextmanager
+def _route_holders():
+    """The live test sessions that need the route (pytest-xdist runs several at once): the last
+    to leave removes it, never one while another's bed may still send packets for a downed host."""
+    path = os.path.join(tempfile.gettempdir(), "tfcluster-bed-route")
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        holders = {int(p) for p in f.read().split() if p.isdigit() and psutil.pid_exists(int(p))}
+        yield holders
+        f.seek(0)
+        f.truncate()
+        f.write(" ".join(map(str, sorted(holders))))
 
 
 def _new_bridge() -> tuple[int, str]:

@@ -17,6 +17,7 @@ the namespace goes with the command's last process, so there is no mount to undo
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import pwd
@@ -25,6 +26,7 @@ import stat
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,14 +133,17 @@ class OtherPython:
 
 
 def _ensure(name: str) -> User:
-    try:
-        entry = pwd.getpwnam(name)
-    except KeyError:
-        subprocess.run(["useradd", "--create-home", "--shell", "/bin/sh", name], check=True,
-                       capture_output=True, timeout=30)
-        entry = pwd.getpwnam(name)
-    # Unlock the account (no password works: "*"), so sshd lets it log in with a key.
-    subprocess.run(["usermod", "-p", "*", name], check=True, capture_output=True, timeout=30)
+    # one session at a time (pytest-xdist workers each ask): useradd refuses a name being made
+    with open(os.path.join(tempfile.gettempdir(), f"tfcluster-test-{name}.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            entry = pwd.getpwnam(name)
+        except KeyError:
+            subprocess.run(["useradd", "--create-home", "--shell", "/bin/sh", name], check=True,
+                           capture_output=True, timeout=30)
+            entry = pwd.getpwnam(name)
+        # Unlock the account (no password works: "*"), so sshd lets it log in with a key.
+        subprocess.run(["usermod", "-p", "*", name], check=True, capture_output=True, timeout=30)
     os.makedirs(entry.pw_dir, mode=0o700, exist_ok=True)
     os.chown(entry.pw_dir, entry.pw_uid, entry.pw_gid)
     return User(name, entry.pw_uid, entry.pw_gid, entry.pw_dir)
