@@ -71,7 +71,7 @@ REJECTIONS = [
     ("checkpoint-sync-quoted-off", BASE + "train:\n  checkpoint: {dir: /c, sync: 'off'}\n",
      SYNC_PROBLEM + "the quoted string 'off' (write it without quotes)"),
     ("checkpoint-unknown-key", BASE + "train:\n  checkpoint: {dir: /c, every: 2m}\n",
-     "10: train.checkpoint.every: unknown key 'every'; expected one of: dir, keep, sync"),
+     "10: train.checkpoint.every: unknown key 'every'; expected one of: dir, keep, sync, max_bytes"),
 ]
 
 
@@ -296,7 +296,8 @@ def test_plan_command_shows_the_spares_what_they_take_the_loss_policy_and_the_ch
             "here every 2m00s") in shown.stdout
     as_json = json.loads(tfcluster("plan", path, "--json", home=tmp_path, cwd=tmp_path, timeout=60).stdout)
     assert [s["name"] for s in as_json["spares"]] == ["z", "s", "t"]
-    assert as_json["checkpoint"] == {"dir": "~/.tfcluster/t/ckpt", "keep": 3, "sync": 120.0}
+    assert as_json["checkpoint"] == {"dir": "~/.tfcluster/t/ckpt", "keep": 3, "sync": 120.0,
+                                   "max_bytes": 16 << 30}
 
 
 # --------------------------------------------------------------------------- plan --check

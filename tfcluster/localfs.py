@@ -15,7 +15,9 @@ from tfcluster.host.shim_fs import private_dir as _private_dir
 
 NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 LINE_CAP = 1 << 16          # bytes of one line a reader of saved files keeps (its end)
+COPY_CHUNK = 1 << 20        # bytes a copy holds at a time (a checkpoint is streamed, never read whole)
 _CHUNK = 1 << 16
+_ZEROS = bytes(COPY_CHUNK)
 _KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a device", stat.S_IFBLK: "a device",
           stat.S_IFDIR: "a directory", stat.S_IFSOCK: "a socket"}
 
@@ -47,20 +49,62 @@ def write_output(path: str, content, what: str) -> None:
         raise PreflightError(f"{what}: {path}: {e.strerror or e}") from None
 
 
-def write_private(path: str, data: bytes, mode: int = 0o600) -> None:
+def chunks(data: bytes | BinaryIO) -> Iterator[bytes]:
+    """`data` (bytes, or a binary file read from where it stands) in pieces of at most
+    COPY_CHUNK bytes: what a copy holds in memory at a time."""
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        view = memoryview(data)
+        for at in range(0, len(view), COPY_CHUNK):
+            yield bytes(view[at:at + COPY_CHUNK])
+        return
+    while chunk := data.read(COPY_CHUNK):
+        yield chunk
+
+
+def is_hole(chunk: bytes) -> bool:
+    """Whether `chunk` is all zero bytes: a copy skips it (seek) instead of writing it, so a
+    sparse file stays sparse and zeros never become real blocks (docs/design/checkpoint-sync.md)."""
+    return chunk == _ZEROS[:len(chunk)] if len(chunk) <= COPY_CHUNK else not chunk.strip(b"\0")
+
+
+def write_sparse(fd: int, data: bytes | BinaryIO) -> int:
+    """Write `data` (chunks()) to `fd` from its current offset, a run of zero bytes as a hole;
+    the bytes written (the file's length is set, so a trailing hole counts)."""
+    total = 0
+    for chunk in chunks(data):
+        if is_hole(chunk):
+            os.lseek(fd, len(chunk), os.SEEK_CUR)
+        else:
+            view = memoryview(chunk)
+            while view:
+                view = view[os.write(fd, view):]
+        total += len(chunk)
+    os.ftruncate(fd, os.lseek(fd, 0, os.SEEK_CUR))
+    return total
+
+
+def write_private(path: str, data: bytes | BinaryIO, mode: int = 0o600) -> None:
     """Atomic write of a private file (tmp in the same dir, fsync, rename).
 
     The mode is set before any byte is written, so no reader ever sees the data
     under looser permissions, and a crash leaves the old file or the new one.
-    mkstemp opens with O_EXCL and O_NOFOLLOW: a link planted under its name is refused."""
+    mkstemp opens with O_EXCL and O_NOFOLLOW: a link planted under its name is refused.
+    `data` may be a binary file, copied in chunks with its zero runs as holes (write_sparse)."""
     directory = os.path.dirname(path) or "."
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
     try:
         os.fchmod(fd, mode)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        if isinstance(data, (bytes, bytearray)):
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        else:
+            try:
+                write_sparse(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         os.replace(tmp, path)
     except BaseException:
         try:

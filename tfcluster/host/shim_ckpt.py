@@ -14,7 +14,11 @@ JSON answer, because a checkpoint is tens of megabytes to gigabytes and base64 i
 line would cost a third more on the wire and the whole of it in memory on both sides. Every
 file is opened before the header is written, so a checkpoint TensorFlow deletes meanwhile
 (max_to_keep) is still sent whole. `{"have": {name: stamp}}`: the header says `"have": true`
-and no bytes follow when the newest complete one is that save of one of them (stamp()). Standard library only.
+and no bytes follow when the newest complete one is that save of one of them (stamp()).
+`{"limit": N}`: a checkpoint over N bytes (apparent sizes, holes included) is named in the header
+with `"over": true` and not sent. The directory is judged as every directory tfcluster uses
+(shim_fs.private_dir: yours or root's, writable by nobody else, from / down) before anything in it
+is read. Standard library only.
 """
 from __future__ import annotations
 
@@ -117,9 +121,12 @@ def complete(directory: str, name: str, entries) -> list | None:
 
 def candidates(directory: str, entries) -> list:
     """The checkpoint names to try, newest first."""
-    text = fs.read_file(os.path.join(directory, STATE_FILE)) if STATE_FILE in entries else None
+    text = fs.read_file(os.path.join(directory, STATE_FILE), STATE_CAP) if STATE_FILE in entries else None
     if text is not None:
-        names = [_in_dir(directory, p) for p in state_paths(text[:STATE_CAP].decode("utf-8", "replace"))]
+        if len(text) > STATE_CAP:        # TensorFlow's lists a few paths: this one is not TF's
+            raise proto.ShimError("the state file %s is over %d KiB, which no TensorFlow state file is: "
+                                  "not read" % (os.path.join(directory, STATE_FILE), STATE_CAP >> 10))
+        names = [_in_dir(directory, p) for p in state_paths(text.decode("utf-8", "replace"))]
         return [n for n in names if n]
     prefixes = [e[:-len(".index")] for e in entries if e.endswith(".index") and len(e) > len(".index")]
     numbered = [(int(m.group(1)), p) for p in prefixes for m in [_NUMBER.search(p)] if m]
@@ -181,6 +188,8 @@ def cmd_ckpt(req: dict):
     the header is the envelope; one after it (the stream cut short) goes to stderr with the
     shim's error exit, so the launcher never takes a short stream for a checkpoint."""
     directory = fs.expand(req["dir"])
+    if os.path.lexists(directory):       # what others could write there is never taken
+        fs.private_dir(directory)
     found = newest_complete(directory)
     if found is None:
         return {"name": None, "dir": directory}
@@ -191,13 +200,12 @@ def cmd_ckpt(req: dict):
     opened = _open_all(directory, files)
     try:
         total = sum(size for _, _, size in opened)
-        limit = int(req.get("limit", DEFAULT_LIMIT))
-        if total > limit:
-            raise proto.ShimError(f"checkpoint {name} in {directory} is {total} bytes, over the {limit} "
-                                  f"a sync copies")
-        procs.write_all(1, proto.json_line({"name": name, "dir": directory, "bytes": total,
-                                            "stamp": stamp(directory, name),
-                                            "files": [[f, size] for _, f, size in opened]}))
+        header = {"name": name, "dir": directory, "bytes": total, "stamp": stamp(directory, name),
+                  "files": [[f, size] for _, f, size in opened]}
+        if total > int(req.get("limit", DEFAULT_LIMIT)):    # named, not sent: the launcher says so
+            procs.write_all(1, proto.json_line(dict(header, over=True)))
+            return 0
+        procs.write_all(1, proto.json_line(header))
         try:
             for fd, f, size in opened:
                 _send(fd, size, f)

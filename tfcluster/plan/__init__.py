@@ -121,6 +121,7 @@ class CheckpointPlan:
     dir: str                             # on the chief's host, placeholders filled; may start with "~/"
     keep: int
     sync: float | None                   # seconds between copies to this machine; None: off
+    max_bytes: int = 16 << 30            # the largest checkpoint a sync copies (spec.Checkpoint)
 
 
 @dataclass(frozen=True)
@@ -417,7 +418,8 @@ def _checkpoint(spec: Spec, slots, placeholders: dict[str, str]) -> CheckpointPl
     ckpt = spec.train.checkpoint
     if ckpt is None:
         return None
-    return CheckpointPlan(dir=_on_chief(ckpt.dir, slots, placeholders), keep=ckpt.keep, sync=ckpt.sync)
+    return CheckpointPlan(dir=_on_chief(ckpt.dir, slots, placeholders), keep=ckpt.keep, sync=ckpt.sync,
+                          max_bytes=ckpt.max_bytes)
 
 
 def _on_chief(text: str, slots, placeholders: dict[str, str]) -> str:
@@ -524,7 +526,8 @@ def plan_to_dict(plan: Plan, *, redact: bool = True) -> dict:
         "spares": [spare_to_dict(plan, name) for name in plan.spares],
         "moves": [{"lost": lost, "to": spare} for lost, spare in plan.moves],
         "checkpoint": None if plan.checkpoint is None else {
-            "dir": plan.checkpoint.dir, "keep": plan.checkpoint.keep, "sync": plan.checkpoint.sync},
+            "dir": plan.checkpoint.dir, "keep": plan.checkpoint.keep, "sync": plan.checkpoint.sync,
+            "max_bytes": plan.checkpoint.max_bytes},
         "cluster": {job: list(addrs) for job, addrs in plan.cluster},
         "tasks": [task(t) for t in plan.tasks],
     }

@@ -158,6 +158,7 @@ class Checkpoint:
     keep: int = 2                     # checkpoints kept (the launcher's copies too)
     sync: float | None = 120.0        # seconds between copies; None: `sync: off` (a shared filesystem)
     line: int = 0                     # line of train.checkpoint
+    max_bytes: int = 16 << 30         # a checkpoint larger than this is not copied (docs/spec.md)
 
 
 @dataclass(frozen=True)

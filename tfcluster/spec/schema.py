@@ -76,7 +76,12 @@ _JOB_KEYS = ("count", "per_gpu", "hosts", "port", "gpus", "tasks")
 _TRAIN_KEYS = ("mode", "script", "files", "allow_outside", "args", "restart", "timeout", "checks",
                "tensorboard", "image", "progress", "keras", "on_host_loss", "checkpoint")
 _CHECK_KEYS = ("placement", "reachability", "proxy_guard", "hang_after")
-_CHECKPOINT_KEYS = ("dir", "keep", "sync")
+_CHECKPOINT_KEYS = ("dir", "keep", "sync", "max_bytes")
+# train.checkpoint.max_bytes: bytes, or a number with a unit (decimal kB..TB, binary KiB..TiB)
+_SIZE_RE = re.compile(r"(\d{1,15}(?:\.\d{1,6})?)\s*(B|kB|KB|MB|GB|TB|KiB|MiB|GiB|TiB)?")
+_SIZE_UNITS = {None: 1, "B": 1, "kB": 10**3, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+_MAX_BYTES_RANGE = (1 << 20, 1 << 50)
 MAX_CHECKPOINTS_KEPT = 1_000
 
 
@@ -451,7 +456,7 @@ def _checks(node: yaml.Node) -> Checks:
 
 
 def _checkpoint(node: yaml.Node) -> Checkpoint:
-    """train.checkpoint: {dir, keep, sync}; `dir` takes the placeholders train.args does
+    """train.checkpoint: {dir, keep, sync, max_bytes}; `dir` takes the placeholders train.args does
     ({job} and {index} are the chief's), `sync` a duration or off."""
     f = fields_of(node, "train.checkpoint", _CHECKPOINT_KEYS, required=("dir",))
     directory = as_path(f["dir"][1], "train.checkpoint.dir")
@@ -468,7 +473,22 @@ def _checkpoint(node: yaml.Node) -> Checkpoint:
         keep=as_int(f["keep"][1], "train.checkpoint.keep", 1, MAX_CHECKPOINTS_KEPT) if "keep" in f else Checkpoint.keep,
         sync=sync,
         line=line_of(node),
+        max_bytes=_size(f["max_bytes"][1], "train.checkpoint.max_bytes", *_MAX_BYTES_RANGE)
+        if "max_bytes" in f else Checkpoint.max_bytes,
     )
+
+
+def _size(node: yaml.Node, field: str, lo: int, hi: int) -> int:
+    """A size: `17179869184`, `16GiB`, `500 MB`; from `lo` to `hi` bytes."""
+    found = _SIZE_RE.fullmatch(node.value) if is_plain(node) else None
+    if found is None or (found.group(2) is None and "." in found.group(1)):
+        raise BadValue(line_of(node), field, f"must be a size in bytes (17179869184, 16GiB, 500MB), "
+                                             f"got {kind_of(node, typed=True)}")
+    number, unit = found.group(1), _SIZE_UNITS[found.group(2)]
+    value = int(float(number) * unit) if "." in number else int(number) * unit
+    if not lo <= value <= hi:
+        raise BadValue(line_of(node), field, f"must be from 1 MiB to 1 PiB, got {node.value[:20]}")
+    return value
 
 
 def _sync_duration(node: yaml.Node) -> float:

@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import posixpath
 import random
 import select
 import shlex
 import stat
 import threading
 import time
-from typing import Callable, Sequence
+from typing import BinaryIO, Callable, Sequence
 
 from tfcluster.errors import ConnectError, DeadlineError, PreflightError
+from tfcluster.localfs import chunks, is_hole
 from tfcluster.transport import liveness
 from tfcluster.transport.base import Forward, Proc, Result, Transport, home_relative
 from tfcluster.transport.ssh_config import USER_CONFIG, Endpoint, SshOptions, load_ssh_config, resolve
@@ -28,6 +30,7 @@ MAX_CHANNEL_DIALS = 3       # fresh connections one channel request may open (Ma
 # a third of the launcher's streaming CPU, in benchmarks/log_stream.py. Bigger reads only cost memory.
 WHOLE = 1 << 20
 REOPEN_PAUSE = 0.2          # between two dials while a dropped connection is re-opened
+MAX_LINKS = 16              # symbolic links a put's directory may go through (shim_fs.MAX_LINKS)
 
 
 def _command(argv: Sequence[str]) -> str:
@@ -56,6 +59,7 @@ class SshTransport(Transport):
         self.keepalive_interval = liveness.PROBE_INTERVAL
         self.silent_after = liveness.SILENT_AFTER
         self._watches: list[liveness.Watch] = []
+        self._uid: int | None = None             # remote_uid(), once asked
 
     @property
     def label(self) -> str:
@@ -193,7 +197,9 @@ class SshTransport(Transport):
 
     def put_many(self, items) -> None:
         """Every file in one SFTP session: each session is a subsystem the host starts
-        through the login shell (a cold host's dozen shim files cost 3 s one by one)."""
+        through the login shell (a cold host's dozen shim files cost 3 s one by one). Each
+        item's data is bytes or a binary file, streamed in chunks (localfs.chunks); every
+        directory written into is judged as shim_fs.private_dir judges it (_Judge)."""
         from tfcluster.transport._paramiko import paramiko
         if not items:
             return
@@ -213,9 +219,9 @@ class SshTransport(Transport):
                                      f"login shell sshd runs it with prints to stdout",
                                      hint=NOISY_SHELL_HINT) from None
             try:
+                judge = _Judge(sftp, self)
                 for data, path, mode in items:
-                    rest = home_relative(path)
-                    _sftp_put(sftp, data, path if rest is None else rest, mode)  # SFTP starts in the home
+                    _sftp_put(sftp, data, judge.absolute(path), mode, judge)
             finally:
                 sftp.close()
         except _Unsafe as e:
@@ -224,6 +230,18 @@ class SshTransport(Transport):
             raise ConnectError(f"host {self.label}: cannot write {path}: {e}") from None
         finally:
             chan.close()
+
+    def remote_uid(self) -> int:
+        """Which uid this connection runs as on the host (`id -u`, asked once): SFTP cannot
+        say, and a directory's owner is judged against it (_Judge)."""
+        if self._uid is None:
+            result = self.run(["id", "-u"], timeout=max(10.0, self.options.connect_timeout))
+            words = result.stdout.decode(errors="replace").split()     # a login shell may talk first
+            if result.rc != 0 or not words or not words[-1].isdigit():
+                raise _Unsafe(f"cannot tell which user you are there (`id -u` exited {result.rc}: "
+                              f"{result.stderr.decode(errors='replace').strip()[:200]})")
+            self._uid = int(words[-1])
+        return self._uid
 
     def forward(self, port: int, local_port: int = 0) -> Forward:
         """`ssh -L`: each connection to the local port gets a direct-tcpip channel to
@@ -297,16 +315,25 @@ NO_SFTP_HINT = ("add `Subsystem sftp internal-sftp` (or the sftp-server path) to
                 "sshd_config and reload sshd")
 
 
-def _sftp_put(sftp, data: bytes, path: str, mode: int) -> None:
-    parent, base = os.path.split(path)
-    _sftp_makedirs(sftp, parent)
-    tmp = os.path.join(parent, f".{base}.{os.getpid()}-{random.getrandbits(32):08x}.tmp")
+def _sftp_put(sftp, data: bytes | BinaryIO, path: str, mode: int, judge: _Judge) -> None:
+    """`data` to the absolute `path` under a fresh name, mode set before the first byte, in
+    chunks with each run of zeros skipped (a hole, as localfs.write_sparse), then renamed."""
+    parent, base = posixpath.split(path)
+    parent = judge.private_dir(parent or "/")
+    tmp = posixpath.join(parent, f".{base}.{os.getpid()}-{random.getrandbits(32):08x}.tmp")
     try:
-        with sftp.file(tmp, "wb") as f:
+        with sftp.file(tmp, "wbx") as f:
             f.chmod(mode)                        # before any byte lands
             f.set_pipelined(True)
-            f.write(data)
-        sftp.posix_rename(tmp, path)
+            at = 0
+            for chunk in chunks(data):
+                if is_hole(chunk):
+                    f.seek(len(chunk), f.SEEK_CUR)
+                else:
+                    f.write(chunk)
+                at += len(chunk)
+            f.truncate(at)                       # a trailing hole still counts
+        sftp.posix_rename(tmp, posixpath.join(parent, base))
     except BaseException:
         try:
             sftp.remove(tmp)
@@ -319,27 +346,76 @@ class _Unsafe(Exception):
     """The directory a put writes into is not private."""
 
 
-def _sftp_makedirs(sftp, parent: str) -> None:
-    """Create the missing levels 0700 (chmod after mkdir: the server's umask applies).
+class _Judge:
+    """The directories one SFTP session writes into, judged as shim_fs.private_dir judges
+    them on a host (docs/ARCHITECTURE.md, "Files and directories on a host"): missing levels
+    made 0700; every existing level from / down owned by you or root and writable by nobody
+    else (a root-owned sticky directory such as /tmp excepted); a link followed only when you
+    or root own it, where it leads judged the same way. The bootstrap has judged the cluster
+    tree already; a checkpoint directory (ckptsync's push) is judged here first.
 
-    The bootstrap has made the cluster tree private before any put (docs/ARCHITECTURE.md,
-    "Files and directories on a host"); a parent others could write to is refused here
-    as well."""
-    if not parent or parent == "/":
-        return
-    try:
-        st = sftp.stat(parent)
-    except FileNotFoundError:
-        _sftp_makedirs(sftp, os.path.dirname(parent))
-        try:
-            sftp.mkdir(parent, 0o700)
-            sftp.chmod(parent, 0o700)
+    SFTP cannot say which user it runs as: root and the home's owner are trusted without
+    asking (whoever owns your home can change everything you run anyway); a level owned by
+    anyone else is compared with `id -u`, asked once per host."""
+
+    def __init__(self, sftp, transport: SshTransport) -> None:
+        self.sftp, self.transport = sftp, transport
+        self.home = sftp.normalize(".")          # SFTP starts in the home
+        self.trusted = {0, sftp.stat(self.home).st_uid}
+        self.judged: set[str] = set()
+
+    def absolute(self, path: str) -> str:
+        """`path` as every put names it (absolute, or under the home: base.home_relative)."""
+        rest = home_relative(path)
+        if rest is None:
+            return path
+        return posixpath.join(self.home, rest) if rest else self.home
+
+    def private_dir(self, path: str, links: int = 0) -> str:
+        """Judge (and make) the absolute directory `path`; where it is, links resolved."""
+        cur = "/"
+        self._level(cur)
+        for name in [p for p in path.split("/") if p]:
+            cur = posixpath.join(cur, name)
+            if cur in self.judged:
+                continue
+            try:
+                st = self.sftp.lstat(cur)
+            except FileNotFoundError:
+                try:
+                    self.sftp.mkdir(cur, 0o700)
+                    self.sftp.chmod(cur, 0o700)      # the server's umask applied to mkdir
+                    self.judged.add(cur)
+                    continue
+                except OSError:
+                    st = self.sftp.lstat(cur)        # created meanwhile by a concurrent put
+            self._judge(cur, st)
+            if stat.S_ISLNK(st.st_mode or 0):
+                if links >= MAX_LINKS:
+                    raise _Unsafe(f"{path}: too many levels of symbolic links")
+                cur = self.private_dir(self.sftp.normalize(cur), links + 1)
+            elif not stat.S_ISDIR(st.st_mode or 0):
+                raise _Unsafe(f"{cur} is not a directory")
+            self.judged.add(cur)
+        return cur
+
+    def _level(self, path: str) -> None:
+        if path not in self.judged:
+            self._judge(path, self.sftp.lstat(path))
+            self.judged.add(path)
+
+    def _judge(self, path: str, st) -> None:
+        owner, mode = st.st_uid, st.st_mode or 0
+        if owner not in self.trusted:
+            if owner != self.transport.remote_uid():
+                raise _Unsafe(f"{path} is owned by uid {owner}, not by you: refusing to write into it "
+                              f"(remove it, or use a directory of your own)")
+            self.trusted.add(owner)
+        if stat.S_ISLNK(mode):
             return
-        except OSError:
-            st = sftp.stat(parent)               # created meanwhile by a concurrent put
-    if not stat.S_ISDIR(st.st_mode or 0) or (st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX):
-        raise _Unsafe(f"{parent} is not a directory only you can write to "
-                      f"(mode {stat.S_IMODE(st.st_mode or 0):04o}): refusing to write into it")
+        if mode & 0o022 and not (mode & stat.S_ISVTX and owner == 0):
+            raise _Unsafe(f"{path} is writable by others (mode {stat.S_IMODE(mode):04o}): refusing to "
+                          f"write into it (chmod go-w {path}, or use a directory of your own)")
 
 
 class SshProc(Proc):

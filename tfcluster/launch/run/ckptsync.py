@@ -18,14 +18,12 @@ from dataclasses import dataclass
 from tfcluster.errors import TfclusterError
 from tfcluster.host import shim_protocol as proto
 from tfcluster.launch.agent.lines import json_object, tail_text
-from tfcluster.localfs import NOFOLLOW, private_dir
+from tfcluster.localfs import NOFOLLOW, is_hole, private_dir
 from tfcluster.ui.units import size as _size
 from tfcluster.watch.runs import CHECKPOINTS_DIR, kept_checkpoints, step_of
 
 STATE_FILE = "checkpoint"          # TensorFlow's state file, named as TF names it
-LIMIT = 16 << 30                   # bytes one pull copies at most (shim_ckpt.DEFAULT_LIMIT)
 HEADER_CAP = 1 << 20               # bytes read looking for the header (a login shell's words first)
-PUT_BATCH = 256 << 20              # bytes held in memory per SFTP session when pushing
 STOP_JOIN = 10.0                   # seconds stop() waits for a pull in flight
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW
 
@@ -45,6 +43,10 @@ class SyncFailed(Exception):
 
 class NotHere(SyncFailed):
     """The copy cannot be kept on this machine (the run directory refused)."""
+
+
+class OverBound(SyncFailed):
+    """The newest checkpoint is larger than a pull may copy: named, not copied."""
 
 
 def state_text(name: str) -> bytes:
@@ -122,8 +124,9 @@ class CheckpointSync:
         self._proc = proc
         try:
             have = {n: s for n, s in self._stamps.items() if n in kept}
+            limit, bound = self._bound()
             try:
-                proc.write(proto.json_line({"dir": self.config.dir, "have": have, "limit": LIMIT}))
+                proc.write(proto.json_line({"dir": self.config.dir, "have": have, "limit": limit}))
                 proc.close_stdin()
             except BrokenPipeError:      # it ended unread (no such python): its exit says why
                 pass
@@ -138,13 +141,28 @@ class CheckpointSync:
             if header.get("have"):
                 stream.finish()
                 return kept.get(name)
-            return self._receive(stream, name, header)
+            if header.get("over") is True or _total(header) > limit:
+                stream.proc.kill()               # nothing more is read (the shim sent nothing)
+                raise OverBound(f"checkpoint {name} is {_size(_total(header))}, over {bound}: not copied")
+            return self._receive(stream, name, header, limit)
         finally:
             self._proc = None
             proc.kill()
 
-    def _receive(self, stream: _Stream, name: str, header: dict) -> PulledCheckpoint:
-        files = _files_of(header, name)
+    def _bound(self) -> tuple[int, str]:
+        """(bytes a pull copies at most, the bound in words): train.checkpoint.max_bytes, and
+        never more than this machine's disk has free where the copy goes."""
+        limit, said = self.config.max_bytes, f"the {_size(self.config.max_bytes)} of train.checkpoint.max_bytes"
+        try:
+            free = shutil.disk_usage(self.root).free
+        except OSError:
+            return limit, said
+        if free < limit:
+            return free, f"the {_size(free)} free on this machine's disk ({self.root})"
+        return limit, said
+
+    def _receive(self, stream: _Stream, name: str, header: dict, limit: int) -> PulledCheckpoint:
+        files = _files_of(header, name, limit)
         tmp = tempfile.mkdtemp(prefix=".pull-", dir=self.root)      # 0700
         try:
             for f, size in files:
@@ -197,21 +215,21 @@ class CheckpointSync:
             return newest.name
 
     def _push(self, host: str, copy: PulledCheckpoint) -> None:
+        """One put_many of open files, each streamed in chunks with its holes kept (the
+        transport's put judges the directory there as it judges the cluster tree)."""
         agent = self.session.agent(host)
         agent.prepare()
         directory = self.config.dir.rstrip("/")
         files = sorted((f for f in os.listdir(copy.path) if f != STATE_FILE), key=lambda f: f.endswith(".index"))
-        batch, held = [], 0
-        for f in files:                   # shards, then the index, then the state file: TF's order
-            with open(os.open(os.path.join(copy.path, f), os.O_RDONLY | NOFOLLOW), "rb") as src:
-                data = src.read()
-            if batch and held + len(data) > PUT_BATCH:
-                agent.transport.put_many(batch)
-                batch, held = [], 0
-            batch.append((data, f"{directory}/{f}", 0o600))
-            held += len(data)
-        batch.append((state_text(copy.name), f"{directory}/{STATE_FILE}", 0o600))
-        agent.transport.put_many(batch)
+        opened = []
+        try:
+            for f in files:               # shards, then the index, then the state file: TF's order
+                opened.append(open(os.open(os.path.join(copy.path, f), os.O_RDONLY | NOFOLLOW), "rb"))
+            items = [(src, f"{directory}/{f}", 0o600) for src, f in zip(opened, files)]
+            agent.transport.put_many([*items, (state_text(copy.name), f"{directory}/{STATE_FILE}", 0o600)])
+        finally:
+            for src in opened:
+                src.close()
 
     # ------------------------------------------------------------------ the thread
 
@@ -260,7 +278,13 @@ class CheckpointSync:
         self._said = line
 
 
-def _files_of(header: dict, name: str) -> list[tuple[str, int]]:
+def _total(header: dict) -> int:
+    """The header's `bytes` (a number the host said; 0 when it said none)."""
+    total = header.get("bytes")
+    return total if type(total) is int and total >= 0 else 0
+
+
+def _files_of(header: dict, name: str, limit: int) -> list[tuple[str, int]]:
     """The header's [file, size] pairs, each a plain file name of checkpoint `name`."""
     files = header.get("files")
     if not isinstance(files, list) or not files:
@@ -274,8 +298,8 @@ def _files_of(header: dict, name: str) -> list[tuple[str, int]]:
         out.append((entry[0], entry[1]))
     if len({f for f, _ in out}) != len(out):
         raise SyncFailed(f"the host's answer names a file of {name} twice")
-    if sum(size for _, size in out) > LIMIT:          # what was asked: the shim refuses more itself
-        raise SyncFailed(f"checkpoint {name} is over the {_size(LIMIT)} a sync copies")
+    if sum(size for _, size in out) > limit:          # what was asked: the shim sends no more itself
+        raise OverBound(f"checkpoint {name} is over the {_size(limit)} a sync copies")
     return out
 
 
@@ -320,15 +344,21 @@ class _Stream:
             self.buf += self._more()
 
     def copy(self, out, size: int) -> None:
-        """Exactly `size` bytes to the file `out`."""
+        """Exactly `size` bytes to the file `out`, a chunk of zeros as a hole (localfs.is_hole):
+        a sparse checkpoint is never made real blocks here."""
         left = size
         while left:
             if not self.buf:
                 self.buf += self._more()
             take = min(left, len(self.buf))
-            out.write(self.buf[:take])
+            chunk = self.buf[:take]
+            if is_hole(chunk):
+                out.truncate(out.seek(take, os.SEEK_CUR))     # the length grows as the copy does
+            else:
+                out.write(chunk)
             del self.buf[:take]
             left -= take
+        out.truncate(out.tell())         # a trailing hole still counts
 
     def finish(self) -> None:
         """The end: nothing more, and the shim's exit status 0."""
