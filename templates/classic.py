@@ -35,17 +35,22 @@ class Stop:
     its next step, save a checkpoint and exit 128+15. A thread sees the signal at once, even
     while the main thread waits inside TensorFlow; if the loop has not asked by
     STOP_DEADLINE seconds later (a task it waits for is gone), the thread ends the process
-    with the same code. A loop that did ask saves for as long as it needs."""
+    with the same code. A loop that did ask saves for as long as it needs.
+
+    SIGUSR1 is a checkpoint request: save now and train on (tfcluster's when a host warns
+    with too little time to move its tasks, Slurm's `--signal=USR1@90` ahead of a job's time
+    limit). The same thread sees it; the loop asks save_asked() once per step."""
 
     EXIT = 128 + signal.SIGTERM
 
     def __init__(self) -> None:
-        self.requested, self.noticed = threading.Event(), threading.Event()
+        self.requested, self.noticed, self.save = threading.Event(), threading.Event(), threading.Event()
         read, write = os.pipe()
         os.set_blocking(write, False)
         # The wakeup fd is written only for a signal that has a Python handler; this one
         # does nothing, the thread acts (a Python handler runs only between bytecodes).
         signal.signal(signal.SIGTERM, lambda signum, frame: None)
+        signal.signal(signal.SIGUSR1, lambda signum, frame: None)
         signal.set_wakeup_fd(write)
         threading.Thread(target=self._watch, args=(read,), name="sigterm", daemon=True).start()
 
@@ -56,9 +61,20 @@ class Stop:
             return True
         return False
 
+    def save_asked(self) -> bool:
+        """The training loop's other question, once per step: a checkpoint request came."""
+        if self.save.is_set():
+            self.save.clear()
+            return True
+        return False
+
     def _watch(self, fd: int) -> None:
-        while int(signal.SIGTERM) not in os.read(fd, 64):
-            pass
+        while True:
+            got = os.read(fd, 64)
+            if int(signal.SIGUSR1) in got:
+                self.save.set()
+            if int(signal.SIGTERM) in got:
+                break
         self.requested.set()
         if self.noticed.wait(STOP_DEADLINE):
             return
@@ -187,6 +203,24 @@ class SayRestored(tf.compat.v1.train.SessionRunHook):
             print(f"restored {path} at step={step}", flush=True)
 
 
+class SaveOnRequest(tf.compat.v1.train.SessionRunHook):
+    """Chief: a checkpoint request (SIGUSR1) saves after the step under way, with the
+    session's own saver, as its periodic saves do, and training goes on: `saved <path> at
+    step=N (checkpoint request)`. The other workers hold nothing a checkpoint needs."""
+
+    def __init__(self, model_dir: str, stop: Stop) -> None:
+        self.path, self.stop = os.path.join(model_dir, "model.ckpt"), stop
+
+    def after_run(self, run_context, run_values) -> None:
+        if self.stop.save_asked():
+            session = run_context.session
+            step = session.run(tf.compat.v1.train.get_global_step())
+            # The Scaffold's saver, which MonitoredTrainingSession put in the SAVERS collection
+            saver = tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.SAVERS)[0]
+            path = saver.save(session, self.path, global_step=step)
+            print(f"saved {path} at step={step} (checkpoint request)", flush=True)
+
+
 def stopped(me: dict, model_dir: str | None) -> int:
     """After a SIGTERM: the chief's session saved a checkpoint as it closed; say which.
     The run's state on the ps is kept (the run goes on, or resumes, without this task)."""
@@ -284,7 +318,8 @@ def main(argv=None) -> int:
     with tf.compat.v1.train.MonitoredTrainingSession(
             master=me["master"], is_chief=me["is_chief"], checkpoint_dir=args.model_dir,
             scaffold=scaffold, hooks=[tf.compat.v1.train.StopAtStepHook(last_step=args.steps)],
-            chief_only_hooks=[SayRestored(args.model_dir)] if args.model_dir else None,
+            chief_only_hooks=[SayRestored(args.model_dir), SaveOnRequest(args.model_dir, stop)]
+            if args.model_dir else None,
             save_checkpoint_steps=every if args.model_dir else None, save_checkpoint_secs=None,
             save_summaries_steps=None, save_summaries_secs=None, log_step_count_steps=None,
             config=config) as sess:

@@ -32,17 +32,22 @@ class Stop:
     its next step, save a checkpoint and exit 128+15. A thread sees the signal at once, even
     while the main thread waits inside TensorFlow; if the loop has not asked by
     STOP_DEADLINE seconds later (a task it waits for is gone), the thread ends the process
-    with the same code. A loop that did ask saves for as long as it needs."""
+    with the same code. A loop that did ask saves for as long as it needs.
+
+    SIGUSR1 is a checkpoint request: save now and train on (tfcluster's when a host warns
+    with too little time to move its tasks, Slurm's `--signal=USR1@90` ahead of a job's time
+    limit). The same thread sees it; the loop asks save_asked() once per step."""
 
     EXIT = 128 + signal.SIGTERM
 
     def __init__(self) -> None:
-        self.requested, self.noticed = threading.Event(), threading.Event()
+        self.requested, self.noticed, self.save = threading.Event(), threading.Event(), threading.Event()
         read, write = os.pipe()
         os.set_blocking(write, False)
         # The wakeup fd is written only for a signal that has a Python handler; this one
         # does nothing, the thread acts (a Python handler runs only between bytecodes).
         signal.signal(signal.SIGTERM, lambda signum, frame: None)
+        signal.signal(signal.SIGUSR1, lambda signum, frame: None)
         signal.set_wakeup_fd(write)
         threading.Thread(target=self._watch, args=(read,), name="sigterm", daemon=True).start()
 
@@ -53,9 +58,20 @@ class Stop:
             return True
         return False
 
+    def save_asked(self) -> bool:
+        """The training loop's other question, once per step: a checkpoint request came."""
+        if self.save.is_set():
+            self.save.clear()
+            return True
+        return False
+
     def _watch(self, fd: int) -> None:
-        while int(signal.SIGTERM) not in os.read(fd, 64):
-            pass
+        while True:
+            got = os.read(fd, 64)
+            if int(signal.SIGUSR1) in got:
+                self.save.set()
+            if int(signal.SIGTERM) in got:
+                break
         self.requested.set()
         if self.noticed.wait(STOP_DEADLINE):
             return
@@ -148,6 +164,10 @@ def main(argv=None) -> int:
         if manager and done % save_every == 0:
             coordinator.join()
             manager.save(checkpoint_number=int(step.numpy()))
+        elif manager and stop.save_asked():      # a checkpoint request: what was scheduled, then save
+            coordinator.join()
+            path = manager.save(checkpoint_number=int(step.numpy()))
+            print(f"saved {path} at step={int(step.numpy())} (checkpoint request)", flush=True)
     coordinator.join()
 
     final = float(np.mean(np.square(x_all @ w.numpy() + b.numpy() - y_all)))

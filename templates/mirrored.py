@@ -35,17 +35,22 @@ class Stop:
     its next step, save a checkpoint and exit 128+15. A thread sees the signal at once, even
     while the main thread waits inside TensorFlow; if the loop has not asked by
     STOP_DEADLINE seconds later (a task it waits for is gone), the thread ends the process
-    with the same code. A loop that did ask saves for as long as it needs."""
+    with the same code. A loop that did ask saves for as long as it needs.
+
+    SIGUSR1 is a checkpoint request: save now and train on (tfcluster's when a host warns
+    with too little time to move its tasks, Slurm's `--signal=USR1@90` ahead of a job's time
+    limit). The same thread sees it; the loop asks save_asked() once per step."""
 
     EXIT = 128 + signal.SIGTERM
 
     def __init__(self) -> None:
-        self.requested, self.noticed = threading.Event(), threading.Event()
+        self.requested, self.noticed, self.save = threading.Event(), threading.Event(), threading.Event()
         read, write = os.pipe()
         os.set_blocking(write, False)
         # The wakeup fd is written only for a signal that has a Python handler; this one
         # does nothing, the thread acts (a Python handler runs only between bytecodes).
         signal.signal(signal.SIGTERM, lambda signum, frame: None)
+        signal.signal(signal.SIGUSR1, lambda signum, frame: None)
         signal.set_wakeup_fd(write)
         threading.Thread(target=self._watch, args=(read,), name="sigterm", daemon=True).start()
 
@@ -56,9 +61,20 @@ class Stop:
             return True
         return False
 
+    def save_asked(self) -> bool:
+        """The training loop's other question, once per step: a checkpoint request came."""
+        if self.save.is_set():
+            self.save.clear()
+            return True
+        return False
+
     def _watch(self, fd: int) -> None:
-        while int(signal.SIGTERM) not in os.read(fd, 64):
-            pass
+        while True:
+            got = os.read(fd, 64)
+            if int(signal.SIGUSR1) in got:
+                self.save.set()
+            if int(signal.SIGTERM) in got:
+                break
         self.requested.set()
         if self.noticed.wait(STOP_DEADLINE):
             return
@@ -152,8 +168,10 @@ def main(argv=None) -> int:
 
     iterator = iter(strategy.distribute_datasets_from_function(dataset_fn))
 
-    # 1.0 once this worker got SIGTERM; its own (made outside the strategy's scope).
+    # 1.0 once this worker got SIGTERM, or a checkpoint request (SIGUSR1); its own (made
+    # outside the strategy's scope).
     stop_asked = tf.Variable(0.0, trainable=False)
+    save_asked = tf.Variable(0.0, trainable=False)
 
     @tf.function
     def train_step(iterator):
@@ -164,11 +182,11 @@ def main(argv=None) -> int:
             w.assign_sub(args.learning_rate * gw)
             b.assign_sub(args.learning_rate * gb)
             step.assign_add(1)
-            return tf.stack([loss, stop_asked.read_value()])
+            return tf.stack([loss, stop_asked.read_value(), save_asked.read_value()])
 
-        # One all-reduce carries the loss and whether any worker was asked to stop, so
-        # every worker learns it after the same step and they save it together: the sum of
-        # the replicas' losses, and of their stop_asked.
+        # One all-reduce carries the loss and whether any worker was asked to stop or to
+        # save, so every worker learns it after the same step and they save it together:
+        # the sum of the replicas' losses, of their stop_asked and of their save_asked.
         return strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(replica_fn, args=next(iterator)),
                                axis=None)
 
@@ -177,13 +195,20 @@ def main(argv=None) -> int:
     for i in range(start, args.steps):
         if stop.asked():
             stop_asked.assign(1.0)
-        losses, asked = train_step(iterator).numpy()
+        if stop.save_asked():
+            save_asked.assign(1.0)
+        losses, asked, save = train_step(iterator).numpy()
         done = i + 1
         if done % args.log_every == 0 or done == start + 1 or done == args.steps:
             print(f"step={int(step.numpy())} loss={losses / strategy.num_replicas_in_sync:.6f}", flush=True)
         if asked > 0:
             return stopped(manager, step, is_chief)
-        if manager and done % save_every == 0:
+        if manager and save > 0:        # a checkpoint request to any worker: all save this step
+            save_asked.assign(0.0)
+            path = manager.save(checkpoint_number=int(step.numpy()))
+            if is_chief:
+                print(f"saved {path} at step={int(step.numpy())} (checkpoint request)", flush=True)
+        elif manager and done % save_every == 0:
             manager.save(checkpoint_number=done)
     if manager and not is_chief:
         shutil.rmtree(manager.directory, ignore_errors=True)

@@ -29,7 +29,7 @@ def test_gpu_lab_renders_one_node_per_host_with_the_largest_shape_and_no_secret(
     assert result.returncode == 0, result.stderr
     script = (tmp_path / "lab.sbatch").read_text()
     assert sbatch_options(script) == {"job-name": "lab", "nodes": "3", "ntasks-per-node": "4",
-                                      "distribution": "block", "output": "lab-%j.out",
+                                      "distribution": "block", "output": "lab-%j.out", "signal": "USR1@90",
                                       "gres": "gpu:4"}
     assert "set-me" not in script + result.stdout + result.stderr       # WANDB_API_KEY's value
     assert '${WANDB_API_KEY:?' in script                                  # required at submit time
@@ -69,6 +69,16 @@ def test_timeout_becomes_the_time_limit_rounded_up_to_minutes(tmp_path):
     assert result.returncode == 0, result.stderr
     assert sbatch_options(result.stdout)["time"] == "0-01:31:00"
     assert "gres" not in sbatch_options(result.stdout)
+
+
+def test_every_task_gets_a_checkpoint_request_90s_before_the_time_limit(tmp_path):
+    """`--signal=USR1@90` (no `B:`: to the steps' tasks, not the batch shell): the script
+    contract's checkpoint request, which the launcher and the TF server ignore."""
+    result = tfc("render", LOCAL, "--to", "slurm")
+    assert result.returncode == 0, result.stderr
+    assert sbatch_options(result.stdout)["signal"] == "USR1@90"
+    launcher = bundle_of(result.stdout)["launch.py"].decode()
+    assert "signal.signal(signal.SIGUSR1, signal.SIG_IGN)" in launcher
 
 
 def test_the_same_spec_renders_the_same_bytes():

@@ -172,6 +172,16 @@ def test_restart_policy_max_restarts_and_timeout(tmp_path, policy, expected):
     assert run.get("backoffLimit") == (None if policy == "never" else 5)
 
 
+def test_every_pod_has_a_termination_grace_the_launchers_stop_fits_in(tmp_path):
+    """A pod's end is SIGTERM: the launcher stops the script (it saves) and KILLs it 10 s
+    later; the pod's grace must outlast that stop."""
+    from tfcluster.engines import launch, tfjob as rendering
+
+    _, (_, tfjob, _) = rendered(load_plan(write_spec(tmp_path)))
+    graces = {s["template"]["spec"]["terminationGracePeriodSeconds"] for s in tfjob["spec"]["tfReplicaSpecs"].values()}
+    assert graces == {rendering.TERMINATION_GRACE} and rendering.TERMINATION_GRACE > launch.STOP_GRACE + 5
+
+
 def test_no_timeout_means_no_deadline(tmp_path):
     _, (_, tfjob, _) = rendered(load_plan(write_spec(tmp_path)))
     assert "activeDeadlineSeconds" not in tfjob["spec"]["runPolicy"]

@@ -342,6 +342,11 @@ def end(prefix: str, rc: int) -> int:
 
 def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # the engine stops the job
+    # Slurm's --signal=USR1@N (a checkpoint request ahead of the time limit) reaches every
+    # process of the step: ignored here, and so by the TF server, which inherits it across
+    # exec; a script that honours the request installs its own handler, and one that does
+    # not goes on instead of dying of it.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     command = argv[1] if len(argv) > 1 else ""
     commands = {"tfjob": tfjob, "ports": slurm_ports, "run": slurm_run}
     try:

@@ -86,6 +86,13 @@ def _bundle(plan: Plan) -> bytes:
     return out.getvalue()
 
 
+# Slurm sends --signal's signal this long before the job's time limit (up to 60 s earlier:
+# its event timer's resolution). SIGUSR1 is the script contract's checkpoint request: a
+# template saves at its next step and trains on, so the time limit's SIGTERM (then KILL
+# after the cluster's KillWait, 30 s by default) loses at most what followed that save.
+SAVE_AHEAD = 90
+
+
 def _time(seconds: float) -> str:
     """--time in Slurm's D-HH:MM:SS; Slurm counts whole minutes, so round up to one."""
     minutes = max(1, math.ceil(seconds / 60))
@@ -112,6 +119,9 @@ def render_slurm(plan: Plan) -> Rendered:
         f"#SBATCH --ntasks-per-node={per_node}",
         "#SBATCH --distribution=block",
         f"#SBATCH --output={plan.name}-%j.out",
+        # a checkpoint request to every task SAVE_AHEAD s before the time limit (the
+        # scripts save and train on; the launcher and servers ignore it)
+        f"#SBATCH --signal=USR1@{SAVE_AHEAD}",
     ]
     if gpus:
         lines.append(f"#SBATCH --gres=gpu:{gpus}")

@@ -35,6 +35,14 @@ GPU = "nvidia.com/gpu"
 # tfcluster's jobs in manifest order -> the operator's replica types
 REPLICA_TYPES = {"chief": "Chief", "ps": "PS", "worker": "Worker", "evaluator": "Evaluator"}
 KNOWN_TYPES = ("Chief", "Master", "PS", "Worker", "Evaluator")   # what the operator knows
+
+# A pod's end, a node drained or a spot node taken back, is SIGTERM to its launcher, which
+# stops the script with SIGTERM (the script saves) and KILLs it STOP_GRACE (10 s) later
+# (engines/launch.py); the pod's grace covers that stop and the server's after it, with
+# room. Kubernetes' own default is 30 s; a spot node's shutdown may leave less (GKE: 30 s
+# for the whole node), which no grace can lengthen.
+TERMINATION_GRACE = 30
+
 RESTART_POLICIES = {"never": "Never", "on-failure": "OnFailure", "exit-code": "ExitCode"}
 CONFIGMAP_LIMIT = 1 << 20         # bytes over data + binaryData values (the API server's rule)
 NAME_MAX = 63
@@ -46,6 +54,9 @@ MAPPING = (
     ("train.restart.max_restarts", "spec.runPolicy.backoffLimit (the operator counts the "
      "restarts of the whole job, tfcluster those of each task); left out under never"),
     ("train.timeout", "spec.runPolicy.activeDeadlineSeconds, rounded up to whole seconds"),
+    ("a host taken back (drain, spot): SIGTERM, the scripts save",
+     f"terminationGracePeriodSeconds {TERMINATION_GRACE} in every pod: the launcher's stop "
+     "(SIGTERM to the script, KILL 10 s later) fits in it"),
     ("ps (and coordinator workers) serve until the run ends",
      "spec.runPolicy.cleanPodPolicy: Running: the operator deletes the pods still running "
      "when the job ends"),
@@ -202,7 +213,8 @@ def _tfjob(plan: Plan, name: str, namespace: str, image: str, files: dict[str, b
         replicas[rtype] = {
             "replicas": len(tasks),
             "restartPolicy": RESTART_POLICIES[plan.restart.policy],
-            "template": {"spec": {"containers": [container], "volumes": [volume]}},
+            "template": {"spec": {"terminationGracePeriodSeconds": TERMINATION_GRACE,
+                                  "containers": [container], "volumes": [volume]}},
         }
     run_policy: dict = {"cleanPodPolicy": "Running"}
     if plan.restart.policy != "never":
