@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import signal
 import socket
 import subprocess
@@ -226,3 +227,34 @@ def test_plan_says_which_hosts_are_watched_and_how(tmp_path):
         "not watched (preemptible: no)",
         "watched (whichever cloud's metadata service answers (auto), at http://127.0.0.1:8080)"]
     assert plan_to_dict(plan)["hosts"][1]["preemptible"] == "auto"
+
+
+def test_status_shows_what_each_host_is_watched_for_and_what_the_trains_stream_found(tmp_path, home):
+    """`status` says the spec's word for every host and, once a train's stream said it (the
+    cluster's state directory, written by the train as notices.publish does), what it found
+    and the host's latest notice; `--json` the same under `watched`."""
+    from types import SimpleNamespace
+
+    from tests.helpers import tfcluster
+    from tfcluster.launch.run.notices import Notice, Notices
+    from tfcluster.plan import build_plan
+    from tfcluster.spec import load_spec
+
+    path = tmp_path / "nw.yaml"
+    path.write_text("name: nwstatus\nhosts:\n  - {name: local, address: 127.0.0.1, preemptible: aws, "
+                    "metadata_url: 'http://127.0.0.1:9'}\njobs:\n  worker: {tasks: ['local:2222']}\n"
+                    "train:\n  mode: mirrored\n  script: template:mirrored\n")
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    before = tfcluster("status", str(path), home=home, cwd=cwd)
+    assert "  local: watched (aws notices, at http://127.0.0.1:9)\n" in before.stdout, before.stdout + before.stderr
+    assert "the train's stream" not in before.stdout
+    notices = Notices(found={"local": "watched (aws spot)"})      # HOME is `home` (the fixture)
+    notices.records.append(Notice("local", "aws", "terminate", "x", time.time(), time.time() + 30))
+    notices.publish(SimpleNamespace(plan=build_plan(load_spec(str(path)))))
+    after = tfcluster("status", str(path), home=home, cwd=cwd)
+    assert re.search(r"  local: watched \(aws notices, at http://127\.0\.0\.1:9\); the train's stream: watched "
+                     r"\(aws spot\); last notice: \d\d:\d\d:\d\d local aws terminate, deadline \S+ \(30s ahead\): "
+                     r"pending", after.stdout), after.stdout
+    doc = json.loads(tfcluster("status", str(path), "--json", home=home, cwd=cwd).stdout)
+    assert doc["watched"]["local"]["stream"] == "watched (aws spot)" and doc["watched"]["local"]["preemptible"] == "aws"

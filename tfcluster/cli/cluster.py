@@ -139,18 +139,21 @@ def status(
     Example:  tfcluster status lab.yaml --json
     """
     from tfcluster.launch.cluster import lifecycle, state
-    from tfcluster.launch.run import drains
-    from tfcluster.ui.views import print_status, status_json
+    from tfcluster.launch.run import drains, notices
+    from tfcluster.ui.views import print_status, print_watched, status_json, watched_json
 
     p = state.placed_by_up(plan_of(spec_path), ui)      # where `up` put a down host's tasks
     if watch:
         return watch_status(p, interval, json_)
     rows, unreachable = lifecycle.status(p, ui)
     draining = {h: a for h, a in drains.answers(p).items() if a.get("state") == drains.DRAINING}
+    watched = watched_json(p, notices.published(p))
     if json_:
-        ui.json({**status_json(p, rows), "draining": {h: a.get("line") for h, a in draining.items()}})
+        ui.json({**status_json(p, rows), "draining": {h: a.get("line") for h, a in draining.items()},
+                 "watched": watched})
     else:
         print_status(ui, p, rows)
+        print_watched(ui, watched)
         for host, answer in draining.items():
             ui.warn(f"{host}: draining ({answer.get('line')}); `tfcluster drain` waits for the move")
     if unreachable:

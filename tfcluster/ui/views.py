@@ -175,6 +175,25 @@ def print_status(ui, plan: Plan, rows) -> None:
                 f"(the cluster's directory there was removed or replaced); `tfcluster down` stops {_them(tasks)}")
 
 
+def watched_json(plan: Plan, published: dict[str, dict]) -> dict[str, dict]:
+    """host -> what the spec asks to watch for, what the running (or last) train's notice
+    stream found there, and the latest notice; every host, for `status --json`."""
+    return {h.name: {"preemptible": h.preemptible, "spec": h.watched,
+                     "stream": published.get(h.name, {}).get("stream"),
+                     "notice": published.get(h.name, {}).get("notice")} for h in plan.all_hosts}
+
+
+def print_watched(ui, watched: dict[str, dict]) -> None:
+    """What each host is watched for, once any is (docs/hostloss.md, "When a host warns"):
+    the spec's word, and what the train's stream found (`aws spot`, or why none answered)."""
+    if all(w["preemptible"] == "no" and not w["stream"] for w in watched.values()):
+        return
+    ui.text("notices (a host about to be taken back):")
+    for host, w in watched.items():
+        found = f"; the train's stream: {w['stream']}" if w["stream"] else ""
+        ui.text(f"  {host}: {w['spec']}{found}" + (f"; last notice: {w['notice']}" if w["notice"] else ""))
+
+
 def _runs(tasks: list) -> str:
     return "runs" if len(tasks) == 1 else "run"
 

@@ -114,7 +114,7 @@ def clear(plan) -> None:
     """A new train starts with no drain asked or answered (train's side, under its lock)."""
     directory = state.state_dir(state.key(plan))
     for name in os.listdir(directory):
-        if name.startswith(REQUEST) or name == ANSWERS:
+        if name.startswith(REQUEST) or name in (ANSWERS, "notices.json"):   # notices.STATE_FILE
             try:
                 os.unlink(os.path.join(directory, name))
             except FileNotFoundError:

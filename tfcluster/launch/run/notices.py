@@ -24,6 +24,8 @@ NotBefore.
 """
 from __future__ import annotations
 
+import json
+import os
 import queue
 import threading
 import time
@@ -33,7 +35,10 @@ from typing import TYPE_CHECKING
 from tfcluster.errors import ConnectError, TfclusterError
 from tfcluster.host import shim_protocol as proto
 from tfcluster.launch.agent.lines import Lines
+from tfcluster.launch.cluster import state
 from tfcluster.launch.run.moves import Move
+from tfcluster.localfs import NOFOLLOW, write_private
+from tfcluster.plan import policy
 
 if TYPE_CHECKING:
     from tfcluster.launch.run.runstate import Run
@@ -53,6 +58,20 @@ WARNED = "warned"               # recovery.give_up's kind: the Move's `why` star
 PENDING, WAITING, MOVED, SHRUNK, SAVED, ENDED, WITHDRAWN, NOTHING, NOTED, FAILED = (
     "pending", "waiting", "moved", "went on without its tasks", "saved only", "ended the run",
     "withdrawn", "nothing to move", "noted", "failed")
+
+
+STATE_FILE = "notices.json"    # what the running train's streams found, for `status`
+
+
+def published(plan) -> dict[str, dict]:
+    """host -> {stream, notice} as the running (or last) train wrote them."""
+    try:
+        fd = os.open(os.path.join(state.state_dir(state.key(plan)), STATE_FILE), os.O_RDONLY | NOFOLLOW)
+        with os.fdopen(fd, "rb") as f:
+            doc = json.loads(f.read(1 << 20))
+    except (OSError, ValueError):
+        return {}
+    return {h: v for h, v in doc.items() if isinstance(v, dict)} if isinstance(doc, dict) else {}
 
 
 def clock(t: float | None) -> str:
@@ -101,6 +120,19 @@ class Notices:
     lines: queue.Queue = field(default_factory=queue.Queue)
     procs: dict = field(default_factory=dict)
     closed: threading.Event = field(default_factory=threading.Event)
+    found: dict[str, str] = field(default_factory=dict)       # host -> what its stream said it watches
+
+    def publish(self, run: Run) -> None:
+        """What each stream watches and each host's latest notice, for `status` to show
+        (the cluster's private state directory, beside drain's answers)."""
+        doc = {h: {"stream": said} for h, said in self.found.items()}
+        for n in self.records:
+            doc.setdefault(n.host, {})["notice"] = n.summary()
+        try:
+            write_private(os.path.join(state.state_dir(state.key(run.plan)), STATE_FILE),
+                          json.dumps(doc, indent=2, sort_keys=True).encode())
+        except OSError:
+            pass            # status then shows the spec's side only
 
     # -- the streams
 
@@ -155,6 +187,7 @@ class Notices:
         notice = Notice(host, str(said.get("source")), str(said.get("kind")), str(said.get("id") or ""),
                         time.time(), deadline)
         self.records.append(notice)
+        self.publish(run)
         if deadline is None:
             notice.action = NOTED
             run.ui.warn(f"{host}: {notice.what()} notice, no deadline: nothing moves until one comes")
@@ -185,15 +218,79 @@ class Notices:
             except queue.Empty:
                 break
             self._line(run, host, line)
-        for notice in list(self.records):
-            if notice.action in (PENDING, WAITING) and time.time() >= notice.deadline - START_LEAD:
+        due = self.due(run)
+        short = _too_few_spares(run, due)
+        if short:
+            end_before(run, self, due, short)
+        for notice in due:
+            if notice.action in (PENDING, WAITING):     # a move before may have taken it along
                 act(run, self, notice)
+
+    def due(self, run: Run) -> list[Notice]:
+        """The notices to act on now, earliest deadline first; of hosts warned together, the
+        one whose tasks the run cannot do without (a ps, the chief) first, so it gets a spare."""
+        now = time.time()
+        due = [n for n in self.records if n.action in (PENDING, WAITING) and now >= n.deadline - START_LEAD]
+        return sorted(due, key=lambda n: (round(n.deadline), not _needs_spare(run, n.host), n.at))
+
+    def ride_along(self, run: Run, move: Move) -> list[Move]:
+        """Once every task is stopped for `move`'s restart, and before they start again: each
+        other host whose notice is due now moves in this same restart, to a spare of its own
+        (recovery._restart_all). Two hosts warned at once, or a notice that came while every
+        task stopped, then cost one restart, not two in a row, the second of which would start
+        with its deadline 15 s or more nearer, too near to move. A host no spare can take is
+        left to its own turn (act: on_host_loss decides)."""
+        from tfcluster.launch.run import recovery
+
+        while True:                     # the lines that came during the stop
+            try:
+                host, line = self.lines.get_nowait()
+            except queue.Empty:
+                break
+            self._line(run, host, line)
+        pool, riders = run.session.pool, []
+        for notice in self.due(run):
+            host = notice.host
+            tasks = tuple(t.key for t in run.plan.tasks_on(host))
+            if host == move.host or host in pool.given_up or not tasks:
+                continue
+            taken = {move.spare, *(r.spare for r in riders)}
+            spare = run.plan.spare_for(host, used=pool.unusable() | taken)
+            while spare is not None and (gone := recovery._unreachable(run, spare)) is not None:
+                run.ui.warn(f"spare {spare} not usable: {gone}")
+                pool.set_aside(spare, gone)
+                spare = run.plan.spare_for(host, used=pool.unusable() | taken)
+            action, reason = policy.on_host_loss(run.plan.mode, run.plan.on_host_loss,
+                                                 recovery.lost_tasks(run, host), spare is not None)
+            if action != policy.RESTART:
+                continue
+            pool.give_up(host)
+            detail = f"{notice.what()} notice, deadline {clock(notice.deadline)}"
+            rider = Move(host, f"{WARNED}: {detail}", action, reason, tasks, time.time(),
+                         recovery.step_now(run), spare)
+            run.recovery.moves.append(rider)
+            riders.append(rider)
+            notice.move, notice.action = rider, MOVED
+            notice.line = f"{', '.join(tasks)} moved to {spare}, every task restarted, with {move.host}'s move"
+            run.ui.warn(f"{host} {WARNED}: {detail}: moving {', '.join(tasks)} to {spare} in the same restart as "
+                        f"{move.host}'s ({reason})")
+        return riders
+
+    def settle(self, run: Run, riders: list[Move]) -> None:
+        """After a restart that took notices along: each is answered (drain) and acknowledged."""
+        from tfcluster.launch.run import drains
+
+        for notice in self.records:
+            if notice.move is not None and notice.move in riders:
+                _said(run, self, notice, drains.MOVED)
 
     def _line(self, run: Run, host: str, line: dict) -> None:
         if "watching" in line:
             self.how[host] = line.get("how") if line["watching"] else None
-            run.ui.info(f"{host}: watched ({line.get('how')})" if line["watching"]
-                        else f"{host}: not watched: {line.get('why')}")
+            said = f"watched ({line.get('how')})" if line["watching"] else f"not watched: {line.get('why')}"
+            run.ui.info(f"{host}: {said}")
+            self.found[host] = said
+            self.publish(run)
         elif isinstance(line.get("notice"), dict):
             said = line["notice"]
             if any(n.host == host and n.id == str(said.get("id") or "") and n.source == said.get("source")
@@ -275,6 +372,51 @@ def _save(run: Run) -> str | None:
         return None
     pulled = sync.pull(chief.host)
     return pulled.name if pulled is not None else None
+
+
+def _needs_spare(run: Run, host: str) -> bool:
+    """Without a spare for `host`'s tasks the run would end (on_host_loss says fail)."""
+    from tfcluster.launch.run import recovery
+
+    tasks = recovery.lost_tasks(run, host)
+    return bool(tasks) and policy.on_host_loss(run.plan.mode, run.plan.on_host_loss, tasks, False)[0] == policy.FAIL
+
+
+def _too_few_spares(run: Run, due: list[Notice]) -> list[Notice]:
+    """Of hosts warned together, the ones whose tasks need a spare and would find none once
+    the others took theirs (a spare is counted free when nothing rules it out and it holds
+    no task): empty when every one can be moved."""
+    pool = run.session.pool
+    free = [s for s in run.plan.spares if s not in pool.unusable() and not run.plan.tasks_on(s)]
+    needing = [n for n in due if n.host not in pool.given_up and _needs_spare(run, n.host)]
+    hosts = list(dict.fromkeys(n.host for n in needing))
+    short = set(hosts[len(free):])
+    return [n for n in needing if n.host in short] if len(hosts) > 1 else []
+
+
+def end_before(run: Run, notices: Notices, due: list[Notice], short: list[Notice]) -> None:
+    """More hosts warned together than spares can take: the run ends now, before the first
+    deadline, every script saving as it stops, rather than moving some hosts' tasks in vain
+    (the spare-less host's loss would end it a restart later, with less time to save)."""
+    hosts = list(dict.fromkeys(n.host for n in due))
+    left = list(dict.fromkeys(t.key for n in short for t in run.plan.tasks_on(n.host)))
+    spares = len([s for s in run.plan.spares if s not in run.session.pool.unusable()
+                  and not run.plan.tasks_on(s)])
+    first = min(n.deadline for n in due)
+    error = ConnectError(f"{' and '.join(hosts)} are taken back by {clock(first)} ({len(due)} notices at once) "
+                         f"and {spares} spare(s) cannot take {', '.join(left)} as well: the run ends before it, "
+                         f"every script saving as it stops",
+                         hint="add spare hosts to the spec (one per host that may be taken back at once), "
+                              "or set train.on_host_loss: shrink")
+    from tfcluster.launch.run import drains
+
+    saved = _save(run)
+    for notice in due:
+        notice.action = ENDED
+        notice.line = (f"{len(due)} hosts warned at once, too few spares; "
+                       + ("copied " + saved if saved else "no checkpoint copied"))
+        _said(run, notices, notice, drains.FAILED)
+    raise error
 
 
 def _said(run: Run, notices: Notices, notice: Notice, state: str) -> None:

@@ -125,14 +125,26 @@ def _restart_all(run: Run, move: Move) -> None:
     if sync is not None and chief is not None and chief.host not in run.session.pool.lost:
         sync.pull(chief.host)       # the newest, after the scripts' last save (a drain)
     _stop(run, [p for p in run.procs if p.role == "server"])
-    _adopt(run, move.host, move.spare)
+    # hosts warned meanwhile move in this restart too
+    riders = run.notices.ride_along(run, move) if run.notices is not None else []
+    for m in (move, *riders):
+        _adopt(run, m.host, m.spare)
     if sync is not None:
+        chief = run.plan.chief
+        for m in riders:        # the chief moved with a rider: its checkpoint goes there too
+            if chief is not None and chief.host == m.spare:
+                m.checkpoint = sync.push(m.spare)
         move.checkpoint = sync.push(move.spare)
         cost = ckptlag.restore_cost(move.checkpoint, move.step_at)    # said before the steps are redone
         if cost is not None:
             run.ui.warn(cost)
-    _start(run, list(run.procs), move)
-    move.watch = _watched(run, [p for p in run.procs if p.task.host == move.spare])
+    _start(run, list(run.procs), move, riders)
+    for m in (move, *riders):
+        m.watch = _watched(run, [p for p in run.procs if p.task.host == m.spare])
+    for m in riders:
+        m.done_at = time.time()
+    if riders:
+        run.notices.settle(run, riders)
 
 
 def _stop(run: Run, procs: list[Supervised]) -> None:
@@ -158,16 +170,19 @@ def _refence(run: Run) -> None:
     fence.report(plan, run.ui, answers, fence.INSTALL)
 
 
-def _start(run: Run, procs: list[Supervised], move: Move) -> None:
+def _start(run: Run, procs: list[Supervised], move: Move, riders: list[Move] = ()) -> None:
     """Start `procs` afresh on the run's (new) plan: servers first, ready, then the scripts,
-    shipping the files to the spare first."""
+    shipping the files to the spares first (`move`'s, and those of the moves that ride
+    along with it)."""
     for p in procs:
         p.handle, p.stopping, p.host_lost, p.exit_code = None, False, None, None
     session = run.session
-    if move.spare not in session.infos:          # not prepared when the run began
-        session.infos[move.spare] = session.agent(move.spare).prepare(None, None)
+    spares = [m.spare for m in (move, *riders)]
+    for spare in spares:
+        if spare not in session.infos:          # not prepared when the run began
+            session.infos[spare] = session.agent(spare).prepare(None, None)
     scripts = [p for p in procs if p.role == "script"]
-    on_spare = [p.task for p in scripts if p.task.host == move.spare]
+    on_spare = [p.task for p in scripts if p.task.host in spares]
     if on_spare and run.files:
         run.ui.info(ship(session, on_spare, run.run_id, run.files))
     _refence(run)
