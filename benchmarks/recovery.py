@@ -161,7 +161,7 @@ def kill_host(b: Bench, sshd) -> None:
 
 
 def recovery_spec(b: Bench, shared, lost, spare, name: str, scenario: str, *, by_hand: bool,
-                  steps: int) -> Path:
+                  steps: int, warm: bool = False) -> Path:
     """ps on h2; the chief (worker:0) on h3 and worker:1 on h4 (`worker`), or the chief on h4
     and worker:1 on h3 (`chief`); h5 the spare."""
     p = free_ports(3)
@@ -171,7 +171,8 @@ def recovery_spec(b: Bench, shared, lost, spare, name: str, scenario: str, *, by
             f"ssh:\n  port: {shared.port}\n  connect_timeout: 5\n"
             f"hosts:\n  - {{name: h2, address: {a}}}\n  - {{name: h3, address: {c}}}\n"
             f"  - {{name: h4, address: {lost.addresses[0]}, ssh: {{port: {lost.port}}}}}\n"
-            f"  - {{name: h5, address: {spare.addresses[0]}, spare: true, ssh: {{port: {spare.port}}}}}\n"
+            f"  - {{name: h5, address: {spare.addresses[0]}, spare: {'warm' if warm else 'true'}, "
+            f"ssh: {{port: {spare.port}}}}}\n"
             f"jobs:\n  ps: {{tasks: ['h2:{p[0]}']}}\n  worker: {{tasks: [{workers}]}}\n"
             f"train:\n  mode: between-graph\n  script: template:between_graph\n"
             f"  args: ['--steps', '{steps}', '--log_every', '50', '--model_dir', '{{workdir}}/ckpt',"
@@ -260,8 +261,10 @@ def run_dir(b: Bench, name: str) -> Path:
 class Recovery:
     """Both sides of one scenario; each call one rep, returning seconds from kill to step."""
 
-    def __init__(self, b: Bench, scenario: str, shared, spare, steps: int) -> None:
+    def __init__(self, b: Bench, scenario: str, shared, spare, steps: int, warm: bool = False) -> None:
         self.b, self.scenario, self.shared, self.spare, self.steps = b, scenario, shared, spare, steps
+        self.warm = warm            # `spare: warm`: the kill waits until h5's standby is ready
+        self.standby: list[dict] = []   # what each ready standby cost while idle
         self.task = "worker:1" if scenario == "worker" else "worker:0"
         self.n = 0
         self.info: dict[str, list[dict]] = {"hand": [], "tfc": []}
@@ -287,10 +290,12 @@ class Recovery:
         b, name = self.b, self._name("t")
         lost = b.start_sshd([LOST])
         spec = recovery_spec(b, self.shared, lost, self.spare, name, self.scenario, by_hand=False,
-                             steps=self.steps)
+                             steps=self.steps, warm=self.warm)
         proc, f = start_train(b, spec)
         try:
             self._warm(f, name, by_hand=False)
+            if self.warm:
+                self.standby.append(standby_cost(b, name))
             at_kill = max(f.steps())
             t0, wall0 = time.monotonic(), time.time()
             kill_host(b, lost)
@@ -359,6 +364,24 @@ class Recovery:
         return took
 
 
+def standby_cost(b: Bench, name: str, idle: float = 10.0) -> dict:
+    """Once h5's standby said it is ready (its log): its RSS (and PSS, shared pages shared
+    out) and its CPU over `idle` seconds of waiting, from /proc via psutil."""
+    logs = lambda: list((b.tmp / "remote" / name / "runs").glob("*/standby-*.log"))  # noqa: E731
+    wait_until(lambda: any("standby ready" in p.read_text(errors="replace") for p in logs()), 300,
+               "h5's standby ready")
+    said = next(p.read_text(errors="replace") for p in logs() if "standby ready" in p.read_text(errors="replace"))
+    imported = float(re.search(r"imported in ([\d.]+)s", said).group(1))
+    pid = next(int(json.loads(p.read_text())["pid"]) for p in (b.tmp / "remote" / name / "pids").glob("*standby*.pid"))
+    proc = psutil.Process(pid)
+    cpu0, t0 = proc.cpu_times(), time.monotonic()
+    time.sleep(idle)           # the measurement's window, not a synchronisation
+    cpu1, t1 = proc.cpu_times(), time.monotonic()
+    mem = proc.memory_full_info()
+    return {"import_s": imported, "rss_mb": mem.rss / 2**20, "pss_mb": mem.pss / 2**20,
+            "cpu_pct": 100 * ((cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)) / (t1 - t0)}
+
+
 FAILED: list[str] = []           # reps that did not recover, with why (the row goes on)
 
 
@@ -377,16 +400,22 @@ def tolerant(fn, label: str):
 def recovery_rows(b: Bench, scenario: str, reps: int, shared, spare) -> None:
     # the template saves every steps/10 (and on SIGTERM): the chief's row needs saves while it
     # runs (about every 10 s here); the worker's row trains on past any recovery
-    r = Recovery(b, scenario, shared, spare, 20_000 if scenario == "chief" else 10_000_000)
+    warm = scenario.endswith("-warm")
+    scenario = scenario.removesuffix("-warm")
+    r = Recovery(b, scenario, shared, spare, 20_000 if scenario == "chief" else 10_000_000, warm=warm)
     ra, rb = alternate(reps, tolerant(r.baseline, f"{scenario} script"), tolerant(r.ours, f"{scenario} tfcluster"))
     ra, rb = [x for x in ra if not math.isnan(x)], [x for x in rb if not math.isnan(x)]
     if not ra or not rb:
         print(f"recovery {scenario}: no rep of one side recovered: {FAILED}", flush=True)
         return
     what = "a plain worker's host" if scenario == "worker" else "the chief's host, train.checkpoint"
-    report(f"recovery {scenario} (kill -> first step of {r.task})", "script: fail, rewrite, down, train", ra,
-           "tfcluster: every task restarted", rb, "s",
+    report(f"recovery {scenario}{' warm' if warm else ''} (kill -> first step of {r.task})",
+           "script: fail, rewrite, down, train", ra,
+           "tfcluster: every task restarted" + (", h5 a warm spare" if warm else ""), rb, "s",
            1.0, prec=2)
+    for cost in r.standby:
+        print(f"  h5's standby while idle: TensorFlow imported in {cost['import_s']:.1f}s, RSS {cost['rss_mb']:.0f} MB "
+              f"(PSS {cost['pss_mb']:.0f} MB), CPU {cost['cpu_pct']:.2f}% of a core", flush=True)
     hand, tfc = r.info["hand"], r.info["tfc"]
     print(f"  {what} lost: steps lost, tfcluster (the manifest's steps_lost, max(0, step_at - resumed_step)): "
           f"{[x['lost'] for x in tfc]} (step_at {[x['step_at'] for x in tfc]}, resumed {[x['resumed'] for x in tfc]})")
@@ -447,7 +476,7 @@ def keepalive_rows(b: Bench, reps: int, steps: int) -> None:
 def main(argv=None) -> int:
     p = parser(__doc__, reps=3)
     p.add_argument("--only", default="worker,chief,keepalive",
-                   help="comma-separated rows: worker, chief, keepalive")
+                   help="comma-separated rows: worker, worker-warm, chief, chief-warm (h5 a warm spare), keepalive")
     p.add_argument("--steps", type=int, default=2000, help="the keepalive row's steps")
     a = p.parse_args(argv)
     reps = 1 if a.smoke else a.reps
@@ -455,10 +484,10 @@ def main(argv=None) -> int:
     with Bench("recovery") as b:
         print(f"recovery: {reps} reps, rows {', '.join(rows)}; load average {os.getloadavg()[0]:.1f}", flush=True)
         shared = spare = None
-        if {"worker", "chief"} & set(rows):
+        if {"worker", "chief", "worker-warm", "chief-warm"} & set(rows):
             shared = b.start_sshd(list(SHARED))
             spare = b.start_sshd([SPARE])
-        for scenario in ("worker", "chief"):
+        for scenario in ("worker", "worker-warm", "chief", "chief-warm"):
             if scenario in rows:
                 recovery_rows(b, scenario, reps, shared, spare)
                 print(f"  load average {os.getloadavg()[0]:.1f}", flush=True)

@@ -38,7 +38,7 @@ SYNC_PROBLEM = "10: train.checkpoint.sync: must be a positive number of seconds 
 
 # (id, yaml text, "LINE: field: problem" after "FILE:")
 REJECTIONS = [
-    ("spare-not-bool", BASE.replace("spare: true", "spare: yes"), "5: hosts[2].spare: must be true or false, got 'yes'"),
+    ("spare-not-bool", BASE.replace("spare: true", "spare: yes"), "5: hosts[2].spare: must be true, false or warm, got 'yes'"),
     ("job-hosts-name-a-spare", BASE.replace("hosts: [g]", "hosts: [g, s]"),
      "8: jobs.worker.hosts[1]: s is a spare: it takes tasks only when a host is lost"),
     ("job-tasks-name-a-spare", BASE.replace("{count: 2, hosts: [g], port: 2300, gpus: 1}", "{tasks: ['g:2300', 's:2300']}"),
@@ -266,7 +266,7 @@ def test_plans_compare_without_their_spec_and_json_holds_no_spec(many, tmp_path)
     assert data["on_host_loss"] == "spare"
     assert data["moves"] == [{"lost": "b", "to": "s"}]
     assert data["checkpoint"] is None
-    assert data["spares"][0] == {"name": "z", "address": "10.0.0.9", "gpus": 0, "holds": [], "takes": ["a"],
+    assert data["spares"][0] == {"name": "z", "address": "10.0.0.9", "gpus": 0, "warm": False, "holds": [], "takes": ["a"],
                                  "cannot_take": {"s": "needs 2 GPUs, has 0", "c": "needs 1 GPU, has 0"}}
     assert data["spares"][1]["holds"] == ["worker:0", "worker:2"]
 

@@ -73,7 +73,7 @@ def test_the_launchers_rooms_hold_with_type_hints_too():
 # The programs tfcluster runs, each the one place its process ends: the CLI; on a host, the
 # shim and a TF server; in another engine's job, engines/launch.py. bootstrap.py holds the
 # text of the program a host runs first (`python -S -c BOOTSTRAP`), not code of this process.
-ENTRY_POINTS = {"cli/__init__.py", "host/shim.py", "host/tfserver.py", "engines/launch.py",
+ENTRY_POINTS = {"cli/__init__.py", "host/shim.py", "host/tfserver.py", "host/shim_standby.py", "engines/launch.py",
                 "launch/agent/bootstrap.py"}
 
 

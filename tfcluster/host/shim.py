@@ -90,6 +90,12 @@ def cmd_start(req: dict):
     if not req.get("attached"):
         return {"pid": spawn(req)[0].pid}
     try:
+        if req.get("standby"):               # a warm standby, held until a task is handed to it
+            if __package__:
+                from . import shim_warm as warm
+            else:
+                import shim_warm as warm
+            return warm.run(req, qualified)
         lines = None
         if req.get("defer"):
             lines = tasks.held(req)              # until GO

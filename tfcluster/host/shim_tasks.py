@@ -89,6 +89,20 @@ def open_private(path: str) -> int:
     return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
 
 
+def task_env(req: dict) -> dict:
+    """The environment a task of `req` starts with: the shim's, the request's, the proxy
+    guard, its tag, the probe (a warm standby compares its own with it: shim_warm.py)."""
+    env = dict(os.environ)
+    env.update({str(k): str(v) for k, v in (req.get("env") or {}).items()})
+    env.update(net.guard_env(env, req.get("no_proxy") or ()))  # the cluster's addresses
+    env[TAG_VAR] = req["tag"]
+    if req.get("hold"):      # a warm server: imports TF, then waits for GO on its stdin (shim_launch.py)
+        env[proto.HOLD_VAR] = "1"
+    if env.get(proto.PROBE_VAR) or env.get(proto.FLUSH_VAR, "0") not in ("", "0"):
+        _add_probe(env)
+    return env
+
+
 def spawn(req: dict) -> tuple[subprocess.Popen, str, int]:
     """Start the task; returns (popen, log path, log offset before the task wrote)."""
     tag = req["tag"]
@@ -97,14 +111,7 @@ def spawn(req: dict) -> tuple[subprocess.Popen, str, int]:
     log, pidfile = expand(req["log"]), expand(req["pidfile"])
     fs.private_dir(cwd)
     fs.private_dir(os.path.dirname(pidfile))
-    env = dict(os.environ)
-    env.update({str(k): str(v) for k, v in (req.get("env") or {}).items()})
-    env.update(net.guard_env(env, req.get("no_proxy") or ()))  # the cluster's addresses
-    env[TAG_VAR] = tag
-    if req.get("hold"):      # a warm server: imports TF, then waits for GO on its stdin (shim_launch.py)
-        env[proto.HOLD_VAR] = "1"
-    if env.get(proto.PROBE_VAR) or env.get(proto.FLUSH_VAR, "0") not in ("", "0"):
-        _add_probe(env)
+    env = task_env(req)
     log_fd = open_private(log)
     offset = os.fstat(log_fd).st_size
     cgroup.join(req.get("cluster_dir"))   # the task is born in its cluster's cgroup (the fence's match)
@@ -210,12 +217,13 @@ class Attached:
         self.task_done = threading.Event()
         self.swept = False               # our sweep left nothing of the task's tag
         self.deflate = _deflater() if req.get("deflate") else None   # the channel carries deflated bytes
+        self.said: dict = {}             # more for the handshake (a warm standby's take: shim_warm.py)
 
     def run(self) -> int:
         for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self.on_signal)   # a handler, not SIG_IGN: the task must not inherit it
         try:
-            write_all(2, proto.json_line({"pid": self.proc.pid, "deflate": self.deflate is not None}))
+            write_all(2, proto.json_line(dict(self.said, pid=self.proc.pid, deflate=self.deflate is not None)))
         except OSError:           # the launcher left between our start and the handshake
             self.reason = "eof"
         tailer = threading.Thread(target=self.tail, daemon=True)

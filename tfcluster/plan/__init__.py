@@ -168,6 +168,7 @@ class Plan:
     # a run does when a host is lost (spare, shrink, fail: the spec's default resolved), and the
     # (lost host, spare) moves this plan applies, in order.
     spares: tuple[str, ...] = ()
+    warm_spares: tuple[str, ...] = ()    # `spare: warm`: each keeps a standby (launch/run/standbys.py)
     on_host_loss: str = "fail"
     checkpoint: CheckpointPlan | None = None
     moves: tuple[tuple[str, str], ...] = ()
@@ -377,6 +378,7 @@ def build_plan(spec: Spec, local_python: str | None = None, *,
         script_scan=script_scan,
         tf_ports=spec.tf_ports,
         spares=tuple(h.name for h in spec.spares),
+        warm_spares=tuple(h.name for h in spec.spares if h.warm),
         on_host_loss=spec.train.on_host_loss or ("spare" if spec.spares else "fail"),
         checkpoint=_checkpoint(spec, slots, placeholders),
         moves=tuple(moves),
@@ -538,7 +540,7 @@ def spare_to_dict(plan: Plan, name: str) -> dict:
     them all (`takes`), or why not."""
     host = plan.host(name)
     fits = {h: plan.spare_problem(name, h) for h in plan.hosts if h != name}
-    return {"name": name, "address": host.address, "gpus": host.gpus,
+    return {"name": name, "address": host.address, "gpus": host.gpus, "warm": name in plan.warm_spares,
             "holds": [t.key for t in plan.tasks_on(name)],
             "takes": [h for h, problem in fits.items() if problem is None],
             "cannot_take": {h: problem for h, problem in fits.items() if problem is not None}}

@@ -176,12 +176,24 @@ def _parse_host(node: yaml.Node, field: str, ssh: dict[str, Any]) -> Host:
         local=address in LOCAL_ADDRESSES and "ssh" not in f,
         ssh=SshSettings(**{**ssh, **own}),
         line=line_of(node),
-        spare="spare" in f and as_bool(f["spare"][1], sub_field(field, "spare")),
+        spare="spare" in f and _spare(f["spare"][1], sub_field(field, "spare")) != "false",
+        warm="spare" in f and _spare(f["spare"][1], sub_field(field, "spare")) == "warm",
         preemptible=as_choice(f["preemptible"][1], sub_field(field, "preemptible"), PREEMPTIBLE,
                               "preemptible") if "preemptible" in f else "no",
         metadata_url=_metadata_url(f["metadata_url"][1], sub_field(field, "metadata_url"))
         if "metadata_url" in f else None,
     )
+
+
+def _spare(node: yaml.Node, field: str) -> str:
+    """`spare`: true, false, or warm (a spare that keeps a standby ready: docs/hostloss.md,
+    "Warm spares")."""
+    if is_plain(node) and node.value.lower() == "warm":
+        return "warm"
+    if not is_plain(node) or node.value.lower() not in ("true", "false"):
+        raise BadValue(line_of(node), field, f"must be true, false or warm, got {kind_of(node, typed=True)}",
+                       hint="warm: the spare keeps Python and TensorFlow started for a move (docs/hostloss.md)")
+    return node.value.lower()
 
 
 _METADATA_URL = re.compile(r"http://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+)(:[0-9]{1,5})?(/[A-Za-z0-9._~/-]*)?")

@@ -58,7 +58,8 @@ class HeldStart:
     host with a script costs one exec before its first task byte."""
 
     def __init__(self, agent: HostAgent, launch: TaskLaunch, heartbeat_timeout: float, grace: float,
-                 restart: dict | None = None, *, bootstrap: bool = False, survey=None, files=None) -> None:
+                 restart: dict | None = None, *, bootstrap: bool = False, survey=None, files=None,
+                 extra: dict | None = None) -> None:
         agent.check_cancelled()
         self.agent, self.launch, self._timeout = agent, launch, heartbeat_timeout
         self.proc: _Locked | None = None     # its process, stdin shared with the heartbeats
@@ -70,6 +71,7 @@ class HeldStart:
                    "deflate": agent.transport.deflate_logs}
         if restart:                   # the shim restarts the task in place (attempts.in_place)
             request["restart"] = restart
+        request.update(extra or {})   # a warm standby's (agent/standby.py)
         batch = (lambda req, commands: {**req, "batch": {"commands": commands}}) if bootstrap else None
         try:
             agent.open_conversation(self, proto.START, request, batch=batch, survey=survey, files=files)

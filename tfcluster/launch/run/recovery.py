@@ -16,6 +16,7 @@ from tfcluster.errors import ConnectError, TfclusterError
 from tfcluster.launch.agent import fence
 from tfcluster.launch.cluster.hostloss import REOPEN_GRACE
 from tfcluster.launch.cluster.servers import Started, wait_ready
+from tfcluster.launch.cluster.session import Background
 from tfcluster.launch.cluster.shipping import ship
 from tfcluster.launch.run import attempts, ckptlag
 from tfcluster.launch.run.moves import Move
@@ -119,6 +120,9 @@ def _watched(run: Run, moved: list[Supervised]) -> str | None:
 
 def _restart_all(run: Run, move: Move) -> None:
     """Every task stops and starts again on the new cluster, from the checkpoint."""
+    # make before break: the new scripts' standbys start now, while the old tasks stop and save
+    early = Background(run.standbys.before_break, run, run.plan.moved(move.host, move.spare)) \
+        if run.standbys is not None else None
     _stop(run, [p for p in run.procs if p.role == "script"])    # scripts first: a last save
     sync = run.recovery.checkpoints
     chief = run.plan.chief
@@ -138,6 +142,8 @@ def _restart_all(run: Run, move: Move) -> None:
         cost = ckptlag.restore_cost(move.checkpoint, move.step_at)    # said before the steps are redone
         if cost is not None:
             run.ui.warn(cost)
+    if early is not None:
+        early.result()
     _start(run, list(run.procs), move, riders)
     for m in (move, *riders):
         m.watch = _watched(run, [p for p in run.procs if p.task.host == m.spare])
@@ -190,5 +196,6 @@ def _start(run: Run, procs: list[Supervised], move: Move, riders: list[Move] = (
     if servers:
         attempts.start_all(run, servers)
         wait_ready(session, [Started(p.task, p.launch.tag, p.handle.pid, p.launch.log) for p in servers])
-    if scripts:
-        attempts.start_all(run, scripts)
+    cold = run.standbys.take_all(run, scripts) if run.standbys is not None else scripts  # the standby is the script
+    if cold:
+        attempts.start_all(run, cold)

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from tfcluster.launch.agent.records import TaskLaunch
     from tfcluster.launch.cluster.session import Session
     from tfcluster.launch.run.notices import Notices
+    from tfcluster.launch.run.standbys import Standbys
     from tfcluster.ui import UI
     from tfcluster.watch.board import Board
     from tfcluster.watch.footer import LiveFooter
@@ -91,3 +92,4 @@ class Run:
     files: list | None = None       # shipping.collect_files(plan), read before connecting
     recovery: Recovery = field(default_factory=Recovery)   # hosts given up, tasks moved (recovery.py)
     notices: Notices | None = None      # hosts that warned before going (notices.py; the supervisor's)
+    standbys: Standbys | None = None    # warm standbys (standbys.py; the supervisor's)

@@ -28,6 +28,7 @@ from tfcluster.launch.run import attempts, drains, recovery
 from tfcluster.launch.run.notices import Notices
 from tfcluster.launch.run.runstate import Options, Run, Supervised
 from tfcluster.launch.run.startup import Holder, begin
+from tfcluster.launch.run.standbys import Standbys
 from tfcluster.localfs import private_dir
 from tfcluster.plan import Plan, names, policy
 from tfcluster.ui.views import print_summary
@@ -62,6 +63,7 @@ def train(plan: Plan, ui: UI, options: Options) -> int:
         drains.clear(plan)              # a drain asked of an earlier run is not this one's
         run.notices = Notices()
         run.notices.start(run)          # each watched host's notices, from now (Azure answers slowly)
+        run.standbys = Standbys()       # warm spares' standbys, made before a break (standbys.py)
         if plan.checkpoint is not None and plan.checkpoint.sync is not None:
             from tfcluster.launch.run.ckptsync import CheckpointSync
             run.recovery.checkpoints = CheckpointSync(session, plan, os.path.join(options.runs_dir, run_id), ui)
@@ -79,6 +81,8 @@ def train(plan: Plan, ui: UI, options: Options) -> int:
             raise
         finally:
             run.notices.close()
+            if run.standbys is not None:
+                run.standbys.close()
             if run.footer is not None:
                 run.footer.close()
                 ui.pause = contextlib.nullcontext
@@ -185,6 +189,7 @@ def _supervise(run: Run) -> tuple[int, str]:
         run.recovery.tick(run)
         drains.poll(run)
         run.notices.poll(run)       # a host about to go: drained before its deadline (notices.py)
+        run.standbys.tick(run)      # warm spares' standbys, off the loop (standbys.py)
         if run.footer is not None:
             run.footer.refresh(run.procs)
         try:
@@ -328,6 +333,8 @@ def _summary(run: Run, outcome: tuple[int, str]) -> None:
         run.ui.info(run.progress.loss_note())
     for notice in run.notices.records:
         run.ui.info(f"notice: {notice.summary()}")
+    for line in run.standbys.said if run.standbys is not None else ():
+        run.ui.info(f"standby: {line}")
     print_summary(run.ui, run.run_id, rows, outcome, os.path.join(run.options.runs_dir, run.run_id), checks,
                   steps)
 
