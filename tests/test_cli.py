@@ -98,7 +98,7 @@ def test_plan_and_help_never_import_tensorflow_or_paramiko():
         "from tfcluster.cli import main\n"
         f"rc = main(['plan', {LOCAL!r}, '--json'])\n"
         "main(['--help'])\n"
-        "heavy = [m for m in ('tensorflow', 'paramiko', 'rich', 'tfcluster.launch.cluster.session', 'tfcluster.launch.agent.agent') if m in sys.modules]\n"
+        "heavy = [m for m in ('tensorflow', 'jax', 'keras', 'paramiko', 'rich', 'tfcluster.launch.cluster.session', 'tfcluster.launch.agent.agent') if m in sys.modules]\n"
         "print('HEAVY', heavy, rc)\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

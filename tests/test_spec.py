@@ -507,7 +507,7 @@ def test_template_script_resolves_in_the_package(tmp_path, monkeypatch):
 
 def test_shipped_template_resolves(tmp_path):
     names = templates.template_names()
-    assert names == ["between_graph", "classic", "coordinator", "mirrored"]
+    assert names == ["between_graph", "classic", "coordinator", "keras_jax", "mirrored"]
     path = write(tmp_path, BASE + f"train: {{script: 'template:{names[0]}'}}\n")
     script = load_spec(path).train.script
     assert script.endswith(f"{names[0]}.py") and os.path.isfile(script)

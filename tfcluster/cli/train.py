@@ -66,7 +66,7 @@ def train(
 
 @app.command()
 def init(
-    mode: str = typer.Argument("between-graph", help="between-graph | classic | coordinator | mirrored"),
+    mode: str = typer.Argument("between-graph", help="between-graph | classic | coordinator | mirrored | keras-jax"),
     dest: Optional[str] = typer.Argument(None, help="Where to write it (default: train_<mode>.py)."),
 ) -> int:
     """Copy the training-script template for a mode into the current directory.

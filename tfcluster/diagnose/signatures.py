@@ -67,6 +67,53 @@ SIGNATURES = (
         "keras3-legacy-optimizer", (b"`keras.optimizers.legacy` is not supported in Keras 3",),
         "Keras 3 has no tf.keras.optimizers.legacy",
         f"use the optimizer of the same name in tf.keras.optimizers, or {_LEGACY}"),
+    # Mode keras-jax (Keras 3 and JAX over many processes). The backend's own first:
+    # keras3-missing-api would take its AttributeError for a Keras 2 API.
+    Signature(
+        "keras-backend-not-jax", (b"distribution_lib' has no attribute 'initialize'",),
+        "keras.distribution.initialize() ran on a Keras backend other than JAX: the script (or a "
+        "keras.json it reads) chose its backend before Keras was imported, and only JAX runs Keras 3 "
+        "on many processes",
+        "remove the script's own KERAS_BACKEND setting (`os.environ[\"KERAS_BACKEND\"] = ...` before "
+        "`import keras`): mode keras-jax sets KERAS_BACKEND=jax for every process"),
+    Signature(
+        "jax-device-count", (b"AssertionError",),
+        "the JAX processes see different numbers of local devices, and JAX needs the same count "
+        "in every process (hosts with different GPU counts, or XLA_FLAGS forcing a CPU device "
+        "count in some processes only)",
+        "give every process the same devices: the same GPUs per host (hosts[].gpus), one process "
+        "per GPU (jobs.worker.per_gpu: true), and the same XLA_FLAGS everywhere",
+        also=(b"in _get_mesh_devices",)),
+    Signature(
+        "jax-incarnation", (b"unexpectedly tried to connect with a different incarnation",
+                            b"wrong service incarnation", b"from a newer incarnation"),
+        "a JAX process restarted alone: JAX's coordination service refuses a process of a new "
+        "incarnation, so every process must start again together",
+        "restart every process, from the checkpoint: mode keras-jax does so with train.restart "
+        "{policy: on-failure}; a script must not call jax.distributed.initialize again in a "
+        "process that already joined"),
+    Signature(
+        "jax-coordinator-unreachable", (b"Failed to connect to distributed JAX controller",
+                                        b"failed to register with the leader"),
+        "this process could not reach JAX's coordinator (process 0, worker 0's address and port) "
+        "in time, or some processes never joined",
+        "look at worker:0's log (process 0 serves the coordinator: did it start, or fail first?); "
+        "`tfcluster plan --check SPEC` dials worker 0's port from every host"),
+    Signature(
+        "jax-peer-died", (b"heartbeat timeout. This indicates that the remote task has failed",
+                          b"stopped sending heartbeats",
+                          b"Terminating process because the JAX distributed service detected fatal errors",
+                          b"Gloo all-reduce failed"),
+        "another JAX process died or stopped answering (its connection closed mid-collective, or "
+        "JAX's coordination service missed its heartbeats), and JAX ends every process with it",
+        "the first failure is in another process's log (`tfcluster logs`); with train.restart "
+        "{policy: on-failure} mode keras-jax restarts every process from the checkpoint"),
+    Signature(
+        "jax-barrier", (b"Barrier timed out",),
+        "the JAX processes are out of step: one reached a barrier (a checkpoint, a collective) "
+        "the others never did",
+        "every process must run the same steps: the same data count per process (whole batches), "
+        "the same epochs, and any save or gather called by every process"),
     Signature(
         "keras3-missing-api", (b"AttributeError: module 'keras.",),
         "the script uses a tf.keras API of Keras 2 that Keras 3 does not have (TensorFlow's "

@@ -12,6 +12,11 @@ from typing import Mapping
 
 # (the name people know, the HostInfo field), in the order they are reported
 FIELDS = (("TensorFlow", "tf_version"), ("Python", "python_version"))
+# Mode keras-jax: the processes run one XLA program and speak JAX's own wire protocol, which only
+# one jax and jaxlib release are sure to share: these must be equal, patch included (and so
+# must Keras, whose distribution code lays out every array).
+JAX_FIELDS = (("jax", "jax_version"), ("jaxlib", "jaxlib_version"), ("Keras", "keras_version"),
+              ("Python", "python_version"))
 NAMED = 4   # hosts named in a message before "and N more"
 
 
@@ -32,14 +37,14 @@ def minor(version: str) -> str:
     return ".".join(version.split(".")[:2])
 
 
-def find_skew(what: str, versions: Mapping[str, str | None]) -> Skew | None:
-    """The hosts whose minor version differs from the majority's; on a tie the group of
-    the alphabetically first host is the reference. Hosts without a version (TF not
-    installed) are left to the TF-missing check."""
+def find_skew(what: str, versions: Mapping[str, str | None], exact: bool = False) -> Skew | None:
+    """The hosts whose minor version (`exact`: whole version) differs from the majority's;
+    on a tie the group of the alphabetically first host is the reference. Hosts without a
+    version (TF not installed) are left to the TF-missing check."""
     groups: dict[str, dict[str, str]] = {}
     for host in sorted(versions):
         if versions[host]:
-            groups.setdefault(minor(versions[host]), {})[host] = versions[host]
+            groups.setdefault(versions[host] if exact else minor(versions[host]), {})[host] = versions[host]
     if len(groups) < 2:
         return None
     reference = max(groups, key=lambda m: len(groups[m]))  # the first of equals: alphabetical
@@ -47,9 +52,12 @@ def find_skew(what: str, versions: Mapping[str, str | None]) -> Skew | None:
     return Skew(what, odd, groups[reference])
 
 
-def find_skews(infos: Mapping[str, object]) -> list[Skew]:
-    """Every field of FIELDS that differs across `infos` (host -> HostInfo)."""
-    found = (find_skew(what, {h: getattr(i, attr) for h, i in infos.items()}) for what, attr in FIELDS)
+def find_skews(infos: Mapping[str, object], mode: str = "") -> list[Skew]:
+    """Every field of FIELDS that differs across `infos` (host -> HostInfo); in mode keras-jax,
+    every field of JAX_FIELDS, jax, jaxlib and Keras to the patch."""
+    fields = JAX_FIELDS if mode == "keras-jax" else FIELDS
+    found = (find_skew(what, {h: getattr(i, attr) for h, i in infos.items()},
+                       exact=mode == "keras-jax" and what != "Python") for what, attr in fields)
     return [s for s in found if s is not None]
 
 

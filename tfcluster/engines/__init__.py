@@ -22,6 +22,15 @@ class Rendered:
 def render(plan, to: str, *, image: str | None = None, namespace: str = "default") -> Rendered:
     """`plan` as files for engine `to` (one of ENGINES). Raises UsageError for what the
     engine cannot express."""
+    if plan.mode == "keras-jax":
+        # The launcher there writes TF_CONFIG and starts TF servers; a JAX process needs the
+        # coordinator's address, which only a node's own rank can give (docs/engines.md).
+        from tfcluster.errors import UsageError
+
+        raise UsageError(f"render --to {to}: mode keras-jax is not rendered yet: the rendered launcher gives "
+                         f"TensorFlow's variables, not JAX's coordinator",
+                         hint="on Slurm, `srun` the script itself: jax.distributed.initialize() reads Slurm's "
+                              "variables (docs/engines.md, \"Mode keras-jax\")")
     if to == "tfjob":
         from tfcluster.engines.tfjob import render_tfjob
 

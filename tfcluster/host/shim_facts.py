@@ -1,5 +1,5 @@
-"""The host's facts for `info`: Python, TensorFlow, TensorBoard, Keras and tf_keras
-versions, TF's CUDA build, GPUs, machine id; and the site directories the shim runs without.
+"""The host's facts for `info`: Python, TensorFlow, TensorBoard, Keras, tf_keras, jax and
+jaxlib versions, TF's CUDA build, GPUs, machine id; and the site directories the shim runs without.
 
 Shipped beside shim.py (standard library only, Python >= 3.8). The shim runs under
 `python -S` (bootstrap.NO_SITE): site_path() finds the directories `site` would add,
@@ -20,6 +20,10 @@ TB_DISTRIBUTIONS = ("tensorboard", "tb-nightly")
 # TF_USE_LEGACY_KERAS=1 (docs/modes.md, "Keras"). Read from their metadata, never imported.
 KERAS_DISTRIBUTIONS = ("keras", "keras-nightly")
 TF_KERAS_DISTRIBUTIONS = ("tf-keras", "tf-keras-nightly")
+# Mode keras-jax needs the same jax and jaxlib on every host (docs/modes.md, "Mode keras-jax"); read
+# from their metadata too: importing jax takes a second and may grab a GPU.
+JAX_DISTRIBUTIONS = ("jax",)
+JAXLIB_DISTRIBUTIONS = ("jaxlib",)
 
 
 def tf_version() -> str | None:

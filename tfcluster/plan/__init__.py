@@ -18,7 +18,9 @@ from dataclasses import dataclass, field, fields, replace
 from tfcluster.host import HOST_DIR
 from tfcluster.plan.names import task_key
 from tfcluster.spec import (
+    JAX_CPU_COLLECTIVES_ENV,
     JOB_NAMES,
+    KERAS_BACKEND_ENV,
     LEGACY_KERAS_ENV,
     LEGACY_KERAS_VALUES,
     Checks,
@@ -45,12 +47,14 @@ SERVER_JOBS = {
     "classic": (),
     "coordinator": ("ps", "worker"),
     "mirrored": (),
+    "keras-jax": (),
 }
 SCRIPT_JOBS = {
     "between-graph": ("chief", "worker", "evaluator"),
     "classic": ("chief", "ps", "worker", "evaluator"),
     "coordinator": ("chief", "evaluator"),
     "mirrored": ("chief", "worker", "evaluator"),
+    "keras-jax": ("worker",),
 }
 # Env defaults the spec may override; everything tfcluster-specific it may not.
 # TF's C++ INFO lines reach the saved logs and the hang watchdog; the live view hides them.
@@ -468,6 +472,9 @@ def _task_plan(spec: Spec, slot, address: str, cluster_json: str, chief: str, pl
     })
     if spec.train.keras == "legacy":     # every task, servers too: one Keras across the cluster
         env[LEGACY_KERAS_ENV] = "1"
+    if mode == "keras-jax":
+        env.update(jax_env(placeholders["worker_hosts"].split(",")[0], placeholders["num_workers"],
+                           slot.index, bool(slot.gpus), spec.env))
     if runs_server:
         env["TFCLUSTER_MASTER"] = f"grpc://{address}:{slot.port}"
     argv: tuple[str, ...] = ()
@@ -484,6 +491,23 @@ def _task_plan(spec: Spec, slot, address: str, cluster_json: str, chief: str, pl
         tf_config=tf_config, env=tuple(sorted(env.items())), argv=argv,
         script_env=(("CUDA_VISIBLE_DEVICES", ""),) if client_only else (),
     )
+
+
+def jax_env(coordinator: str, processes: str, index: int, gpus: bool,
+            spec_env: tuple[tuple[str, str], ...] = ()) -> dict[str, str]:
+    """What a process of mode keras-jax gets besides every task's variables (docs/modes.md, "Mode
+    jax"): the backend, and the coordinator (worker 0's address and port), the process count
+    and its id, once in the names `keras.distribution.initialize()` reads and once in the
+    names a JAX program passes to `jax.distributed.initialize` (which reads only
+    JAX_COORDINATOR_ADDRESS itself). A host without GPUs gets gloo, the CPU collectives that
+    run across processes, unless env: names another."""
+    env = {KERAS_BACKEND_ENV: "jax",
+           "KERAS_DISTRIBUTION_JOB_ADDRESSES": coordinator, "KERAS_DISTRIBUTION_NUM_PROCESSES": processes,
+           "KERAS_DISTRIBUTION_PROCESS_ID": str(index),
+           "JAX_COORDINATOR_ADDRESS": coordinator, "JAX_NUM_PROCESSES": processes, "JAX_PROCESS_ID": str(index)}
+    if not gpus and JAX_CPU_COLLECTIVES_ENV not in dict(spec_env):
+        env[JAX_CPU_COLLECTIVES_ENV] = "gloo"
+    return env
 
 
 def plan_to_dict(plan: Plan, *, redact: bool = True) -> dict:

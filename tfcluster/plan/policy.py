@@ -20,6 +20,10 @@ NEVER, ON_FAILURE, EXIT_CODE = "never", proto.ON_FAILURE, proto.EXIT_CODE
 RETRYABLE = proto.RETRYABLE     # exit-code's retries: killed by a signal, lost host (128-255)
 CHIEF_ENDS_RUN = ("between-graph", "coordinator")   # other modes need every worker
 TRAINING_JOBS = ("chief", "worker")
+# Modes whose processes start together and cannot take one back alone: JAX's coordination
+# service refuses a restarted process of an old incarnation, and the others die with the one
+# that went, so a failure restarts every process, from the checkpoint (docs/modes.md).
+TOGETHER = ("keras-jax",)
 STOP_ORDER = ("script", "server")                    # scripts first: a last checkpoint
 PEER_GRACE = 60.0        # how long other workers may take to finish after the chief succeeded
 
@@ -29,6 +33,11 @@ class ScriptState:
     job: str
     is_chief: bool
     exit_code: int | None          # None while running
+
+
+def restarts_together(mode: str) -> bool:
+    """Whether a failed script restarts every script of the run, not itself alone."""
+    return mode in TOGETHER
 
 
 def retryable(restart: Restart, rc: int) -> bool:
@@ -115,6 +124,8 @@ def on_host_loss(mode: str, choice: str, lost: Sequence[LostTask], spare: bool) 
     if not spare:
         if choice == SHRINK and mode == "mirrored":
             return FAIL, "MultiWorkerMirroredStrategy cannot shrink: every worker holds a share of each step"
+        if choice == SHRINK and mode == "keras-jax":
+            return FAIL, "JAX cannot shrink: its process count is fixed when its processes start"
         if choice == SHRINK and plain:
             return FAIL, f"{mode} mode needs every worker to finish, so it cannot shrink"
         what = "its workers" if plain else "a " + ("chief" if any(t.is_chief for t in lost) else "ps") + " task"
@@ -126,6 +137,8 @@ def restart_reason(mode: str, lost: Sequence[LostTask]) -> str:
     """Why every task restarts (what follows it is always: from the checkpoint)."""
     if mode == "mirrored":
         return "MultiWorkerMirroredStrategy starts every worker together"
+    if mode == "keras-jax":
+        return "JAX starts every process together"
     if any(t.job == "ps" for t in lost):
         return "a ps held the variables"
     if any(t.is_chief for t in lost):

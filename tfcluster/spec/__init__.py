@@ -20,7 +20,9 @@ from tfcluster.spec.loader import check_train_files, load_spec, preview_train_fi
 from tfcluster.spec.model import (
                                    HOST_KEY_POLICIES,
                                    HOST_LOSS_POLICIES,
+                                   JAX_CPU_COLLECTIVES_ENV,
                                    JOB_NAMES,
+                                   KERAS_BACKEND_ENV,
                                    KERAS_CHOICES,
                                    LEGACY_KERAS_ENV,
                                    LEGACY_KERAS_VALUES,
@@ -48,7 +50,8 @@ from tfcluster.spec.shipped import script_calls_fit
 from tfcluster.spec.yamltree import MAX_DEPTH, MAX_SPEC_BYTES, did_you_mean
 
 __all__ = [
-    "HOST_KEY_POLICIES", "HOST_LOSS_POLICIES", "JOB_NAMES", "KERAS_CHOICES", "LEGACY_KERAS_ENV", "LEGACY_KERAS_VALUES",
+    "HOST_KEY_POLICIES", "HOST_LOSS_POLICIES", "JAX_CPU_COLLECTIVES_ENV", "JOB_NAMES", "KERAS_BACKEND_ENV",
+    "KERAS_CHOICES", "LEGACY_KERAS_ENV", "LEGACY_KERAS_VALUES",
     "LOCAL_ADDRESSES", "MAX_DEPTH", "MAX_SPEC_BYTES",
     "MAX_TASKS", "MODES", "PLACEHOLDERS", "RESTART_POLICIES", "SECRET_MARKERS",
     "Checkpoint", "Checks", "Host", "Job", "Progress", "Restart", "Slot", "Spec", "SshSettings", "Train",

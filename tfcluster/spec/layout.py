@@ -26,8 +26,9 @@ def layout_tasks(spec: Spec) -> tuple[Slot, ...]:
     """
     hosts = {h.name: h for h in spec.hosts}
     order = {name: i for i, name in enumerate(JOB_NAMES)}
+    every = spec.train.mode == "keras-jax"
     placed = [p for job in sorted(spec.jobs, key=lambda j: order[j.name])
-              for p in _place(job, hosts)]
+              for p in _place(job, hosts, all_gpus=every and not job.gpus_set)]
     return tuple(_assign_gpus(spec.path, placed, hosts))
 
 
@@ -46,16 +47,18 @@ def _assign_gpus(path: str, placed: list[tuple[Job, int, str, int, int]],
         yield Slot(job.name, index, host, port, tuple(range(start, start + k)))
 
 
-def _place(job: Job, hosts: dict[str, Host]) -> list[tuple[Job, int, str, int, int]]:
-    """(job, index, host, port, gpus per task) for each task of one job."""
+def _place(job: Job, hosts: dict[str, Host], all_gpus: bool = False) -> list[tuple[Job, int, str, int, int]]:
+    """(job, index, host, port, gpus per task) for each task of one job. `all_gpus` (mode
+    jax, no `gpus:` written): each task gets every GPU of its host, JAX's one process per host."""
     if job.tasks is not None:
-        return [(job, i, h, p, job.gpus) for i, (h, p) in enumerate(job.tasks)]
+        return [(job, i, h, p, hosts[h].gpus if all_gpus else job.gpus) for i, (h, p) in enumerate(job.tasks)]
     port = job.port or 0
     if job.per_gpu:
         pairs = [(h, port + g) for h in job.hosts for g in range(hosts[h].gpus)]
         return [(job, i, h, p, 1) for i, (h, p) in enumerate(pairs)]
     n = len(job.hosts)
-    return [(job, i, job.hosts[i % n], port + i // n, job.gpus) for i in range(job.count or 0)]
+    return [(job, i, job.hosts[i % n], port + i // n, hosts[job.hosts[i % n]].gpus if all_gpus else job.gpus)
+            for i in range(job.count or 0)]
 
 
 def per_host(job: Job, hosts: dict[str, Host]) -> dict[str, int]:
@@ -131,6 +134,9 @@ def check_mode(spec: Spec, slots: tuple[Slot, ...], jobs_line: int) -> None:
         raise bad("chief", f"at most 1 chief task, got {have['chief']}")
     if not have["worker"]:
         raise bad("worker", f"mode {mode} needs at least one worker task")
+    if mode == "keras-jax":
+        _check_jax(slots, have, bad)
+        return
     if mode != "mirrored" and not have["ps"]:
         raise bad("ps", f"mode {mode} needs at least one ps task",
                   hint="add ps: {count: 1, hosts: [...], port: 2222}")
@@ -140,3 +146,19 @@ def check_mode(spec: Spec, slots: tuple[Slot, ...], jobs_line: int) -> None:
     if mode == "mirrored" and have["ps"]:
         raise bad("ps", "mode mirrored takes no ps tasks: MultiWorkerMirroredStrategy uses no "
                         "parameter servers", hint="remove the ps job or pick another train.mode")
+
+
+def _check_jax(slots: tuple[Slot, ...], have: dict[str, int], bad) -> None:
+    """Mode keras-jax: one JAX process per worker task, worker 0 the coordinator; no other job has
+    a meaning there. A GPU host running two processes that each take all its GPUs would
+    have them fight over the devices (_assign_gpus refuses that with the counts)."""
+    for name in ("chief", "ps", "evaluator"):
+        if have[name]:
+            raise bad(name, f"mode keras-jax takes no {name} tasks: every JAX process is a worker and worker 0 "
+                            f"runs the coordinator", hint=f"remove the {name} job or pick another train.mode")
+    first = slots[0]
+    odd = next((s for s in slots if len(s.gpus) != len(first.gpus)), None)
+    if odd is not None:     # JAX's meshes assume one local device count (found: an AssertionError at start)
+        raise bad("worker", f"{first.job}:{first.index} gets {len(first.gpus)} GPUs and {odd.job}:{odd.index} "
+                            f"{len(odd.gpus)}: JAX needs the same number of devices in every process",
+                  hint="give each task the same GPUs (jobs.worker.gpus), or one process per GPU (per_gpu: true)")

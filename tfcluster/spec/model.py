@@ -8,7 +8,15 @@ import os
 import re
 from dataclasses import dataclass, field
 
-MODES = ("between-graph", "classic", "coordinator", "mirrored")
+MODES = ("between-graph", "classic", "coordinator", "mirrored", "keras-jax")
+# Mode keras-jax (Keras 3 and JAX programs, docs/modes.md): the variables Keras and JAX read to
+# start their distributed runtime, which tfcluster sets per process; the backend is set too,
+# and on a host without GPUs the CPU collectives that work across processes (gloo).
+JAX_PER_TASK_ENV = ("KERAS_DISTRIBUTION_JOB_ADDRESSES", "KERAS_DISTRIBUTION_NUM_PROCESSES",
+                    "KERAS_DISTRIBUTION_PROCESS_ID", "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES",
+                    "JAX_PROCESS_ID")
+KERAS_BACKEND_ENV = "KERAS_BACKEND"
+JAX_CPU_COLLECTIVES_ENV = "JAX_CPU_COLLECTIVES_IMPLEMENTATION"
 JOB_NAMES = ("chief", "ps", "worker", "evaluator")   # canonical order everywhere
 RESTART_POLICIES = ("never", "on-failure", "exit-code")
 # train.on_host_loss: what a run does when a host is lost (docs/spec.md, "Spare hosts"); the
@@ -117,6 +125,7 @@ class Job:
     count: int | None = None
     per_gpu: bool = False
     gpus: int = 0                     # GPUs per task (per_gpu implies 1)
+    gpus_set: bool = False            # `gpus:` written (mode keras-jax: else each task gets all of its host's)
     hosts: tuple[str, ...] = ()
     port: int | None = None
     tasks: tuple[tuple[str, int], ...] | None = None   # explicit (host name, port)

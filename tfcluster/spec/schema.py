@@ -22,7 +22,9 @@ from tfcluster.spec.layout import per_host, task_count
 from tfcluster.spec.model import (
     HOST_KEY_POLICIES,
     HOST_LOSS_POLICIES,
+    JAX_PER_TASK_ENV,
     JOB_NAMES,
+    KERAS_BACKEND_ENV,
     KERAS_CHOICES,
     LEGACY_KERAS_ENV,
     LEGACY_KERAS_VALUES,
@@ -109,6 +111,7 @@ def build(path: str, root: yaml.Node) -> tuple[Spec, dict[str, int]]:
         tf_ports=as_choice(value["tf_ports"], "tf_ports", TF_PORTS, "tf_ports") if "tf_ports" in f else Spec.tf_ports,
     )
     _check_keras_env(spec.train, env)
+    _check_jax_env(spec.train, value.get("env"))
     _check_host_loss(spec)
     return spec, {"jobs": line_of(f["jobs"][0]), "env": line_of(f["env"][0]) if "env" in f else 0}
 
@@ -253,7 +256,7 @@ def _parse_task_job(name: str, field: str, f: dict, hosts: dict[str, Host]) -> J
     items = as_list(f["tasks"][1], sub_field(field, "tasks"))
     tasks = tuple(_parse_task(item, sub_field(sub_field(field, "tasks"), i), hosts)
                   for i, item in enumerate(items))
-    return Job(name=name, tasks=tasks, gpus=_job_gpus(field, f))
+    return Job(name=name, tasks=tasks, gpus=_job_gpus(field, f), gpus_set="gpus" in f)
 
 
 def _parse_task(node: yaml.Node, field: str, hosts: dict[str, Host]) -> tuple[str, int]:
@@ -285,7 +288,7 @@ def _parse_counted_job(name: str, field: str, node: yaml.Node, f: dict,
     job = Job(name=name, count=count, per_gpu=per_gpu,
               hosts=_job_hosts(f["hosts"][1], sub_field(field, "hosts"), hosts, per_gpu),
               port=as_int(f["port"][1], sub_field(field, "port"), 1, 65535),
-              gpus=1 if per_gpu else gpus)
+              gpus=1 if per_gpu else gpus, gpus_set="gpus" in f)
     _check_port_room(job, f["port"][1], sub_field(field, "port"), hosts)
     return job
 
@@ -391,6 +394,27 @@ def _check_keras_env(train: Train, env: tuple[tuple[str, str], ...]) -> None:
         raise BadValue(train.keras_line, "train.keras",
                        f"legacy sets {LEGACY_KERAS_ENV}=1, but env: sets it to {value!r}",
                        hint=f"drop {LEGACY_KERAS_ENV} from env:, or train.keras")
+
+
+def _check_jax_env(train: Train, env: yaml.Node | None) -> None:
+    """Mode keras-jax sets each process's id, the process count and the coordinator in the names
+    Keras and JAX read, and runs Keras on JAX: an env: that sets one of those, another
+    backend, or tf_keras (a TensorFlow Keras) contradicts the mode."""
+    if train.mode != "keras-jax":
+        return
+    if train.keras == "legacy":
+        raise BadValue(train.keras_line, "train.keras",
+                       "legacy is tf_keras, a TensorFlow Keras, and mode keras-jax runs Keras 3 on JAX",
+                       hint="drop train.keras, or pick mode mirrored for tf_keras")
+    for key_node, value in (env.value if isinstance(env, yaml.MappingNode) else ()):
+        name = key_node.value
+        if name in JAX_PER_TASK_ENV:
+            raise BadValue(line_of(key_node), sub_field("env", name), f"{name} is set by tfcluster for each task",
+                           hint="mode keras-jax gives every process its id, the process count and the coordinator")
+        if name == KERAS_BACKEND_ENV and value.value != "jax":
+            raise BadValue(line_of(key_node), sub_field("env", name),
+                           f"mode keras-jax runs Keras on JAX, but env: sets {name}={value.value!r}",
+                           hint=f"drop {name} from env: (tfcluster sets it to jax)")
 
 
 def _script(node: yaml.Node, value: str, base_dir: str) -> str:

@@ -18,7 +18,9 @@ def plan_json(plan: Plan) -> dict:
     return plan_to_dict(plan, redact=True)
 
 
-def _roles(task: TaskPlan) -> str:
+def _roles(task: TaskPlan, mode: str = "") -> str:
+    if mode == "keras-jax":       # JAX's own words: its process id, and who serves the coordinator
+        return ", ".join([f"process {task.index}", *(["coordinator"] if task.index == 0 else []), "script"])
     roles = ["chief"] if task.is_chief else []
     roles += ["server"] if task.runs_server else []
     roles += ["script"] if task.runs_script else []
@@ -27,13 +29,16 @@ def _roles(task: TaskPlan) -> str:
 
 def print_plan(ui, plan: Plan, *, commands: bool = False) -> None:
     rows = [
-        (t.key, t.host, t.target, ",".join(map(str, t.gpus)) or "-", _roles(t))
+        (t.key, t.host, t.target, ",".join(map(str, t.gpus)) or "-", _roles(t, plan.mode))
         for t in plan.tasks
     ]
     ui.table(f"cluster {plan.name!r} — mode {plan.mode}, {len(plan.tasks)} tasks on "
              f"{len(plan.hosts)} host(s)", ["task", "host", "address", "GPUs", "role"], rows)
     cluster = {job: list(addrs) for job, addrs in plan.cluster}
     ui.text("cluster spec: " + json.dumps(cluster))
+    if plan.mode == "keras-jax" and plan.tasks:
+        ui.text(f"JAX coordinator: {plan.tasks[0].target} (process 0); {len(plan.tasks)} processes, "
+                f"started and restarted together")
     print_host_loss(ui, plan)
     print_files(ui, plan, FILES_SHOWN if not commands else len(plan.files))
     if not commands:
@@ -127,13 +132,24 @@ def keras_cell(info) -> str:
     return " + ".join(parts) or "-"
 
 
-def version_table(infos: dict, odd: dict[str, list[str]]) -> tuple:
+def jax_cell(info) -> str:
+    """`0.10.2`, `0.10.2 / jaxlib 0.10.1` (they differ) or `MISSING`."""
+    if not info.jax_version:
+        return "MISSING"
+    same = info.jaxlib_version == info.jax_version
+    return info.jax_version + ("" if same else f" / jaxlib {info.jaxlib_version or '?'}")
+
+
+def version_table(infos: dict, odd: dict[str, list[str]], mode: str = "") -> tuple:
     """(title, columns, rows) of the hosts' versions (host -> HostInfo); `odd`: host -> the
     fields it differs in, marked in a last column. For ui.table, or ui.table_text (an
-    error's details)."""
+    error's details). Mode keras-jax has a jax column and needs no TensorFlow."""
+    jax = mode == "keras-jax"
+
     def row(host: str, info) -> tuple[str, ...]:
         build = (info.cuda_version, info.cudnn_version)
-        cells = (host, info.python_version, info.tf_version or "MISSING", keras_cell(info),
+        cells = (host, info.python_version, info.tf_version or ("-" if jax else "MISSING"), keras_cell(info),
+                 *((jax_cell(info),) if jax else ()),
                  " / ".join(v or "?" for v in build) if any(build) else "-",
                  info.driver_version or "-", str(info.gpus))
         if not odd:
@@ -141,7 +157,8 @@ def version_table(infos: dict, odd: dict[str, list[str]]) -> tuple:
         return cells + (f"← differs ({', '.join(odd[host])})" if host in odd else "",)
 
     rows = [row(host, info) for host, info in infos.items()]
-    return f"versions on {len(rows)} host(s)", VERSION_COLUMNS + (("",) if odd else ()), rows
+    columns = VERSION_COLUMNS[:4] + ("jax",) + VERSION_COLUMNS[4:] if jax else VERSION_COLUMNS
+    return f"versions on {len(rows)} host(s)", columns + (("",) if odd else ()), rows
 
 
 def status_json(plan: Plan, rows) -> dict:

@@ -17,6 +17,8 @@ class HostInfo:
     tensorboard_version: str | None = None
     keras_version: str | None = None    # the `keras` package: Keras 3 is `tf.keras` from TF 2.16
     tf_keras_version: str | None = None  # Keras 2, used with TF_USE_LEGACY_KERAS=1; None: absent
+    jax_version: str | None = None      # mode keras-jax: equal on every host, with jaxlib's
+    jaxlib_version: str | None = None
     proxy: tuple[tuple[str, str], ...] = ()   # the proxy variables tasks inherit (shim_net)
 
 
@@ -63,7 +65,8 @@ def host_info(info: dict) -> HostInfo:
     return HostInfo(python_version=info["python_version"], tf_version=info.get("tf_version"),
                     machine_id=info["machine_id"], gpus=int(info.get("gpus") or 0),   # light: neither
                     **{k: info.get(k) for k in ("cuda_version", "cudnn_version", "driver_version")},
-                    **{k: info.get(k) for k in ("tensorboard_version", "keras_version", "tf_keras_version")},
+                    **{k: info.get(k) for k in ("tensorboard_version", "keras_version", "tf_keras_version",
+                                                   "jax_version", "jaxlib_version")},
                     proxy=tuple(sorted((info.get("proxy") or {}).items())))
 
 

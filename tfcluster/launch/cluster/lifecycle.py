@@ -330,7 +330,7 @@ def check(plan: Plan, ui, allow_skew: bool = False) -> None:
         session.fence = fence.PROBE       # could the ports be closed? (the survey carries the question)
         session.open(survey=[])
         check_versions(session, allow_skew=allow_skew, report=True)
-        binders = [t for t in plan.tasks if t.runs_server or (plan.mode == "classic" and t.runs_script)]
+        binders = [t for t in plan.tasks if t.runs_server or (plan.mode in ("classic", "keras-jax") and t.runs_script)]
         preflight(session, binders)
         ui.ok("preflight passed: every host can run its tasks and every port is free")
         if plan.tf_ports != "open" and all((a or {}).get("can") for a in session.fence_answers().values()):

@@ -21,7 +21,9 @@ def preflight(session: Session, tasks: list[TaskPlan], *, ports: bool = True,
     infos = session.infos
     for name in dict.fromkeys(t.host for t in tasks):
         info, host = infos[name], session.plan.host(name)
-        if not info.tf_version:
+        if session.plan.mode == "keras-jax":
+            _check_jax_host(session, name)
+        elif not info.tf_version:
             raise PreflightError(
                 f"host {name}: tensorflow is not installed for {host.python}",
                 hint="install it there, e.g. `" + shell_join(
@@ -32,6 +34,19 @@ def preflight(session: Session, tasks: list[TaskPlan], *, ports: bool = True,
     if ports:
         _check_same_machine_ports(infos, tasks)
         _check_ports_free(session, tasks, busy)
+
+
+def _check_jax_host(session: Session, name: str) -> None:
+    """Mode keras-jax needs no TensorFlow, but the backend it sets (KERAS_BACKEND=jax) must exist:
+    without jax a Keras script fails at its import, a JAX one at once."""
+    host = session.plan.host(name)
+    if not session.infos[name].jax_version:
+        raise PreflightError(
+            f"host {name}: jax is not installed for {host.python} (mode keras-jax runs every process on it)",
+            hint="install it there, e.g. `" + shell_join(
+                ["tfcluster", "exec", session.plan.spec_path, "--hosts", name, "--", host.python, "-m", "pip",
+                 "install", "jax[cuda12]" if host.gpus else "jax"]) + "` (the same version on every host), "
+                 "or set `python:` in the spec")
 
 
 def check_started_ports(servers: list[TaskPlan], live: dict) -> None:
@@ -57,14 +72,17 @@ def check_versions(session: Session, *, allow_skew: bool, report: bool = False) 
     check_spares(session)
     infos = {h: session.infos[h] for h in session.host_names
              if h in session.infos and not idle_spare(session.plan, h)}
-    skews = versions.find_skews(infos)
+    mode = session.plan.mode
+    skews = versions.find_skews(infos, mode)
     shown = {h: session.infos[h] for h in session.host_names if h in session.infos}   # usable spares too
-    table = version_table(shown, versions.odd_fields(skews))
+    table = version_table(shown, versions.odd_fields(skews), mode)
     if skews and not allow_skew:
+        what = ("the same jax, jaxlib and Keras versions and Python minor version" if mode == "keras-jax"
+                else "the same Python and TensorFlow minor versions")
         raise PreflightError(
             versions.message(skews), details=session.ui.table_text(*table),
-            hint="install the same Python and TensorFlow minor versions on every host (the table "
-                 "marks the odd ones), or pass --allow-skew to go on anyway")
+            hint=f"install {what} on every host (the table marks the odd ones), or pass --allow-skew to go on "
+                 f"anyway")
     if skews or report:
         session.ui.table(*table, stderr=True)
     if skews:
@@ -85,21 +103,25 @@ def check_spares(session: Session) -> None:
     working = [i for h, i in infos.items() if h in session.host_names and not idle_spare(plan, h)]
     problems = {}
     for name in [h for h in session.host_names if idle_spare(plan, h) and h in infos]:
-        problem = _spare_problem(plan.host(name), infos[name], working, plan.legacy_keras)
+        problem = _spare_problem(plan.host(name), infos[name], working, plan.legacy_keras, plan.mode)
         if problem:
             problems[name] = problem
     session.set_aside(problems)
 
 
-def _spare_problem(host, info, working: list, legacy: bool) -> str | None:
-    if not info.tf_version:
+def _spare_problem(host, info, working: list, legacy: bool, mode: str = "") -> str | None:
+    jax = mode == "keras-jax"
+    if jax and not info.jax_version:
+        return f"jax is not installed for {host.python}"
+    if not jax and not info.tf_version:
         return f"tensorflow is not installed for {host.python}"
     if host.gpus and info.gpus < host.gpus:
         return f"the spec gives it {host.gpus} GPUs but it has {info.gpus}"
-    for what, attr in versions.FIELDS:
+    for what, attr in versions.JAX_FIELDS if jax else versions.FIELDS:
+        key = versions.minor if not jax or what == "Python" else str
         mine = getattr(info, attr)
         theirs = sorted({v for i in working if (v := getattr(i, attr))}, key=versions.minor)
-        if mine and theirs and versions.minor(mine) not in {versions.minor(v) for v in theirs}:
+        if mine and theirs and key(mine) not in {key(v) for v in theirs}:
             return f"{what} {mine}, but the hosts with tasks have {', '.join(theirs)}"
     problem = keras.tf_keras_problem(info) if legacy else None
     return f"legacy Keras needs tf_keras, but {problem}" if problem else None

@@ -71,8 +71,8 @@ def launch_of(session: Session, run_id: str, proc: Supervised) -> TaskLaunch:
 def in_place(plan: Plan, proc: Supervised) -> dict | None:
     """The restart policy an attached shim applies itself (None: it never restarts)."""
     restart = plan.restart
-    if restart.policy == policy.NEVER:
-        return None
+    if restart.policy == policy.NEVER or policy.restarts_together(plan.mode):
+        return None     # together: the supervisor restarts every process (restart_together)
     return {"policy": restart.policy, "max_restarts": restart.max_restarts, "done": proc.restarts,
             "zero_ends": proc.role == "script"}     # a script's exit 0 is its success, never restarted
 
@@ -199,11 +199,34 @@ def stop_and_wait(run: Run, procs: list[Supervised], fast: threading.Event | Non
                 pass
 
 
+def restart_together(run: Run, proc: Supervised, rc: int) -> None:
+    """`proc` failed in a mode whose processes only start together (policy.TOGETHER): stop
+    every other script, then start them all afresh, each with the same restart count, so
+    that they resume from the same checkpoint. The others' ends are the run's own doing
+    (stop_and_wait marks them stopping) and counted as one restart of the run."""
+    restart = run.plan.restart
+    scripts = [p for p in run.procs if p.role == "script"]
+    stop_and_wait(run, [p for p in scripts if p is not proc])
+    done = max(p.restarts for p in scripts) + 1
+    count = f"{done}/{restart.max_restarts}"
+    run.mux.note(proc.key, signatures.restart_note(rc, count))
+    run.ui.warn(f"{proc.task.key} on {proc.task.host} exited with code {rc}; restarting every process "
+                f"from the checkpoint ({count}): {run.plan.mode} mode starts its processes together")
+    for p in scripts:
+        p.restarts = done
+        p.handle, p.stopping, p.exit_code = None, False, None
+    start_all(run, scripts)
+
+
 def on_failure(run: Run, proc: Supervised, rc: int) -> None:
     """A failure that is the task's own (a lost host's are recovery.py's): restart it under
     the policy, or end the run naming it."""
     restart = run.plan.restart
     what = f"{proc.task.key}{' server' if proc.role == 'server' else ''} on {proc.task.host}"
+    if proc.role == "script" and policy.restarts_together(run.plan.mode) and \
+            policy.should_restart(restart, rc, proc.restarts):
+        restart_together(run, proc, rc)
+        return
     if policy.should_restart(restart, rc, proc.restarts):
         proc.restarts += 1
         count = f"{proc.restarts}/{restart.max_restarts}"

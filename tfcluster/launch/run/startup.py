@@ -74,8 +74,9 @@ def begin(run: Run, holder: Holder) -> None:
     try:
         check_versions(session, allow_skew=run.options.allow_skew)
         servers, live = _prepare_servers(run)
-        # In classic mode the scripts build their own servers: their ports must be free too.
-        preflight(session, [p.task for p in holder.procs], ports=plan.mode == "classic")
+        # In classic mode the scripts build their own servers, in keras-jax mode process 0 serves
+        # JAX's coordinator on its port: their ports must be free too.
+        preflight(session, [p.task for p in holder.procs], ports=plan.mode in ("classic", "keras-jax"))
         shipping = Background(ship, session, [p.task for p in holder.procs], run.run_id, run.files)
         # The servers start warm (TF imported, port not bound) while reachability runs.
         warm = _warm_servers(run, servers, hold=plan.checks.reachability)

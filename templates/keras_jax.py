@@ -1,0 +1,213 @@
+"""Keras 3 on JAX over many hosts: `model.fit` under DataParallel, or ModelParallel with a
+LayoutMap (`--model_parallel`).
+
+tfcluster's mode keras-jax runs this script once per JAX process (one per host with all its
+devices, or one per GPU) with KERAS_BACKEND=jax and the coordinator, the process count
+and the process id in KERAS_DISTRIBUTION_*; `keras.distribution.initialize()` reads them.
+Process 0 (worker 0) serves JAX's coordinator, prints the progress and owns the
+checkpoints. Model: a small regression network on synthetic data made here (fixed seed,
+no downloads).
+
+DataParallel: every device holds the whole model and a slice of each batch; each process
+feeds its own shard of the data (rows process_id::process_count), so the global batch is
+--batch_size. ModelParallel: the hidden layer's kernel is split over every device (a
+LayoutMap), the batch is not split, so every process feeds the same batches.
+
+Resumable: with --model_dir, process 0 saves after every epoch and, on a start, restores
+the newest checkpoint and hands it to the other processes (only its host needs it; a
+restart of every process after a failure resumes there). A checkpoint is written as
+`ckpt-<epoch>.data-00000-of-00001` (the arrays, npz) then `ckpt-<epoch>.index`, each
+renamed into place: the layout tfcluster's checkpoint sync recognises.
+
+    python keras_jax.py --epochs 5 --batch_size 64 --learning_rate 0.01 [--model_dir DIR] [--model_parallel]
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import signal
+import sys
+
+import numpy as np
+
+os.environ.setdefault("KERAS_BACKEND", "jax")     # tfcluster sets it; run by hand, too
+import jax  # noqa: E402
+import keras  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
+
+FEATURES = 8
+EXAMPLES = 2048
+HIDDEN = 32
+CKPT = re.compile(r"^ckpt-(\d+)\.index$")
+# tfcluster stops a task with SIGTERM and KILLs it 5 s later. Saving then would be a
+# collective every process must join at the same step; the epoch's checkpoint is enough,
+# so a stop ends the process at once (exit 128+15, a stop and not a failure).
+STOP_EXIT = 128 + signal.SIGTERM
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--epochs", type=int, default=5)
+    p.add_argument("--batch_size", type=int, default=64, help="the global batch, over every process")
+    p.add_argument("--learning_rate", type=float, default=0.01)
+    p.add_argument("--examples", type=int, default=EXAMPLES)
+    p.add_argument("--model_dir", default=None, help="checkpoints: saved by process 0, restored at start")
+    p.add_argument("--keep", type=int, default=2, help="checkpoints kept in --model_dir")
+    p.add_argument("--model_parallel", action="store_true",
+                   help="ModelParallel with a LayoutMap instead of DataParallel")
+    return p.parse_args(argv)
+
+
+def start_distribution(model_parallel: bool) -> None:
+    """Join the other processes (a process run alone skips it), then lay the model out over
+    every device of every process."""
+    if os.environ.get("KERAS_DISTRIBUTION_JOB_ADDRESSES"):
+        keras.distribution.initialize()
+    devices = keras.distribution.list_devices()
+    if model_parallel:
+        mesh = keras.distribution.DeviceMesh((1, len(devices)), ["batch", "model"], devices)
+        layout = keras.distribution.LayoutMap(mesh)
+        layout["hidden/kernel"] = (None, "model")       # columns of the hidden layer per device
+        layout["hidden/bias"] = ("model",)
+        layout["out/kernel"] = ("model", None)
+        keras.distribution.set_distribution(keras.distribution.ModelParallel(
+            layout_map=layout, batch_dim_name="batch", auto_shard_dataset=False))
+    else:
+        # NumPy arrays: each process feeds its own shard, so Keras must not shard again
+        keras.distribution.set_distribution(keras.distribution.DataParallel(
+            devices=devices, auto_shard_dataset=False))
+
+
+def make_data(examples: int, local_batch: int, model_parallel: bool) -> tuple[np.ndarray, np.ndarray]:
+    """This process's part of the data: whole batches only, the same count in every
+    process (a process with one batch more would wait forever for the others)."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(examples, FEATURES)).astype("float32")
+    w = rng.normal(size=(FEATURES, 1)).astype("float32")
+    y = np.tanh(x @ w) + 0.05 * rng.normal(size=(examples, 1)).astype("float32")
+    if model_parallel:
+        usable = examples // local_batch * local_batch
+        return x[:usable], y[:usable]   # the batch is not split: every process feeds all of it
+    me, n = jax.process_index(), jax.process_count()
+    usable = examples // (n * local_batch) * n * local_batch
+    return x[me:usable:n], y[me:usable:n]
+
+
+def build_model(learning_rate: float) -> keras.Model:
+    keras.utils.set_random_seed(1)     # the same initial weights in every process
+    model = keras.Sequential([keras.Input((FEATURES,)),
+                              keras.layers.Dense(HIDDEN, activation="relu", name="hidden"),
+                              keras.layers.Dense(1, name="out")])
+    model.compile(optimizer=keras.optimizers.Adam(learning_rate), loss="mse")
+    model.optimizer.build(model.trainable_variables)    # its state is checkpointed too
+    return model
+
+
+def state(model: keras.Model) -> list:
+    return list(model.weights) + list(model.optimizer.variables)
+
+
+def gathered(model: keras.Model) -> list[np.ndarray]:
+    """Every variable's whole value in this process (a collective: every process calls it;
+    a ModelParallel kernel is split over processes)."""
+    return [np.asarray(multihost_utils.process_allgather(v.value, tiled=True)) for v in state(model)]
+
+
+def digest(values: list[np.ndarray]) -> str:
+    h = hashlib.sha256()
+    for v in values:
+        h.update(np.ascontiguousarray(v).tobytes())
+    return h.hexdigest()[:16]
+
+
+def newest(model_dir: str) -> int | None:
+    found = [int(m.group(1)) for name in os.listdir(model_dir) if (m := CKPT.match(name))]
+    return max(found, default=None)
+
+
+def restore(model: keras.Model, model_dir: str | None, steps: int) -> int:
+    """The epoch to start from: process 0 reads its newest checkpoint and every process
+    takes its values (broadcast), so only process 0's host needs the files."""
+    template = [np.zeros(v.shape, v.dtype) for v in state(model)]
+    epoch, values = 0, template
+    if jax.process_index() == 0 and model_dir and (n := newest(model_dir)) is not None:
+        with np.load(os.path.join(model_dir, f"ckpt-{n}.data-00000-of-00001")) as data:
+            values = [data[f"v{i}"] for i in range(len(template))]
+        epoch = n
+    epoch, values = multihost_utils.broadcast_one_to_all((np.int32(epoch), values))
+    epoch = int(epoch)
+    if epoch:
+        for v, value in zip(state(model), values):
+            v.assign(np.asarray(value))
+        if jax.process_index() == 0:
+            print(f"restored {model_dir}/ckpt-{epoch} at step={epoch * steps}", flush=True)
+    return epoch
+
+
+def _atomic(path: str, write) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save(model: keras.Model, model_dir: str, epoch: int, keep: int) -> None:
+    values = gathered(model)            # every process: it is a collective
+    if jax.process_index() != 0:
+        return
+    prefix = os.path.join(model_dir, f"ckpt-{epoch}")
+    _atomic(prefix + ".data-00000-of-00001", lambda f: np.savez(f, **{f"v{i}": v for i, v in enumerate(values)}))
+    _atomic(prefix + ".index", lambda f: f.write(json.dumps({"epoch": epoch, "arrays": len(values)}).encode()))
+    for old in sorted(int(m.group(1)) for name in os.listdir(model_dir) if (m := CKPT.match(name)))[:-keep]:
+        for suffix in (".index", ".data-00000-of-00001"):
+            try:
+                os.unlink(os.path.join(model_dir, f"ckpt-{old}{suffix}"))
+            except FileNotFoundError:
+                pass
+
+
+class EpochSaver(keras.callbacks.Callback):
+    def __init__(self, model_dir: str, keep: int) -> None:
+        super().__init__()
+        self.model_dir, self.keep = model_dir, keep
+
+    def on_epoch_end(self, epoch, logs=None):
+        save(self.model, self.model_dir, epoch + 1, self.keep)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(STOP_EXIT))
+    start_distribution(args.model_parallel)
+    me, n = jax.process_index(), jax.process_count()
+    local_batch = args.batch_size if args.model_parallel else args.batch_size // n
+    if local_batch < 1 or (not args.model_parallel and args.batch_size % n):
+        sys.exit(f"--batch_size {args.batch_size} does not split over {n} processes")
+    x, y = make_data(args.examples, local_batch, args.model_parallel)
+    if not len(x):
+        sys.exit(f"--examples {args.examples} is less than one global batch ({args.batch_size})")
+    steps = len(x) // local_batch
+    model = build_model(args.learning_rate)
+    if args.model_dir:
+        os.makedirs(args.model_dir, exist_ok=True)
+    start = restore(model, args.model_dir, steps)
+    print(f"process {me} of {n}: {jax.local_device_count()} local device(s), {jax.device_count()} in all, "
+          f"{'model' if args.model_parallel else 'data'} parallel, epoch {start} of {args.epochs}", flush=True)
+    callbacks = [EpochSaver(args.model_dir, args.keep)] if args.model_dir else []
+    history = model.fit(x, y, batch_size=local_batch, epochs=args.epochs, initial_epoch=start, shuffle=False,
+                        verbose=2 if me == 0 else 0, callbacks=callbacks)
+    values = gathered(model)
+    loss = history.history["loss"][-1] if history.history.get("loss") else float("nan")
+    print(f"weights sha256={digest(values[:len(model.weights)])} process={me}", flush=True)
+    if me == 0:
+        print(f"tfcluster-result: global_step={args.epochs * steps} loss={loss:.6f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,210 @@
+"""Mode keras-jax: Keras 3 `model.fit` on the JAX backend over several processes, for real.
+
+Real JAX (CPU, gloo collectives) and real sshd on loopback hosts 127.0.0.2-3: two processes
+of the shipped template (templates/keras_jax.py) train to the same weights (each prints a
+digest of its weights); a process killed mid-run makes every process restart from process
+0's checkpoint, and the run reaches its last epoch; a script that picks another Keras
+backend is diagnosed with its fix. The plan's side (variables, placement, refusals) is
+tested without processes at the end.
+"""
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import free_ports, kill_tagged_once_seen, manifest, only_run, start_tfcluster, tagged_processes, tfcluster
+from tfcluster.errors import SpecError
+from tfcluster.plan import build_plan
+from tfcluster.spec import load_spec
+
+DIGEST = re.compile(r"weights sha256=([0-9a-f]{16}) process=(\d)")
+EPOCH_STEPS = 32                 # the template's 2048 examples in global batches of 64
+
+
+def jax_spec(tmp: Path, sshd, *, name: str, args: str, extra: str = "") -> Path:
+    a, b = free_ports(2)
+    text = (f"name: {name}\npython: {sys.executable}\nworkdir: {tmp / 'remote'}\n"
+            f"ssh:\n  port: {sshd.port}\n  connect_timeout: 5\n"
+            "hosts:\n  - {name: h2, address: 127.0.0.2}\n  - {name: h3, address: 127.0.0.3}\n"
+            f"jobs:\n  worker: {{tasks: ['h2:{a}', 'h3:{b}']}}\n"
+            f"train:\n  mode: keras-jax\n  script: template:keras_jax\n  args: {args}\n  timeout: 400\n{extra}")
+    path = tmp / f"{name}.yaml"
+    path.write_text(text)
+    return path
+
+
+def digests(run_dir: Path) -> dict[str, str]:
+    """worker key -> the digest of the weights it ended with (its last attempt's)."""
+    out = {}
+    for key in ("worker-0", "worker-1"):
+        found = DIGEST.findall((run_dir / f"{key}.log").read_text(errors="replace"))
+        assert found, f"{key} printed no digest:\n{(run_dir / f'{key}.log').read_text()[-3000:]}"
+        out[key] = found[-1][0]
+    return out
+
+
+@pytest.mark.tf
+@pytest.mark.timeout(420)
+def test_two_processes_train_to_the_same_weights_and_progress_comes_from_process_0(tmp_path, home, ssh_home, sshd):
+    spec = jax_spec(tmp_path, sshd, name="kjfit", args='["--epochs", "3"]')
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    result = tfcluster("train", str(spec), home=home, cwd=cwd, timeout=400)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-4000:]
+    run = only_run(cwd / "runs")
+    tasks = manifest(run)["tasks"]
+    assert {k: t["script"]["exit_code"] for k, t in tasks.items()} == {"worker:0": 0, "worker:1": 0}
+    found = digests(run)
+    assert found["worker-0"] == found["worker-1"], found
+    log0 = (run / "worker-0.log").read_text()
+    assert "process 0 of 2: 1 local device(s), 2 in all" in log0
+    assert f"global_step={3 * EPOCH_STEPS}" in log0
+    # Keras' own epoch lines, read as for any Keras run: process 0's step in the summary
+    row = next(line for line in out.splitlines() if line.lstrip().startswith("worker:0") and " h2 " in line)
+    assert str(3 * EPOCH_STEPS) in row.split(), row
+    assert not tagged_processes()
+
+
+@pytest.mark.tf
+@pytest.mark.timeout(560)
+def test_a_killed_process_restarts_every_process_from_the_checkpoint(tmp_path, home, ssh_home, sshd):
+    epochs = 12
+    spec = jax_spec(tmp_path, sshd, name="kjkill",
+                    args=f'["--epochs", "{epochs}", "--model_dir", "{{workdir}}/ckpt"]',
+                    extra="  restart: {policy: on-failure, max_restarts: 2}\n")
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    proc = start_tfcluster("train", str(spec), home=home, cwd=cwd)
+    # process 0 saved epochs 1 and 2 when it starts epoch 3; kill process 1 then
+    out = kill_tagged_once_seen(proc, r"worker:0 .*Epoch 3/", ":worker:1:script", wait=300, finish=240)
+    assert proc.returncode == 0, out[-5000:]
+    assert "worker:1 on h3 exited with code" in out and "restarting every process from the checkpoint (1/2)" in out, \
+        out[-5000:]
+    restored = re.search(r"restored \S+/ckpt/ckpt-(\d+) at step=(\d+)", out)
+    assert restored and int(restored.group(1)) >= 2, out[-5000:]
+    assert int(restored.group(2)) == int(restored.group(1)) * EPOCH_STEPS
+    run = only_run(cwd / "runs")
+    found = digests(run)
+    assert found["worker-0"] == found["worker-1"], found
+    assert f"global_step={epochs * EPOCH_STEPS}" in (run / "worker-0.log").read_text()
+    tasks = manifest(run)["tasks"]
+    assert {k: (t["script"]["exit_code"], t["script"]["restarts"]) for k, t in tasks.items()} == \
+        {"worker:0": (0, 1), "worker:1": (0, 1)}, tasks
+    assert not tagged_processes()
+
+
+@pytest.mark.tf
+@pytest.mark.timeout(240)
+def test_a_script_that_picks_another_backend_is_diagnosed(tmp_path, home):
+    """keras-io's examples start with `os.environ["KERAS_BACKEND"] = "tensorflow"`: the
+    script then overrides the backend the mode set, and keras.distribution.initialize() has
+    nothing to run on. One local process shows it (the backend is chosen per process)."""
+    (tmp_path / "main.py").write_text(
+        'import os\nos.environ["KERAS_BACKEND"] = "tensorflow"\nimport keras\n'
+        'keras.distribution.initialize()\n')
+    port, = free_ports(1)
+    spec = tmp_path / "kjbackend.yaml"
+    spec.write_text(f"name: kjbackend\nworkdir: {tmp_path / 'remote'}\n"
+                    "hosts:\n  - {name: me, address: localhost}\n"
+                    f"jobs:\n  worker: {{tasks: ['me:{port}']}}\n"
+                    "train:\n  mode: keras-jax\n  script: main.py\n  timeout: 200\n")
+    result = tfcluster("train", str(spec), home=home, cwd=tmp_path, timeout=220)
+    out = result.stdout + result.stderr
+    assert result.returncode == 5, out[-3000:]        # a task failed (docs: exit codes)
+    assert "ran on a Keras backend other than JAX" in out, out[-3000:]
+    assert "remove the script's own KERAS_BACKEND setting" in out, out[-3000:]
+    assert not tagged_processes()
+
+
+# -- the plan (no processes) -----------------------------------------------------------
+
+def write(tmp: Path, body: str, hosts: str = "  - {name: a, address: 10.0.0.1, gpus: 4}\n"
+          "  - {name: b, address: 10.0.0.2, gpus: 4}\n") -> Path:
+    path = tmp / "s.yaml"
+    path.write_text(f"name: kj\nhosts:\n{hosts}{body}")
+    (tmp / "t.py").write_text("print(1)\n")
+    return path
+
+
+def test_each_process_gets_the_backend_the_coordinator_and_its_id_and_all_of_its_hosts_gpus(tmp_path):
+    spec = write(tmp_path, "jobs:\n  worker: {count: 2, hosts: [a, b], port: 7600}\n"
+                           "train: {mode: keras-jax, script: t.py}\n")
+    plan = build_plan(load_spec(str(spec)))
+    envs = {t.key: dict(t.env) for t in plan.tasks}
+    for i, key in enumerate(("worker:0", "worker:1")):
+        env = envs[key]
+        assert env["KERAS_BACKEND"] == "jax"
+        assert env["KERAS_DISTRIBUTION_JOB_ADDRESSES"] == env["JAX_COORDINATOR_ADDRESS"] == "10.0.0.1:7600"
+        assert env["KERAS_DISTRIBUTION_NUM_PROCESSES"] == env["JAX_NUM_PROCESSES"] == "2"
+        assert env["KERAS_DISTRIBUTION_PROCESS_ID"] == env["JAX_PROCESS_ID"] == str(i)
+        assert env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
+        assert "JAX_CPU_COLLECTIVES_IMPLEMENTATION" not in env      # GPUs: NCCL, not gloo
+    assert not any(t.runs_server for t in plan.tasks)
+
+
+def test_per_gpu_gives_one_process_per_gpu_and_cpu_hosts_get_gloo(tmp_path):
+    spec = write(tmp_path, "jobs:\n  worker: {per_gpu: true, hosts: [a], port: 7600}\n"
+                           "train: {mode: keras-jax, script: t.py}\n")
+    plan = build_plan(load_spec(str(spec)))
+    assert [(t.key, t.gpus, dict(t.env)["JAX_PROCESS_ID"]) for t in plan.tasks] == \
+        [(f"worker:{i}", (i,), str(i)) for i in range(4)]
+    spec = write(tmp_path, "jobs:\n  worker: {count: 1, hosts: [c], port: 7600}\n"
+                           "train: {mode: keras-jax, script: t.py}\n",
+                 hosts="  - {name: c, address: 10.0.0.3}\n")
+    env = dict(build_plan(load_spec(str(spec))).tasks[0].env)
+    assert env["JAX_CPU_COLLECTIVES_IMPLEMENTATION"] == "gloo" and env["CUDA_VISIBLE_DEVICES"] == ""
+
+
+@pytest.mark.parametrize("body,line,message", [
+    ("jobs:\n  ps: {count: 1, hosts: [a], port: 2222}\n  worker: {count: 1, hosts: [b], port: 7600}\n"
+     "train: {mode: keras-jax, script: t.py}\n", 6, "jobs.ps: mode keras-jax takes no ps tasks"),
+    ("env: {KERAS_BACKEND: tensorflow}\njobs:\n  worker: {count: 1, hosts: [a], port: 7600}\n"
+     "train: {mode: keras-jax, script: t.py}\n", 5, "env.KERAS_BACKEND: mode keras-jax runs Keras on JAX"),
+    ("env: {JAX_PROCESS_ID: '3'}\njobs:\n  worker: {count: 1, hosts: [a], port: 7600}\n"
+     "train: {mode: keras-jax, script: t.py}\n", 5, "env.JAX_PROCESS_ID: JAX_PROCESS_ID is set by tfcluster"),
+])
+def test_what_the_mode_refuses_is_one_line_naming_the_field(tmp_path, body, line, message):
+    with pytest.raises(SpecError) as err:
+        load_spec(str(write(tmp_path, body)))
+    assert f"s.yaml:{line}: {message}" in str(err.value), str(err.value)
+
+
+def test_processes_with_different_gpu_counts_are_refused(tmp_path):
+    spec = write(tmp_path, "jobs:\n  worker: {count: 2, hosts: [a, b], port: 7600}\n"
+                           "train: {mode: keras-jax, script: t.py}\n",
+                 hosts="  - {name: a, address: 10.0.0.1, gpus: 4}\n  - {name: b, address: 10.0.0.2, gpus: 2}\n")
+    with pytest.raises(SpecError, match="worker:0 gets 4 GPUs and worker:1 2: JAX needs the same number"):
+        load_spec(str(spec))
+
+
+# -- the signatures, on lines JAX 0.10.2 and Keras 3.15.1 printed here -------------------
+# (two processes started by hand: one with XLA_FLAGS=--xla_force_host_platform_device_count=2;
+# and process 1 SIGKILLed mid-epoch, process 0's log after its 100 s heartbeat timeout)
+
+DEVICE_COUNT = b"""Traceback (most recent call last):
+  File "/work/main/.venv/lib/python3.11/site-packages/keras/src/backend/jax/distribution_lib.py", line 129, in initialize_rng
+    global_seed = jax.pmap(
+  File "/work/main/.venv/lib/python3.11/site-packages/jax/_src/pmap.py", line 701, in _get_mesh_devices
+    assert all(
+AssertionError
+"""
+PEER_DIED = (b"jax.errors.JaxRuntimeError: INTERNAL: Error dispatching computation: Gloo all-reduce failed: "
+             b"[external/gloo/gloo/transport/tcp/pair.cc:538] Read error [127.0.0.1]:28044: Connection reset by peer\n"
+             b"E1128 11:04:26.148502   22083 coordination_service.cc:1549] [17209706471296935920] Use error polling "
+             b"to propagate the following error to all tasks: UNAVAILABLE: The following tasks are unhealthy "
+             b"(stopped sending heartbeats):\n"
+             b"F1128 11:04:26.158113   21974 client.h:80] Terminating process because the JAX distributed service "
+             b"detected fatal errors. This most likely indicates that another task died\n")
+
+
+@pytest.mark.parametrize("tail,name", [(DEVICE_COUNT, "jax-device-count"), (PEER_DIED, "jax-peer-died"),
+                                       (b"AssertionError\n", None)])
+def test_jax_endings_are_named(tail, name):
+    from tfcluster.diagnose import signatures
+
+    found = signatures.diagnose("keras-jax", tail, "worker")
+    assert (found.name if found else None) == name
