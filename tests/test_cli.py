@@ -180,7 +180,7 @@ def test_plan_json_shows_restart_timeout_and_exact_commands(tmp_path):
     assert worker["script"] == [sys.executable, "train.py"]   # a local host runs our interpreter
     assert worker["server_command"][0] == sys.executable
     assert doc["hosts"] == [{"name": "local", "address": "127.0.0.1", "local": True, "gpus": 0,
-                             "python": sys.executable}]
+                             "python": sys.executable, "preemptible": "no", "metadata_url": None}]
 
 
 def test_run_summary_keeps_the_start_of_a_long_line_and_marks_the_cut():
