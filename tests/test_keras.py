@@ -260,7 +260,7 @@ def test_up_warns_of_model_fit_in_coordinator_mode_and_starts_the_servers(tmp_pa
         assert up.returncode == 0, up.stderr
         minor = ".".join(LOCAL_KERAS.split(".")[:2])
         warning = up.stderr.index(f"tfcluster: warning: coordinator mode: Keras {minor} on local cannot run "
-                                  "model.fit under ParameterServerStrategy (keras-team/keras#18624)")
+                                  "model.fit (train.py:2) under ParameterServerStrategy (keras-team/keras#18624)")
         assert warning < up.stderr.index("Starting 3 server(s)")
     finally:
         down = tfcluster("down", str(spec), home=home, cwd=tmp_path, timeout=120)
