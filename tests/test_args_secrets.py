@@ -78,6 +78,9 @@ def test_urls_without_a_password_run_and_a_user_is_masked_where_shown(tmp_path, 
     plan = tfcluster("plan", str(spec), "--json", home=home, cwd=tmp_path, timeout=60)
     assert plan.returncode == 0, plan.stderr
     assert json.loads(plan.stdout)["tasks"][0]["script"][2:] == shown
+    listed = tfcluster("plan", str(spec), "--commands", home=home, cwd=tmp_path, timeout=60)
+    assert listed.returncode == 0, listed.stderr
+    assert "git@" not in listed.stdout and "ssh://***@git.lab/exp.git" in listed.stdout, listed.stdout
     run = tfcluster("train", str(spec), home=home, cwd=tmp_path, timeout=100)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert f"ARGV {json.dumps(args)}" in run.stdout             # the task gets every argument whole

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from tfcluster.plan import Plan, TaskPlan, plan_to_dict, policy, redact_env, spare_to_dict
+from tfcluster.plan import Plan, TaskPlan, mask_userinfo, plan_to_dict, policy, redact_env, spare_to_dict
 from tfcluster.safetext import escape, shell_join, shell_word
 from tfcluster.ui.units import duration, size
 
@@ -49,7 +49,7 @@ def print_plan(ui, plan: Plan, *, commands: bool = False) -> None:
         if t.runs_server:
             ui.text(f"  server:  {shell_join(plan.command(t, 'server'))}")
         if t.runs_script:
-            ui.text(f"  script:  {shell_join(plan.command(t))}  (in {plan.cluster_dir}/runs/<run id>)")
+            ui.text(f"  script:  {shell_join([mask_userinfo(a) for a in plan.command(t)])}  (in {plan.cluster_dir}/runs/<run id>)")
             for name, value in t.script_env:
                 ui.text(f"  script env: {name}={shell_word(value)}  (a client: its server owns the GPU)")
         for name, value in redact_env(t.env, plan.secret_env, plan.public_env).items():
