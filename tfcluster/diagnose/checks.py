@@ -41,8 +41,11 @@ class RunChecks:
         judged = st.judged_tasks(plan) if plan.checks.placement else []
         self.strategy = st.StrategyCheck(plan.mode, judged, len(scripts)) if judged else None
         chief = plan.chief
+        self.jax = plan.mode == "keras-jax"
         self.watchdog = wd.Watchdog(plan.checks.hang_after, targets={t.target: t.key for t in plan.tasks},
-                                    chief=chief.key if chief else None) if plan.checks.hang_after > 0 else None
+                                    chief=chief.key if chief else None,
+                                    coordinator=scripts[0] if self.jax and scripts else None) \
+            if plan.checks.hang_after > 0 else None
         self._keys = {t.key for t in plan.tasks}
         self._diagnosing = threading.Lock()
         self.diagnoses = 0
@@ -61,7 +64,7 @@ class RunChecks:
         if self.strategy is not None:
             marks += (st.MARK,)
         if self.watchdog is not None:
-            marks += wd.MARKERS
+            marks += wd.MARKERS + (wd.JAX_MARKERS if self.jax else ())
         return marks
 
     def on_line(self, key: str, line: bytes) -> None:
@@ -96,10 +99,14 @@ class RunChecks:
             return
         now = time.monotonic()
         running = {p.task.key for p in procs if p.role == "script" and p.exit_code is None and p.handle}
-        for p in procs:     # a ps that runs the script (classic mode) serves silently: normal
-            if p.role == "script" and p.task.key in running and p.task.job != "ps":
-                since = mux.last_output(p.key) or now - max(0.0, time.time() - p.attempt_started)
-                self.watchdog.silent(p.task.key, since, now)
+        scripts = [p for p in procs if p.role == "script" and p.task.key in running and p.task.job != "ps"]
+        # JAX processes advance together: one that prints nothing (the template's processes
+        # other than 0) is not silent while another prints
+        latest = max((mux.last_output(p.key) or 0.0 for p in scripts), default=0.0) if self.jax else 0.0
+        for p in scripts:     # a ps that runs the script (classic mode) serves silently: normal
+            started = now - max(0.0, time.time() - p.attempt_started)
+            since = max(mux.last_output(p.key) or started, latest)
+            self.watchdog.silent(p.task.key, since, now, started)
         due = self.watchdog.due(now, running)
         if due and self._diagnosing.acquire(blocking=False):
             threading.Thread(target=self._diagnose, args=(due, list(procs), mux), daemon=True,
@@ -113,8 +120,9 @@ class RunChecks:
             out["strategy"] = self.strategy.summary()
         if self.watchdog is not None:
             # what the watchdog can see: TF's session waits (a hang elsewhere is not one)
-            out["hang"] = (f"{self.diagnoses} diagnosis(es)" if self.diagnoses
-                           else f"no session wait over {self.plan.checks.hang_after:g}s")
+            quiet = ("no process silent past JAX's timeouts" if self.jax
+                     else f"no session wait over {self.plan.checks.hang_after:g}s")
+            out["hang"] = f"{self.diagnoses} diagnosis(es)" if self.diagnoses else quiet
         return out
 
     # -- facts -------------------------------------------------------------------------

@@ -38,6 +38,21 @@ _FROM = re.compile(rb"(\w+): From /job:([A-Za-z0-9_-]+)(?:/replica:\d+)?/task:(\
 _ADDRESS = re.compile(rb"(?:ipv4:|ipv6:)?\[?([A-Za-z0-9_.:-]+?)\]?:(\d+): Failed to connect")
 _MISSING = re.compile(rb"Variables not initialized: (.*)$")
 
+# keras-jax mode: where a JAX process is, read off XLA's INFO lines (TF_CPP_MIN_LOG_LEVEL=0,
+# tfcluster's default). Connecting, JAX retries for jax.distributed.initialize's
+# initialization_timeout (300 s by default) and says nothing; once connected, a dead peer is
+# declared after the heartbeat timeout (heartbeat_timeout_seconds, 100 s) and every process
+# aborts by itself; exiting, a process waits in the shutdown barrier for the others, up to
+# shutdown_timeout_seconds (300 s). Silence within those is JAX waiting as designed, not a hang.
+JAX_CONNECTED = b"Connected to distributed JAX controller"
+JAX_SHUTDOWN = b"Distributed task shutdown initiated"
+JAX_MARKERS = (JAX_CONNECTED, JAX_SHUTDOWN)
+JAX_INIT_TIMEOUT = 300.0
+JAX_HEARTBEAT_TIMEOUT = 100.0
+JAX_SHUTDOWN_TIMEOUT = 300.0
+# past JAX's own timeout, the time its abort and exit take before the watchdog speaks
+_JAX_GRACE = 30.0
+
 
 @dataclass
 class Wait:
@@ -58,6 +73,8 @@ class Watchdog:
     targets: dict[str, str] = field(default_factory=dict)   # "address:port" -> task key
     chief: str | None = None
     repeat: float = 0.0
+    coordinator: str | None = None     # keras-jax mode: process 0's task key (None: not JAX)
+    _jax: dict[str, tuple[str, float]] = field(default_factory=dict)   # key -> (phase, when seen)
     _waits: dict[tuple[str, str], Wait] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -67,6 +84,10 @@ class Watchdog:
     def saw(self, key: str, line: bytes, now: float) -> None:
         """A line of `key`'s output (a script's or its server's) that matched MARKERS."""
         waiter = key.split(".", 1)[0]          # "worker:0.server" waits as worker:0
+        if self.coordinator is not None and (JAX_CONNECTED in line or JAX_SHUTDOWN in line):
+            with self._lock:
+                self._jax[waiter] = ("run" if JAX_CONNECTED in line else "shutdown", now)
+            return
         found = self._classify(line)
         if found is None:
             return
@@ -84,17 +105,38 @@ class Watchdog:
             else:
                 wait.last, wait.detail = now, detail
 
-    def silent(self, key: str, since: float, now: float) -> None:
-        """`key` (alive) has printed nothing since `since`."""
+    def silent(self, key: str, since: float, now: float, started: float | None = None) -> None:
+        """`key` (alive) has printed nothing since `since`; its attempt began at `started`
+        (monotonic, when known: a JAX phase seen before it belongs to an earlier attempt)."""
         with self._lock:
             blocked = self._waits.get((key, "runstep"))
             if blocked is not None and since > blocked.last:
                 del self._waits[(key, "runstep")]      # it wrote since: the step went on
             wait = self._waits.get((key, "silent"))
-            if wait is None or wait.start != since:
-                self._waits[(key, "silent")] = Wait(key, "silent", None, "", since, now)
+            phase, target = self._jax_phase(key, started)
+            if wait is None or wait.start != since or wait.detail != phase:
+                self._waits[(key, "silent")] = Wait(key, "silent", target, phase, since, now)
             else:
                 wait.last = now
+
+    def _jax_phase(self, key: str, started: float | None) -> tuple[str, str | None]:
+        """("", None) outside keras-jax mode, else the process's phase and whom it waits for:
+        connecting, it waits for process 0's coordinator."""
+        if self.coordinator is None:
+            return "", None
+        phase, seen = self._jax.get(key, ("init", 0.0))
+        if started is not None and seen < started:
+            phase = "init"                     # a new attempt connects again
+        if phase == "init":
+            return "jax-init", (self.coordinator if key != self.coordinator else None)
+        return f"jax-{phase}", None
+
+    def _threshold(self, wait: Wait) -> float:
+        if wait.kind != "silent":
+            return self.hang_after
+        jax = {"jax-init": JAX_INIT_TIMEOUT + _JAX_GRACE, "jax-run": JAX_HEARTBEAT_TIMEOUT + _JAX_GRACE,
+               "jax-shutdown": JAX_SHUTDOWN_TIMEOUT + _JAX_GRACE}.get(wait.detail, 0.0)
+        return max(self.repeat, jax)
 
     def due(self, now: float, running: set[str]) -> list[Wait]:
         """Waits of running tasks that have lasted hang_after and are still going, not
@@ -109,14 +151,15 @@ class Watchdog:
                 if wait.waiter not in running or (wait.kind != "silent" and now - wait.last > repeats * 1.5):
                     del self._waits[k]
                     continue
-                threshold = self.repeat if wait.kind == "silent" else self.hang_after
-                if now - wait.start < threshold:
+                if now - wait.start < self._threshold(wait):
                     continue
                 if wait.said is not None and now - wait.said < self.repeat:
                     continue
                 wait.said = now
                 out.append(wait)
-        return out
+        # JAX processes advance together, so their silence is one: said once, for the first
+        jax = [w for w in out if w.detail.startswith("jax-")]
+        return [w for w in out if not w.detail.startswith("jax-")] + sorted(jax, key=lambda w: w.waiter)[:1]
 
     def _classify(self, line: bytes) -> tuple[str, str | None, str] | None:
         if RUNSTEP_BLOCKED in line:
@@ -161,6 +204,8 @@ def explain(wait: Wait, facts: Facts | None, now: float, waiter_host: str, log_h
     waited = f"{wait.waiter} has waited {now - wait.start:.0f}s"
     if wait.kind in ("runstep", "twice"):
         return _stall(wait, facts, now, waiter_host, log_hint)
+    if wait.kind == "silent" and wait.detail.startswith("jax-"):
+        return _jax(wait, facts, now, waiter_host, log_hint)
     if wait.kind == "silent":
         return (f"{wait.waiter} on {waiter_host} has printed nothing for {now - wait.start:.0f}s and is "
                 f"still running: if it should be making progress, it may be stuck (e.g. waiting for "
@@ -208,6 +253,34 @@ def _stall(wait: Wait, facts: Facts | None, now: float, waiter_host: str, log_hi
             f"stopped, hung or unreachable, so the failed step cannot be cancelled there: check its "
             f"process and the network from {waiter_host}{proxy}; its log: {log_hint}. The run ends at "
             f"train.timeout")
+
+
+def _jax(wait: Wait, facts: Facts | None, now: float, waiter_host: str, log_hint: str) -> str:
+    """A keras-jax process silent past the JAX timeout of the phase it is in."""
+    head = (f"no process of the run has printed anything for {now - wait.start:.0f}s "
+            f"(JAX processes advance together); {wait.waiter} on {waiter_host}")
+    if wait.detail == "jax-init":
+        if wait.target is None:
+            whom = "for every other process to register with its coordinator"
+            log_hint = f"its log: {log_hint}"
+        else:
+            where = f" ({facts.host}, {facts.address})" if facts and facts.address else ""
+            whom = f"for process 0's coordinator, {wait.target}{where}: {wait.target} {_state(facts)}"
+            log_hint = f"process 0's log: {log_hint}"
+        return (f"{head} and has not connected to JAX's coordinator: it waits {whom}. "
+                f"jax.distributed.initialize gives up after its initialization_timeout "
+                f"({JAX_INIT_TIMEOUT:.0f}s by default) and this is past it: the program may set a longer "
+                f"one, or it is stuck before the call (a data load, an import); {log_hint}")
+    if wait.detail == "jax-shutdown":
+        return (f"{head} has begun JAX's shutdown: it waits in the shutdown barrier for the other "
+                f"processes, which JAX bounds by shutdown_timeout_seconds ({JAX_SHUTDOWN_TIMEOUT:.0f}s by "
+                f"default) and a dead peer by heartbeat_timeout_seconds ({JAX_HEARTBEAT_TIMEOUT:.0f}s); "
+                f"past both, a process that has not reached its end may be stuck; its log: {log_hint}")
+    return (f"{head} is still running, past JAX's heartbeat timeout (heartbeat_timeout_seconds, "
+            f"{JAX_HEARTBEAT_TIMEOUT:.0f}s by default), after which a dead process would have ended "
+            f"every process: every process is alive, so it may be stuck in its own code (a data "
+            f"load, a step that does not return) or a collective that another process never "
+            f"joins (a different number of steps per process); its log: {log_hint}")
 
 
 def _failed(status: str) -> str:
