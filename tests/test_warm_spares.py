@@ -21,7 +21,7 @@ from tests.helpers import (
     wait_for,
 )
 from tfcluster.errors import SpecError
-from tfcluster.host import shim_procs, shim_warm
+from tfcluster.host import shim_procs, shim_standby, shim_warm
 from tfcluster.spec.loader import load_spec
 
 # -- the host's side -----------------------------------------------------------------------
@@ -54,7 +54,10 @@ def _stopped(proc) -> None:
 
 @pytest.mark.timeout(60)
 def test_a_standby_becomes_its_task_in_its_own_process_with_the_tasks_tag(tmp_path):
-    standby_req, task_req = _requests(tmp_path)
+    # started as worker:0 (a warm spare guesses the first host it could take), it becomes
+    # worker:1: tfcluster's own variables are read by the script only, after the take
+    standby_req, task_req = _requests(tmp_path, standby_env={"TFCLUSTER_TASK_INDEX": "0", "TFCLUSTER_IS_CHIEF": "1"},
+                                      task_env={"TFCLUSTER_TASK_INDEX": "1", "TFCLUSTER_IS_CHIEF": "0"})
     standby = shim_warm.Standby(standby_req)
     assert standby.ready.wait(30) and standby.ready_s is not None
     standby_pid = standby.proc.pid
@@ -91,6 +94,15 @@ def test_a_standby_started_with_another_value_of_a_start_up_variable_gives_way_t
         wait_for(lambda: shim_procs.tag_of(proc.pid) == task_req["tag"], timeout=20, what="the cold task's tag")
     finally:
         _stopped(proc)
+
+
+def test_only_variables_read_after_the_interpreters_start_may_differ_at_a_take():
+    started = {"TFCLUSTER_JOB": "worker", "TFCLUSTER_TASK_INDEX": "0", "TF_CONFIG": "{}", "TFCLUSTER_PROBE": "",
+               "PYTHONHASHSEED": "1", "TFCLUSTER_STANDBY_IMPORT": "tensorflow"}
+    wanted = dict(started, TFCLUSTER_JOB="chief", TFCLUSTER_TASK_INDEX="3", TF_CONFIG='{"task": 1}')
+    assert shim_standby.differs(started, wanted) == []
+    wanted.update(TFCLUSTER_PROBE="placement", PYTHONHASHSEED="2", TFCLUSTER_STANDBY_IMPORT="tensorflow,keras")
+    assert shim_standby.differs(started, wanted) == ["PYTHONHASHSEED", "TFCLUSTER_PROBE", "TFCLUSTER_STANDBY_IMPORT"]
 
 
 @pytest.mark.timeout(60)

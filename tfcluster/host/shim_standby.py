@@ -33,6 +33,15 @@ ROOM = 256
 # TF_CONFIG (a cluster resolver's, at strategy creation), the tag and the run's counters.
 IMPORT_VAR = "TFCLUSTER_STANDBY_IMPORT"   # what it imports: "tensorflow" unless told (the spec's env)
 LATE = ("TF_CONFIG", TAG_VAR, ROOM_VAR, "TFCLUSTER_RESTART", "TFCLUSTER_RUN_ID", "TFCLUSTER_HOLD")
+# tfcluster's own variables say which task this is (TFCLUSTER_JOB, _TASK_INDEX, _IS_CHIEF,
+# _MASTER, ...): only the script reads them, after the take, so a warm spare's standby started
+# as one worker can become another. Those read before the script are not late: the start-up
+# probe's (sitecustomize, at the interpreter's start) and what the standby imports.
+EARLY_OURS = ("TFCLUSTER_PROBE", "TFCLUSTER_STDOUT_FLUSH", IMPORT_VAR)
+
+
+def late(key: str) -> bool:
+    return key in LATE or (key.startswith("TFCLUSTER_") and key not in EARLY_OURS)
 
 
 def say(obj) -> None:
@@ -43,7 +52,7 @@ def differs(started: dict, wanted: dict) -> list[str]:
     """The variables, other than LATE ones, whose value the task needs and this process did
     not start with."""
     keys = set(started) | set(wanted)
-    return sorted(k for k in keys if k not in LATE and started.get(k) != wanted.get(k))
+    return sorted(k for k in keys if not late(k) and started.get(k) != wanted.get(k))
 
 
 def retag(tag: str) -> None:

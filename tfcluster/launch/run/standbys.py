@@ -23,7 +23,9 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from tfcluster.errors import HostError
 from tfcluster.host.shim_protocol import RESTART_VAR
+from tfcluster.launch.agent import fence
 from tfcluster.launch.agent.standby import Standby
 from tfcluster.plan import names
 
@@ -71,8 +73,11 @@ class Standbys:
         for spare in plan.warm_spares:
             if plan.tasks_on(spare) or spare in pool.unusable() or self.held.get(spare):
                 continue
-            lost = next((h for h in plan.hosts if plan.spare_problem(spare, h) is None), None)
-            if lost is None:
+            # the host whose move would put the most scripts there (a ps host's move starts
+            # none: the first host it could take may hold servers only)
+            could = [h for h in plan.hosts if h != spare and plan.tasks_on(h) and plan.spare_problem(spare, h) is None]
+            lost = max(could, key=lambda h: sum(t.runs_script for t in plan.tasks_on(h)), default=None)
+            if lost is None or not any(t.runs_script for t in plan.tasks_on(lost)):
                 continue
             moved = plan.moved(lost, spare)
             tasks = [t for t in moved.tasks_on(spare) if t.runs_script]
@@ -109,6 +114,13 @@ class Standbys:
         if host not in session.infos:           # a spare not prepared when the run began
             session.infos[host] = session.agent(host).prepare(None, None)
         agent = session.agents[host]
+        ask = fence.request(run.plan, host, fence.INSTALL)
+        if agent.fence_request is None and ask is not None:
+            # the standby is born in the cluster's cgroup under the host's table, as a task is:
+            # a spare opened only now has none yet (the move's refence comes later)
+            answer = agent.fence(ask)
+            if run.plan.tf_ports == "closed" and not answer.get("closed"):
+                raise HostError(f"host {host}: cannot close TensorFlow's ports ({answer.get('why') or 'unknown'})")
         for t in tasks:
             self.made += 1
             launch = self._launch(run, plan, t, self.made)

@@ -1,0 +1,124 @@
+"""Warm spares on the bed of separate hosts (tests/netns.py), real TensorFlow: a worker's host
+killed with a warm spare moves onto the standby the spare held, fenced before it ever listened;
+a standby killed for real falls back to a cold start, with the line saying so."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import kill_group, manifest, only_run, read_until, start_tfcluster, tagged_processes, wait_for
+from tfcluster.host import shim_procs
+
+# -- on the bed ------------------------------------------------------------------------------
+
+P = (25100, 25101, 25102)
+
+
+def _warm_spec(tmp: Path, bed, name: str) -> Path:
+    hosts = [bed.add(n) for n in ("h2", "h3", "h4")]
+    text = (f"name: {name}\npython: {sys.executable}\nworkdir: {tmp / 'remote'}\nssh: {{connect_timeout: 5}}\n"
+            "hosts:\n" + "".join(f"  - {h.spec()}\n" for h in hosts) + f"  - {bed.add('h5').spec(spare='warm')}\n"
+            f"jobs:\n  ps: {{tasks: ['h2:{P[0]}']}}\n  worker: {{tasks: ['h3:{P[1]}', 'h4:{P[2]}']}}\n"
+            "train:\n  mode: between-graph\n  script: template:between_graph\n"
+            "  args: ['--steps', '15000', '--log_every', '50', '--model_dir', '{workdir}/ckpt', '--cleanup_timeout', '3']\n"
+            "  checkpoint: {dir: '{workdir}/ckpt', keep: 2, sync: 2s}\n")
+    path = tmp / f"{name}.yaml"
+    path.write_text(text)
+    return path
+
+
+def _standby_pid(tmp: Path, name: str) -> int | None:
+    """The pid of h5's standby once it is ready to take a task (its pid file, its log's last
+    line), as h5 numbers it: the pid the run's line names."""
+    logs = list((tmp / "remote" / name / "runs").glob("*/standby-*.log"))
+    if not any("standby ready" in p.read_text(errors="replace") for p in logs):
+        return None
+    for path in (tmp / "remote" / name / "pids").glob("*standby*.pid"):
+        try:
+            return int(json.loads(path.read_text())["pid"])
+        except (OSError, ValueError, KeyError):
+            return None
+    return None
+
+
+def _here(host, pid: int) -> int:
+    """The pid seen from this machine of the process `host` (a PID namespace of its own)
+    numbers `pid`: the last field of its NSpid line."""
+    for mine in host.pids():
+        try:
+            with open(f"/proc/{mine}/status") as f:
+                ns = next(line.split()[1:] for line in f if line.startswith("NSpid:"))
+        except (OSError, StopIteration):
+            continue
+        if int(ns[-1]) == pid:
+            return mine
+    raise AssertionError(f"no process {pid} on {host.name}")
+
+
+@pytest.mark.ssh
+@pytest.mark.tf
+@pytest.mark.timeout(480)
+def test_a_lost_workers_host_moves_onto_the_warm_spares_standby_fenced_before_it_listened(
+        tmp_path, home, ssh_home, bed, other_user):
+    from tests.test_bed_fence import refused_everywhere
+
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    spec = _warm_spec(tmp_path, bed, "wwarm")
+    h5 = bed.hosts["h5"]
+    proc = start_tfcluster("train", str(spec), home=home, cwd=cwd)
+    try:
+        read_until(proc, r"worker:1 .*step=[1-9]", timeout=200)
+        standby = wait_for(lambda: _standby_pid(tmp_path, "wwarm"), timeout=120, what="h5's standby")
+        # the spare's table was there before the standby: nothing of it ever listened unfenced
+        assert "tfcluster_" in h5.run(["nft", "list", "tables"]).stdout
+        assert shim_procs.tag_of(_here(h5, standby)).split(":")[2:4] == ["standby", "1"]
+        bed.kill("h4")
+        # either way the take says how it went: a cold start's line is the failure's reason
+        said = "".join(read_until(proc, r"warm standby on h5 took worker:1 \(pid \d+|worker:1 on h5: cold start",
+                                  timeout=150))
+        assert f"warm standby on h5 took worker:1 (pid {standby}," in said, said[-2000:]
+        read_until(proc, r"worker:1 .*step=", timeout=120)          # the standby trains as worker:1
+        addr = {h.name: h.address for h in bed.hosts.values()}
+        refused_everywhere(bed, [[addr["h2"], P[0]], [addr["h3"], P[1]], [addr["h5"], P[2]]], other_user)
+        rest = proc.communicate(timeout=300)[0]
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 0, rest[-4000:]
+    assert re.search(r"standby: warm standby on h5 took worker:1 \(pid \d+, TensorFlow imported in", rest), rest[-3000:]
+    doc = manifest(only_run(cwd / "runs"))
+    assert doc["tasks"]["worker:1"]["host"] == "h5" and doc["moves"][0]["resumed_step"] is not None
+    wait_for(lambda: not tagged_processes(), timeout=60, what="no task left running")
+
+
+@pytest.mark.ssh
+@pytest.mark.tf
+@pytest.mark.timeout(480)
+def test_a_warm_spare_whose_standby_died_starts_the_moved_task_cold_and_says_why(tmp_path, home, ssh_home, bed):
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    spec = _warm_spec(tmp_path, bed, "wdead")
+    proc = start_tfcluster("train", str(spec), home=home, cwd=cwd)
+    try:
+        read_until(proc, r"worker:1 .*step=[1-9]", timeout=200)
+        standby = wait_for(lambda: _standby_pid(tmp_path, "wdead"), timeout=120, what="h5's standby")
+        here = _here(bed.hosts["h5"], standby)
+        os.kill(here, signal.SIGKILL)
+        wait_for(lambda: not shim_procs.is_alive(here), timeout=10, what="the standby gone")
+        bed.kill("h4")
+        said = "".join(read_until(proc, r"worker:1 on h5: cold start: its standby had exited \(killed by signal 9\)",
+                          timeout=150))
+        assert "warm standby on h5 took" not in said
+        rest = proc.communicate(timeout=300)[0]
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 0, rest[-4000:]
+    doc = manifest(only_run(cwd / "runs"))
+    assert doc["tasks"]["worker:1"]["host"] == "h5" and doc["moves"][0]["resumed_step"] is not None
+    wait_for(lambda: not tagged_processes(), timeout=60, what="no task left running")
