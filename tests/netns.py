@@ -27,6 +27,7 @@ import contextlib
 import fcntl
 import getpass
 import os
+import re
 import shutil
 import signal
 import socket
@@ -324,8 +325,22 @@ def _new_bridge() -> tuple[int, str]:
             continue
         name = f"tfbed{index}"
         if _ip("link", "add", name, "type", "bridge", check=False).returncode == 0:
+            _clear_leftovers(index)
             return index, name
     raise RuntimeError("no free /24 left in the bed's range")
+
+
+def _clear_leftovers(index: int) -> None:
+    """The namespaces and links a session killed before its teardown left with this index: its
+    bridge was free, so no live bed has them (a bed deletes its bridge last)."""
+    for line in _ip("netns", "list").stdout.splitlines():
+        ns = line.split(" ", 1)[0]
+        if ns.startswith(f"tfbed{index}-"):
+            _ip("netns", "delete", ns, check=False)
+    for line in _ip("-o", "link", "show").stdout.splitlines():
+        found = re.match(rf"\d+: (tb{index}x\d+)[@:]", line)
+        if found:
+            _ip("link", "delete", found.group(1), check=False)
 
 
 @pytest.fixture

@@ -72,6 +72,8 @@ def cmd_info(req: dict) -> dict:
                    "jax_version": jax, "jaxlib_version": jaxlib,
                    "proxy": net.proxy_report(os.environ)})
     answer.update(facts.tf_build())
+    if jax:                     # only where mode keras-jax could run: a lookup may go to DNS
+        answer["hostname_address"] = facts.hostname_address()
     return answer
 
 

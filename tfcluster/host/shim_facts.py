@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 
@@ -230,3 +231,14 @@ def machine_id() -> str:
         except OSError:
             continue
     return ""
+
+
+def hostname_address() -> list:
+    """[hostname, the address it resolves to here, or None]. JAX's CPU collectives (gloo) tell
+    the other processes this address to connect back to; a hostname that resolves to loopback
+    (Debian's 127.0.1.1, a cloud image's 127.0.0.1) cannot be reached from another machine."""
+    name = socket.gethostname()
+    try:
+        return [name, socket.gethostbyname(name)]
+    except OSError:
+        return [name, None]

@@ -20,6 +20,8 @@ class HostInfo:
     jax_version: str | None = None      # mode keras-jax: equal on every host, with jaxlib's
     jaxlib_version: str | None = None
     proxy: tuple[tuple[str, str], ...] = ()   # the proxy variables tasks inherit (shim_net)
+    # with jax installed: (hostname, the address it resolves to there, or None); gloo advertises it
+    hostname_address: tuple[str, str | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -67,7 +69,8 @@ def host_info(info: dict) -> HostInfo:
                     **{k: info.get(k) for k in ("cuda_version", "cudnn_version", "driver_version")},
                     **{k: info.get(k) for k in ("tensorboard_version", "keras_version", "tf_keras_version",
                                                    "jax_version", "jaxlib_version")},
-                    proxy=tuple(sorted((info.get("proxy") or {}).items())))
+                    proxy=tuple(sorted((info.get("proxy") or {}).items())),
+                    hostname_address=tuple(info["hostname_address"]) if info.get("hostname_address") else None)
 
 
 def ports_of(answer: dict) -> dict[int, str | None]:

@@ -5,6 +5,8 @@ needs, and can their Keras run the script's model.fit (keras.py, a warning). Not
 started."""
 from __future__ import annotations
 
+import ipaddress
+
 from tfcluster.diagnose import keras, strategy, versions
 from tfcluster.errors import PreflightError
 from tfcluster.launch.agent.fence import idle_spare
@@ -31,6 +33,8 @@ def preflight(session: Session, tasks: list[TaskPlan], *, ports: bool = True,
                      "install", "tensorflow"]) + "`, or set `python:` in the spec")
         if host.gpus and info.gpus < host.gpus:
             raise PreflightError(f"host {name}: the spec gives it {host.gpus} GPUs but it has {info.gpus}")
+    if session.plan.mode == "keras-jax":
+        _check_gloo_addresses(session, tasks)
     if ports:
         _check_same_machine_ports(infos, tasks)
         _check_ports_free(session, tasks, busy)
@@ -47,6 +51,35 @@ def _check_jax_host(session: Session, name: str) -> None:
                 ["tfcluster", "exec", session.plan.spec_path, "--hosts", name, "--", host.python, "-m", "pip",
                  "install", "jax[cuda12]" if host.gpus else "jax"]) + "` (the same version on every host), "
                  "or set `python:` in the spec")
+
+
+def _loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return address == "localhost"
+
+
+def _check_gloo_addresses(session: Session, tasks: list[TaskPlan]) -> None:
+    """JAX's CPU collectives (gloo) tell the other processes to connect back to the address the
+    host's own hostname resolves to there: jax gives gloo no interface to use. Where that is a
+    loopback address and the processes are on other hosts, every process fails at its first
+    collective with a gloo connect timeout; said here instead, with the fix."""
+    hosts = [session.plan.host(name) for name in dict.fromkeys(t.host for t in tasks)]
+    if all(_loopback(h.address) for h in hosts):
+        return                                  # one machine: loopback reaches every process
+    for host in hosts:
+        found = session.infos[host.name].hostname_address
+        if host.gpus or not found or (found[1] and not _loopback(found[1])):
+            continue
+        name, address = found
+        said = f"resolves to {address}" if address else "does not resolve"
+        raise PreflightError(
+            f"host {host.name}: its hostname {name!r} {said} there; JAX's CPU collectives (gloo) give "
+            f"the other processes that address to connect back to, so every process would fail at its "
+            f"first collective (gloo: connect timeout)",
+            hint=f"map {name} to the address the other hosts reach it at in its /etc/hosts "
+                 f"(e.g. `{host.address} {name}`), ahead of any loopback line for it")
 
 
 def check_started_ports(servers: list[TaskPlan], live: dict) -> None:

@@ -1,0 +1,97 @@
+"""keras-jax mode between hosts that are separate machines (the bed, tests/netns.py). JAX's CPU
+collectives (gloo) give the other processes the address their host's hostname resolves to;
+jax passes gloo no interface. Here, as on a stock Debian or cloud image, the hostname resolves
+to loopback: the run is refused before anything starts, naming the host and the fix. With each
+host's /etc/hosts mapping the hostname to its own address, the same run trains across the
+hosts, and a lost host's processes move to the spare, every process restarted from the
+checkpoint."""
+from __future__ import annotations
+
+import re
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import kill_group, manifest, only_run, read_until, start_tfcluster, tagged_processes, tfcluster, wait_for
+from tfcluster.errors import ExitCode
+
+pytestmark = [pytest.mark.ssh, pytest.mark.tf]
+
+EPOCHS, EPOCH_STEPS = 6, 32     # the template's 2048 examples in global batches of 64
+DIGEST = re.compile(r"weights sha256=([0-9a-f]{16}) process=(\d)")
+
+
+def write_spec(tmp_path: Path, bed, name: str, spare: bool = False, epochs: int = EPOCHS) -> Path:
+    hosts = "".join(f"  - {bed.add(n).spec()}\n" for n in ("h3", "h4"))
+    if spare:
+        hosts += f"  - {bed.add('h5').spec(spare='true')}\n"
+    spec = tmp_path / f"{name}.yaml"
+    spec.write_text(
+        f"name: {name}\npython: {sys.executable}\nworkdir: {tmp_path / 'remote'}\nssh: {{connect_timeout: 5}}\n"
+        f"hosts:\n{hosts}jobs:\n  worker: {{tasks: ['h3:26100', 'h4:26101']}}\n"
+        f"train:\n  mode: keras-jax\n  script: template:keras_jax\n"
+        f"  args: ['--epochs', '{epochs}', '--model_dir', '{{workdir}}/ckpt']\n"
+        "  checkpoint: {dir: '{workdir}/ckpt', keep: 2, sync: 2s}\n  timeout: 480\n")
+    return spec
+
+
+def name_each_host(tmp_path: Path, bed, names) -> None:
+    """Each host's /etc/hosts (its own mount namespace) maps the machine's hostname to its address."""
+    me = socket.gethostname()
+    for n in names:
+        host = bed.hosts[n]
+        hosts = tmp_path / f"hosts-{n}"
+        hosts.write_text(f"127.0.0.1 localhost\n{host.address} {me}\n")
+        done = host.run(["mount", "--bind", str(hosts), "/etc/hosts"], timeout=20)
+        assert done.returncode == 0, done.stderr
+
+
+def pulled(cwd: Path) -> list[int]:
+    names = (p.name.rpartition("-")[2] for p in (cwd / "runs").glob("*/checkpoints/*"))
+    return sorted(int(n) for n in names if n.isdigit())
+
+
+@pytest.mark.timeout(240)
+def test_a_hostname_resolving_to_loopback_is_refused_before_anything_starts(tmp_path, home, ssh_home, bed):
+    if not socket.gethostbyname(socket.gethostname()).startswith("127."):
+        pytest.skip("this machine's hostname resolves to a routable address: the refusal cannot happen here")
+    spec = write_spec(tmp_path, bed, "kjl")
+    run = tfcluster("train", str(spec), home=home, cwd=tmp_path, timeout=180)
+    assert run.returncode == ExitCode.PREFLIGHT, run.stdout[-2000:] + run.stderr[-2000:]
+    first = next(line for line in run.stderr.splitlines() if line.startswith("tfcluster: error:"))
+    assert re.match(rf"tfcluster: error: host h3: its hostname '{re.escape(socket.gethostname())}' resolves to "
+                    r"127\.[0-9.]+ there; JAX's CPU collectives \(gloo\)", first), run.stderr
+    assert f"`{bed.hosts['h3'].address} {socket.gethostname()}`" in run.stderr
+    assert not tagged_processes()
+    assert not any(log.stat().st_size for log in tmp_path.glob("runs/*/worker-*.log"))    # nothing started
+
+
+@pytest.mark.timeout(540)
+def test_a_lost_host_with_a_spare_completes_the_run_there_from_the_checkpoint(tmp_path, home, ssh_home, bed):
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    spec = write_spec(tmp_path, bed, "kjs", spare=True)
+    name_each_host(tmp_path, bed, ("h3", "h4", "h5"))
+    proc = start_tfcluster("train", str(spec), home=home, cwd=cwd)
+    try:
+        read_until(proc, r"worker:0 .*Epoch 3/", timeout=300)
+        wait_for(lambda: any(pulled(cwd)), timeout=120, what="a checkpoint pulled to the launcher")
+        bed.kill("h4")
+        read_until(proc, r"h4: moving worker:1 to h5, every (task|process) restarting from the checkpoint",
+                   timeout=120)
+        rest = proc.communicate(timeout=360)[0]
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 0, rest[-5000:]
+    restored = re.search(r"restored \S+/ckpt-(\d+) at step=(\d+)", rest)
+    assert restored and int(restored.group(1)) >= 1, rest[-5000:]
+    run = only_run(cwd / "runs")
+    doc = manifest(run)
+    (move,) = doc["moves"]
+    assert move["to"] == "h5" and move["resumed_step"], move
+    assert doc["tasks"]["worker:1"]["host"] == "h5"
+    ends = {k: DIGEST.findall((run / f"{k}.log").read_text(errors="replace"))[-1][0] for k in ("worker-0", "worker-1")}
+    assert ends["worker-0"] == ends["worker-1"], ends
+    wait_for(lambda: not tagged_processes(), timeout=60, what="no task left running")
