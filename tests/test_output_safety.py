@@ -223,7 +223,7 @@ def test_a_python_path_in_a_hint_is_quoted_for_copy_and_paste():
     host = HostPlan(name="a", address="10.0.0.1", local=False, gpus=0, python="$(touch${IFS}x)/py",
                     bindir="~/.tfcluster/c/bin")
     session = SimpleNamespace(infos={"a": SimpleNamespace(tf_version=None, gpus=0)},
-                              plan=SimpleNamespace(host=lambda name: host, spec_path="my lab.yaml"))
+                              plan=SimpleNamespace(host=lambda name: host, spec_path="my lab.yaml", mode="mirrored"))
     with pytest.raises(PreflightError) as info:
         preflight(session, [SimpleNamespace(host="a")], ports=False)
     assert info.value.hint == ("install it there, e.g. `tfcluster exec 'my lab.yaml' --hosts a -- '$(touch${IFS}x)/py' "
