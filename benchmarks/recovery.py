@@ -271,7 +271,9 @@ class Recovery:
 
     def _name(self, side: str) -> str:
         self.n += 1
-        return f"r{self.scenario[0]}{side}{self.n}"
+        # unique across rows of one sitting: run_dir() finds a run by this name, and the
+        # checkpoint directory is the cluster's (a warm row must not resume the cold row's)
+        return f"r{self.scenario[0]}{'w' if self.warm else ''}{side}{self.n}"
 
     def _warm(self, f: Follower, name: str, by_hand: bool) -> None:
         """Until the lost host's task trains and (chief) a checkpoint past step 0 exists where
@@ -306,6 +308,9 @@ class Recovery:
             took = f.lines[j][0] - t0
             run_step = max(f.steps(0, j + 1))     # the run's furthest step by then
             k = f.wait(r"resumed at step \d+", 60, i)
+            for t, x in f.lines[i:j + 1]:     # where a warm move's time went: each take, from the kill
+                if "standby" in x or "cold start" in x:
+                    print(f"  {name} +{t - t0:.2f}s: {x.strip()}", flush=True)
         finally:
             interrupt(b, proc, name, f)
         doc = json.loads((run_dir(b, name) / "manifest.json").read_text())

@@ -91,7 +91,7 @@ class Standbys:
         """Make before break: a standby for every script of `after` (the plan a move is about to
         adopt) that none waits for yet, on its host, now."""
         if after.mode not in TF_MODES or not after.warm_spares:
-            return          # a run with a warm spare only, until the bed's runs prove it for every move
+            return          # a cold spare's own start is the restart's path: docs/design/host-loss.md
         with self.lock:             # a warm spare's standbys being made: counted, not made twice
             self._before_break(run, after)
 
@@ -148,7 +148,6 @@ class Standbys:
         """Hand every script of `procs` that has a standby on its host its standby, in
         parallel; returns the ones left to start cold."""
         from tfcluster.launch.cluster.session import raise_first
-        from tfcluster.launch.run import attempts
 
         pairs: list[tuple[Supervised, Standby]] = []
         for p in procs:
@@ -162,8 +161,6 @@ class Standbys:
         results = run.session.parallel(lambda i: self._take(run, *pairs[i]), range(len(pairs)))
         raise_first({pairs[i][0].key: r for i, r in results.items()}, "task")
         taken = {id(p) for p, _ in pairs}
-        for p, _ in pairs:
-            attempts.attach(run, p)
         self._trim(run)
         return [p for p in procs if id(p) not in taken]
 
@@ -186,6 +183,9 @@ class Standbys:
         began = time.monotonic()
         task, said = standby.take(launch, attempts.in_place(run.plan, proc))
         proc.handle = slot.handle = task
+        # its output from now, as a cold start's (attempts.start): a take that waits for a
+        # standby still importing elsewhere must not hold back this task's lines
+        attempts.attach(run, proc)
         host = proc.task.host
         if said.get("warm"):
             line = (f"warm standby on {host} took {proc.key} (pid {task.pid}, TensorFlow imported in "
