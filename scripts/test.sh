@@ -4,6 +4,7 @@
 # Python packages go into the active virtual environment; with none active, into .venv here
 # (made if missing: a system Python may refuse `pip install`, PEP 668).
 # Usage: bash scripts/test.sh [pytest args...]   e.g. -m "not tf and not ssh and not slurm"
+# (with arguments, one plain pytest run of what they select; add -n 2 for workers)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -68,8 +69,27 @@ fi
 "$PY" -m compileall -q tfcluster >/dev/null
 
 set +e
-"$PY" -m pytest -q "$@"
-rc=$?
+if [ $# -gt 0 ]; then
+  "$PY" -m pytest -q "$@"
+  rc=$?
+else
+  # The whole suite: a pytest-xdist worker per core (at most 4: a TensorFlow test starts several
+  # processes of its own; TFCLUSTER_TEST_WORKERS=1 runs it in one), the Slurm tests on one worker
+  # (one Slurm cluster); then the tests marked `alone`, which judge time against a real deadline,
+  # with the machine to themselves.
+  workers=${TFCLUSTER_TEST_WORKERS:-$(nproc 2>/dev/null || echo 1)}
+  [ "$workers" -gt 4 ] && workers=4
+  if [ "$workers" -gt 1 ]; then
+    "$PY" -m pytest -q -n "$workers" --dist loadgroup -m "not alone"
+    rc=$?
+    "$PY" -m pytest -q -m alone
+    rc_alone=$?
+    [ $rc -eq 0 ] && rc=$rc_alone
+  else
+    "$PY" -m pytest -q
+    rc=$?
+  fi
+fi
 set -e
 if [ $rc -eq 5 ]; then
   echo "pytest collected no tests: that is a failure here" >&2

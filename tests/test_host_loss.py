@@ -31,7 +31,7 @@ from tfcluster.launch.cluster.hostloss import HostLosses
 from tfcluster.transport.ssh import SshTransport
 from tfcluster.transport.ssh_config import SshOptions
 
-pytestmark = [pytest.mark.ssh]
+pytestmark = [pytest.mark.ssh, pytest.mark.alone]   # detection within seconds: judged on a machine not shared with other tests
 
 NFT = shutil.which("nft") or next((p for p in ("/usr/sbin/nft", "/sbin/nft") if os.access(p, os.X_OK)), None)
 DROPPED_ADDRESS = "127.0.0.27"

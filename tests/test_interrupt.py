@@ -24,7 +24,7 @@ from tests.helpers import (
 )
 from tfcluster.launch.run.runstate import SCRIPT_GRACE  # a script's last checkpoint after Ctrl-C
 
-pytestmark = [pytest.mark.tf, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.tf, pytest.mark.timeout(240), pytest.mark.alone]   # how soon Ctrl-C ends a run: judged alone
 
 PROMPT = SCRIPT_GRACE + 10.0   # "about a second plus the stop grace", with room for a busy machine
 

@@ -30,7 +30,7 @@ from tests.helpers import (
 )
 from tests.test_notices import FAKE_PORT, P, control, finish, start_fake
 
-pytestmark = [pytest.mark.ssh, pytest.mark.tf]
+pytestmark = [pytest.mark.ssh, pytest.mark.tf, pytest.mark.alone]   # a real deadline: judged on a machine not shared with other tests
 
 URL = f"'http://127.0.0.1:{FAKE_PORT}'"
 

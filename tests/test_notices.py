@@ -26,7 +26,7 @@ from tests.helpers import (
     wait_for,
 )
 
-pytestmark = [pytest.mark.ssh, pytest.mark.tf]
+pytestmark = [pytest.mark.ssh, pytest.mark.tf, pytest.mark.alone]   # a real deadline: judged on a machine not shared with other tests
 
 P = (25100, 25101, 25102)
 FAKE_PORT = 18080
