@@ -73,11 +73,12 @@ if [ $# -gt 0 ]; then
   "$PY" -m pytest -q "$@"
   rc=$?
 else
-  # The whole suite: a pytest-xdist worker per core (at most 4: a TensorFlow test starts several
-  # processes of its own; TFCLUSTER_TEST_WORKERS=1 runs it in one), the Slurm tests on one worker
-  # (one Slurm cluster); then the tests marked `alone`, which judge time against a real deadline,
-  # with the machine to themselves.
-  workers=${TFCLUSTER_TEST_WORKERS:-$(nproc 2>/dev/null || echo 1)}
+  # The whole suite. A TensorFlow test keeps about two cores busy (its tasks, its launcher), so
+  # with more than 3 cores it runs on a pytest-xdist worker per two cores (at most 4; set
+  # TFCLUSTER_TEST_WORKERS to choose), the Slurm tests on one of them (one Slurm cluster), and
+  # then the tests marked `alone`, which judge time against a real deadline, with the machine to
+  # themselves. On 2 cores two workers took as long as one (the cores stay busy either way).
+  workers=${TFCLUSTER_TEST_WORKERS:-$(( $(nproc 2>/dev/null || echo 1) / 2 ))}
   [ "$workers" -gt 4 ] && workers=4
   if [ "$workers" -gt 1 ]; then
     "$PY" -m pytest -q -n "$workers" --dist loadgroup -m "not alone"

@@ -7,6 +7,7 @@ test may remain (a leaked TF server fails the suite).
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 import time
@@ -19,6 +20,12 @@ from tfcluster.launch.agent.agent import HostAgent
 from tfcluster.transport.local import LocalTransport
 
 pytest_plugins = ["tests.sshd", "tests.netns", "tests.users", "tests.slurm"]
+
+# Started in the background of a script (`pytest ... &`), this process has SIGINT ignored, and
+# an ignored signal stays ignored across exec: every tfcluster the tests start would then shrug
+# off the Ctrl-C they send it. Python's own handler here is reset to the default at exec.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # The speed classes (pyproject's markers) come from what a test starts, not from memory: a
 # test that uses a fixture starting an sshd or Slurm gets that mark here, and a test of the

@@ -63,21 +63,25 @@ def _report(session):
                               "truncated": len(variables) > _MAX_VARS}, separators=(",", ":")))
 
 
-def _patch_session(module):
-    cls = getattr(module, "BaseSession", None)
-    original = getattr(cls, "__init__", None)
+def _after_init(cls, then):
+    """cls.__init__ runs `then(self)` after itself, once patched; `then` failing is swallowed."""
+    original = getattr(cls, "__init__", None) if cls is not None else None
     if original is None or getattr(original, "_tfcluster", False):
         return
 
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
         try:
-            _report(self)
+            then(self)
         except Exception:  # noqa: BLE001 - the probe must never break the user's script
             pass
 
     __init__._tfcluster = True
     cls.__init__ = __init__
+
+
+def _patch_session(module):
+    _after_init(getattr(module, "BaseSession", None), _report)
 
 
 def _patch_session_manager(module):
@@ -117,28 +121,19 @@ def _strategy_line(cls_name, replicas):
 
 
 def _patch_strategy(module):
-    cls = getattr(module, "StrategyBase", None)
-    original = getattr(cls, "__init__", None)
-    if original is None or getattr(original, "_tfcluster", False):
+    _after_init(getattr(module, "StrategyBase", None), _strategy_built)
+
+
+def _strategy_built(strategy):
+    name = type(strategy).__name__
+    if name.startswith("_DefaultDistributionStrategy"):
+        if not _strategies:
+            import atexit
+            atexit.register(_default_at_exit)
+        _strategies.append(None)
         return
-
-    def __init__(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        try:
-            name = type(self).__name__
-            if name.startswith("_DefaultDistributionStrategy"):
-                if not _strategies:
-                    import atexit
-                    atexit.register(_default_at_exit)
-                _strategies.append(None)
-                return
-            _strategies.append(name)
-            _emit(_strategy_line(name, self.num_replicas_in_sync))
-        except Exception:  # noqa: BLE001 - the probe must never break the user's script
-            pass
-
-    __init__._tfcluster = True
-    cls.__init__ = __init__
+    _strategies.append(name)
+    _emit(_strategy_line(name, strategy.num_replicas_in_sync))
 
 
 def _default_at_exit():
