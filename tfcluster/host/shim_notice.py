@@ -404,14 +404,18 @@ class Stream:
                     self.say({"warning": "%s: %s" % (self.watcher.name, e)})
 
     def on_term(self, signum, frame) -> None:
-        """A SIGTERM from outside (a shutdown, which sends it to every process): said as a
-        notice before this stream goes, so the launcher saves what it can."""
+        """A SIGTERM from outside (a shutdown, which sends it to every process) ends the stream;
+        cmd_notice says it as a notice on the way out. No output here: the signal may arrive
+        while this thread holds the output's lock, after writing a line and before letting go."""
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)      # a second one must not cut the notice
+        raise _Terminated(128 + signum)
+
+    def say_shutdown(self) -> None:
         try:
             self.say({"notice": {"source": "shutdown", "kind": "SIGTERM", "id": "SIGTERM",
                                  "deadline": time.time() + SHUTDOWN_NOTICE}})
         except OSError:
             pass
-        raise _Terminated(128 + signum)
 
 
 class _Terminated(Exception):
@@ -419,7 +423,9 @@ class _Terminated(Exception):
 
 
 def cmd_notice(req: dict) -> int:
+    stream = Stream(req)
     try:
-        return Stream(req).run()
+        return stream.run()
     except _Terminated as e:
+        stream.say_shutdown()
         return e.args[0]
