@@ -13,7 +13,6 @@ Each run is one TF run for several cases: TF runs are what these tests cost."""
 from __future__ import annotations
 
 import re
-import sys
 import time
 from pathlib import Path
 
@@ -28,7 +27,7 @@ from tests.helpers import (
     tagged_processes,
     wait_for,
 )
-from tests.test_notices import FAKE_PORT, P, control, finish, start_fake
+from tests.test_notices import FAKE_PORT, control, finish, start_fake, write_notice_spec
 
 pytestmark = [pytest.mark.ssh, pytest.mark.tf, pytest.mark.alone]   # a real deadline: judged on a machine not shared with other tests
 
@@ -45,16 +44,7 @@ def edge_spec(tmp: Path, bed, name: str, *, watch: dict[str, str], spares: int, 
         if h.name >= "h5":
             extra["spare"] = "true"
         listed += f"  - {h.spec(**extra)}\n"
-    text = (f"name: {name}\npython: {sys.executable}\nworkdir: {tmp / 'remote'}\nssh: {{connect_timeout: 5}}\n"
-            f"hosts:\n{listed}jobs:\n  ps: {{tasks: ['h2:{P[0]}']}}\n"
-            f"  worker: {{tasks: ['h3:{P[1]}', 'h4:{P[2]}']}}\n"
-            f"train:\n  mode: between-graph\n  script: template:between_graph\n"
-            f"  args: ['--steps', '{steps}', '--log_every', '50', '--model_dir', '{{workdir}}/ckpt', "
-            f"'--cleanup_timeout', '3']\n"
-            f"  checkpoint: {{dir: '{{workdir}}/ckpt', keep: 2, sync: 2s}}\n")
-    path = tmp / f"{name}.yaml"
-    path.write_text(text)
-    return path
+    return write_notice_spec(tmp, name, listed, steps)
 
 
 def kill_at(bed, deadlines: dict[str, float]) -> None:

@@ -56,6 +56,11 @@ def notice_spec(tmp: Path, bed, name: str, *, watch: str | None, spare: bool, st
     listed = f"  - {h2.spec()}\n  - {h3.spec()}\n  - {h4.spec(**h4_extra)}\n"
     if spare:
         listed += f"  - {bed.add('h5').spec(spare='true')}\n"
+    return write_notice_spec(tmp, name, listed, steps)
+
+
+def write_notice_spec(tmp: Path, name: str, listed: str, steps: int) -> Path:
+    """ps:0 on h2, worker:0 (the chief) on h3, worker:1 on h4, between-graph, on the `listed` hosts."""
     text = (f"name: {name}\npython: {sys.executable}\nworkdir: {tmp / 'remote'}\nssh: {{connect_timeout: 5}}\n"
             f"hosts:\n{listed}jobs:\n  ps: {{tasks: ['h2:{P[0]}']}}\n"
             f"  worker: {{tasks: ['h3:{P[1]}', 'h4:{P[2]}']}}\n"
