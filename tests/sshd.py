@@ -105,11 +105,13 @@ def write_config(d: Path, addresses, port: int, host_key: Path, authorized_keys:
                 "MaxSessions": 64, "PidFile": d / "sshd.pid", "LogLevel": "ERROR",
                 "Subsystem": f"sftp {SFTP_SERVER}", "AllowTcpForwarding": "yes",
                 # Sessions carry this test session's marker, so the leak check in
-                # conftest.py sees processes started over SSH as ours. A login shell
-                # that runs `pyenv init` (as root's .bashrc may) rehashes under a lock
-                # file; a test that kills a host's processes can kill it mid-rehash, and
-                # the stale lock then holds every later login for pyenv's 60 s default.
-                "SetEnv": f"{SESSION_VAR}={os.environ[SESSION_VAR]} PYENV_REHASH_TIMEOUT=1"}
+                # conftest.py sees processes started over SSH as ours. SHLVL=1 makes the
+                # login bash a nested shell, which sources no ~/.bashrc: the suite does not
+                # depend on the machine's dotfiles (root's may run `pyenv init`, which costs
+                # CPU per command and rehashes under a lock file that a killed host can
+                # leave behind, holding every later login). test_login_noise gives its own
+                # sshd a noisy .bashrc on purpose.
+                "SetEnv": f"{SESSION_VAR}={os.environ[SESSION_VAR]} SHLVL=1"}
     settings.update(options)
     lines = [f"ListenAddress {a}" for a in addresses]
     lines += [f"{k} {v}" for k, v in settings.items()]

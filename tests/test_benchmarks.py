@@ -21,8 +21,8 @@ def needs_sshd(test):
 
 
 def _smoke(name: str, timeout: float) -> str:
-    r = subprocess.run([sys.executable, str(BENCH / name), "--smoke"], capture_output=True, text=True,
-                       timeout=timeout, cwd=BENCH)
+    r = subprocess.run([sys.executable, str(BENCH / name), "--smoke", "--bare-login"],
+                       capture_output=True, text=True, timeout=timeout, cwd=BENCH)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
     assert "RATIO " in r.stdout, out[-4000:]
@@ -126,7 +126,7 @@ def test_kills_benchmark_runs_small_and_leaves_nothing_running():
         if os.environ.get("CI", "").lower() == "true":
             pytest.fail(f"the separate-host test bed cannot run: {why}")
         pytest.skip(f"the separate-host test bed cannot run: {why}")
-    r = subprocess.run([sys.executable, str(BENCH / "kills.py"), "--smoke", "--kill", "tasks-first"],
+    r = subprocess.run([sys.executable, str(BENCH / "kills.py"), "--smoke", "--bare-login", "--kill", "tasks-first"],
                        capture_output=True, text=True, timeout=420, cwd=BENCH)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
