@@ -73,12 +73,15 @@ if [ $# -gt 0 ]; then
   "$PY" -m pytest -q "$@"
   rc=$?
 else
-  # The whole suite. A TensorFlow test keeps about two cores busy (its tasks, its launcher), so
-  # with more than 3 cores it runs on a pytest-xdist worker per two cores (at most 4; set
-  # TFCLUSTER_TEST_WORKERS to choose), the Slurm tests on one of them (one Slurm cluster), and
-  # then the tests marked `alone`, which judge time against a real deadline, with the machine to
-  # themselves. On 2 cores two workers took as long as one (the cores stay busy either way).
-  workers=${TFCLUSTER_TEST_WORKERS:-$(( $(nproc 2>/dev/null || echo 1) / 2 ))}
+  # The whole suite, on pytest-xdist workers: one per two cores, at least 2 and at most 4 (set
+  # TFCLUSTER_TEST_WORKERS to choose). A third of a serial run's time is spent waiting (a TF1
+  # worker's 30 s poll for its chief, a deadline, a host's silence): a second worker fills it
+  # even on 2 cores (measured there: 20% less time). The Slurm tests share one worker (one Slurm
+  # cluster); the tests marked `alone`, which judge time against a real deadline, run after,
+  # with the machine to themselves.
+  cores=$(nproc 2>/dev/null || echo 1)
+  workers=${TFCLUSTER_TEST_WORKERS:-$(( cores / 2 ))}
+  [ "$workers" -lt 2 ] && [ -z "${TFCLUSTER_TEST_WORKERS:-}" ] && workers=2
   [ "$workers" -gt 4 ] && workers=4
   if [ "$workers" -gt 1 ]; then
     "$PY" -m pytest -q -n "$workers" --dist loadgroup -m "not alone"
