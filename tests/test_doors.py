@@ -388,6 +388,7 @@ while time.monotonic() < deadline:
 
 @pytest.mark.tf
 @pytest.mark.timeout(300)
+@pytest.mark.xdist_group("tensorboard")   # TensorBoard's default port: one per machine
 def test_tensorboard_url_is_never_printed_for_another_users_server_on_its_port(other_user, home, tmp_path):
     """B binds the port as soon as TensorBoard's command line names it, and answers 200:
     tfcluster says who holds the port, prints no URL, and the run trains on."""

@@ -23,6 +23,9 @@ import pytest
 from tfcluster.watch import metrics
 from tfcluster.watch.footer import RateHistory, progress_line
 
+# under pytest-xdist, one worker runs them all: they share one cluster name, workdir and port
+pytestmark = pytest.mark.xdist_group("footer")
+
 COLS, ROWS = 110, 40
 # Worker 1's first attempt dies as if OOM-killed (137) after a few steps; the restart runs on.
 SCRIPT = """\

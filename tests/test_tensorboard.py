@@ -29,6 +29,9 @@ from tests.helpers import (
 from tests.sshd import make_target
 from tests.tf_launch import free_ports
 
+# under pytest-xdist, one worker runs them all: TensorBoard's default port is one per machine
+pytestmark = pytest.mark.xdist_group("tensorboard")
+
 URL_LINE = r"TensorBoard: (http://127\.0\.0\.1:(\d+)/) \(logdir (.*) on (\S+)\)"
 
 # The training script: runs until the test has fetched the page and drops the flag file
