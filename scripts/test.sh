@@ -79,9 +79,8 @@ else
   # even on 2 cores (measured there: 20% less time). The Slurm tests share one worker (one Slurm
   # cluster); the tests marked `alone`, which judge time against a real deadline, run after,
   # with the machine to themselves.
-  cores=$(nproc 2>/dev/null || echo 1)
-  workers=${TFCLUSTER_TEST_WORKERS:-$(( cores / 2 ))}
-  [ "$workers" -lt 2 ] && [ -z "${TFCLUSTER_TEST_WORKERS:-}" ] && workers=2
+  half=$(( $(nproc 2>/dev/null || echo 1) / 2 ))
+  workers=${TFCLUSTER_TEST_WORKERS:-$(( half < 2 ? 2 : half ))}
   [ "$workers" -gt 4 ] && workers=4
   if [ "$workers" -gt 1 ]; then
     "$PY" -m pytest -q -n "$workers" --dist loadgroup -m "not alone"
