@@ -1,6 +1,7 @@
 """Shared helpers for the end-to-end tests: write specs on free ports, run the CLI."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -29,6 +30,22 @@ TEMPLATES = ROOT / "templates"
 RESULT = re.compile(r"tfcluster-result: global_step=(\d+) loss=([0-9.eE+-]+|nan|inf)")
 LOSS = re.compile(r"loss=([0-9.eE+-]+)")
 
+
+
+def jax_python() -> str:
+    """The Python mode keras-jax's tests run: scripts/test.sh layers jax over the suite's venv
+    and names it in TFCLUSTER_TEST_JAX_PYTHON (the rest of the suite runs TensorFlow without
+    jax, which TensorFlow imports whenever it can: docs/development.md); else this Python, if
+    it has jax. With neither: skipped, failed under CI=true."""
+    named = os.environ.get("TFCLUSTER_TEST_JAX_PYTHON")
+    if named:
+        return named
+    if importlib.util.find_spec("jax") is not None:
+        return sys.executable
+    message = "no Python with jax for mode keras-jax: run scripts/test.sh, or pip install -e '.[jax]'"
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(message)
+    pytest.skip(message)
 
 # Processes of this test session: tfcluster tags every process it starts (TFCLUSTER_JOB_ID,
 # docs/ARCHITECTURE.md); conftest's leak check and many tests find them by it.

@@ -9,13 +9,14 @@ tested without processes at the end.
 """
 from __future__ import annotations
 
+import importlib.util
 import re
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import free_ports, kill_tagged_once_seen, manifest, only_run, start_tfcluster, tagged_processes, tfcluster
+from tests.helpers import free_ports, jax_python, kill_tagged_once_seen, manifest, only_run, start_tfcluster, tagged_processes, tfcluster
 from tfcluster.errors import SpecError
 from tfcluster.plan import build_plan
 from tfcluster.spec import load_spec
@@ -26,7 +27,7 @@ EPOCH_STEPS = 32                 # the template's 2048 examples in global batche
 
 def jax_spec(tmp: Path, sshd, *, name: str, args: str, extra: str = "") -> Path:
     a, b = free_ports(2)
-    text = (f"name: {name}\npython: {sys.executable}\nworkdir: {tmp / 'remote'}\n"
+    text = (f"name: {name}\npython: {jax_python()}\nworkdir: {tmp / 'remote'}\n"
             f"ssh:\n  port: {sshd.port}\n  connect_timeout: 5\n"
             "hosts:\n  - {name: h2, address: 127.0.0.2}\n  - {name: h3, address: 127.0.0.3}\n"
             f"jobs:\n  worker: {{tasks: ['h2:{a}', 'h3:{b}']}}\n"
@@ -108,7 +109,7 @@ def test_a_script_that_picks_another_backend_is_diagnosed(tmp_path, home):
         'keras.distribution.initialize()\n')
     port, = free_ports(1)
     spec = tmp_path / "kjbackend.yaml"
-    spec.write_text(f"name: kjbackend\nworkdir: {tmp_path / 'remote'}\n"
+    spec.write_text(f"name: kjbackend\npython: {jax_python()}\nworkdir: {tmp_path / 'remote'}\n"
                     "hosts:\n  - {name: me, address: localhost}\n"
                     f"jobs:\n  worker: {{tasks: ['me:{port}']}}\n"
                     "train:\n  mode: keras-jax\n  script: main.py\n  timeout: 200\n")
@@ -119,6 +120,25 @@ def test_a_script_that_picks_another_backend_is_diagnosed(tmp_path, home):
     assert "remove the script's own KERAS_BACKEND setting" in out, out[-3000:]
     assert not tagged_processes()
 
+
+
+def test_a_python_without_jax_is_refused_before_anything_starts(tmp_path, home):
+    """The suite's own venv has no jax (scripts/test.sh layers it apart): the preflight finds
+    it missing for the host's Python, names both and how to install it, and starts nothing."""
+    if importlib.util.find_spec("jax") is not None:
+        pytest.skip(f"{sys.executable} has jax: the fault needs a Python without it")
+    (tmp_path / "t.py").write_text("print(1)\n")
+    port, = free_ports(1)
+    spec = tmp_path / "kjnojax.yaml"
+    spec.write_text(f"name: kjnojax\npython: {sys.executable}\nworkdir: {tmp_path / 'remote'}\n"
+                    "hosts:\n  - {name: me, address: localhost}\n"
+                    f"jobs:\n  worker: {{tasks: ['me:{port}']}}\n"
+                    "train:\n  mode: keras-jax\n  script: t.py\n")
+    result = tfcluster("train", str(spec), home=home, cwd=tmp_path, timeout=120)
+    assert result.returncode == 4, result.stdout + result.stderr      # preflight (docs: exit codes)
+    assert f"host me: jax is not installed for {sys.executable}" in result.stderr, result.stderr
+    assert "-m pip install jax" in result.stderr, result.stderr
+    assert not tagged_processes()
 
 # -- the plan (no processes) -----------------------------------------------------------
 

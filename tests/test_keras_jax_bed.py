@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import re
 import socket
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import kill_group, manifest, only_run, read_until, start_tfcluster, tagged_processes, tfcluster, wait_for
+from tests.helpers import jax_python, kill_group, manifest, only_run, read_until, start_tfcluster, tagged_processes, tfcluster, wait_for
 from tfcluster.errors import ExitCode
 
 pytestmark = [pytest.mark.ssh, pytest.mark.tf]
@@ -29,7 +28,7 @@ def write_spec(tmp_path: Path, bed, name: str, spare: bool = False, epochs: int 
         hosts += f"  - {bed.add('h5').spec(spare='true')}\n"
     spec = tmp_path / f"{name}.yaml"
     spec.write_text(
-        f"name: {name}\npython: {sys.executable}\nworkdir: {tmp_path / 'remote'}\nssh: {{connect_timeout: 5}}\n"
+        f"name: {name}\npython: {jax_python()}\nworkdir: {tmp_path / 'remote'}\nssh: {{connect_timeout: 5}}\n"
         f"hosts:\n{hosts}jobs:\n  worker: {{tasks: ['h3:26100', 'h4:26101']}}\n"
         f"train:\n  mode: keras-jax\n  script: template:keras_jax\n"
         f"  args: ['--epochs', '{epochs}', '--model_dir', '{{workdir}}/ckpt']\n"
