@@ -94,6 +94,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ps_hosts", help="comma-separated host:port list (default: TF_CONFIG)")
     p.add_argument("--worker_hosts", help="comma-separated host:port list (default: TF_CONFIG)")
     p.add_argument("--log_every", type=int, default=25, help="print step/loss every N local steps")
+    p.add_argument("--min_step_time", type=float, default=0.0,
+                   help="seconds each local step takes at least (this toy model's take about a "
+                        "millisecond): a drill of a lost host or a notice wants a real model's pace")
     p.add_argument("--cleanup_timeout", type=float, default=60.0,
                    help="seconds the chief waits for the other workers before freeing this run's "
                         "state on the ps; 0 keeps the state (e.g. to inspect it)")
@@ -324,6 +327,7 @@ def main(argv=None) -> int:
             save_summaries_steps=None, save_summaries_secs=None, log_step_count_steps=None,
             config=config) as sess:
         while not sess.should_stop() and not stop.asked():
+            began = time.monotonic()
             idx = rng.integers(0, EXAMPLES, args.batch_size)
             step, loss = sess.run([g["train_op"], g["loss"]],
                                   feed_dict={g["x"]: x_all[idx], g["y"]: y_all[idx]})
@@ -333,6 +337,7 @@ def main(argv=None) -> int:
             local_steps += 1
             if local_steps == 1 or local_steps % args.log_every == 0:
                 print(f"step={step} loss={loss:.6f}", flush=True)
+            time.sleep(max(0.0, began + args.min_step_time - time.monotonic()))
     if stop.asked():
         return stopped(me, args.model_dir)
 

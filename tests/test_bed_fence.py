@@ -57,7 +57,8 @@ def test_a_second_user_is_refused_at_every_task_port_before_and_after_a_move(tmp
         f"hosts:\n" + "".join(f"  - {h.spec()}\n" for h in hosts) + f"  - {spare.spec(spare='true')}\n"
         "jobs:\n  ps: {tasks: ['h2:25000']}\n  worker: {tasks: ['h3:25001', 'h4:25002']}\n"
         "train:\n  mode: between-graph\n  script: template:between_graph\n"
-        "  args: ['--steps', '5000000', '--log_every', '50', '--model_dir', '{workdir}/ckpt', '--cleanup_timeout', '3']\n"
+        "  args: ['--steps', '5000000', '--log_every', '50', '--model_dir', '{workdir}/ckpt', '--cleanup_timeout', '3',\n"
+        "         '--min_step_time', '0.05']\n"   # trains until stopped: at a real model's pace, not the CPU's
         "  checkpoint: {dir: '{workdir}/ckpt', keep: 2, sync: 2s}\n")
     cwd = tmp_path / "cwd"
     cwd.mkdir()
