@@ -105,7 +105,8 @@ def test_between_graph_resumes_from_model_dir_after_everything_restarts(tmp_path
 @pytest.mark.tf
 @pytest.mark.timeout(120)
 def test_classic_builds_its_own_servers_and_ends_at_exact_step(tmp_path):
-    steps = 200
+    """Also: --min_step_time paces each worker's steps (this toy model's take about 1 ms)."""
+    steps, pace = 200, 0.05
     with HandLaunch(tmp_path, tag="test:handlaunch") as launch:
         cluster = make_cluster(ps=1, worker=2)
 
@@ -115,13 +116,20 @@ def test_classic_builds_its_own_servers_and_ends_at_exact_step(tmp_path):
 
         ps = launch.start_script(TEMPLATES / "classic.py", cluster, "ps", 0, "c", flags("ps", 0))
         workers = [launch.start_script(TEMPLATES / "classic.py", cluster, "worker", 0, "c",
-                                       flags("worker", 0)),
+                                       flags("worker", 0) + [f"--min_step_time={pace}"]),
                    # worker 1 learns its place from TF_CONFIG alone
                    launch.start_script(TEMPLATES / "classic.py", cluster, "worker", 1, "c",
-                                       [f"--steps={steps}"])]
+                                       [f"--steps={steps}", f"--min_step_time={pace}"])]
+        wait_for(lambda: "step=" in workers[0].output() or workers[0].returncode is not None, 90,
+                 interval=0.01, what="worker 0's first step")
+        first = time.monotonic()
         assert_exit_0(launch, workers, 120)
+        took = time.monotonic() - first
         assert ps.returncode is None, "the ps must serve until it is stopped"
         assert_trained([p.output() for p in workers], steps)
+        local = int(re.search(r"local_steps=(\d+)", workers[0].output()).group(1))
+        # its first step was seen, at most 0.01 s late; each of the others took at least `pace`
+        assert took >= (local - 1) * pace - 0.01, (took, local)
 
 
 @pytest.mark.tf
