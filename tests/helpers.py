@@ -32,6 +32,13 @@ LOSS = re.compile(r"loss=([0-9.eE+-]+)")
 
 
 
+def need_tensorflow() -> None:
+    """Skip the calling test module where TensorFlow is not installed, without importing it
+    (pytest.importorskip would: 4 s of CPU in every process that collects the module, the fast
+    subset's included)."""
+    if importlib.util.find_spec("tensorflow") is None:
+        pytest.skip("tensorflow is not installed: pip install -e '.[test]'", allow_module_level=True)
+
 def jax_python() -> str:
     """The Python mode keras-jax's tests run: scripts/test.sh layers jax over the suite's venv
     and names it in TFCLUSTER_TEST_JAX_PYTHON (the rest of the suite runs TensorFlow without

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import wait_for
+from tests.helpers import need_tensorflow, wait_for
 from tests.test_templates import (
     TEMPLATES,
     assert_exit_0,
@@ -24,7 +24,7 @@ from tests.test_templates import (
 )
 from tests.tf_launch import HandLaunch, make_cluster
 
-pytest.importorskip("tensorflow")
+need_tensorflow()
 
 pytestmark = pytest.mark.tf
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import wait_for
+from tests.helpers import need_tensorflow, wait_for
 from tests.tf_launch import HandLaunch, make_cluster, port_of, wait_port
 
-pytest.importorskip("tensorflow")
+need_tensorflow()
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 RESULT = re.compile(r"^tfcluster-result: global_step=(\d+) loss=([-+0-9.eE]+|nan|inf)$", re.M)

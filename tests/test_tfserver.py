@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import wait_for
+from tests.helpers import need_tensorflow, wait_for
 from tfcluster.host import shim_ports
 
-pytest.importorskip("tensorflow")
+need_tensorflow()
 
 pytestmark = pytest.mark.tf   # every test here starts real TensorFlow
 
