@@ -396,3 +396,46 @@ class SaidUi:
 
     def warn(self, text: str) -> None:
         self.lines.append(f"warn {text}")
+
+
+# Scripts with a known way to fail (tests/scripts/), each run in the mode it fails in.
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def known_spec(tmp: Path, script: str, mode: str, jobs: dict[str, int], args: list[str]) -> Path:
+    """A local spec running tests/scripts/`script` in `mode` on `jobs` (job -> count)."""
+    ports = iter(free_ports(sum(jobs.values())))
+    lines = [f"  {job}: {{tasks: [{', '.join(f'a:{next(ports)}' for _ in range(n))}]}}" for job, n in jobs.items()]
+    spec = tmp / "known.yaml"
+    spec.write_text("name: known\nhosts:\n  - {name: a, address: 127.0.0.1}\njobs:\n" + "\n".join(lines) +
+                    f"\ntrain:\n  mode: {mode}\n  script: {SCRIPTS / script}\n  args: {json.dumps(args)}\n"
+                    f"  allow_outside: [{SCRIPTS}]\n")
+    return spec
+
+
+# A script mode mirrored takes for Keras' model.fit under MultiWorkerMirroredStrategy.
+FIT_SCRIPT = "strategy = tf.distribute.MultiWorkerMirroredStrategy()\nmodel.fit(dataset, epochs=3)\n"
+
+
+def fake_venv(root: Path, **dists: str) -> str:
+    """A venv (no pip: nothing is downloaded) whose site-packages hold only the metadata of
+    `dists` (name -> version): `info` reads versions, never imports, so none is needed."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True, timeout=60)
+    python = str(root / "bin" / "python")
+    site = Path(subprocess.run([python, "-c", "import site; print(site.getsitepackages()[0])"],
+                               capture_output=True, text=True, check=True, timeout=30).stdout.strip())
+    for name, version in dists.items():
+        dist = site / f"{name}-{version}.dist-info"
+        dist.mkdir()
+        (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    return python
+
+
+def venv_spec(tmp_path: Path, python: str, *, keras: str = "auto", script: str = FIT_SCRIPT) -> Path:
+    """Two mirrored workers on this machine run by `python` (a process of its own: the shim
+    is shipped to the workdir and the script's lines come back as they would from a host)."""
+    (tmp_path / "train.py").write_text(script)
+    spec = local_spec(tmp_path, mode="mirrored", script="train.py", ps=0,
+                      extra=f"  keras: {keras}\n  checks: {{reachability: false}}\n")
+    spec.write_text(spec.read_text().replace("hosts:", f"python: {python}\nworkdir: {tmp_path / 'wd'}\nhosts:", 1))
+    return spec

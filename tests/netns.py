@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import getpass
+import json
 import os
 import re
 import shutil
@@ -361,3 +362,36 @@ def bed(_bed_range, request) -> Bed:
         yield b
     finally:
         b.close()
+
+
+# -- dialling from a host, as a user (who is refused where) -------------------------------------
+
+PYTHON = "/usr/bin/python3"   # the system's: the second user can run it
+
+DIAL = ("import json, socket, sys\n"
+        "out = {}\n"
+        "for a, p in json.loads(sys.argv[1]):\n"
+        "    try:\n"
+        "        socket.create_connection((a, p), 3).close(); out[f'{a}:{p}'] = 'connected'\n"
+        "    except OSError as e:\n"
+        "        out[f'{a}:{p}'] = type(e).__name__\n"
+        "print(json.dumps(out))\n")
+
+
+def dial_from(host, targets, user=None) -> dict[str, str]:
+    """From inside bed `host`, as `user` (uid; None: root), each (address, port) of `targets`
+    dialled: 'address:port' -> 'connected' or the error's name."""
+    done = host.run([PYTHON, "-c", DIAL, json.dumps(targets)], user=user, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def refused_everywhere(bed, targets, other_user) -> None:
+    """From every live host: the second user and the owner's process outside the cluster are
+    refused at every target; nothing connects."""
+    for host in bed.hosts.values():
+        if host.state != "up":
+            continue
+        for who in (other_user.uid, None):
+            got = dial_from(host, targets, who)
+            assert set(got.values()) == {"ConnectionRefusedError"}, (host.name, who, got)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import getpass
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
+import psutil
 import pytest
 
 from tests.helpers import SESSION_VAR
@@ -238,3 +240,25 @@ def transports():
     yield build
     for t in made:
         t.close()
+
+
+# -- a host that dies, and one sshd for one address ---------------------------------------------
+
+def kill_host(server) -> None:
+    """The host dies: its sshd, every connection's sshd and everything started through them,
+    SIGKILLed together (the listener first, so nothing can reconnect in between)."""
+    listener = psutil.Process(server.proc.pid)
+    victims = [listener] + listener.children(recursive=True)
+    for p in victims:
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    server.proc.wait(10)
+
+
+def lone(sshd_factory, ssh_home, address: str):
+    """An sshd serving `address` only, trusted by the test's ~/.ssh/known_hosts."""
+    server = sshd_factory((address,))
+    server.write_known_hosts(ssh_home / "known_hosts", [address], mode="a")
+    return server

@@ -4,7 +4,6 @@ a host is lost and after every task restarted on the spare; so is the owner's ow
 outside the cluster (another TF server of the same user would otherwise relay a stranger in)."""
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -13,35 +12,9 @@ import sys
 import pytest
 
 from tests.helpers import kill_group, manifest, only_run, read_until, start_tfcluster, tagged_processes, wait_for
+from tests.netns import PYTHON, refused_everywhere
 
 pytestmark = [pytest.mark.ssh, pytest.mark.tf]
-
-PYTHON = "/usr/bin/python3"
-DIAL = ("import json, socket, sys\n"
-        "out = {}\n"
-        "for a, p in json.loads(sys.argv[1]):\n"
-        "    try:\n"
-        "        socket.create_connection((a, p), 3).close(); out[f'{a}:{p}'] = 'connected'\n"
-        "    except OSError as e:\n"
-        "        out[f'{a}:{p}'] = type(e).__name__\n"
-        "print(json.dumps(out))\n")
-
-
-def dial_from(host, targets, user=None) -> dict[str, str]:
-    done = host.run([PYTHON, "-c", DIAL, json.dumps(targets)], user=user, timeout=60)
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout)
-
-
-def refused_everywhere(bed, targets, other_user) -> None:
-    """From every live host: the second user and the owner's process outside the cluster are
-    refused at every target; nothing connects."""
-    for host in bed.hosts.values():
-        if host.state != "up":
-            continue
-        for who in (other_user.uid, None):
-            got = dial_from(host, targets, who)
-            assert set(got.values()) == {"ConnectionRefusedError"}, (host.name, who, got)
 
 
 @pytest.mark.timeout(480)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import ssh_spec, tfcluster, wait_for
-from tests.test_host_loss import kill_host, lone
+from tests.sshd import kill_host, lone
 from tfcluster.host import shim_ckpt
 from tfcluster.launch.cluster.session import Session
 from tfcluster.launch.run.ckptsync import CheckpointSync

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import tagged_processes, tfcluster, wait_for
-from tests.test_failure_report import known_spec
+from tests.helpers import fake_venv, known_spec, tagged_processes, tfcluster, venv_spec, wait_for
 from tfcluster.diagnose import signatures
 from tfcluster.diagnose.signatures import exception_line, failure_excerpt
 
@@ -103,8 +102,6 @@ def test_the_estimator_tutorial_is_named_as_removed_from_tensorflow(tmp_path, ho
 
 
 def test_the_tf_keras_refusal_names_the_spec_it_was_given(tmp_path, home):
-    from tests.test_keras import fake_venv, venv_spec
-
     python = fake_venv(tmp_path / "v", tensorflow="2.21.0", keras="3.15.0")
     spec = venv_spec(tmp_path, python, keras="legacy")
     r = tfcluster("plan", spec.name, "--check", home=home, cwd=tmp_path, timeout=90)

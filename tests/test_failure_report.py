@@ -5,7 +5,6 @@ the local host: the servers of the first test are a stand-in (no TensorFlow) tha
 line and listens; each known failure is produced by a script of tests/scripts."""
 from __future__ import annotations
 
-import json
 import re
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ import pytest
 from tests.helpers import (
     STANDIN,
     kill_tagged_once_seen,
+    known_spec,
     start_tfcluster,
     tagged_processes,
     tfcluster,
@@ -58,8 +58,6 @@ def test_a_failed_servers_log_tail_is_headed_with_its_own_name(tmp_path, home):
 
 # -- known failures, each produced for real by a script of tests/scripts ---------------------
 
-SCRIPTS = Path(__file__).parent / "scripts"
-
 
 def known(name: str, script: str, mode: str, jobs: dict[str, int], args: tuple[str, ...] = (), *,
           tf: bool = True, id: str | None = None):
@@ -83,16 +81,6 @@ KNOWN = [  # the signature each script ends with
     known("bad-arguments", "strict_args.py", "mirrored", {"worker": 1}, ("--bogus",), tf=False),
 ]
 TENSOR_ROW = re.compile(r"\d\.\d+e[-+]\d\d,")      # a row of a printed tensor
-
-
-def known_spec(tmp: Path, script: str, mode: str, jobs: dict[str, int], args: list[str]) -> Path:
-    ports = iter(free_ports(sum(jobs.values())))
-    lines = [f"  {job}: {{tasks: [{', '.join(f'a:{next(ports)}' for _ in range(n))}]}}" for job, n in jobs.items()]
-    spec = tmp / "known.yaml"
-    spec.write_text("name: known\nhosts:\n  - {name: a, address: 127.0.0.1}\njobs:\n" + "\n".join(lines) +
-                    f"\ntrain:\n  mode: {mode}\n  script: {SCRIPTS / script}\n  args: {json.dumps(args)}\n"
-                    f"  allow_outside: [{SCRIPTS}]\n")
-    return spec
 
 
 @pytest.mark.timeout(180)          # 5-40 s each here, with other TF runs on the same 2 cores

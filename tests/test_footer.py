@@ -5,28 +5,21 @@ Its progress line's rate and ETA, from explicit times: over the last 10 s, never
 burst, and a stall in their place once no step came in that window."""
 from __future__ import annotations
 
-import fcntl
-import os
-import pty
 import re
-import select
-import struct
 import subprocess
 import sys
-import termios
-import time
 from collections import deque
 from dataclasses import replace
 
 import pytest
 
+from tests.terminal import run_in_pty, screen_lines
 from tfcluster.watch import metrics
 from tfcluster.watch.footer import RateHistory, progress_line
 
 # under pytest-xdist, one worker runs them all: they share one cluster name, workdir and port
 pytestmark = pytest.mark.xdist_group("footer")
 
-COLS, ROWS = 110, 40
 # Worker 1's first attempt dies as if OOM-killed (137) after a few steps; the restart runs on.
 SCRIPT = """\
 import os, sys, time
@@ -56,45 +49,6 @@ def write_spec(tmp_path) -> str:
     (tmp_path / "slow.py").write_text(SCRIPT)
     (tmp_path / "spec.yaml").write_text(SPEC)
     return str(tmp_path / "spec.yaml")
-
-
-def run_in_pty(args: list[str], cwd, timeout: float = 90) -> tuple[int, bytes]:
-    pid, fd = pty.fork()
-    if pid == 0:   # the child: tfcluster on the terminal's slave side
-        os.chdir(cwd)
-        os.environ.update(TERM="xterm", COLUMNS=str(COLS), LINES=str(ROWS))
-        os.environ.pop("NO_COLOR", None)
-        os.execvp(sys.executable, [sys.executable, "-m", "tfcluster", *args])
-    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", ROWS, COLS, 0, 0))
-    data, deadline = b"", time.monotonic() + timeout
-    try:
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([fd], [], [], 1.0)
-            if not ready:
-                continue
-            try:
-                chunk = os.read(fd, 1 << 16)
-            except OSError:      # EIO: the child closed the terminal
-                break
-            if not chunk:
-                break
-            data += chunk
-    finally:
-        if time.monotonic() >= deadline:
-            os.kill(pid, 9)
-        _, status = os.waitpid(pid, 0)
-        os.close(fd)
-    return os.waitstatus_to_exitcode(status), data
-
-
-def screen_lines(data: bytes) -> list[str]:
-    """Every line the terminal shows or scrolled off, as a person would read them."""
-    pyte = pytest.importorskip("pyte")
-    screen = pyte.HistoryScreen(COLS, ROWS, history=5000)
-    pyte.ByteStream(screen).feed(data)
-    def text(row) -> str:
-        return "".join(row[x].data for x in range(COLS)).rstrip()
-    return [text(row) for row in screen.history.top] + [line.rstrip() for line in screen.display]
 
 
 def test_footer_appears_updates_shows_the_restart_and_leaves_the_summary(tmp_path):

@@ -15,7 +15,6 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-import psutil
 import pytest
 
 from tests.helpers import (
@@ -27,6 +26,7 @@ from tests.helpers import (
     tagged_processes,
     wait_for,
 )
+from tests.sshd import kill_host, lone
 from tfcluster.launch.cluster.hostloss import HostLosses
 from tfcluster.transport.ssh import SshTransport
 from tfcluster.transport.ssh_config import SshOptions
@@ -66,26 +66,6 @@ def silenced(address: str, port: int):
 
 def _unsilence() -> None:
     subprocess.run([NFT, "delete", "table", "inet", TABLE], capture_output=True, timeout=10, check=False)
-
-
-def kill_host(server) -> None:
-    """The host dies: its sshd, every connection's sshd and everything started through them,
-    SIGKILLed together (the listener first, so nothing can reconnect in between)."""
-    listener = psutil.Process(server.proc.pid)
-    victims = [listener] + listener.children(recursive=True)
-    for p in victims:
-        try:
-            p.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess:
-            pass
-    server.proc.wait(10)
-
-
-def lone(sshd_factory, ssh_home, address: str):
-    """An sshd serving `address` only, trusted by the test's ~/.ssh/known_hosts."""
-    server = sshd_factory((address,))
-    server.write_known_hosts(ssh_home / "known_hosts", [address], mode="a")
-    return server
 
 
 # -- the transport: keepalives that want an answer ------------------------------------------

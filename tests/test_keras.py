@@ -6,14 +6,12 @@ interpreter is a venv made here: with a TensorFlow and a Keras 3 that its metada
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from tests.helpers import local_spec, tagged_processes, tfcluster
+from tests.helpers import FIT_SCRIPT, fake_venv, local_spec, tagged_processes, tfcluster, venv_spec
 from tfcluster.diagnose.keras import (
     fit_warning,
     is_keras3,
@@ -29,8 +27,6 @@ from tfcluster.spec import load_spec, script_calls_fit
 from tfcluster.ui.views import version_table
 
 pytestmark = [pytest.mark.timeout(120)]
-
-FIT_SCRIPT = "strategy = tf.distribute.MultiWorkerMirroredStrategy()\nmodel.fit(dataset, epochs=3)\n"
 
 
 def info(keras: str | None = "3.15.0", tf_keras: str | None = None, tf: str | None = "2.21.0") -> HostInfo:
@@ -161,29 +157,6 @@ def test_legacy_on_several_hosts_names_each_with_its_own_install_command():
 
 
 # -- for real: a second interpreter, a venv whose metadata names TF and Keras ---------------
-
-def fake_venv(root: Path, **dists: str) -> str:
-    """A venv (no pip: nothing is downloaded) whose site-packages hold only the metadata of
-    `dists` (name -> version): `info` reads versions, never imports, so none is needed."""
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True, timeout=60)
-    python = str(root / "bin" / "python")
-    site = Path(subprocess.run([python, "-c", "import site; print(site.getsitepackages()[0])"],
-                               capture_output=True, text=True, check=True, timeout=30).stdout.strip())
-    for name, version in dists.items():
-        dist = site / f"{name}-{version}.dist-info"
-        dist.mkdir()
-        (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
-    return python
-
-
-def venv_spec(tmp_path: Path, python: str, *, keras: str = "auto", script: str = FIT_SCRIPT) -> Path:
-    """Two mirrored workers on this machine run by `python` (a process of its own: the shim
-    is shipped to the workdir and the script's lines come back as they would from a host)."""
-    (tmp_path / "train.py").write_text(script)
-    spec = local_spec(tmp_path, mode="mirrored", script="train.py", ps=0,
-                      extra=f"  keras: {keras}\n  checks: {{reachability: false}}\n")
-    spec.write_text(spec.read_text().replace("hosts:", f"python: {python}\nworkdir: {tmp_path / 'wd'}\nhosts:", 1))
-    return spec
 
 
 def test_plan_check_refuses_legacy_on_a_host_without_tf_keras_with_the_install_command(tmp_path, home):

@@ -244,7 +244,7 @@ def after_the_run(spec: Path, cwd: Path, home: Path, keys: list[str]) -> None:
 @pytest.mark.tf
 @pytest.mark.timeout(300)
 def test_keras3_fit_in_a_terminal_has_a_footer_one_bar_line_per_epoch_runs_and_plot(tmp_path, home):
-    from tests.test_footer import run_in_pty, screen_lines
+    from tests.terminal import run_in_pty, screen_lines
 
     spec = keras_spec(tmp_path, workers=1)
     rc, data = run_in_pty(["train", str(spec)], tmp_path, timeout=240)

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import tagged_processes, tfcluster, wait_for
-from tests.test_failure_report import known_spec
+from tests.helpers import known_spec, tagged_processes, tfcluster, wait_for
 from tfcluster.watch.logmux import LogMux
 from tfcluster.watch.logscan import FOLD_KEEP, Fold
 

@@ -27,7 +27,7 @@ from tests.helpers import (
     tagged_processes,
     wait_for,
 )
-from tests.test_notices import FAKE_PORT, control, finish, start_fake, write_notice_spec
+from tests.notice_bed import FAKE_PORT, control, finish, start_fake, write_notice_spec
 
 pytestmark = [pytest.mark.ssh, pytest.mark.tf, pytest.mark.alone]   # a real deadline: judged on a machine not shared with other tests
 

@@ -14,15 +14,16 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import need_tensorflow, wait_for
-from tests.test_templates import (
+from tests.tf_launch import (
     TEMPLATES,
+    HandLaunch,
     assert_exit_0,
+    make_cluster,
     progress,
     restored_step,
     result,
     start_servers,
 )
-from tests.tf_launch import HandLaunch, make_cluster
 
 need_tensorflow()
 

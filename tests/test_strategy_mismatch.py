@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import local_spec, tagged_processes, tfcluster, wait_for
-from tests.test_failure_report import SCRIPTS, known_spec
+from tests.helpers import SCRIPTS, known_spec, local_spec, tagged_processes, tfcluster, wait_for
 from tfcluster.diagnose import strategy as st
 from tfcluster.diagnose.keras import fit_warning, keras2_warning
 from tfcluster.launch.agent.records import HostInfo

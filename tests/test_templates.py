@@ -14,60 +14,21 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import need_tensorflow, wait_for
-from tests.tf_launch import HandLaunch, make_cluster, port_of, wait_port
+from tests.tf_launch import (
+    TEMPLATES,
+    HandLaunch,
+    assert_exit_0,
+    assert_trained,
+    checkpoint_step,
+    RESTORED,
+    make_cluster,
+    progress,
+    restored_step,
+    result,
+    start_servers,
+)
 
 need_tensorflow()
-
-TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
-RESULT = re.compile(r"^tfcluster-result: global_step=(\d+) loss=([-+0-9.eE]+|nan|inf)$", re.M)
-PROGRESS = re.compile(r"^step=(\d+) loss=([-+0-9.eE]+)", re.M)
-
-
-def result(output: str) -> tuple[int, float]:
-    found = RESULT.findall(output)
-    assert found, f"no result line in:\n{output[-3000:]}"
-    return int(found[-1][0]), float(found[-1][1])
-
-
-def progress(output: str) -> list[tuple[int, float]]:
-    return [(int(s), float(l)) for s, l in PROGRESS.findall(output)]
-
-
-def assert_trained(outputs: list[str], steps: int | None = None) -> None:
-    """The outputs of one run's processes: each has a result line (at exactly `steps`
-    if given), and the loss fell from the earliest progress line of any of them (a
-    worker that joins late starts from an already trained model)."""
-    lines = sorted(line for out in outputs for line in progress(out))
-    assert lines, "no progress lines in:\n" + "\n".join(out[-2000:] for out in outputs)
-    for out in outputs:
-        step, loss = result(out)
-        assert loss < lines[0][1] / 10, f"loss did not fall: first {lines[0]}, final {loss}"
-        if steps is not None:
-            assert step == steps, f"final global_step {step} != --steps {steps}"
-
-
-def checkpoint_step(model_dir: Path) -> int:
-    """The step of the latest complete tf.compat.v1 checkpoint in model_dir (-1: none)."""
-    try:
-        text = (model_dir / "checkpoint").read_text()
-    except OSError:
-        return -1
-    found = re.search(r'^model_checkpoint_path: ".*-(\d+)"', text, re.M)
-    return int(found.group(1)) if found else -1
-
-
-def assert_exit_0(launch: HandLaunch, procs, timeout: float) -> None:
-    rcs = launch.wait_all(procs, timeout)
-    for proc, rc in zip(procs, rcs):
-        assert rc == 0, f"{proc.name} exited {rc}:\n{proc.output()[-3000:]}"
-
-
-def start_servers(launch: HandLaunch, cluster: dict, jobs=("ps", "worker")) -> None:
-    """tfcluster's own server program for every task of `jobs`, waited for by port."""
-    servers = [(launch.start_server(cluster, job, i), addr)
-               for job in jobs for i, addr in enumerate(cluster.get(job, []))]
-    for proc, addr in servers:
-        wait_port(port_of(addr), 60, proc=proc)
 
 
 def run_between_graph(launch, cluster, run_id, steps, extra=()):
@@ -187,7 +148,6 @@ def test_mirrored_ends_on_sigterm_though_its_strategy_catches_it(tmp_path):
 # A SIGTERM mid-training (a run's stop, a drain, a move to a spare) saves where the run
 # was, exits 128+15, and a second run on the same --model_dir says where it resumed.
 SAVED = re.compile(r"^saved (\S+) at step=(\d+)$", re.MULTILINE)
-RESTORED = re.compile(r"^restored (\S+) at step=(\d+)$", re.MULTILINE)
 STOPPED = 128 + 15
 
 
@@ -195,13 +155,6 @@ def saved_step(output: str) -> int:
     found = SAVED.findall(output)
     assert found, f"no 'saved ... at step=N' line in:\n{output[-3000:]}"
     return int(found[-1][1])
-
-
-def restored_step(output: str, model_dir: Path) -> int:
-    found = RESTORED.findall(output)
-    assert found, f"no 'restored ... at step=N' line in:\n{output[-3000:]}"
-    assert Path(found[0][0]).parent == model_dir, found
-    return int(found[0][1])
 
 
 def sigterm_mid_training(launch: HandLaunch, procs, signalled) -> int:

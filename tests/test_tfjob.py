@@ -19,7 +19,7 @@ import psutil
 import pytest
 import yaml
 
-from tests.helpers import tagged_processes
+from tests.helpers import need_tensorflow, tagged_processes
 from tests.tf_launch import HandLaunch, free_ports
 from tfcluster.engines import render
 from tfcluster.engines.bundle import bundle_files, launch_config
@@ -333,7 +333,7 @@ def test_rendering_connects_nowhere_and_the_package_never_imports_the_sdks():
 
 @pytest.mark.tf
 def test_the_rendered_bundle_trains_when_started_as_the_operator_would(tmp_path):
-    pytest.importorskip("tensorflow")
+    need_tensorflow()
     plan = load_plan(ROOT / "sample_clusters" / "local.yaml")
     _, (configmap, tfjob, _) = rendered(plan)
     specs = tfjob["spec"]["tfReplicaSpecs"]

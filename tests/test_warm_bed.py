@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import kill_group, manifest, only_run, read_until, start_tfcluster, tagged_processes, wait_for
+from tests.netns import refused_everywhere
 from tfcluster.host import shim_procs
 
 # -- on the bed ------------------------------------------------------------------------------
@@ -69,7 +70,6 @@ def _here(host, pid: int) -> int:
 @pytest.mark.timeout(480)
 def test_a_lost_workers_host_moves_onto_the_warm_spares_standby_fenced_before_it_listened(
         tmp_path, home, ssh_home, bed, other_user):
-    from tests.test_bed_fence import refused_everywhere
 
     cwd = tmp_path / "cwd"
     cwd.mkdir()

@@ -3,7 +3,7 @@
 Free ports, one TF_CONFIG per process, the same environment contract tfcluster
 gives scripts, each process in its own session with its output in
 a file, and a ``kill_all`` that leaves nothing behind. Used by the template tests
-and by the benchmarks ("launched by hand").
+and by the benchmarks ("launched by hand"); then what the templates print, read.
 
     with HandLaunch(tmp_path, tag="test:handlaunch") as launch:
         cluster = make_cluster(ps=1, worker=2)
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -180,3 +181,67 @@ def wait_port(port: int, timeout: float, host: str = HOST, proc: Proc | None = N
 
 def port_of(address: str) -> int:
     return int(address.rsplit(":", 1)[1])
+
+
+# -- the templates, run by hand, and what they print ------------------------------------------
+
+TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
+RESULT = re.compile(r"^tfcluster-result: global_step=(\d+) loss=([-+0-9.eE]+|nan|inf)$", re.M)
+PROGRESS = re.compile(r"^step=(\d+) loss=([-+0-9.eE]+)", re.M)
+
+
+def result(output: str) -> tuple[int, float]:
+    found = RESULT.findall(output)
+    assert found, f"no result line in:\n{output[-3000:]}"
+    return int(found[-1][0]), float(found[-1][1])
+
+
+def progress(output: str) -> list[tuple[int, float]]:
+    return [(int(s), float(l)) for s, l in PROGRESS.findall(output)]
+
+
+def assert_trained(outputs: list[str], steps: int | None = None) -> None:
+    """The outputs of one run's processes: each has a result line (at exactly `steps`
+    if given), and the loss fell from the earliest progress line of any of them (a
+    worker that joins late starts from an already trained model)."""
+    lines = sorted(line for out in outputs for line in progress(out))
+    assert lines, "no progress lines in:\n" + "\n".join(out[-2000:] for out in outputs)
+    for out in outputs:
+        step, loss = result(out)
+        assert loss < lines[0][1] / 10, f"loss did not fall: first {lines[0]}, final {loss}"
+        if steps is not None:
+            assert step == steps, f"final global_step {step} != --steps {steps}"
+
+
+def checkpoint_step(model_dir: Path) -> int:
+    """The step of the latest complete tf.compat.v1 checkpoint in model_dir (-1: none)."""
+    try:
+        text = (model_dir / "checkpoint").read_text()
+    except OSError:
+        return -1
+    found = re.search(r'^model_checkpoint_path: ".*-(\d+)"', text, re.M)
+    return int(found.group(1)) if found else -1
+
+
+def assert_exit_0(launch: HandLaunch, procs, timeout: float) -> None:
+    rcs = launch.wait_all(procs, timeout)
+    for proc, rc in zip(procs, rcs):
+        assert rc == 0, f"{proc.name} exited {rc}:\n{proc.output()[-3000:]}"
+
+
+def start_servers(launch: HandLaunch, cluster: dict, jobs=("ps", "worker")) -> None:
+    """tfcluster's own server program for every task of `jobs`, waited for by port."""
+    servers = [(launch.start_server(cluster, job, i), addr)
+               for job in jobs for i, addr in enumerate(cluster.get(job, []))]
+    for proc, addr in servers:
+        wait_port(port_of(addr), 60, proc=proc)
+
+
+RESTORED = re.compile(r"^restored (\S+) at step=(\d+)$", re.MULTILINE)
+
+
+def restored_step(output: str, model_dir: Path) -> int:
+    found = RESTORED.findall(output)
+    assert found, f"no 'restored ... at step=N' line in:\n{output[-3000:]}"
+    assert Path(found[0][0]).parent == model_dir, found
+    return int(found[0][1])
