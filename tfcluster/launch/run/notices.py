@@ -10,7 +10,8 @@ each notice with deadline D into what the time allows, through the same path as 
 
 - D is further than START_LEAD away: wait until then (a cloud may withdraw its event; Azure
   does, and a withdrawn one is a false alarm that moved nothing);
-- at least MOVE_BUDGET left: drain the host now, its tasks to a spare (or, with no spare,
+- at least MOVE_BUDGET left: drain the host now (after up to GATHER seconds for the other
+  watched hosts' notices: hosts warned together move in one restart), its tasks to a spare (or, with no spare,
   what `train.on_host_loss` says: go on without them, or end the run before the kill, every
   script saving as it stops);
 - less: save only (the chief's newest checkpoint copied here at once) and leave the tasks
@@ -53,6 +54,11 @@ MOVE_BUDGET = 20.0
 # A notice further ahead than this waits until this long before its deadline: moving at once
 # would gain nothing, and a withdrawn event then costs nothing.
 START_LEAD = 60.0
+# A cloud that takes back several VMs at once warns each within seconds of the others, and the
+# watchers see them up to a look apart (AWS's every 2 s, shim_notice.AWS_EVERY): a notice waits
+# this long for the other watched hosts' (never past its last moment to move, nor when no other
+# watched host is left to warn), so hosts warned together move in one restart, not two in a row.
+GATHER = 5.0
 WARNED = "warned"               # recovery.give_up's kind: the Move's `why` starts with it
 
 PENDING, WAITING, MOVED, SHRUNK, SAVED, ENDED, WITHDRAWN, NOTHING, NOTED, FAILED = (
@@ -219,12 +225,25 @@ class Notices:
                 break
             self._line(run, host, line)
         due = self.due(run)
+        if not self._gathered(run, due):
+            return
         short = _too_few_spares(run, due)
         if short:
             end_before(run, self, due, short)
         for notice in due:
             if notice.action in (PENDING, WAITING):     # a move before may have taken it along
                 act(run, self, notice)
+
+    def _gathered(self, run: Run, due: list[Notice]) -> bool:
+        """Act on the notices due now (GATHER): one of them waited long enough, or cannot wait
+        longer, or no other watched host holding tasks of the run is left to warn."""
+        if not due:
+            return False
+        warned = {n.host for n in self.records if n.action not in (WITHDRAWN, NOTED)}
+        others = [h for h in self.procs if h not in warned and h not in run.session.pool.given_up
+                  and run.plan.tasks_on(h)]
+        now = time.time()
+        return not others or any(now >= min(n.at + GATHER, n.deadline - MOVE_BUDGET) for n in due)
 
     def due(self, run: Run) -> list[Notice]:
         """The notices to act on now, earliest deadline first; of hosts warned together, the
