@@ -107,12 +107,7 @@ def test_a_script_that_picks_another_backend_is_diagnosed(tmp_path, home):
     (tmp_path / "main.py").write_text(
         'import os\nos.environ["KERAS_BACKEND"] = "tensorflow"\nimport keras\n'
         'keras.distribution.initialize()\n')
-    port, = free_ports(1)
-    spec = tmp_path / "kjbackend.yaml"
-    spec.write_text(f"name: kjbackend\npython: {jax_python()}\nworkdir: {tmp_path / 'remote'}\n"
-                    "hosts:\n  - {name: me, address: localhost}\n"
-                    f"jobs:\n  worker: {{tasks: ['me:{port}']}}\n"
-                    "train:\n  mode: keras-jax\n  script: main.py\n  timeout: 200\n")
+    spec = one_local_process(tmp_path, "kjbackend", jax_python(), "main.py")
     result = tfcluster("train", str(spec), home=home, cwd=tmp_path, timeout=220)
     out = result.stdout + result.stderr
     assert result.returncode == 5, out[-3000:]        # a task failed (docs: exit codes)
@@ -121,6 +116,16 @@ def test_a_script_that_picks_another_backend_is_diagnosed(tmp_path, home):
     assert not tagged_processes()
 
 
+def one_local_process(tmp_path: Path, name: str, python: str, script: str) -> Path:
+    """Mode keras-jax, one process on this machine, run by `python`."""
+    port, = free_ports(1)
+    spec = tmp_path / f"{name}.yaml"
+    spec.write_text(f"name: {name}\npython: {python}\nworkdir: {tmp_path / 'remote'}\n"
+                    "hosts:\n  - {name: me, address: localhost}\n"
+                    f"jobs:\n  worker: {{tasks: ['me:{port}']}}\n"
+                    f"train:\n  mode: keras-jax\n  script: {script}\n  timeout: 200\n")
+    return spec
+
 
 def test_a_python_without_jax_is_refused_before_anything_starts(tmp_path, home):
     """The suite's own venv has no jax (scripts/test.sh layers it apart): the preflight finds
@@ -128,12 +133,7 @@ def test_a_python_without_jax_is_refused_before_anything_starts(tmp_path, home):
     if importlib.util.find_spec("jax") is not None:
         pytest.skip(f"{sys.executable} has jax: the fault needs a Python without it")
     (tmp_path / "t.py").write_text("print(1)\n")
-    port, = free_ports(1)
-    spec = tmp_path / "kjnojax.yaml"
-    spec.write_text(f"name: kjnojax\npython: {sys.executable}\nworkdir: {tmp_path / 'remote'}\n"
-                    "hosts:\n  - {name: me, address: localhost}\n"
-                    f"jobs:\n  worker: {{tasks: ['me:{port}']}}\n"
-                    "train:\n  mode: keras-jax\n  script: t.py\n")
+    spec = one_local_process(tmp_path, "kjnojax", sys.executable, "t.py")
     result = tfcluster("train", str(spec), home=home, cwd=tmp_path, timeout=120)
     assert result.returncode == 4, result.stdout + result.stderr      # preflight (docs: exit codes)
     assert f"host me: jax is not installed for {sys.executable}" in result.stderr, result.stderr
