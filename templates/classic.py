@@ -337,7 +337,8 @@ def main(argv=None) -> int:
             local_steps += 1
             if local_steps == 1 or local_steps % args.log_every == 0:
                 print(f"step={step} loss={loss:.6f}", flush=True)
-            time.sleep(max(0.0, began + args.min_step_time - time.monotonic()))
+            # the pace's wait ends at a SIGTERM: the loop then stops at once
+            stop.requested.wait(max(0.0, began + args.min_step_time - time.monotonic()))
     if stop.asked():
         return stopped(me, args.model_dir)
 

@@ -278,3 +278,23 @@ def test_a_template_stuck_inside_tensorflow_ends_itself_after_sigterm(tmp_path):
         assert launch.wait(chief, 15) == STOPPED, chief.output()[-3000:]
         assert 3.5 < time.monotonic() - signalled < 8, "ended by its own deadline"
         assert "still inside TensorFlow 4s later, leaving without saving" in chief.output()
+
+
+@pytest.mark.tf
+@pytest.mark.timeout(120)
+def test_a_sigterm_during_the_paces_wait_stops_and_saves_at_once(tmp_path):
+    """--min_step_time 60: after its first step the chief waits out its pace; a SIGTERM
+    then ends that wait, and the loop stops and saves as after any step, long before the
+    pace (and the 4 s stop deadline) would have let it."""
+    with HandLaunch(tmp_path, tag="test:handlaunch") as launch:
+        cluster = make_cluster(ps=1, worker=1)
+        start_servers(launch, cluster)
+        chief = launch.start_script(TEMPLATES / "between_graph.py", cluster, "worker", 0, "p",
+                                    ["--steps=100000", f"--model_dir={tmp_path / 'model'}", "--min_step_time=60"])
+        wait_for(lambda: progress(chief.output()) or chief.returncode is not None, 60, what="the first step")
+        os.kill(chief.popen.pid, signal.SIGTERM)
+        signalled = time.monotonic()
+        assert launch.wait(chief, 15) == STOPPED, chief.output()[-3000:]
+        assert time.monotonic() - signalled < 3.5, "ended by the stop deadline, not by the loop"
+        assert "still inside TensorFlow" not in chief.output()
+        assert "worker:0 stopped by SIGTERM" in chief.output() and checkpoint_step(tmp_path / "model") >= 1
