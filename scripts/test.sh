@@ -72,10 +72,12 @@ fi
 venv_dir=$("$PY" -c 'import sys; print(sys.prefix)')
 layer="$venv_dir/jax-layer"
 [ -x "$layer/bin/python" ] || "$PY" -m venv "$layer"
-base_site=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 layer_site=$("$layer/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-printf 'import site; site.addsitedir(%s)\n' "$("$PY" -c 'import sys; print(repr(sys.argv[1]))' "$base_site")" \
-  > "$layer_site/zz_tfcluster_suite_base.pth"
+"$PY" - "$layer_site/zz_tfcluster_suite_base.pth" <<'PY'
+import sys, sysconfig
+with open(sys.argv[1], "w") as f:
+    f.write(f"import site; site.addsitedir({sysconfig.get_paths()['purelib']!r})\n")
+PY
 "$layer/bin/python" -m pip install -q --disable-pip-version-check -e '.[jax]'
 export TFCLUSTER_TEST_JAX_PYTHON="$layer/bin/python"
 # An editable install writes no .pyc; under PYTHONDONTWRITEBYTECODE=1 (some CI images set it)

@@ -26,10 +26,16 @@ from tfcluster.plan.names import ClusterPaths
 from tfcluster.transport.ssh import SshTransport
 
 ROOT = Path(__file__).resolve().parent.parent
-TEMPLATES = ROOT / "templates"
 RESULT = re.compile(r"tfcluster-result: global_step=(\d+) loss=([0-9.eE+-]+|nan|inf)")
 LOSS = re.compile(r"loss=([0-9.eE+-]+)")
 
+
+def cannot_run(message: str) -> None:
+    """What a test needs is missing here: it fails under CI=true (CI installs everything the
+    suite needs), and skips elsewhere."""
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(message)
+    pytest.skip(message)
 
 
 def need_tensorflow() -> None:
@@ -38,6 +44,7 @@ def need_tensorflow() -> None:
     subset's included)."""
     if importlib.util.find_spec("tensorflow") is None:
         pytest.skip("tensorflow is not installed: pip install -e '.[test]'", allow_module_level=True)
+
 
 def jax_python() -> str:
     """The Python mode keras-jax's tests run: scripts/test.sh layers jax over the suite's venv
@@ -49,10 +56,8 @@ def jax_python() -> str:
         return named
     if importlib.util.find_spec("jax") is not None:
         return sys.executable
-    message = "no Python with jax for mode keras-jax: run scripts/test.sh, or pip install -e '.[jax]'"
-    if os.environ.get("CI", "").lower() == "true":
-        pytest.fail(message)
-    pytest.skip(message)
+    cannot_run("no Python with jax for mode keras-jax: run scripts/test.sh, or pip install -e '.[jax]'")
+
 
 # Processes of this test session: tfcluster tags every process it starts (TFCLUSTER_JOB_ID,
 # docs/ARCHITECTURE.md); conftest's leak check and many tests find them by it.

@@ -41,6 +41,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.helpers import cannot_run
 from tests.sshd import SSHD, Sshd, _keygen, write_config
 
 RANGE = "198.18.0.0/15"
@@ -289,9 +290,7 @@ def _bed_range(tmp_path_factory, sshd_factory):
     loopback sshds' own, which the `ssh_home` fixture installs as ~/.ssh/id_ed25519)."""
     why = _unavailable()
     if why:
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(f"the separate-host test bed cannot run: {why}")
-        pytest.skip(f"the separate-host test bed cannot run: {why}")
+        cannot_run(f"the separate-host test bed cannot run: {why}")
     with _route_holders() as holders:
         holders.add(os.getpid())
         _ip("route", "add", "blackhole", RANGE, check=False)    # a holder's may be there already

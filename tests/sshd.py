@@ -21,7 +21,7 @@ from typing import NamedTuple
 import psutil
 import pytest
 
-from tests.helpers import SESSION_VAR
+from tests.helpers import SESSION_VAR, cannot_run
 from tfcluster.transport.ssh import SshTransport
 from tfcluster.transport.ssh_config import SYSTEM_CONFIG_VAR, SshOptions
 
@@ -91,10 +91,7 @@ def _accepts(addr: str, port: int) -> bool:
 def _require_sshd() -> None:
     if os.path.exists(SSHD) and shutil.which("ssh-keygen"):
         return
-    message = f"OpenSSH server not installed ({SSHD})"
-    if os.environ.get("CI", "").lower() == "true":
-        pytest.fail(message)
-    pytest.skip(message)
+    cannot_run(f"OpenSSH server not installed ({SSHD})")
 
 
 def write_config(d: Path, addresses, port: int, host_key: Path, authorized_keys: Path, options) -> Path:

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from tests.helpers import TEMPLATES, cli_env, local_spec, only_run, tagged_processes
-from tests.tf_launch import HandLaunch, make_cluster, port_of, wait_port
+from tests.helpers import cli_env, local_spec, only_run, tagged_processes
+from tests.tf_launch import TEMPLATES, HandLaunch, make_cluster, port_of, wait_port
 from tfcluster.host import shim_net, shim_tasks
 
 pytestmark = [pytest.mark.timeout(240)]

@@ -11,9 +11,9 @@ each notice with deadline D into what the time allows, through the same path as 
 - D is further than START_LEAD away: wait until then (a cloud may withdraw its event; Azure
   does, and a withdrawn one is a false alarm that moved nothing);
 - at least MOVE_BUDGET left: drain the host now (after up to GATHER seconds for the other
-  watched hosts' notices: hosts warned together move in one restart), its tasks to a spare (or, with no spare,
-  what `train.on_host_loss` says: go on without them, or end the run before the kill, every
-  script saving as it stops);
+  watched hosts' notices: hosts warned together move in one restart), its tasks to a spare
+  (or, with no spare, what `train.on_host_loss` says: go on without them, or end the run
+  before the kill, every script saving as it stops);
 - less: save only (the chief's newest checkpoint copied here at once) and leave the tasks
   where they are: the host's loss at D is then a plain lost host, moved from that copy.
 
