@@ -179,6 +179,10 @@ def test_the_owners_other_processes_are_refused_and_only_the_clusters_own_get_in
     assert not os.path.exists(cgroup)
 
 
+# Its stale table is old on purpose, and any root fence install sweeps old tables of clusters
+# with nothing left: another test's local cluster starting meanwhile (under -n 4, seen once in
+# three runs) swept it first. So it runs with this kernel's nftables to itself.
+@pytest.mark.alone
 @pytest.mark.timeout(120)
 def test_a_killed_clusters_table_is_swept_by_the_next_install_and_a_refusal_names_it(clusters):
     """A cluster whose servers were killed without `down` leaves its table, which refuses
