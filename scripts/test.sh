@@ -64,13 +64,15 @@ PY
 if [ -n "$tf_minor" ]; then
   "$PY" -m pip install -q --disable-pip-version-check --no-deps "tf_keras~=$tf_minor.0"
 fi
-# Mode keras-jax's tests run a Python with jax; the rest of the suite runs TensorFlow without it,
-# as most of its users have it: TensorFlow imports jax whenever it can (its TFLite converter's
-# optional path), about 1 s of CPU on every `import tensorflow`, a fifth of it, hundreds of times
-# a run. So jax goes into a venv of its own (`jax-layer` beside this one's bin/) that sees this
-# one's packages through a .pth: pip there installs only what this venv lacks (the jax extra).
+# Mode keras-jax's tests run a Python with jax, and `plot -o`'s one with matplotlib; the rest of
+# the suite runs TensorFlow without either, as many of its users have it: TensorFlow imports jax
+# whenever it can (its TFLite converter's optional path) and Keras imports matplotlib.pyplot
+# whenever it can (on every `import tensorflow`), about 1 s and 0.6 s of CPU each time, hundreds
+# of times a run. So those two extras go into a venv of their own (`extras-layer` beside this
+# one's bin/) that sees this one's packages through a .pth: pip there installs only what this
+# venv lacks.
 venv_dir=$("$PY" -c 'import sys; print(sys.prefix)')
-layer="$venv_dir/jax-layer"
+layer="$venv_dir/extras-layer"
 [ -x "$layer/bin/python" ] || "$PY" -m venv "$layer"
 layer_site=$("$layer/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 "$PY" - "$layer_site/zz_tfcluster_suite_base.pth" <<'PY'
@@ -78,8 +80,8 @@ import sys, sysconfig
 with open(sys.argv[1], "w") as f:
     f.write(f"import site; site.addsitedir({sysconfig.get_paths()['purelib']!r})\n")
 PY
-"$layer/bin/python" -m pip install -q --disable-pip-version-check -e '.[jax]'
-export TFCLUSTER_TEST_JAX_PYTHON="$layer/bin/python"
+"$layer/bin/python" -m pip install -q --disable-pip-version-check -e '.[jax,plot]'
+export TFCLUSTER_TEST_EXTRAS_PYTHON="$layer/bin/python"
 # An editable install writes no .pyc; under PYTHONDONTWRITEBYTECODE=1 (some CI images set it)
 # every CLI start the tests make would compile tfcluster from source. Python still reads them.
 "$PY" -m compileall -q tfcluster >/dev/null

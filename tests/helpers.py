@@ -46,17 +46,28 @@ def need_tensorflow() -> None:
         pytest.skip("tensorflow is not installed: pip install -e '.[test]'", allow_module_level=True)
 
 
-def jax_python() -> str:
-    """The Python mode keras-jax's tests run: scripts/test.sh layers jax over the suite's venv
-    and names it in TFCLUSTER_TEST_JAX_PYTHON (the rest of the suite runs TensorFlow without
-    jax, which TensorFlow imports whenever it can: docs/development.md); else this Python, if
-    it has jax. With neither: skipped, failed under CI=true."""
-    named = os.environ.get("TFCLUSTER_TEST_JAX_PYTHON")
+def extras_python(module: str, extra: str) -> str:
+    """A Python with `module`, which the suite's venv leaves out: scripts/test.sh layers the jax
+    and plot extras over it and names that Python in TFCLUSTER_TEST_EXTRAS_PYTHON (the rest of
+    the suite runs TensorFlow without them, since TensorFlow and Keras import both whenever they
+    can: docs/development.md); else this Python, if it has `module`. With neither: skipped,
+    failed under CI=true."""
+    named = os.environ.get("TFCLUSTER_TEST_EXTRAS_PYTHON")
     if named:
         return named
-    if importlib.util.find_spec("jax") is not None:
+    if importlib.util.find_spec(module) is not None:
         return sys.executable
-    cannot_run("no Python with jax for mode keras-jax: run scripts/test.sh, or pip install -e '.[jax]'")
+    cannot_run(f"no Python with {module}: run scripts/test.sh, or pip install -e '.[{extra}]'")
+
+
+def jax_python() -> str:
+    """The Python mode keras-jax's tests run."""
+    return extras_python("jax", "jax")
+
+
+def plot_python() -> str:
+    """The Python `plot -o`'s tests run the CLI with."""
+    return extras_python("matplotlib", "plot")
 
 
 # Processes of this test session: tfcluster tags every process it starts (TFCLUSTER_JOB_ID,
@@ -130,8 +141,9 @@ def cli_env(home: Path) -> dict[str, str]:
     return {**os.environ, "HOME": str(home), "NO_COLOR": "1", "COLUMNS": "200"}
 
 
-def tfcluster(*args: str, home: Path, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tfcluster", *args], capture_output=True, text=True,
+def tfcluster(*args: str, home: Path, cwd: Path, timeout: float = 240,
+              python: str = sys.executable) -> subprocess.CompletedProcess:
+    return subprocess.run([python, "-m", "tfcluster", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=cwd, env=cli_env(home))
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import cli_env, this_python_renamed
+from tests.helpers import cli_env, plot_python, this_python_renamed
 from tests.tf_launch import free_ports
 from tfcluster.launch.agent.bootstrap import bootstrap_argv
 from tfcluster.transport.local import LocalTransport
@@ -40,9 +40,9 @@ def as_b(other_user, *commands: str) -> None:
     assert done.returncode == 0, done.stderr
 
 
-def tfc(*args: str, home: Path, cwd: Path, **env: str) -> subprocess.CompletedProcess:
+def tfc(*args: str, home: Path, cwd: Path, python: str = sys.executable, **env: str) -> subprocess.CompletedProcess:
     """tfcluster as its console script runs it: `-P`, its own directory is not the cwd."""
-    return subprocess.run([sys.executable, "-P", "-m", "tfcluster", *args], check=False, capture_output=True, text=True,
+    return subprocess.run([python, "-P", "-m", "tfcluster", *args], check=False, capture_output=True, text=True,
                           timeout=90, cwd=cwd, env={**cli_env(home), **env})
 
 
@@ -178,13 +178,13 @@ def plotted_run(tmp: Path, home: Path) -> Path:
 
 def test_plot_o_refuses_a_directory_another_user_can_write_and_never_follows_their_link(
         shared, other_user, home, tmp_path):
-    pytest.importorskip("matplotlib")
+    plotter = plot_python()
     spec = plotted_run(tmp_path, home)
     bashrc = home / ".bashrc"
     bashrc.write_text("# mine\n")
     as_b(other_user, f"ln -s {bashrc} {shared}/loss.png")
 
-    result = tfc("plot", str(spec), "-o", str(shared / "loss.png"), home=home, cwd=tmp_path)
+    result = tfc("plot", str(spec), "-o", str(shared / "loss.png"), home=home, cwd=tmp_path, python=plotter)
 
     assert bashrc.read_bytes() == b"# mine\n"
     assert result.returncode == 4, result.stdout + result.stderr
@@ -192,7 +192,7 @@ def test_plot_o_refuses_a_directory_another_user_can_write_and_never_follows_the
 
     mine = tmp_path / "plots"
     mine.mkdir()
-    done = tfc("plot", str(spec), "-o", str(mine / "loss.png"), home=home, cwd=tmp_path)
+    done = tfc("plot", str(spec), "-o", str(mine / "loss.png"), home=home, cwd=tmp_path, python=plotter)
     assert done.returncode == 0, done.stderr
     assert (mine / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and mode(mine / "loss.png") == 0o600
 

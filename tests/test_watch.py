@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import cli_env, kill_group, local_spec, read_until, start_tfcluster, tfcluster, wait_for
+from tests.helpers import cli_env, kill_group, local_spec, plot_python, read_until, start_tfcluster, tfcluster, wait_for
 from tfcluster.watch import metrics
 from tfcluster.watch.plotting import rates, run_series, sparkline, text_plot
 from tfcluster.watch.runs import read_manifest
@@ -184,7 +184,8 @@ def test_plot_png_and_terminal_come_from_the_saved_logs(two_runs):
         assert series[key].rate and all(2 < r < 100 for _, r in series[key].rate)
         assert series[key].rate_source == "arrival times"
     png = cwd / "x.png"
-    result = tfcluster("plot", str(spec), "--run", run.name, "-o", str(png), home=home, cwd=cwd)
+    result = tfcluster("plot", str(spec), "--run", run.name, "-o", str(png), home=home, cwd=cwd,
+                       python=plot_python())
     assert result.returncode == 0, result.stderr
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
