@@ -103,3 +103,45 @@ def test_a_spec_without_a_script_cannot_be_rendered(tmp_path):
     result = tfc("render", str(spec), "--to", "slurm")
     assert result.returncode == 2, result.stderr
     assert "train.script is not set" in result.stderr and not result.stdout
+
+
+KERAS_JAX = """name: kj
+hosts:
+  - {name: a, address: 10.1.0.1, gpus: 2}
+  - {name: b, address: 10.1.0.2, gpus: 2}
+jobs:
+  worker: {tasks: ['a:7000', 'b:7000']}
+env: {KERAS_HOME: /data/keras}
+train: {mode: keras-jax, script: template:keras_jax}
+"""
+
+
+def test_keras_jax_renders_for_slurm_with_each_process_s_variables_and_no_coordinator_of_the_spec(tmp_path):
+    spec = tmp_path / "kj.yaml"
+    spec.write_text(KERAS_JAX)
+    result = tfc("render", str(spec), "--to", "slurm", "-o", str(tmp_path / "out"))
+    assert result.returncode == 0, result.stderr
+    script = (tmp_path / "out" / "kj.sbatch").read_text()
+    assert "export KERAS_HOME=/data/keras" in script
+    assert "KERAS_DISTRIBUTION" not in script and "JAX_" not in script and "10.1.0.1" not in script
+    config = json.loads(bundle_of(script)["tfcluster-launch.json"])
+    assert "KERAS_BACKEND" not in config["env"]
+    first, second = config["jax_env"]["worker:0"], config["jax_env"]["worker:1"]
+    # where the job runs, worker 0's surveyed address and port replace the placeholder
+    assert first["JAX_COORDINATOR_ADDRESS"] == first["KERAS_DISTRIBUTION_JOB_ADDRESSES"] == "{coordinator}"
+    assert second["JAX_COORDINATOR_ADDRESS"] == "{coordinator}"
+    ids = (first["JAX_PROCESS_ID"], second["KERAS_DISTRIBUTION_PROCESS_ID"], second["JAX_NUM_PROCESSES"])
+    assert ids == ("0", "1", "2")
+    assert first["KERAS_BACKEND"] == second["KERAS_BACKEND"] == "jax"
+    assert "JAX_CPU_COLLECTIVES_IMPLEMENTATION" not in first       # GPU hosts: no gloo (test_slurm: CPU)
+
+
+def test_keras_jax_for_a_tfjob_is_one_line_naming_what_kubernetes_needs(tmp_path):
+    spec = tmp_path / "kj.yaml"
+    spec.write_text(KERAS_JAX)
+    result = tfc("render", str(spec), "--to", "tfjob", "-o", str(tmp_path / "out"))
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("tfcluster: error: render --to tfjob: mode keras-jax is not rendered "
+                                    "for Kubernetes")
+    assert "Indexed Job" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "out").exists()

@@ -1,7 +1,8 @@
 """`render --to slurm` submitted to a real one-node Slurm (tests/slurm.py): the embedded
 default trains to its exact final step and ends by itself; ps tasks stop when the workers
 are done, a failing worker fails the job, two jobs on one node take different ports, a
-missing secret stops the job before any task runs. Nothing is left running."""
+missing secret stops the job before any task runs, mode keras-jax's processes find their
+coordinator on the port the job surveyed. Nothing is left running."""
 from __future__ import annotations
 
 import os
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import LOCAL, tfc, wait_for
+from tests.helpers import LOCAL, jax_python, tfc, wait_for
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(300)]
 
@@ -150,3 +151,28 @@ def test_a_missing_secret_stops_the_job_before_any_task(cluster, tmp_path):
     assert result["state"] == "FAILED"
     assert "HUB_TOKEN: set HUB_TOKEN in the environment you run sbatch from" in result["output"]
     assert "bound" not in result["output"]
+
+
+@pytest.mark.tf
+def test_keras_jax_processes_meet_at_the_coordinator_the_job_surveyed_and_end_with_one_model(cluster, tmp_path):
+    spec = tmp_path / "kj.yaml"
+    spec.write_text(f"""name: kjslurm
+python: {jax_python()}
+hosts: [{{name: local, address: localhost}}]
+jobs:
+  worker: {{count: 2, hosts: [local], port: 22240}}
+train:
+  mode: keras-jax
+  script: template:keras_jax
+  args: ["--epochs", "2", "--examples", "512"]
+""")
+    result = submit(cluster, render(spec, tmp_path / "out"), timeout=240)
+    out = result["output"]
+    assert (result["state"], result["exit_code"]) == ("COMPLETED", "0:0"), out[-4000:]
+    for me in (0, 1):     # one JAX runtime across both processes, not two alone
+        assert re.search(rf"^worker:{me} │ process {me} of 2: 1 local device\(s\), 2 in all", out, re.M), out[-3000:]
+    by_process = {p: d for d, p in re.findall(r"weights sha256=([0-9a-f]{16}) process=(\d)", out)}
+    assert set(by_process) == {"0", "1"} and len(set(by_process.values())) == 1, by_process
+    for worker in ("worker:0", "worker:1"):
+        assert f"{worker} │ tfcluster: exited with code 0" in out
+    assert "22240" not in out        # the coordinator is on the port step 1 found, not the spec's

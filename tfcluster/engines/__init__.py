@@ -4,7 +4,8 @@
 Rendering reads the spec's local files and never connects to a host. The tasks on the
 other engine run the shipped launcher (launch.py), which gives the unchanged training
 script the environment `train` gives it: TF_CONFIG, TFCLUSTER_*, a TF server per task
-in the modes that have one, and `job:index │ ` prefixed output."""
+in the modes that have one (mode keras-jax: JAX's coordinator, process count and id instead),
+and `job:index │ ` prefixed output."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -22,15 +23,15 @@ class Rendered:
 def render(plan, to: str, *, image: str | None = None, namespace: str = "default") -> Rendered:
     """`plan` as files for engine `to` (one of ENGINES). Raises UsageError for what the
     engine cannot express."""
-    if plan.mode == "keras-jax":
-        # The launcher there writes TF_CONFIG and starts TF servers; a JAX process needs the
-        # coordinator's address, which only a node's own rank can give (docs/engines.md).
+    if plan.mode == "keras-jax" and to == "tfjob":
+        # The training operator writes TF_CONFIG for TensorFlow's servers; a JAX process needs
+        # the coordinator's address and its process id, which no TFJob field carries.
         from tfcluster.errors import UsageError
 
-        raise UsageError(f"render --to {to}: mode keras-jax is not rendered yet: the rendered launcher gives "
-                         f"TensorFlow's variables, not JAX's coordinator",
-                         hint="on Slurm, `srun` the script itself: jax.distributed.initialize() reads Slurm's "
-                              "variables (docs/engines.md, \"Mode keras-jax\")")
+        raise UsageError(f"render --to {to}: mode keras-jax is not rendered for Kubernetes: a TFJob "
+                         f"gives TensorFlow's variables, not JAX's coordinator",
+                         hint="render --to slurm runs it; on Kubernetes, an Indexed Job with a headless "
+                              "Service (docs/engines.md, \"Mode keras-jax\")")
     if to == "tfjob":
         from tfcluster.engines.tfjob import render_tfjob
 

@@ -7,21 +7,33 @@ import os
 
 from tfcluster.errors import UsageError
 from tfcluster.host import HOST_DIR
-from tfcluster.plan import SCRIPT_JOBS, SERVER_JOBS, Plan
+from tfcluster.plan import JAX_COORDINATOR_ENV, JAX_ENV, SCRIPT_JOBS, SERVER_JOBS, Plan
 
 LAUNCHER = "launch.py"
 CONFIG = "tfcluster-launch.json"
 SERVER = "tfserver.py"
 # Set per task by the launcher where the task runs, never taken from the spec's env.
 MANAGED = ("TF_CONFIG", "CUDA_VISIBLE_DEVICES")
+COORDINATOR = "{coordinator}"    # in jax_env's values: worker 0's address, known where it runs
 
 
 def spec_env(plan: Plan) -> dict[str, str]:
     """The spec's env (with tfcluster's defaults), the same for every task: what the
-    launcher does not set itself."""
+    launcher does not set itself (mode keras-jax's variables are per process: jax_env)."""
     env = dict(plan.tasks[0].env) if plan.tasks else {}
+    managed = MANAGED + (JAX_ENV if plan.mode == "keras-jax" else ())
     return {k: v for k, v in sorted(env.items())
-            if k not in MANAGED and not k.startswith("TFCLUSTER_")}
+            if k not in managed and not k.startswith("TFCLUSTER_")}
+
+
+def jax_env(plan: Plan) -> dict[str, dict[str, str]]:
+    """Mode keras-jax: task key -> the variables its process gets (docs/modes.md, "Mode
+    keras-jax"), the coordinator's address left as COORDINATOR: the engine picks the ports."""
+    if plan.mode != "keras-jax":
+        return {}
+    return {t.key: {k: COORDINATOR if k in JAX_COORDINATOR_ENV else v
+                    for k, v in sorted(t.env) if k in JAX_ENV}
+            for t in plan.tasks}
 
 
 def split_env(plan: Plan) -> tuple[dict[str, str], tuple[str, ...]]:
@@ -47,6 +59,7 @@ def launch_config(plan: Plan, engine: str, **extra) -> dict:
         "chief": chief_key(plan), "script": script, "args": list(plan.args),
         "workdir": plan.cluster_dir, "env": public, "secret_env": list(secret),
         "files": [dest for _path, dest, _size in plan.files],
+        "jax_env": jax_env(plan),
         **extra,
     }
 

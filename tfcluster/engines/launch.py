@@ -29,6 +29,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 READY_TIMEOUT = 300.0     # seconds for a task's TF server to listen
 NOTIFY_TIMEOUT = 30.0     # seconds a finished task tries to tell each ps it is done
 STOP_GRACE = 10.0         # seconds between TERM and KILL for a task's children
+COORDINATOR = "{coordinator}"   # bundle.py's placeholder in a keras-jax process's variables
 _out = threading.Lock()
 
 
@@ -280,6 +281,9 @@ def slurm_run(cfg: dict) -> int:
     width = max(len(f"{j}:{i}") for j, i in where)
     prefix = f"{key:<{width}} │ "
     env = task_env(cfg, cluster, job, index, "" if job == "ps" else visible_gpus(gpus))
+    # mode keras-jax: worker 0's surveyed address and port is the coordinator's
+    env.update({k: cluster["worker"][0] if v == COORDINATOR else v
+                for k, v in cfg.get("jax_env", {}).get(key, {}).items()})
     finishers = {f"{j}:{i}" for j, i in where if not is_waiter(cfg, j)}
     until = None
     if is_waiter(cfg, job):

@@ -34,6 +34,7 @@ from tfcluster.spec import (
     mask_userinfo,
 )
 from tfcluster.spec.addresses import machine_of
+from tfcluster.spec.model import JAX_PER_TASK_ENV
 from tfcluster.spec.shipped import ScriptScan
 from tfcluster.transport.options import SshOptions
 
@@ -493,6 +494,13 @@ def _task_plan(spec: Spec, slot, address: str, cluster_json: str, chief: str, pl
     )
 
 
+# The two variables that hold the coordinator's address: an engine that chooses the addresses
+# itself (render --to slurm) fills them in where the processes run.
+JAX_COORDINATOR_ENV = ("KERAS_DISTRIBUTION_JOB_ADDRESSES", "JAX_COORDINATOR_ADDRESS")
+# Every variable jax_env may set: per process, never the spec's env for all.
+JAX_ENV = (*JAX_PER_TASK_ENV, KERAS_BACKEND_ENV, JAX_CPU_COLLECTIVES_ENV)
+
+
 def jax_env(coordinator: str, processes: str, index: int, gpus: bool,
             spec_env: tuple[tuple[str, str], ...] = ()) -> dict[str, str]:
     """What a process of mode keras-jax gets besides every task's variables (docs/modes.md, "Mode
@@ -501,10 +509,9 @@ def jax_env(coordinator: str, processes: str, index: int, gpus: bool,
     names a JAX program passes to `jax.distributed.initialize` (which reads only
     JAX_COORDINATOR_ADDRESS itself). A host without GPUs gets gloo, the CPU collectives that
     run across processes, unless env: names another."""
-    env = {KERAS_BACKEND_ENV: "jax",
-           "KERAS_DISTRIBUTION_JOB_ADDRESSES": coordinator, "KERAS_DISTRIBUTION_NUM_PROCESSES": processes,
-           "KERAS_DISTRIBUTION_PROCESS_ID": str(index),
-           "JAX_COORDINATOR_ADDRESS": coordinator, "JAX_NUM_PROCESSES": processes, "JAX_PROCESS_ID": str(index)}
+    env = {KERAS_BACKEND_ENV: "jax", **dict.fromkeys(JAX_COORDINATOR_ENV, coordinator),
+           "KERAS_DISTRIBUTION_NUM_PROCESSES": processes, "KERAS_DISTRIBUTION_PROCESS_ID": str(index),
+           "JAX_NUM_PROCESSES": processes, "JAX_PROCESS_ID": str(index)}
     if not gpus and JAX_CPU_COLLECTIVES_ENV not in dict(spec_env):
         env[JAX_CPU_COLLECTIVES_ENV] = "gloo"
     return env
