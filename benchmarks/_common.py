@@ -128,6 +128,18 @@ def timed_run(argv, **kw) -> float:
     return time.perf_counter() - t
 
 
+def train_followed(b: "Bench", spec: Path, watch, args=(), timeout: float = 600) -> None:
+    """`tfcluster train SPEC [-- ARGS]`, its output read by watch.follow(pipe) as it comes;
+    raises with watch.tail (its last lines) if it fails."""
+    pr = subprocess.Popen(TFCLUSTER + ["train", str(spec), *(["--", *args] if args else [])], env=b.env(),
+                          cwd=b.cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    reader = watch.follow(pr.stdout)
+    rc = pr.wait(timeout)
+    reader.join(10)
+    if rc:
+        raise RuntimeError(f"tfcluster train exited {rc}:\n{''.join(watch.tail)}")
+
+
 # -- ports ---------------------------------------------------------------------------------
 
 def free_ports(n: int, host: str = "0.0.0.0") -> list[int]:

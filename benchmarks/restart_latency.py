@@ -26,7 +26,7 @@ import threading
 import time
 
 import psutil
-from _common import TFCLUSTER, Bench, alternate, free_ports, parser, report, write_spec
+from _common import TFCLUSTER, Bench, alternate, free_ports, parser, report, train_followed, write_spec
 
 TARGET = 1.1
 STEP = re.compile(r"(?:^|│ )step=(\d+) pid=(\d+) task=(\d+)")
@@ -156,13 +156,7 @@ def main(argv=None) -> int:
         def tfc() -> float:
             fresh_state()
             w = Watch(b, script.name, kill_at)
-            pr = subprocess.Popen(TFCLUSTER + ["train", str(spec), "--", *args], env=b.env(), cwd=b.cwd,
-                                  stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-            reader = w.follow(pr.stdout)
-            rc = pr.wait(300)
-            reader.join(10)
-            if rc:
-                raise RuntimeError(f"tfcluster train exited {rc}:\n{''.join(w.tail)}")
+            train_followed(b, spec, w, args, timeout=300)
             return w.result()
 
         print(f"restart_latency: 2 workers (mirrored, light resumer script, no TF), kill worker 1 "

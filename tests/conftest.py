@@ -45,6 +45,11 @@ def pytest_collection_modifyitems(config, items):
         if "slurm_cluster" in item.fixturenames:
             # under pytest-xdist (`--dist loadgroup`), one worker runs them all: one Slurm cluster started
             item.add_marker(pytest.mark.xdist_group("slurm"))
+        if item.get_closest_marker("alone") is not None and item.get_closest_marker("xdist_group") is None:
+            # scripts/test.sh runs the alone tests in two lanes, each one test at a time: the
+            # notices' (a module's own group: minutes of waiting out a deadline on the bed) beside
+            # this one, the rest
+            item.add_marker(pytest.mark.xdist_group("alone"))
     if hasattr(config, "workerinput"):    # a pytest-xdist worker (where `dist` reads "no")
         # Workers take tests in this order: the long ones first (a bed of hosts, then TensorFlow,
         # an sshd or Slurm), the quick ones last, where they fill the end of every worker's queue

@@ -20,8 +20,8 @@ def needs_sshd(test):
     return pytest.mark.ssh(pytest.mark.skipif(not have, reason="OpenSSH server/client not installed")(test))
 
 
-def _smoke(name: str, timeout: float) -> str:
-    r = subprocess.run([sys.executable, str(BENCH / name), "--smoke", "--bare-login"],
+def _smoke(name: str, timeout: float, python: str = sys.executable) -> str:
+    r = subprocess.run([python, str(BENCH / name), "--smoke", "--bare-login"],
                        capture_output=True, text=True, timeout=timeout, cwd=BENCH)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
@@ -132,3 +132,11 @@ def test_kills_benchmark_runs_small_and_leaves_nothing_running():
     assert r.returncode == 0, out[-4000:]
     assert "judged lost: 1/1" in r.stdout, out[-4000:]
     assert "cleanup: no process of this benchmark survives" in r.stdout, out[-4000:]
+
+
+@pytest.mark.tf
+def test_keras_jax_benchmark_runs_small_and_leaves_nothing_running():
+    from tests.helpers import jax_python
+    out = _smoke("keras_jax.py", 300, python=jax_python())
+    for row in ("keras_jax_ready", "keras_jax_first_epoch", "keras_jax_two_processes"):
+        assert f"RATIO {row}" in out, out[-3000:]

@@ -25,22 +25,23 @@ DIGEST = re.compile(r"weights sha256=([0-9a-f]{16}) process=(\d)")
 EPOCH_STEPS = 32                 # the template's 2048 examples in global batches of 64
 
 
-def jax_spec(tmp: Path, sshd, *, name: str, args: str, extra: str = "") -> Path:
-    a, b = free_ports(2)
+def jax_spec(tmp: Path, sshd, *, name: str, args: str, extra: str = "", processes: int = 2) -> Path:
+    hosts = [f"h{2 + i}" for i in range(processes)]
+    tasks = ", ".join(f"'{h}:{port}'" for h, port in zip(hosts, free_ports(processes)))
     text = (f"name: {name}\npython: {jax_python()}\nworkdir: {tmp / 'remote'}\n"
             f"ssh:\n  port: {sshd.port}\n  connect_timeout: 5\n"
-            "hosts:\n  - {name: h2, address: 127.0.0.2}\n  - {name: h3, address: 127.0.0.3}\n"
-            f"jobs:\n  worker: {{tasks: ['h2:{a}', 'h3:{b}']}}\n"
+            "hosts:\n" + "".join(f"  - {{name: {h}, address: 127.0.0.{h[1:]}}}\n" for h in hosts) +
+            f"jobs:\n  worker: {{tasks: [{tasks}]}}\n"
             f"train:\n  mode: keras-jax\n  script: template:keras_jax\n  args: {args}\n  timeout: 400\n{extra}")
     path = tmp / f"{name}.yaml"
     path.write_text(text)
     return path
 
 
-def digests(run_dir: Path) -> dict[str, str]:
+def digests(run_dir: Path, processes: int = 2) -> dict[str, str]:
     """worker key -> the digest of the weights it ended with (its last attempt's)."""
     out = {}
-    for key in ("worker-0", "worker-1"):
+    for key in (f"worker-{i}" for i in range(processes)):
         found = DIGEST.findall((run_dir / f"{key}.log").read_text(errors="replace"))
         assert found, f"{key} printed no digest:\n{(run_dir / f'{key}.log').read_text()[-3000:]}"
         out[key] = found[-1][0]
@@ -49,8 +50,10 @@ def digests(run_dir: Path) -> dict[str, str]:
 
 @pytest.mark.tf
 @pytest.mark.timeout(420)
-def test_two_processes_train_to_the_same_weights_and_progress_comes_from_process_0(tmp_path, home, ssh_home, sshd):
-    spec = jax_spec(tmp_path, sshd, name="kjfit", args='["--epochs", "3"]')
+def test_three_processes_train_to_the_same_weights_and_progress_comes_from_process_0(tmp_path, home, ssh_home, sshd):
+    # a global batch of 48 over 3 processes, 1536 examples: EPOCH_STEPS steps an epoch
+    spec = jax_spec(tmp_path, sshd, name="kjfit", processes=3,
+                    args='["--epochs", "3", "--batch_size", "48", "--examples", "1536"]')
     cwd = tmp_path / "cwd"
     cwd.mkdir()
     result = tfcluster("train", str(spec), home=home, cwd=cwd, timeout=400)
@@ -58,11 +61,11 @@ def test_two_processes_train_to_the_same_weights_and_progress_comes_from_process
     assert result.returncode == 0, out[-4000:]
     run = only_run(cwd / "runs")
     tasks = manifest(run)["tasks"]
-    assert {k: t["script"]["exit_code"] for k, t in tasks.items()} == {"worker:0": 0, "worker:1": 0}
-    found = digests(run)
-    assert found["worker-0"] == found["worker-1"], found
+    assert {k: t["script"]["exit_code"] for k, t in tasks.items()} == {"worker:0": 0, "worker:1": 0, "worker:2": 0}
+    found = digests(run, processes=3)
+    assert found["worker-0"] == found["worker-1"] == found["worker-2"], found
     log0 = (run / "worker-0.log").read_text()
-    assert "process 0 of 2: 1 local device(s), 2 in all" in log0
+    assert "process 0 of 3: 1 local device(s), 3 in all" in log0
     assert f"global_step={3 * EPOCH_STEPS}" in log0
     # Keras' own epoch lines, read as for any Keras run: process 0's step in the summary
     row = next(line for line in out.splitlines() if line.lstrip().startswith("worker:0") and " h2 " in line)

@@ -24,7 +24,9 @@ from tests.helpers import (
 )
 from tests.notice_bed import FAKE_PORT, control, finish, start_fake, write_notice_spec
 
-pytestmark = [pytest.mark.ssh, pytest.mark.tf, pytest.mark.alone]   # a real deadline: judged on a machine not shared with other tests
+# A real deadline: judged beside at most one other test at a time, never the parallel part's load
+# (scripts/test.sh: the alone tests' two lanes, the notices' one of them)
+pytestmark = [pytest.mark.ssh, pytest.mark.tf, pytest.mark.alone, pytest.mark.xdist_group("notices")]
 
 
 def notice_spec(tmp: Path, bed, name: str, *, watch: str | None, spare: bool, steps: int) -> Path:

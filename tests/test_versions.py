@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import state_path, tagged_processes, tfcluster
+from tests.helpers import jax_python, state_path, tagged_processes, tfcluster
 from tests.tf_launch import free_ports
 from tfcluster.diagnose.versions import find_skew, find_skews, message, odd_fields
 from tfcluster.host.shim_facts import _build_info, tf_version
@@ -271,3 +271,39 @@ def test_plan_check_fails_when_one_host_runs_another_python_minor(tmp_path, home
     error = next(line for line in failed.stderr.splitlines() if line.startswith("tfcluster: error: "))
     assert f"Python differs across hosts: b has {version}, a and c have {mine}" in error
     assert "← differs (python)" in table_row(failed.stderr, "b")
+
+
+@pytest.mark.ssh
+@pytest.mark.timeout(120)
+def test_keras_jax_refuses_another_jaxlib_on_one_host_to_the_patch(tmp_path, home, ssh_home, sshd, cwd):
+    """JAX's processes speak one wire protocol, which only one jax and jaxlib release is sure to
+    share: a patch apart is refused here (docs/modes.md), where TensorFlow's minor is enough.
+    Host b sees a jaxlib whose metadata says another patch first on its path."""
+    python = jax_python()
+    real = subprocess.run([python, "-c", "import importlib.metadata as m; print(m.version('jaxlib'))"],
+                          capture_output=True, text=True, timeout=30).stdout.strip()
+    major, minor_, patch = (real.split(".") + ["0", "0"])[:3]
+    odd = f"{major}.{minor_}.{int(re.match(r'[0-9]+', patch).group()) + 1}"
+    dist = tmp_path / "fakes" / "lib" / f"jaxlib-{odd}.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: jaxlib\nVersion: {odd}\n")
+    wrapper = tmp_path / "python"
+    wrapper.write_text(WRAPPER.format(fakes=tmp_path / "fakes", pythonpath=f"PYTHONPATH={dist.parent}",
+                                      odd=python, python=python))
+    wrapper.chmod(0o755)
+    a, b, c = (f"'{host}:{port}'" for host, port in zip("abc", free_ports(3)))
+    spec = tmp_path / "skewjax.yaml"
+    spec.write_text(
+        f"name: skewjax\npython: {wrapper}\nworkdir: {tmp_path / 'remote'}\n"
+        f"ssh: {{port: {sshd.port}, connect_timeout: 5}}\n"
+        "hosts:\n  - {name: a, address: 127.0.0.2}\n  - {name: b, address: 127.0.0.3}\n"
+        f"  - {{name: c, address: 127.0.0.4}}\njobs:\n  worker: {{tasks: [{a}, {b}, {c}]}}\n"
+        "train: {mode: keras-jax, script: template:keras_jax}\n")
+    failed = tfcluster("plan", str(spec), "--check", home=home, cwd=cwd, timeout=90)
+    assert failed.returncode == 4, failed.stderr
+    assert f"tfcluster: error: jaxlib differs across hosts: b has {odd}, a and c have {real}\n" in failed.stderr
+    assert "the same jax, jaxlib and Keras versions" in failed.stderr and "Traceback" not in failed.stderr
+    assert "← differs (jaxlib)" in table_row(failed.stderr, "b") and "←" not in table_row(failed.stderr, "a")
+    allowed = tfcluster("plan", str(spec), "--check", "--allow-skew", home=home, cwd=cwd, timeout=90)
+    assert allowed.returncode == 0, allowed.stderr
+    assert "tfcluster: warning: jaxlib differs across hosts" in allowed.stderr
