@@ -2,15 +2,17 @@
 second process does to steps/s at the same global batch.
 
 templates/keras_jax.py, DataParallel, `--epochs E --examples N --batch_size 64` (default E=6,
-N=8192: 128 steps an epoch), JAX on CPU, every process on 127.0.0.1. Run this script with a
-Python that has jax and keras (scripts/test.sh's extras-layer, or `pip install -e '.[jax]'`):
-every side runs that Python.
-  * tfcluster: `python -m tfcluster train SPEC`, mode keras-jax, one local host, worker: two
-    tasks (it checks the hosts' versions, starts both, streams their output, stops them).
-  * by hand: the same two processes started at once with what tfcluster gives them
-    (KERAS_BACKEND=jax, KERAS_DISTRIBUTION_*, JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES,
-    JAX_PROCESS_ID, gloo), process 0's port free at the time: what a careful person types.
-  * one process: by hand, alone, the same global batch (so the same steps an epoch).
+N=8192: 128 steps an epoch), JAX on CPU, two hosts: loopback addresses 127.0.0.93 and .94 of
+one throwaway sshd (benchmarks/_common.py). Run this script with a Python that has jax and keras
+(scripts/test.sh's extras-layer, or `pip install -e '.[jax]'`): every side runs that Python.
+  * tfcluster: `python -m tfcluster train SPEC`, mode keras-jax, worker: a task on each host (it
+    connects, checks the hosts' versions, ships the script, starts both, streams their output).
+  * by hand: one `ssh HOST 'cd DIR && exec env VARS python keras_jax.py ARGS'` per host, started at
+    once, VARS what tfcluster gives each process (KERAS_BACKEND=jax, KERAS_DISTRIBUTION_*,
+    JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID, gloo), the coordinator on a port
+    of the first host free at the time: what a careful person types.
+  * one process: by hand on the first host, alone, the same global batch (so the same steps an
+    epoch).
 Timed from launch, on process 0's output as it arrives:
   * ready: its `process 0 of 2: ...` line (JAX and Keras imported, the coordinator met, the
     model built);
@@ -28,18 +30,20 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import shlex
 import statistics
 import subprocess
 import sys
 import threading
 import time
 
-from _common import ROOT, Bench, alternate, free_ports, parser, report, train_followed
+from _common import ROOT, Bench, alternate, free_ports, parser, report, train_followed, write_spec
 
 READY = re.compile(r"(?:^|│ )process 0 of \d+: ")
 EPOCH = re.compile(r"(?:^|│ )(\d+)/\1 - .*?(\d+(?:\.\d+)?)(s|ms|us)/step - loss:")
 UNIT = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
 TARGET = 1.25
+HOSTS = ("127.0.0.93", "127.0.0.94")     # the two hosts: loopback addresses of one throwaway sshd
 
 
 class Watch:
@@ -100,16 +104,21 @@ def main(argv=None) -> int:
     with Bench("keras_jax") as b:
         spec = b.tmp / "kj.yaml"
 
+        sshd = b.start_sshd(HOSTS)
+
         def by_hand(processes: int, run: int) -> tuple[float, float, float]:
-            coordinator = f"127.0.0.1:{free_ports(1)[0]}"
+            coordinator = f"{HOSTS[0]}:{free_ports(1, HOSTS[0])[0]}"
             t = time.perf_counter()
             watch = Watch(t)
             procs = []
             try:
-                for i in range(processes):
-                    env = b.env(PYTHONUNBUFFERED="1", TFCLUSTER_JOB_ID=f"bench-hand{run}:worker:{i}",
-                                **(jax_env(coordinator, processes, i) if processes > 1 else {"KERAS_BACKEND": "jax"}))
-                    procs.append(subprocess.Popen([sys.executable, str(script), *args], env=env, cwd=b.cwd,
+                for i in range(processes):     # one ssh per host, the variables on its command line
+                    env = {"PYTHONUNBUFFERED": "1", "TFCLUSTER_JOB_ID": f"bench-hand{run}:worker:{i}",
+                           **(jax_env(coordinator, processes, i) if processes > 1 else {"KERAS_BACKEND": "jax"})}
+                    command = (f"cd {shlex.quote(str(b.cwd))} && exec env "
+                               + " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+                               + f" {shlex.join([sys.executable, str(script), *args])}")
+                    procs.append(subprocess.Popen(sshd.ssh(HOSTS[i], command), env=b.env(), cwd=b.cwd,
                                                   stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                                   stderr=subprocess.STDOUT, start_new_session=True))
                 reader = watch.follow(procs[0].stdout)
@@ -124,11 +133,10 @@ def main(argv=None) -> int:
             return watch.result()
 
         def tfc() -> tuple[float, float, float]:
-            a_port, b_port = free_ports(2)
-            spec.write_text(f"name: benchkj\npython: {sys.executable}\nworkdir: {b.tmp / 'work'}\n"
-                            "hosts: [{name: local, address: 127.0.0.1}]\n"
-                            f"jobs:\n  worker: {{tasks: ['local:{a_port}', 'local:{b_port}']}}\n"
-                            f"train:\n  mode: keras-jax\n  script: template:keras_jax\n  args: {args!r}\n")
+            write_spec(spec, name="benchkj", hosts=[("h1", HOSTS[0]), ("h2", HOSTS[1])], ssh_port=sshd.port,
+                       jobs={"worker": [f"h1:{free_ports(1, HOSTS[0])[0]}", f"h2:{free_ports(1, HOSTS[1])[0]}"]},
+                       workdir=b.tmp / "work",
+                       train=f"train:\n  mode: keras-jax\n  script: template:keras_jax\n  args: {args!r}\n")
             watch = Watch(time.perf_counter())
             train_followed(b, spec, watch)
             return watch.result()
@@ -140,8 +148,8 @@ def main(argv=None) -> int:
             rows["one"].append(by_hand(1, count[0]))   # the scaling row's baseline, beside it
             return by_hand(2, count[0])
 
-        print(f"keras_jax: templates/keras_jax.py {' '.join(args)}, 2 processes on 127.0.0.1 "
-              f"(CPU, gloo), {reps} rep(s); {os.cpu_count()} CPUs", flush=True)
+        print(f"keras_jax: templates/keras_jax.py {' '.join(args)}, 2 processes on {' and '.join(HOSTS)} "
+              f"over one sshd (CPU, gloo), {reps} rep(s); {os.cpu_count()} CPUs", flush=True)
         rows["hand"], rows["tfc"] = alternate(reps, hand, tfc)
         report("keras_jax_ready", "2 processes by hand (launch -> process 0 ready)", [r[0] for r in rows["hand"]],
                "tfcluster train", [r[0] for r in rows["tfc"]], "s", TARGET, prec=2)

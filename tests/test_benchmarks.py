@@ -134,6 +134,7 @@ def test_kills_benchmark_runs_small_and_leaves_nothing_running():
     assert "cleanup: no process of this benchmark survives" in r.stdout, out[-4000:]
 
 
+@needs_sshd
 @pytest.mark.tf
 def test_keras_jax_benchmark_runs_small_and_leaves_nothing_running():
     from tests.helpers import jax_python
