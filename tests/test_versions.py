@@ -307,3 +307,46 @@ def test_keras_jax_refuses_another_jaxlib_on_one_host_to_the_patch(tmp_path, hom
     allowed = tfcluster("plan", str(spec), "--check", "--allow-skew", home=home, cwd=cwd, timeout=90)
     assert allowed.returncode == 0, allowed.stderr
     assert "tfcluster: warning: jaxlib differs across hosts" in allowed.stderr
+
+
+@pytest.mark.ssh
+@pytest.mark.timeout(120)
+def test_keras_jax_refuses_a_gpu_host_whose_jax_has_no_cuda_plugin(tmp_path, home, ssh_home, sshd, cwd):
+    """jax without its CUDA plugin falls back to the CPU: that host's processes would hold other
+    devices than the spec's GPUs (and than the other hosts'). Both hosts have two GPUs (a fake
+    nvidia-smi); only b's Python sees a CUDA plugin (its metadata, first on its path)."""
+    python = jax_python()
+    version = subprocess.run([python, "-c", "import importlib.metadata as m; print(m.version('jax'))"],
+                             capture_output=True, text=True, timeout=30).stdout.strip()
+    fakes = make_fakes(tmp_path / "fakes")
+    plugin = tmp_path / "plugin"
+    (plugin / f"jax_cuda12_plugin-{version}.dist-info").mkdir(parents=True)
+    (plugin / f"jax_cuda12_plugin-{version}.dist-info" / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: jax-cuda12-plugin\nVersion: {version}\n")
+    wrapper = tmp_path / "python"
+    spec = tmp_path / "jaxgpu.yaml"
+
+    def check(plugin_on_a: bool):
+        on_a = f"export PYTHONPATH={plugin}; " if plugin_on_a else ""
+        wrapper.write_text(f'#!/bin/sh\nexport PATH="{fakes}/bin:$PATH"\ncase " $SSH_CONNECTION " in\n'
+                           f'  *" 127.0.0.3 "*) export PYTHONPATH={plugin} ;;\n  *) {on_a}: ;;\nesac\n'
+                           f'exec {python} "$@"\n')
+        wrapper.chmod(0o755)
+        a, b = free_ports(2)
+        spec.write_text(
+            f"name: jaxgpu\npython: {wrapper}\nworkdir: {tmp_path / 'remote'}\n"
+            f"ssh: {{port: {sshd.port}, connect_timeout: 5}}\n"
+            "hosts:\n  - {name: a, address: 127.0.0.2, gpus: 2}\n  - {name: b, address: 127.0.0.3, gpus: 2}\n"
+            f"jobs:\n  worker: {{tasks: ['a:{a}', 'b:{b}']}}\n"
+            "train: {mode: keras-jax, script: template:keras_jax}\n")
+        return tfcluster("plan", str(spec), "--check", home=home, cwd=cwd, timeout=90)
+
+    refused = check(plugin_on_a=False)
+    assert refused.returncode == 4, refused.stderr
+    assert (f"tfcluster: error: host a: jax {version} has no CUDA plugin for {wrapper}: its processes would "
+            "run on the CPU, not on the 2 GPUs the spec gives it\n") in refused.stderr
+    assert f"pip install 'jax[cuda12]=={version}'" in refused.stderr and "Traceback" not in refused.stderr
+    assert "host b:" not in refused.stderr
+    passed = check(plugin_on_a=True)
+    assert passed.returncode == 0 and "preflight passed" in passed.stderr, passed.stderr
+    assert re.search(rf"^a .* {re.escape(version)} \(cuda\) ", passed.stderr, re.M), passed.stderr

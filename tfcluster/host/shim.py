@@ -65,11 +65,12 @@ def cmd_info(req: dict) -> dict:
     gpus, driver = facts.nvidia()
     tf = facts.tf_version()      # first: it may run `site`, which the others then see
     tb, keras = facts.installed_versions(facts.TB_DISTRIBUTIONS, facts.KERAS_DISTRIBUTIONS)
-    tf_keras, jax, jaxlib = facts.installed_versions(facts.TF_KERAS_DISTRIBUTIONS, facts.JAX_DISTRIBUTIONS,
-                                                     facts.JAXLIB_DISTRIBUTIONS, fallback=False)
+    tf_keras, jax, jaxlib, jax_cuda = facts.installed_versions(
+        facts.TF_KERAS_DISTRIBUTIONS, facts.JAX_DISTRIBUTIONS, facts.JAXLIB_DISTRIBUTIONS,
+        facts.JAX_CUDA_DISTRIBUTIONS, fallback=False)
     answer.update({"tf_version": tf, "gpus": gpus, "driver_version": driver,
                    "tensorboard_version": tb, "keras_version": keras, "tf_keras_version": tf_keras,
-                   "jax_version": jax, "jaxlib_version": jaxlib,
+                   "jax_version": jax, "jaxlib_version": jaxlib, "jax_cuda_version": jax_cuda,
                    "proxy": net.proxy_report(os.environ)})
     answer.update(facts.tf_build())
     if jax:                     # only where mode keras-jax could run: a lookup may go to DNS

@@ -25,6 +25,9 @@ TF_KERAS_DISTRIBUTIONS = ("tf-keras", "tf-keras-nightly")
 # from their metadata too: importing jax takes a second and may grab a GPU.
 JAX_DISTRIBUTIONS = ("jax",)
 JAXLIB_DISTRIBUTIONS = ("jaxlib",)
+# jax runs on NVIDIA GPUs only with its CUDA plugin (`pip install "jax[cuda12]"`); without it, it
+# falls back to the CPU with a warning, and its processes there hold other devices than the rest.
+JAX_CUDA_DISTRIBUTIONS = ("jax-cuda12-plugin", "jax-cuda13-plugin")
 
 
 def tf_version() -> str | None:

@@ -133,11 +133,13 @@ def keras_cell(info) -> str:
 
 
 def jax_cell(info) -> str:
-    """`0.10.2`, `0.10.2 / jaxlib 0.10.1` (they differ) or `MISSING`."""
+    """`0.10.2`, `0.10.2 / jaxlib 0.10.1` (they differ), with ` (cuda)` where its CUDA plugin
+    is installed, or `MISSING`."""
     if not info.jax_version:
         return "MISSING"
     same = info.jaxlib_version == info.jax_version
-    return info.jax_version + ("" if same else f" / jaxlib {info.jaxlib_version or '?'}")
+    return (info.jax_version + ("" if same else f" / jaxlib {info.jaxlib_version or '?'}")
+            + (" (cuda)" if info.jax_cuda_version else ""))
 
 
 def version_table(infos: dict, odd: dict[str, list[str]], mode: str = "") -> tuple:

@@ -19,6 +19,7 @@ class HostInfo:
     tf_keras_version: str | None = None  # Keras 2, used with TF_USE_LEGACY_KERAS=1; None: absent
     jax_version: str | None = None      # mode keras-jax: equal on every host, with jaxlib's
     jaxlib_version: str | None = None
+    jax_cuda_version: str | None = None   # jax's CUDA plugin; None: jax here runs on the CPU only
     proxy: tuple[tuple[str, str], ...] = ()   # the proxy variables tasks inherit (shim_net)
     # with jax installed: (hostname, the address it resolves to there, or None); gloo advertises it
     hostname_address: tuple[str, str | None] | None = None
@@ -68,7 +69,7 @@ def host_info(info: dict) -> HostInfo:
                     machine_id=info["machine_id"], gpus=int(info.get("gpus") or 0),   # light: neither
                     **{k: info.get(k) for k in ("cuda_version", "cudnn_version", "driver_version")},
                     **{k: info.get(k) for k in ("tensorboard_version", "keras_version", "tf_keras_version",
-                                                   "jax_version", "jaxlib_version")},
+                                                   "jax_version", "jaxlib_version", "jax_cuda_version")},
                     proxy=tuple(sorted((info.get("proxy") or {}).items())),
                     hostname_address=tuple(info["hostname_address"]) if info.get("hostname_address") else None)
 

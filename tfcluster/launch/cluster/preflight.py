@@ -33,6 +33,8 @@ def preflight(session: Session, tasks: list[TaskPlan], *, ports: bool = True,
                      "install", "tensorflow"]) + "`, or set `python:` in the spec")
         if host.gpus and info.gpus < host.gpus:
             raise PreflightError(f"host {name}: the spec gives it {host.gpus} GPUs but it has {info.gpus}")
+        if session.plan.mode == "keras-jax" and (problem := _jax_device_problem(host, info)):
+            raise PreflightError(f"host {name}: {problem}", hint=_jax_cuda_hint(session, name, info))
     if session.plan.mode == "keras-jax":
         _check_gloo_addresses(session, tasks)
     if ports:
@@ -51,6 +53,22 @@ def _check_jax_host(session: Session, name: str) -> None:
                 ["tfcluster", "exec", session.plan.spec_path, "--hosts", name, "--", host.python, "-m", "pip",
                  "install", "jax[cuda12]" if host.gpus else "jax"]) + "` (the same version on every host), "
                  "or set `python:` in the spec")
+
+
+def _jax_device_problem(host, info) -> str | None:
+    """A GPU host whose jax has no CUDA plugin runs its processes on the CPU (jax falls back with
+    a warning): other devices than the rest of the job's, or than the spec says."""
+    if host.gpus and info.jax_version and not info.jax_cuda_version:
+        return (f"jax {info.jax_version} has no CUDA plugin for {host.python}: its processes would run on "
+                f"the CPU, not on the {host.gpus} GPUs the spec gives it")
+    return None
+
+
+def _jax_cuda_hint(session: Session, name: str, info) -> str:
+    host = session.plan.host(name)
+    return ("install the plugin of the same version there, e.g. `" + shell_join(
+        ["tfcluster", "exec", session.plan.spec_path, "--hosts", name, "--", host.python, "-m", "pip", "install",
+         f"jax[cuda12]=={info.jax_version}"]) + "`, or drop `gpus:` from the host to run on its CPU")
 
 
 def _loopback(address: str) -> bool:
@@ -150,6 +168,8 @@ def _spare_problem(host, info, working: list, legacy: bool, mode: str = "") -> s
         return f"tensorflow is not installed for {host.python}"
     if host.gpus and info.gpus < host.gpus:
         return f"the spec gives it {host.gpus} GPUs but it has {info.gpus}"
+    if jax and (problem := _jax_device_problem(host, info)):
+        return problem
     for what, attr in versions.JAX_FIELDS if jax else versions.FIELDS:
         key = versions.minor if not jax or what == "Python" else str
         mine = getattr(info, attr)
