@@ -69,7 +69,9 @@ def test_a_warm_server_waits_unbound_and_closing_before_go_leaves_nothing(agent,
     ex = UpExec(agent)
     ex.open((names.cluster_prefix(C), [port]), [server(port)], timeout=30)
     assert ex.warm == ("ps:0",)
-    assert len(ours()) == 1 and bindable(port)          # running, not listening
+    # running (seen once its exec is through: on a busy machine that can trail the shim's answer)
+    wait_for(lambda: len(ours()) == 1, timeout=10, what="the warm server's process")
+    assert bindable(port)                                # not listening
     [status] = agent.status(names.cluster_prefix(C))
     assert status.alive and status.warm                  # not counted as a server
     pidfile = Path(os.path.expanduser(PATHS.pidfile(server(port)[2].tag)))
