@@ -39,6 +39,8 @@ import time
 
 from _common import ROOT, Bench, alternate, free_ports, parser, report, train_followed, write_spec
 
+from tfcluster.plan import jax_env  # the variables tfcluster gives each process: typed out by hand
+
 READY = re.compile(r"(?:^|│ )process 0 of \d+: ")
 EPOCH = re.compile(r"(?:^|│ )(\d+)/\1 - .*?(\d+(?:\.\d+)?)(s|ms|us)/step - loss:")
 UNIT = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
@@ -81,13 +83,6 @@ class Watch:
         return self.ready, self.first_epoch, 1.0 / statistics.median(steady)
 
 
-def jax_env(coordinator: str, processes: int, index: int) -> dict[str, str]:
-    return {"KERAS_BACKEND": "jax", "KERAS_DISTRIBUTION_JOB_ADDRESSES": coordinator,
-            "KERAS_DISTRIBUTION_NUM_PROCESSES": str(processes), "KERAS_DISTRIBUTION_PROCESS_ID": str(index),
-            "JAX_COORDINATOR_ADDRESS": coordinator, "JAX_NUM_PROCESSES": str(processes),
-            "JAX_PROCESS_ID": str(index), "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo"}
-
-
 def main(argv=None) -> int:
     p = parser(__doc__, reps=3)
     p.add_argument("--epochs", type=int, default=6)
@@ -114,7 +109,8 @@ def main(argv=None) -> int:
             try:
                 for i in range(processes):     # one ssh per host, the variables on its command line
                     env = {"PYTHONUNBUFFERED": "1", "TFCLUSTER_JOB_ID": f"bench-hand{run}:worker:{i}",
-                           **(jax_env(coordinator, processes, i) if processes > 1 else {"KERAS_BACKEND": "jax"})}
+                           **(jax_env(coordinator, str(processes), i, gpus=False) if processes > 1
+                              else {"KERAS_BACKEND": "jax"})}
                     command = (f"cd {shlex.quote(str(b.cwd))} && exec env "
                                + " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
                                + f" {shlex.join([sys.executable, str(script), *args])}")
