@@ -68,7 +68,12 @@ def test_a_hostname_resolving_to_loopback_is_refused_before_anything_starts(tmp_
 
 
 @pytest.mark.timeout(540)
-def test_a_lost_host_with_a_spare_completes_the_run_there_from_the_checkpoint(tmp_path, home, ssh_home, bed):
+@pytest.mark.parametrize("lost, task", [("h4", "worker:1"), ("h3", "worker:0")],
+                         ids=["process-1", "process-0-the-coordinator"])
+def test_a_lost_host_with_a_spare_completes_the_run_there_from_the_checkpoint(tmp_path, home, ssh_home, bed,
+                                                                            lost, task):
+    """Process 0's host is also the coordinator's (and the checkpoints' writer): with it gone,
+    every process meets at the spare's address, from the launcher's copy of the checkpoint."""
     cwd = tmp_path / "cwd"
     cwd.mkdir()
     spec = write_spec(tmp_path, bed, "kjs", spare=True)
@@ -77,8 +82,8 @@ def test_a_lost_host_with_a_spare_completes_the_run_there_from_the_checkpoint(tm
     try:
         read_until(proc, r"worker:0 .*Epoch 3/", timeout=300)
         wait_for(lambda: any(pulled(cwd)), timeout=120, what="a checkpoint pulled to the launcher")
-        bed.kill("h4")
-        read_until(proc, r"h4: moving worker:1 to h5, every (task|process) restarting from the checkpoint",
+        bed.kill(lost)
+        read_until(proc, rf"{lost}: moving {task} to h5, every (task|process) restarting from the checkpoint",
                    timeout=120)
         rest = proc.communicate(timeout=360)[0]
     finally:
@@ -90,7 +95,7 @@ def test_a_lost_host_with_a_spare_completes_the_run_there_from_the_checkpoint(tm
     doc = manifest(run)
     (move,) = doc["moves"]
     assert move["to"] == "h5" and move["resumed_step"], move
-    assert doc["tasks"]["worker:1"]["host"] == "h5"
+    assert doc["tasks"][task]["host"] == "h5"
     ends = {k: DIGEST.findall((run / f"{k}.log").read_text(errors="replace"))[-1][0] for k in ("worker-0", "worker-1")}
     assert ends["worker-0"] == ends["worker-1"], ends
     wait_for(lambda: not tagged_processes(), timeout=60, what="no task left running")

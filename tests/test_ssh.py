@@ -416,6 +416,7 @@ def test_connect_is_idempotent_and_reuses_one_connection(gpu0):
     wait_for(lambda: all(c.active() for c in gpu0._conns), 5, what="connection alive")
 
 
+@pytest.mark.alone     # ten handshakes against MaxStartups 2 and a 10 s connect timeout: a loaded machine's clock
 def test_handshakes_dropped_by_maxstartups_print_no_paramiko_traceback(ssh_home, sshd_factory, tmp_path):
     """sshd drops connections past MaxStartups before its banner; tfcluster retries them. The
     transport threads of paramiko log each drop at ERROR with a traceback, and with no

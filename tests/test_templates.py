@@ -285,7 +285,9 @@ def test_a_template_stuck_inside_tensorflow_ends_itself_after_sigterm(tmp_path):
 def test_a_sigterm_during_the_paces_wait_stops_and_saves_at_once(tmp_path):
     """--min_step_time 60: after its first step the chief waits out its pace; a SIGTERM
     then ends that wait, and the loop stops and saves as after any step, long before the
-    pace (and the 4 s stop deadline) would have let it."""
+    pace would have let it. Not by the 4 s stop deadline either: that path says so and
+    leaves without saving (judged by its words and the checkpoint, not by a few seconds of
+    a loaded machine's clock)."""
     with HandLaunch(tmp_path, tag="test:handlaunch") as launch:
         cluster = make_cluster(ps=1, worker=1)
         start_servers(launch, cluster)
@@ -295,6 +297,6 @@ def test_a_sigterm_during_the_paces_wait_stops_and_saves_at_once(tmp_path):
         os.kill(chief.popen.pid, signal.SIGTERM)
         signalled = time.monotonic()
         assert launch.wait(chief, 15) == STOPPED, chief.output()[-3000:]
-        assert time.monotonic() - signalled < 3.5, "ended by the stop deadline, not by the loop"
+        assert time.monotonic() - signalled < 30, "ended by the pace, not by the SIGTERM"
         assert "still inside TensorFlow" not in chief.output()
         assert "worker:0 stopped by SIGTERM" in chief.output() and checkpoint_step(tmp_path / "model") >= 1

@@ -120,7 +120,8 @@ def test_ctrl_c_stops_everything_and_exits_130(work):
 
 def test_timeout_ends_the_run_cleanly_with_exit_6(work):
     tmp, home, cwd = work
-    spec = local_spec(tmp, args=["--steps", "100000"])
+    # trains until stopped: at a real model's pace, not the CPU's (the suite's other tests share it)
+    spec = local_spec(tmp, args=["--steps", "100000", "--min_step_time", "0.05"])
     result = tfcluster("train", str(spec), "--timeout", "25", home=home, cwd=cwd)
     assert result.returncode == 6, result.stderr[-2000:]
     assert "timeout" in result.stderr

@@ -3,6 +3,7 @@ created by iterating a Python set, so each process (own hash seed) creates them 
 order and replica_device_setter puts "the same" variable on different ps tasks."""
 import json
 import os
+import time
 
 import tensorflow as tf
 
@@ -25,5 +26,6 @@ with tf.compat.v1.train.MonitoredTrainingSession(master=os.environ["TFCLUSTER_MA
                                                  hooks=hooks) as sess:
     while not sess.should_stop():
         n, _ = sess.run([step, train])
-        if n % 1000 == 0:
+        time.sleep(0.02)     # a real model's step takes this long or more; this toy's, 1 ms
+        if n % 100 == 0:
             print(f"step={n}", flush=True)
