@@ -159,6 +159,26 @@ def test_attached_task_output_arrives_in_order_with_its_exit_code(agent):
     assert task.wait(10) == 3
 
 
+@pytest.mark.timeout(30)
+def test_the_checkpoint_request_reaches_the_script_which_inherited_it_ignored(agent, tmp_path):
+    """request_save is SIGUSR1 to the task through its shim (what a notice too short to move
+    asks of the chief); a task starts with it ignored, so a script without a handler is not
+    killed by it, and one with a handler gets it."""
+    ready = tmp_path / "ready"
+    script = ("import signal, sys\n"
+              "print('inherited', 'ignored' if signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN else 'default')\n"
+              "got = []\n"
+              "signal.signal(signal.SIGUSR1, lambda signum, frame: got.append(signum))\n"
+              f"open({str(ready)!r}, 'w').close()\n"
+              "while not got:\n    signal.pause()\n"
+              "print('checkpoint request')\n")
+    task = agent.start_attached(launch(agent, f"{C}:r12:worker:0", [sys.executable, "-c", script]))
+    wait_for(ready.exists, 15, what="the script's handler")
+    assert task.request_save()
+    assert read_all(task) == b"inherited ignored\ncheckpoint request\n"
+    assert task.wait(10) == 0
+
+
 def test_a_login_shell_talking_on_stderr_before_the_shim_does_not_break_the_start(home, tmp_path):
     """A .bashrc's warnings (here: pyenv's rehash race when shells start together) come
     before the shim's first line on the same stderr; the start took the first line for the

@@ -147,8 +147,11 @@ def test_drain_with_a_deadline_too_short_to_move_saves_and_the_loss_moves_from_t
         assert asked.returncode == 0, asked.stdout + asked.stderr
         said = asked.stdout + asked.stderr
         assert re.search(r"asked the running train to drain h4 by \d\d:\d\d:\d\d \(10s\)", said), said
-        assert re.search(r"h4: saved: .*drain --deadline.*: saved only: \d+s left, under the 20s a move takes: "
-                         r"copied model\.ckpt-\d+ here; worker:1 move when h4 goes", said), said
+        # the chief (worker:0, on h3) gets the checkpoint request, and its save is the copy
+        saved = re.search(r"h4: saved: .*drain --deadline.*: saved only: \d+s left, under the 20s a move takes: "
+                          r"worker:0 saved on the checkpoint request: copied model\.ckpt-(\d+) here; "
+                          r"worker:1 move when h4 goes", said)
+        assert saved, said
         bed.kill("h4")
         read_until(proc, r"h4: moving worker:1 to h5, every task restarting from the checkpoint", 90)
         rest = finish(proc)
@@ -161,4 +164,7 @@ def test_drain_with_a_deadline_too_short_to_move_saves_and_the_loss_moves_from_t
     assert notice["move"] == {"to": "h5", "action": "restart"} and notice["steps_lost"] is not None, notice
     (move,) = doc["moves"]
     assert move["why"].startswith("lost:"), move
+    chief_log = (only_run(cwd / "runs") / "worker-0.log").read_text(errors="replace")
+    assert f"/model.ckpt-{saved.group(1)} at step={saved.group(1)} (checkpoint request)" in chief_log, chief_log[-3000:]
+    assert move["resumed_step"] >= int(saved.group(1)), move      # nothing before the request's save re-done
     wait_for(lambda: not tagged_processes(), timeout=60, what="no task left running")

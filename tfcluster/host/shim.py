@@ -291,6 +291,10 @@ def main(argv: list) -> int:
     if len(argv) != 2 or argv[1] not in COMMANDS:
         sys.stderr.write("usage: shim.py {%s} < request.json\n" % ",".join(sorted(COMMANDS)))
         return 2
+    # The checkpoint request (SIGUSR1, shim_tasks.Attached.request_save) ignored here, and so
+    # in every task this shim starts (an ignored signal stays ignored across exec): a script
+    # with a handler sets its own, one without is not killed by it (docs/own-scripts.md).
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     line = sys.stdin.buffer.readline()
     req = json.loads(line) if line.strip() else {}
     try:

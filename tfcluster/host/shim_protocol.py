@@ -42,6 +42,7 @@ IN_PROCESS = ONE_SHOT
 STOP_LINE = b"STOP\n"
 HEARTBEAT_LINE = b"HB\n"
 CONTINUE_LINE = b"CONT\n"       # the launcher took note of a restart in place: its output may follow
+SAVE_LINE = b"SAVE\n"           # the checkpoint request: SIGUSR1 to the task (the script contract's)
 # An attached start asked to deflate writes this before its deflated stdout; what comes
 # before it (a login shell's words) is not the task's.
 DEFLATE_MARK = b"\x00tfcluster-deflate\x00"

@@ -280,10 +280,22 @@ class Attached:
                 self.confirmed.set()
                 self.tail_wake.set()
                 self.wake.set()
+            elif line == proto.SAVE_LINE:
+                self.request_save()
             elif line.strip() == proto.STOP_LINE.strip():
                 self.reason = self.reason or "stop"
                 break
         self.wake.set()
+
+    def request_save(self) -> None:
+        """The checkpoint request: SIGUSR1 to the running attempt (a script that handles it
+        saves and trains on; one that does not inherited SIG_IGN for it from the shim's main)."""
+        proc = self.proc
+        if proc.poll() is None:
+            try:
+                os.kill(proc.pid, signal.SIGUSR1)
+            except OSError:
+                pass
 
     def restart(self) -> bool:
         """The task exited: start its next attempt in place when the policy says so and

@@ -170,6 +170,11 @@ class AttachedTask:
         """Ask the shim to stop the task: TERM, grace, KILL, tag sweep."""
         self._send(proto.STOP_LINE)
 
+    def request_save(self) -> bool:
+        """The checkpoint request to the task (SIGUSR1, through its shim); False once the
+        shim is gone."""
+        return self._send(proto.SAVE_LINE)
+
     def go(self) -> bool:
         """Let a task started with `hold` (a warm server) go on: it binds its port now."""
         return self._send(proto.GO_LINE)

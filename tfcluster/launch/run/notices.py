@@ -14,7 +14,8 @@ each notice with deadline D into what the time allows, through the same path as 
   watched hosts' notices: hosts warned together move in one restart), its tasks to a spare
   (or, with no spare, what `train.on_host_loss` says: go on without them, or end the run
   before the kill, every script saving as it stops);
-- less: save only (the chief's newest checkpoint copied here at once) and leave the tasks
+- less: save only (the checkpoint request, SIGUSR1, to the chief's script, and the save it
+  makes copied here while the time allows; else its newest save there) and leave the tasks
   where they are: the host's loss at D is then a plain lost host, moved from that copy.
 
 Every notice is a record (Notice): when, from where, its deadline, what was done, the move it
@@ -60,6 +61,12 @@ START_LEAD = 60.0
 # watched host is left to warn), so hosts warned together move in one restart, not two in a row.
 GATHER = 5.0
 WARNED = "warned"               # recovery.give_up's kind: the Move's `why` starts with it
+# Too little time to move: the chief's script gets the checkpoint request (SIGUSR1), and the
+# save it makes after the step under way is looked for every PULL_EVERY seconds, for at most
+# SAVE_WAIT, and never later than SAVE_MARGIN before the deadline (the copy needs the host).
+# A template's save of a small model is there within a look or two; what a bigger one cannot
+# make in time, the newest save already there stands in for.
+SAVE_WAIT, SAVE_MARGIN, PULL_EVERY = 15.0, 3.0, 1.0
 
 PENDING, WAITING, MOVED, SHRUNK, SAVED, ENDED, WITHDRAWN, NOTHING, NOTED, FAILED = (
     "pending", "waiting", "moved", "went on without its tasks", "saved only", "ended the run",
@@ -352,10 +359,8 @@ def act(run: Run, notices: Notices, notice: Notice) -> None:
     left = notice.deadline - time.time()
     if left < MOVE_BUDGET:
         notice.action = SAVED
-        saved = _save(run)
-        notice.line = (f"{left:.0f}s left, under the {MOVE_BUDGET:g}s a move takes: "
-                       + (f"copied {saved} here; " if saved else "no checkpoint copied; ")
-                       + f"{', '.join(tasks)} move when {host} goes")
+        notice.line = (f"{left:.0f}s left, under the {MOVE_BUDGET:g}s a move takes: {_save_now(run, notice.deadline)}; "
+                       f"{', '.join(tasks)} move when {host} goes")
         run.ui.warn(f"{host}: {notice.line}")
         _said(run, notices, notice, drains.SAVED)
         return
@@ -383,13 +388,34 @@ def act(run: Run, notices: Notices, notice: Notice) -> None:
     _said(run, notices, notice, drains.MOVED)
 
 
-def _save(run: Run) -> str | None:
+def _save_now(run: Run, deadline: float) -> str:
+    """The checkpoint request (SIGUSR1, the script contract's) to the chief's script, and the
+    save it makes copied here while the time allows (SAVE_WAIT, never past SAVE_MARGIN before
+    `deadline`: the copy needs the host); else the newest save there already. Says which."""
+    chief = run.plan.chief
+    before = _save(run)
+    script = next((p for p in run.procs if chief is not None and p.role == "script" and p.task.key == chief.key
+                   and p.handle is not None and p.ended is None), None)
+    if script is None or not script.handle.request_save():
+        return f"copied {before} here" if before else "no checkpoint copied"
+    asked = time.time()
+    until = min(asked + SAVE_WAIT, deadline - SAVE_MARGIN)
+    while time.time() < until:
+        time.sleep(PULL_EVERY)
+        saved = _save(run, again=False)
+        if saved is not None and saved != before:
+            return f"{chief.key} saved on the checkpoint request: copied {saved} here"
+    newest = f"copied {before} here" if before else "no checkpoint copied"
+    return f"no newer save from {chief.key} {time.time() - asked:.0f}s after the checkpoint request: {newest}"
+
+
+def _save(run: Run, again: bool = True) -> str | None:
     """The chief's newest complete checkpoint copied here now (train.checkpoint's sync), while
     its host still answers: the save a script makes on its own schedule, kept before the kill."""
     sync, chief = run.recovery.checkpoints, run.plan.chief
     if sync is None or chief is None or chief.host in run.session.pool.lost:
         return None
-    pulled = sync.pull(chief.host)
+    pulled = sync.pull(chief.host, again=again)
     return pulled.name if pulled is not None else None
 
 
