@@ -404,9 +404,9 @@ def _save_now(run: Run, deadline: float) -> str:
         time.sleep(PULL_EVERY)
         saved = _save(run, again=False)
         if saved is not None and saved != before:
-            return f"{chief.key} saved on the checkpoint request: copied {saved} here"
+            return f"checkpoint request to {chief.key}: copied {saved} here, saved since"
     newest = f"copied {before} here" if before else "no checkpoint copied"
-    return f"no newer save from {chief.key} {time.time() - asked:.0f}s after the checkpoint request: {newest}"
+    return f"checkpoint request to {chief.key}: no newer save in {time.time() - asked:.0f}s; {newest}"
 
 
 def _save(run: Run, again: bool = True) -> str | None:
