@@ -398,6 +398,8 @@ def _save_now(run: Run, deadline: float) -> str:
                    and p.handle is not None and p.ended is None), None)
     if script is None or not script.handle.request_save():
         return f"copied {before} here" if before else "no checkpoint copied"
+    if run.recovery.checkpoints is None:
+        return f"checkpoint request to {chief.key} (no train.checkpoint: nothing is copied here)"
     asked = time.time()
     until = min(asked + SAVE_WAIT, deadline - SAVE_MARGIN)
     while time.time() < until:
