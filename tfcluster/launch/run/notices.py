@@ -394,10 +394,11 @@ def _save_now(run: Run, deadline: float) -> str:
     `deadline`: the copy needs the host); else the newest save there already. Says which."""
     chief = run.plan.chief
     before = _save(run)
-    script = next((p for p in run.procs if chief is not None and p.role == "script" and p.task.key == chief.key
+    newest = f"copied {before} here" if before else "no checkpoint copied"
+    script = next((p for p in run.procs if p.role == "script" and chief is not None and p.task.key == chief.key
                    and p.handle is not None and p.ended is None), None)
     if script is None or not script.handle.request_save():
-        return f"copied {before} here" if before else "no checkpoint copied"
+        return newest
     if run.recovery.checkpoints is None:
         return f"checkpoint request to {chief.key} (no train.checkpoint: nothing is copied here)"
     asked = time.time()
@@ -407,7 +408,6 @@ def _save_now(run: Run, deadline: float) -> str:
         saved = _save(run, again=False)
         if saved is not None and saved != before:
             return f"checkpoint request to {chief.key}: copied {saved} here, saved since"
-    newest = f"copied {before} here" if before else "no checkpoint copied"
     return f"checkpoint request to {chief.key}: no newer save in {time.time() - asked:.0f}s; {newest}"
 
 
