@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from tests.helpers import STUBBORN, C, gone, launch, read_all, wait_for, with_tag
+from tests.helpers import PATHS, STUBBORN, C, gone, launch, read_all, wait_for, with_tag
 
 # Leaves a TERM-ignoring grandchild in a session of its own, then exits 0.
 LEAVES_A_CHILD = textwrap.dedent("""
@@ -65,3 +65,34 @@ def test_a_shim_whose_launcher_left_says_nothing(agent):
     wait_for(lambda: with_tag(f"{C}:s3:") == {}, 20, what="the shim's sweep")
     wait_for(lambda: task.wait(0) is not None, 10, what="the shim's exit")
     assert not task.swept()                 # nobody listened: the run's stop sweep runs
+
+
+@pytest.mark.timeout(40)
+def test_an_old_shims_stop_spares_the_attempt_a_new_shim_started_under_the_same_tag(agent):
+    """A restart over a new connection (the old one dropped) runs under the task's tag while
+    the old connection's shim is still stopping its attempt: that stop takes what it started
+    and nothing of the new attempt, and leaves the new attempt's pid file in place."""
+    import json
+    import os
+
+    from tfcluster.host.shim_protocol import RESTART_VAR
+
+    tag = f"{C}:s4:worker:0"
+    old = start_stubborn(agent, "s4")       # ignores TERM: its shim waits the grace, then KILLs by tag
+    old_pids = set(with_tag(f"{C}:s4:"))
+    new = agent.start_attached(launch(agent, tag, [sys.executable, "-c", "import time; time.sleep(600)"],
+                                      env={RESTART_VAR: "1"}))
+    wait_for(lambda: len(with_tag(f"{C}:s4:")) == 3, 10, what="the new attempt")
+    new_pids = set(with_tag(f"{C}:s4:")) - old_pids
+
+    old.detach_kill()                       # as a dropped connection: its shim stops its task
+    wait_for(lambda: old.wait(0) is not None, 20, what="the old shim's exit")
+
+    assert all(gone(pid) for pid in old_pids)
+    assert not any(gone(pid) for pid in new_pids)
+    with open(os.path.expanduser(PATHS.pidfile(tag))) as f:
+        assert json.load(f)["pid"] in new_pids
+    new.stop()
+    read_all(new)
+    assert new.wait(15) is not None
+    assert with_tag(f"{C}:s4:") == {}

@@ -14,14 +14,15 @@ import time
 
 if __package__:
     from .shim_fs import expand, write_new
-    from .shim_protocol import TAG_VAR, ShimError
+    from .shim_protocol import SHIM_VAR, TAG_VAR, ShimError
 else:  # shipped: the shim's directory is first on sys.path
     from shim_fs import expand, write_new
-    from shim_protocol import TAG_VAR, ShimError
+    from shim_protocol import SHIM_VAR, TAG_VAR, ShimError
 
 POLL = 0.05
 FIRST_NAP = 0.005       # a stop's first look after its signals; doubled up to POLL
 _TAG_KEY = (TAG_VAR + "=").encode()
+_SHIM_KEY = (SHIM_VAR + "=").encode()
 
 
 def write_all(fd: int, data: bytes) -> None:
@@ -104,20 +105,27 @@ def is_alive(pid: int) -> bool:
 
 
 def tag_of(pid: int) -> str | None:
+    return _value(_environ(pid), _TAG_KEY)
+
+
+def _environ(pid: int) -> bytes:
     try:
         with open("/proc/%d/environ" % pid, "rb") as f:
-            environ = f.read()
+            return f.read()
     except OSError:  # gone, or not ours to read
-        return None
-    # the first TAG_VAR= entry, found by one C-level scan (splitting the environment into
+        return b""
+
+
+def _value(environ: bytes, key: bytes) -> str | None:
+    # the first KEY= entry, found by one C-level scan (splitting the environment into
     # items was most of `down`'s CPU on a machine with many processes)
-    if environ.startswith(_TAG_KEY):
-        start = len(_TAG_KEY)
+    if environ.startswith(key):
+        start = len(key)
     else:
-        start = environ.find(b"\0" + _TAG_KEY)
+        start = environ.find(b"\0" + key)
         if start < 0:
             return None
-        start += 1 + len(_TAG_KEY)
+        start += 1 + len(key)
     end = environ.find(b"\0", start)
     return environ[start:end if end >= 0 else len(environ)].decode(errors="replace")
 
@@ -126,15 +134,19 @@ def all_pids() -> list[int]:
     return [int(name) for name in os.listdir("/proc") if name.isdigit()]
 
 
-def tagged(match) -> dict[int, str]:
-    """pid -> tag of every live process of ours (not this shim) whose tag satisfies `match`."""
+def tagged(match, owner: str | None = None) -> dict[int, str]:
+    """pid -> tag of every live process of ours (not this shim) whose tag satisfies `match`;
+    with `owner`, only those a shim of that pid started (SHIM_VAR, inherited by descendants)."""
     me = os.getpid()
     found = {}
     for pid in all_pids():
         if pid == me or pid <= 1:
             continue
-        tag = tag_of(pid)
-        if tag is not None and match(tag) and owned(pid) and is_alive(pid):
+        environ = _environ(pid)
+        tag = _value(environ, _TAG_KEY)
+        if tag is None or not match(tag) or (owner is not None and _value(environ, _SHIM_KEY) != owner):
+            continue
+        if owned(pid) and is_alive(pid):
             found[pid] = tag
     return found
 
@@ -177,18 +189,19 @@ def exit_code(returncode: int) -> int:
 
 # ---------------------------------------------------------------- killing
 
-def kill_tasks(groups: list[int], match, grace: float, found: dict | None = None) -> dict[int, str]:
+def kill_tasks(groups: list[int], match, grace: float, found: dict | None = None,
+               owner: str | None = None) -> dict[int, str]:
     """TERM the groups (each one the caller verified: group_of, or its own unreaped child)
     and every matching process of ours (`found`: the caller's own tagged(match), just
     read), wait up to `grace` for those, then KILL them and any found by a fresh tag scan
-    until each is a zombie or gone (at most 2 s).
+    until each is a zombie or gone (at most 2 s). `owner`: as for tagged, the scans' too.
 
     Returns the processes still alive and tagged at the end (pid -> tag)."""
     groups = [g for g in groups if as_pid(g)]
     for pgid in groups:
         signal_quietly(pgid, signal.SIGTERM, group=True)
     termed = {}
-    for pid in (tagged(match) if found is None else found):
+    for pid in (tagged(match, owner) if found is None else found):
         signal_quietly(pid, signal.SIGTERM)
         stat = proc_stat(pid)
         if stat is not None:
@@ -200,7 +213,7 @@ def kill_tasks(groups: list[int], match, grace: float, found: dict | None = None
     while time.monotonic() < deadline and any(_same(pid, start) for pid, start in termed.items()):
         time.sleep(nap)            # most tasks go within ms of a TERM: look again soon, then less often
         nap = min(POLL, nap * 2)
-    left = tagged(match)
+    left = tagged(match, owner)
     # A group is KILLed only while a verified member (ours, matching tag) is alive in it:
     # a live member keeps the pgid from being reused, so the KILL reaches the group TERMed.
     members = {pgid_of(pid) for pid in left}
@@ -225,7 +238,7 @@ def kill_tasks(groups: list[int], match, grace: float, found: dict | None = None
             return {pid: tag for pid, tag in left.items() if pid in running}
         time.sleep(nap)
         nap = min(POLL, nap * 2)
-        left = tagged(match)
+        left = tagged(match, owner)
 
 
 def _same(pid: int, start: int) -> bool:
@@ -245,6 +258,18 @@ def remove_quietly(path: str) -> None:
         os.unlink(path)
     except OSError:
         pass
+
+
+def remove_own(path: str, pids) -> None:
+    """Drop the pid file if it still records one of `pids`: a later attempt of the task,
+    started by another shim (a restart over a new connection), wrote its own there."""
+    try:
+        with open(path) as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return
+    if isinstance(record, dict) and record.get("pid") in pids:
+        remove_quietly(path)
 
 
 def read_pidfiles(piddir: str, tag_prefix: str) -> list[tuple[str, dict]]:

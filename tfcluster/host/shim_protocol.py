@@ -83,6 +83,7 @@ DEFAULT_HEARTBEAT_TIMEOUT = 30.0  # an attached task whose launcher is silent th
 HEARTBEATS_PER_TIMEOUT = 3       # the launcher beats three times per timeout
 
 TAG_VAR = "TFCLUSTER_JOB_ID"     # the environment variable that carries a task's tag
+SHIM_VAR = "TFCLUSTER_SHIM"      # the pid of the shim that started the task: its sweeps spare another's
 HOLD_VAR = "TFCLUSTER_HOLD"      # "1": a warm TF server; it binds its port only after a GO line
 GO_LINE = b"GO\n"
 PROBE_VAR = "TFCLUSTER_PROBE"    # "placement,waits": run the start-up probe (probe/) in this task

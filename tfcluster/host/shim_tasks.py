@@ -31,7 +31,7 @@ else:  # shipped: the shim's directory is first on sys.path
     import shim_talk as talk
 
 expand, proc_stat, kill_tasks = fs.expand, procs.proc_stat, procs.kill_tasks
-exit_code, remove_quietly, write_pidfile = procs.exit_code, procs.remove_quietly, procs.write_pidfile
+exit_code, write_pidfile = procs.exit_code, procs.write_pidfile
 write_all, POLL = procs.write_all, procs.POLL
 ShimError, TAG_VAR = proto.ShimError, proto.TAG_VAR
 # A fresh attempt's first bytes should not wait a whole POLL: the tailer polls every
@@ -96,6 +96,7 @@ def task_env(req: dict) -> dict:
     env.update({str(k): str(v) for k, v in (req.get("env") or {}).items()})
     env.update(net.guard_env(env, req.get("no_proxy") or ()))  # the cluster's addresses
     env[TAG_VAR] = req["tag"]
+    env[proto.SHIM_VAR] = str(os.getpid())
     if req.get("hold"):      # a warm server: imports TF, then waits for GO on its stdin (shim_launch.py)
         env[proto.HOLD_VAR] = "1"
     if env.get(proto.PROBE_VAR) or env.get(proto.FLUSH_VAR, "0") not in ("", "0"):
@@ -208,6 +209,8 @@ class Attached:
         self.attempt_started = time.monotonic()
         self.lines = lines
         self.tag = req["tag"]
+        self.owner = str(os.getpid())    # our sweeps spare an attempt another shim started (SHIM_VAR)
+        self.pids = {proc.pid}           # every attempt's, for the pid file
         self.hb_timeout = float(req.get("heartbeat_timeout") or proto.DEFAULT_HEARTBEAT_TIMEOUT)
         self.grace = float(req.get("grace") if req.get("grace") is not None else proto.DEFAULT_GRACE)
         self.last_beat = time.monotonic()
@@ -312,6 +315,7 @@ class Attached:
             self.limit = None
             return False                 # the launcher's own restart says why
         self.restarts += 1
+        self.pids.add(proc.pid)
         self.confirmed.clear()
         self.proc, self.limit, self.attempt_started = proc, offset, time.monotonic()
         threading.Thread(target=self.watch_exit, args=(proc,), daemon=True).start()
@@ -339,7 +343,7 @@ class Attached:
                 return False             # gone already
         sig, deadline = signal.SIGTERM, time.monotonic() + 2.0
         while True:
-            left = [pid for pid in procs.tagged(lambda t: t == self.tag) if older(pid)]
+            left = [pid for pid in procs.tagged(lambda t: t == self.tag, self.owner) if older(pid)]
             if not left or time.monotonic() > deadline:
                 return
             for pid in left:
@@ -378,9 +382,9 @@ class Attached:
 
     def finish(self) -> None:
         """The task is gone: sweep what it left behind, drop the pid file."""
-        left = kill_tasks([], lambda t: t == self.tag, grace=0.0)  # leader reaped: its pgid may be reused
+        left = kill_tasks([], lambda t: t == self.tag, grace=0.0, owner=self.owner)  # its pgid may be reused
         self.swept = not left
-        remove_quietly(expand(self.req["pidfile"]))
+        procs.remove_own(expand(self.req["pidfile"]), self.pids)
         self.task_done.set()
         self.tail_wake.set()
 
@@ -389,14 +393,14 @@ class Attached:
             self.quiet.set()  # nobody is listening (or the reader stalled): never block on stdout
         # our unreaped child's group; a restarted attempt that exited unconfirmed is reaped
         group = [self.proc.pid] if self.proc.returncode is None else []
-        left = kill_tasks(group, lambda t: t == self.tag, grace=self.grace)
+        left = kill_tasks(group, lambda t: t == self.tag, grace=self.grace, owner=self.owner)
         if self.proc.poll() is None:  # alive yet untagged (its environment replaced): still our child
             procs.signal_quietly(self.proc.pid, signal.SIGKILL, group=True)
         try:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             pass
-        remove_quietly(expand(self.req["pidfile"]))
+        procs.remove_own(expand(self.req["pidfile"]), self.pids)
         self.task_done.set()
         self.tail_wake.set()
         if not self.quiet.is_set():
