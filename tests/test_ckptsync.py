@@ -193,6 +193,37 @@ def test_a_checkpoint_without_its_index_or_a_shard_is_never_pulled(made, harness
 
 
 @pytest.mark.tf
+def test_a_save_of_the_same_name_torn_between_its_shard_and_its_index_is_never_pulled(made, harness, tmp_path):
+    """A chief saves the step it just restored under the same name: TensorFlow renames the
+    new shard into place, then writes the index. Its host killed in between leaves the old
+    index over the new shard, which TensorFlow's own restore refuses; the pull takes the
+    newest whole checkpoint before it, and the torn one once its index lands."""
+    torn = tmp_path / "torn"
+    torn.mkdir(mode=0o700)
+    for f in (made / "plain").glob("ckpt-[45]0.*"):
+        shutil.copy(f, torn / f.name)
+    state(torn, ["ckpt-40", "ckpt-50"])
+    saved = time.time() - 30               # ckpt-50's first save, 30 s ago
+    for f in torn.glob("ckpt-*"):
+        os.utime(f, (saved, saved))
+    # the save again: another save's shard (other values, the same layout) renamed into place
+    shutil.copy(made / "plain" / "ckpt-30.data-00000-of-00001", torn / ".part")
+    os.rename(torn / ".part", torn / "ckpt-50.data-00000-of-00001")
+    refused = subprocess.run([sys.executable, "-c", RESTORER, str(torn)], capture_output=True, text=True, timeout=90)
+    assert refused.returncode != 0 and "DataLossError" in refused.stderr, refused.stderr[-2000:]
+
+    assert shim_ckpt.newest_complete(str(torn))[0] == "ckpt-40"
+    h = harness(torn)
+    assert h.sync.pull("h2").name == "ckpt-40"
+    shutil.copy(made / "plain" / "ckpt-30.index", torn / ".index")     # its index lands
+    os.rename(torn / ".index", torn / "ckpt-50.index")
+    pulled = h.sync.pull("h2")
+    assert pulled.name == "ckpt-50"
+    assert restored(Path(pulled.path))["a"] == [30.0]        # the new save's, whole
+    assert h.warnings() == []
+
+
+@pytest.mark.tf
 def test_nothing_complete_is_nothing_pulled(made, harness, tmp_path):
     only = keep_only(made / "plain", tmp_path / "only", ["ckpt-50"])
     (only / "ckpt-50.data-00000-of-00001").unlink()

@@ -39,6 +39,10 @@ STATE_FILE = "checkpoint"
 STATE_CAP = 1 << 20            # bytes of a state file read (it lists paths, a few KiB)
 CHUNK = 1 << 20
 DEFAULT_LIMIT = 16 << 30       # bytes a pull sends at most, unless the request says
+# A shard this much newer than its index is a torn save (complete()). A copy made by hand with
+# cp without -p stamps each file when it is copied, in any order: within this unless a shard
+# took longer to copy than this after the index (cp -p and rsync -a keep the saved times).
+TORN_AFTER_NS = 2 * 10**9
 _STATE_LINE = re.compile(r'^\s*(model_checkpoint_path|all_model_checkpoint_paths)\s*:\s*"(.*)"\s*$')
 _SHARD = re.compile(r"\.data-(\d{5})-of-(\d{5})$")
 _NUMBER = re.compile(r"-(\d+)$")
@@ -92,16 +96,25 @@ def _in_dir(directory: str, path: str):
 
 def _regular(directory: str, name: str):
     """The size of a regular file in `directory` (a link is not one), else None."""
+    st = _regular_stat(directory, name)
+    return None if st is None else st.st_size
+
+
+def _regular_stat(directory: str, name: str):
     try:
         st = os.lstat(os.path.join(directory, name))
     except OSError:
         return None
-    return st.st_size if stat.S_ISREG(st.st_mode) else None
+    return st if stat.S_ISREG(st.st_mode) else None
 
 
 def complete(directory: str, name: str, entries) -> list | None:
     """[(file, size)] of checkpoint `name` (shards, then the index, then a .meta when there
-    is one) when complete, else None."""
+    is one) when complete, else None. Torn is not complete: a save of the same name again (a
+    chief saves the step it just restored) renames its shards into place, then writes the
+    index; until then, or for good when its host died in between, the shards are that
+    save's and the index the one before's, and TensorFlow's restore of it fails with
+    DataLossError (checksums). A shard written more than TORN_AFTER after its index is that."""
     shards = {}
     for entry in entries:
         if entry.startswith(name + ".data-"):
@@ -112,9 +125,12 @@ def complete(directory: str, name: str, entries) -> list | None:
     if len(counts) != 1 or sorted(shards) != list(range(counts.pop())):
         return None                   # no shard, shards of two saves, or one missing
     files = [shards[i][1] for i in sorted(shards)] + [name + ".index"]
-    sizes = [_regular(directory, f) for f in files]
-    if any(size is None for size in sizes):
+    stats = [_regular_stat(directory, f) for f in files]
+    if any(st is None for st in stats):
         return None
+    if max(st.st_mtime_ns for st in stats[:-1]) > stats[-1].st_mtime_ns + TORN_AFTER_NS:
+        return None
+    sizes = [st.st_size for st in stats]
     meta = _regular(directory, name + ".meta")      # tf.compat.v1's Saver: the graph, when written
     return list(zip(files, sizes)) + ([(name + ".meta", meta)] if meta is not None else [])
 
