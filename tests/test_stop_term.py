@@ -10,8 +10,10 @@ from tests.tf_launch import free_ports
 
 pytestmark = pytest.mark.timeout(90)
 
-STUBBORN = """import signal, time
-signal.signal(signal.SIGTERM, lambda *a: print("TERM ignored", flush=True))
+# The handler writes with os.write: a print there, landing while the loop's print holds
+# stdout's buffer, raises RuntimeError (reentrant call) in the loop, and the script dies of it.
+STUBBORN = """import os, signal, time
+signal.signal(signal.SIGTERM, lambda *a: os.write(1, b"TERM ignored\\n"))
 i = 0
 while True:
     i += 1
