@@ -28,13 +28,10 @@ from pathlib import Path
 
 HOST = "127.0.0.1"
 
-# What tfcluster's own server program does: serve forever, never exit by itself.
-SERVER_PROGRAM = (
-    "import json, os, tensorflow as tf\n"
-    "c = json.loads(os.environ['TF_CONFIG'])\n"
-    "tf.distribute.Server(tf.train.ClusterSpec(c['cluster']), job_name=c['task']['type'],"
-    " task_index=c['task']['index'], protocol='grpc', start=True).join()\n"
-)
+# tfcluster's own server program (serves its TF_CONFIG's task forever, never exits by itself),
+# run as the shim runs it: its lean import of TensorFlow's runtime costs a fifth of the CPU of
+# `import tensorflow`, and the template tests start dozens of servers.
+SERVER_PROGRAM = Path(__file__).resolve().parent.parent / "tfcluster" / "host" / "tfserver.py"
 
 
 def free_ports(n: int, host: str = HOST) -> list[int]:
@@ -131,7 +128,7 @@ class HandLaunch:
 
     def start_server(self, cluster: dict, job: str, index: int, run_id: str = "servers") -> Proc:
         env = script_env(cluster, job, index, run_id, self.tag)
-        return self.start(f"server-{job}{index}", [sys.executable, "-c", SERVER_PROGRAM], env)
+        return self.start(f"server-{job}{index}", [sys.executable, str(SERVER_PROGRAM)], env)
 
     def start_script(self, script: str | Path, cluster: dict, job: str, index: int,
                      run_id: str, args: list[str] = (), name: str | None = None) -> Proc:
