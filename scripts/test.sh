@@ -91,16 +91,17 @@ if [ $# -gt 0 ]; then
   "$PY" -m pytest -q "$@"
   rc=$?
 else
-  # The whole suite, on pytest-xdist workers: one per two cores plus two, at most 4 (set
+  # The whole suite, on pytest-xdist workers: one per two cores, at least 2 and at most 4 (set
   # TFCLUSTER_TEST_WORKERS to choose). A third of a serial run's time is spent waiting (a TF1
-  # worker's 30 s poll for its chief, a deadline, a host's silence): more workers than cores
-  # fill it (measured on 2 cores: a second worker took 20% off, a third 9% more). A test
-  # that judges a few seconds of wall-clock time cannot share that load: it is marked
-  # `alone`, and those run after the parallel part, in two lanes of one test at a time: the
-  # notices' (minutes spent waiting out their deadlines on the bed) and the rest
-  # (tests/conftest.py). The Slurm tests share one worker (one Slurm cluster).
-  cores=$(nproc 2>/dev/null || echo 1)
-  workers=${TFCLUSTER_TEST_WORKERS:-$(( cores / 2 + 2 ))}
+  # worker's 30 s poll for its chief, a deadline, a host's silence): a second worker fills it
+  # even on 2 cores (measured there: 20% less time). A third there gained 9% one sitting and
+  # 1% another, against more load on every test that judges a deadline: not worth it. A test
+  # that judges a few seconds of wall-clock time cannot share the load: it is marked `alone`,
+  # and those run after the parallel part, in two lanes of one test at a time: the notices'
+  # (minutes spent waiting out their deadlines on the bed) and the rest (tests/conftest.py).
+  # The Slurm tests share one worker (one Slurm cluster).
+  half=$(( $(nproc 2>/dev/null || echo 1) / 2 ))
+  workers=${TFCLUSTER_TEST_WORKERS:-$(( half < 2 ? 2 : half ))}
   [ "$workers" -gt 4 ] && workers=4
   if [ "$workers" -gt 1 ]; then
     "$PY" -m pytest -q -n "$workers" --dist loadgroup -m "not alone"
