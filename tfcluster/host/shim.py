@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import importlib
 import json
 import os
 import signal
@@ -23,13 +24,11 @@ import time
 
 if __package__:
     from . import shim_cgroup as cgroup
-    from . import shim_ckpt as ckpt
     from . import shim_facts as facts
     from . import shim_fence as fence
     from . import shim_fs as fs
     from . import shim_launch as launch
     from . import shim_net as net
-    from . import shim_notice as notice
     from . import shim_ports as ports
     from . import shim_procs as procs
     from . import shim_protocol as proto
@@ -37,13 +36,11 @@ if __package__:
     from . import shim_tasks as tasks
 else:  # shipped: this file's directory is first on sys.path
     import shim_cgroup as cgroup
-    import shim_ckpt as ckpt
     import shim_facts as facts
     import shim_fence as fence
     import shim_fs as fs
     import shim_launch as launch
     import shim_net as net
-    import shim_notice as notice
     import shim_ports as ports
     import shim_procs as procs
     import shim_protocol as proto
@@ -279,12 +276,28 @@ def cmd_batch(req: dict) -> dict:
 
 # ---------------------------------------------------------------- main
 
+def _module(name: str):
+    """A module only a rare command needs, imported when it runs: the notice watcher's HTTP
+    and e-mail date parsing, the checkpoint sender. Every task start is a shim start."""
+    if __package__:
+        return importlib.import_module("." + name, __package__)
+    return importlib.import_module(name)
+
+
+def cmd_ckpt(req: dict):
+    return _module("shim_ckpt").cmd_ckpt(req)
+
+
+def cmd_notice(req: dict):
+    return _module("shim_notice").cmd_notice(req)
+
+
 COMMANDS = {proto.INFO: cmd_info, proto.PORTS: cmd_ports, proto.START: cmd_start,
             proto.STOP: cmd_stop, proto.STATUS: cmd_status, proto.WAIT: launch.cmd_wait,
             proto.TAIL: cmd_tail, proto.FILES: cmd_files, proto.BATCH: cmd_batch,
             proto.LAUNCH: launch.cmd_launch, proto.REACH: talk.cmd_reach,
             proto.UP: cmd_up, proto.DOWN: cmd_down, proto.FENCE: fence.cmd_fence,
-            proto.CKPT: ckpt.cmd_ckpt, proto.NOTICE: notice.cmd_notice}
+            proto.CKPT: cmd_ckpt, proto.NOTICE: cmd_notice}
 
 
 def main(argv: list) -> int:
