@@ -7,7 +7,7 @@ worker is free, and a step that was running on a worker that dies is retried on
 another one. Model: linear regression on synthetic data, plain SGD written out
 (no Keras: Keras 3 `model.fit` fails under this strategy, see README.md).
 
-    python coordinator.py --steps 300 --batch_size 32 --learning_rate 0.05 [--model_dir DIR]
+    python coordinator.py --steps 300 --batch_size 32 --learning_rate 0.05 [--model_dir DIR] [--min_step_time S]
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import argparse
 import os
 import signal
 import threading
+import time
 
 import numpy as np
 import tensorflow as tf
@@ -87,6 +88,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--learning_rate", type=float, default=0.05)
     p.add_argument("--model_dir", default=None, help="checkpoint directory (saved every ~steps/10, restored)")
     p.add_argument("--log_every", type=int, default=50, help="print step/loss every N steps")
+    p.add_argument("--min_step_time", type=float, default=0.0,
+                   help="seconds between two scheduled steps at least (this toy model's take about a "
+                        "millisecond): a drill of a lost host or a notice wants a real model's pace")
     return p.parse_args(argv)
 
 
@@ -156,6 +160,7 @@ def main(argv=None) -> int:
     for i in range(start, args.steps):
         if stop.asked():
             return stopped(coordinator, manager, step)
+        began = time.monotonic()
         loss = coordinator.schedule(train_step, args=(iterator,))
         done = i + 1
         if done % args.log_every == 0 or done == start + 1 or done == args.steps:
@@ -168,6 +173,8 @@ def main(argv=None) -> int:
             coordinator.join()
             path = manager.save(checkpoint_number=int(step.numpy()))
             print(f"saved {path} at step={int(step.numpy())} (checkpoint request)", flush=True)
+        # the pace's wait ends at a SIGTERM: the loop then stops at once
+        stop.requested.wait(max(0.0, began + args.min_step_time - time.monotonic()))
     coordinator.join()
 
     final = float(np.mean(np.square(x_all @ w.numpy() + b.numpy() - y_all)))

@@ -37,8 +37,9 @@ def bed_spec(tmp: Path, bed, name: str, jobs: str, *, mode: str = "between-graph
     """Bed hosts h2, h3, h4 and the spares (h5); `jobs` is the YAML of the jobs. With
     `checkpoint`, every task's script checkpoints to {workdir}/ckpt, which train.checkpoint
     copies back every 2 s. The between-graph and classic templates step at most every `pace`
-    seconds a worker: a run's length in seconds is then the machine's speed's no longer, and the
-    CPU goes to the move, not to steps a fast box would have run past the fault."""
+    seconds a worker, the coordinator schedules a step at most that often: a run's length in
+    seconds is then the machine's speed's no longer, and the CPU goes to the move, not to steps
+    a fast box would have run past the fault."""
     hosts = [bed.add(n) for n in ("h2", "h3", "h4")]
     listed = "".join(f"  - {h.spec()}\n" for h in hosts)
     listed += "".join(f"  - {bed.add(n).spec(spare='true')}\n" for n in spares)
@@ -47,7 +48,7 @@ def bed_spec(tmp: Path, bed, name: str, jobs: str, *, mode: str = "between-graph
         args += ["--model_dir", "{workdir}/ckpt"]
     if script == "between_graph":
         args += ["--cleanup_timeout", "3"]
-    if script in ("between_graph", "classic") and pace:
+    if script in ("between_graph", "classic", "coordinator") and pace:
         args += ["--min_step_time", str(pace)]
     text = (f"name: {name}\npython: {sys.executable}\nworkdir: {tmp / 'remote'}\n"
             f"ssh: {{connect_timeout: 5}}\nhosts:\n{listed}jobs:\n{jobs}"
@@ -221,11 +222,12 @@ def test_a_lost_worker_restarts_the_strategys_cluster_on_the_spare_from_the_chec
     if mode == "coordinator":
         jobs = (f"  chief: {{tasks: ['h2:{p[0]}']}}\n  ps: {{tasks: ['h3:{p[1]}']}}\n"
                 f"  worker: {{tasks: ['h3:{p[2]}', 'h4:{p[3]}']}}\n")
-        watched, steps = "chief:0", 4000     # the coordinator outlives a lost worker: long enough to see it
+        # the coordinator outlives a lost worker: 30 s of steps at 50 a second, long enough to see it
+        watched, steps, pace = "chief:0", 1500, 0.02
     else:
         jobs = f"  worker: {{tasks: ['h3:{p[0]}', 'h4:{p[1]}']}}\n"
-        watched, steps = "worker:0", 500
-    spec = bed_spec(tmp_path, bed, f"r{mode[:5]}", jobs, mode=mode, script=mode, steps=steps)
+        watched, steps, pace = "worker:0", 500, 0.0
+    spec = bed_spec(tmp_path, bed, f"r{mode[:5]}", jobs, mode=mode, script=mode, steps=steps, pace=pace)
     def fault() -> None:
         wait_for(lambda: any(pulled(cwd)), timeout=120, what="a checkpoint past step 0 pulled to the launcher")
         bed.kill("h4")
