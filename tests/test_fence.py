@@ -330,7 +330,7 @@ def test_up_closes_every_task_port_to_another_users_session_while_the_owner_trai
 @pytest.mark.timeout(240)
 def test_trains_table_lives_while_it_runs_and_goes_on_ctrl_c(tmp_path, home, nft, drop_tables, other_user):
     drop_tables.append("fencetr")
-    spec = local_spec(tmp_path, name="fencetr", args=["--steps", "100000"])
+    spec = local_spec(tmp_path, name="fencetr", args=["--steps", "100000", "--min_step_time", "0.05"])
     proc = start_tfcluster("train", str(spec), home=home, cwd=tmp_path)
     try:
         read_until(proc, "│ step=", timeout=120)
@@ -348,7 +348,7 @@ def test_trains_table_lives_while_it_runs_and_goes_on_ctrl_c(tmp_path, home, nft
 @pytest.mark.timeout(240)
 def test_a_sigkilled_launchers_table_goes_with_down(tmp_path, home, nft, drop_tables):
     drop_tables.append("fencekill")
-    spec = local_spec(tmp_path, name="fencekill", args=["--steps", "100000"])
+    spec = local_spec(tmp_path, name="fencekill", args=["--steps", "100000", "--min_step_time", "0.05"])
     proc = start_tfcluster("train", str(spec), home=home, cwd=tmp_path)
     try:
         read_until(proc, "│ step=", timeout=120)
@@ -392,7 +392,7 @@ def test_the_shims_remove_the_table_themselves_when_the_launcher_vanishes_over_s
     drop_tables.append("fencegone")
     spec = ssh_spec(tmp_path, sshd, name="fencegone",
                     train="train:\n  mode: between-graph\n  script: template:between_graph\n"
-                          "  args: ['--steps', '100000']\n")
+                          "  args: ['--steps', '100000', '--min_step_time', '0.05']\n")
     proc = start_tfcluster("train", str(spec), home=home, cwd=tmp_path)
     try:
         read_until(proc, "│ step=", timeout=150)

@@ -204,7 +204,7 @@ def two_host_spec(tmp: Path, bed, name: str) -> Path:
             f"ssh: {{connect_timeout: 5}}\nhosts:\n{hosts}"
             "jobs:\n  ps: {tasks: ['h2:25000']}\n  worker: {tasks: ['h3:25001', 'h4:25002']}\n"
             "train:\n  mode: between-graph\n  script: template:between_graph\n"
-            "  args: ['--steps', '5000000', '--log_every', '200']\n"
+            "  args: ['--steps', '5000000', '--log_every', '20', '--min_step_time', '0.05']\n"
             "  restart: {policy: on-failure, max_restarts: 3}\n")
     path = tmp / f"{name}.yaml"
     path.write_text(text)

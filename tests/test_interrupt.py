@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.tf, pytest.mark.timeout(240), pytest.mark.alone]   # h
 PROMPT = SCRIPT_GRACE + 10.0   # "about a second plus the stop grace", with room for a busy machine
 
 TRAIN = "train:\n  mode: between-graph\n  script: template:between_graph\n" \
-        "  args: ['--steps', '100000', '--log_every', '20']\n"
+        "  args: ['--steps', '100000', '--log_every', '20', '--min_step_time', '0.05']\n"
 
 # (command, the line that opens the phase, a second Ctrl-C once stopping has begun)
 PHASES = {
@@ -46,7 +46,8 @@ PHASES = {
 
 def _spec(transport: str, tmp_path, request):
     if transport == "local":
-        return local_spec(tmp_path, args=["--steps", "100000", "--log_every", "20"], name="intr")
+        return local_spec(tmp_path, args=["--steps", "100000", "--log_every", "20", "--min_step_time", "0.05"],
+                          name="intr")
     sshd = request.getfixturevalue("sshd")
     request.getfixturevalue("ssh_home")
     return ssh_spec(tmp_path, sshd, name="intrssh", train=TRAIN)

@@ -19,7 +19,10 @@ from tfcluster.host import shim_procs
 SYSTEM_PYTHON = "/usr/bin/python3"
 ADDRESS = "127.0.0.9"
 
-pytestmark = [pytest.mark.ssh, pytest.mark.timeout(120)]
+# tfcother's ~/.ssh/authorized_keys is one file for every xdist worker, and each worker's sshd
+# fixture has a key of its own: the module's tests share one worker, or one worker's fixture
+# replaces the key another's tests log in with.
+pytestmark = [pytest.mark.ssh, pytest.mark.timeout(120), pytest.mark.xdist_group("tfcother_keys")]
 
 
 @pytest.fixture(scope="module")

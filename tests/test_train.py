@@ -103,7 +103,7 @@ def test_worker_killed_mid_run_is_restarted_and_run_ends_at_exact_step(work):
 
 def test_ctrl_c_stops_everything_and_exits_130(work):
     tmp, home, cwd = work
-    spec = local_spec(tmp, args=["--steps", "100000", "--log_every", "50"])
+    spec = local_spec(tmp, args=["--steps", "100000", "--log_every", "20", "--min_step_time", "0.05"])
     proc = start_tfcluster("train", str(spec), home=home, cwd=cwd)
     try:
         read_until(proc, r"worker:0 .*step=", timeout=120)
@@ -224,7 +224,7 @@ def test_summary_and_manifest_show_restarted_servers_and_scripts_counted_from_th
 
 def test_sigkill_of_tfcluster_mid_run_takes_every_task_down(work):
     tmp, home, cwd = work
-    spec = local_spec(tmp, args=["--steps", "100000", "--log_every", "50"])
+    spec = local_spec(tmp, args=["--steps", "100000", "--log_every", "20", "--min_step_time", "0.05"])
     proc = start_tfcluster("train", str(spec), home=home, cwd=cwd)
     try:
         read_until(proc, r"worker:1 .*step=", timeout=120)
@@ -253,7 +253,7 @@ def test_old_style_script_in_between_graph_mode_gets_a_hint_to_use_classic(work)
 
 def test_sigterm_stops_the_run_in_order_writes_the_manifest_and_exits_143(work):
     tmp, home, cwd = work
-    spec = local_spec(tmp, args=["--steps", "100000", "--log_every", "50"])
+    spec = local_spec(tmp, args=["--steps", "100000", "--log_every", "20", "--min_step_time", "0.05"])
     proc = start_tfcluster("train", str(spec), home=home, cwd=cwd)
     try:
         read_until(proc, r"worker:0 .*step=", timeout=120)

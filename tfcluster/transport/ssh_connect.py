@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 # Per destination: sshd's MaxStartups (default 10:30:100) randomly drops unauthenticated
 # connections beyond 10 at once, so we stay below that and retry the few still dropped.
 MAX_HANDSHAKES = 8
-HANDSHAKE_RETRIES = 3
+HANDSHAKE_RETRIES = 3       # at least; more while the connect timeout lasts
 KEEPALIVE_S = 15
 MAX_JUMPS = 5               # guards against a ProxyJump that loops through ~/.ssh/config
 
@@ -130,18 +130,24 @@ class _Dropped(Exception):
 
 
 def _handshake_retrying(ep: Endpoint, jump: Connection | None):
-    for attempt in range(HANDSHAKE_RETRIES):
+    """A handshake sshd dropped is tried again after a jittered pause (0.2 s doubling, at most
+    1 s), for as long as the connect timeout lasts and at least HANDSHAKE_RETRIES times: a
+    host whose MaxStartups is below our own cap takes its connections a few at a time, and a
+    busy one takes seconds for each."""
+    deadline = time.monotonic() + ep.timeout
+    attempt = 0
+    while True:
         try:
             return _handshake(ep, jump)
-        except _Dropped:
-            # jittered backoff: connections dropped together must not come back together
-            time.sleep(0.2 * 2 ** attempt + random.uniform(0, 0.2))
-    try:
-        return _handshake(ep, jump)
-    except _Dropped as e:
-        raise ep.error(f"connection dropped during the SSH handshake ({e})",
-                       "the host's sshd may limit concurrent connections (MaxStartups)",
-                       Cause.DROPPED) from None
+        except _Dropped as e:
+            # jittered: connections dropped together must not come back together
+            pause = min(1.0, 0.2 * 2 ** attempt) + random.uniform(0, 0.2)
+            attempt += 1
+            if attempt > HANDSHAKE_RETRIES and time.monotonic() + pause > deadline:
+                raise ep.error(f"connection dropped during the SSH handshake ({e})",
+                               "the host's sshd may limit concurrent connections (MaxStartups)",
+                               Cause.DROPPED) from None
+            time.sleep(pause)
 
 
 def _open_sock(ep: Endpoint, jump: Connection | None):
