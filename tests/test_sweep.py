@@ -3,6 +3,8 @@ task's tag, which lets `train` skip the run's stop sweep (docs/ARCHITECTURE.md, 
 process model"). Through the local transport: real shims, real processes."""
 from __future__ import annotations
 
+import json
+import os
 import signal
 import sys
 import textwrap
@@ -10,6 +12,7 @@ import textwrap
 import pytest
 
 from tests.helpers import PATHS, STUBBORN, C, gone, launch, read_all, wait_for, with_tag
+from tfcluster.host.shim_protocol import RESTART_VAR
 
 # Leaves a TERM-ignoring grandchild in a session of its own, then exits 0.
 LEAVES_A_CHILD = textwrap.dedent("""
@@ -72,11 +75,6 @@ def test_an_old_shims_stop_spares_the_attempt_a_new_shim_started_under_the_same_
     """A restart over a new connection (the old one dropped) runs under the task's tag while
     the old connection's shim is still stopping its attempt: that stop takes what it started
     and nothing of the new attempt, and leaves the new attempt's pid file in place."""
-    import json
-    import os
-
-    from tfcluster.host.shim_protocol import RESTART_VAR
-
     tag = f"{C}:s4:worker:0"
     old = start_stubborn(agent, "s4")       # ignores TERM: its shim waits the grace, then KILLs by tag
     old_pids = set(with_tag(f"{C}:s4:"))

@@ -260,15 +260,16 @@ def remove_quietly(path: str) -> None:
         pass
 
 
-def remove_own(path: str, pids) -> None:
-    """Drop the pid file if it still records one of `pids`: a later attempt of the task,
-    started by another shim (a restart over a new connection), wrote its own there."""
+def remove_own(path: str, pid: int) -> None:
+    """Drop the pid file if it still records `pid` (every attempt rewrites it as it starts):
+    a later attempt of the task, started by another shim (a restart over a new connection),
+    wrote its own there."""
     try:
         with open(path) as f:
             record = json.load(f)
     except (OSError, ValueError):
         return
-    if isinstance(record, dict) and record.get("pid") in pids:
+    if isinstance(record, dict) and record.get("pid") == pid:
         remove_quietly(path)
 
 

@@ -210,7 +210,6 @@ class Attached:
         self.lines = lines
         self.tag = req["tag"]
         self.owner = str(os.getpid())    # our sweeps spare an attempt another shim started (SHIM_VAR)
-        self.pids = {proc.pid}           # every attempt's, for the pid file
         self.hb_timeout = float(req.get("heartbeat_timeout") or proto.DEFAULT_HEARTBEAT_TIMEOUT)
         self.grace = float(req.get("grace") if req.get("grace") is not None else proto.DEFAULT_GRACE)
         self.last_beat = time.monotonic()
@@ -315,7 +314,6 @@ class Attached:
             self.limit = None
             return False                 # the launcher's own restart says why
         self.restarts += 1
-        self.pids.add(proc.pid)
         self.confirmed.clear()
         self.proc, self.limit, self.attempt_started = proc, offset, time.monotonic()
         threading.Thread(target=self.watch_exit, args=(proc,), daemon=True).start()
@@ -384,7 +382,7 @@ class Attached:
         """The task is gone: sweep what it left behind, drop the pid file."""
         left = kill_tasks([], lambda t: t == self.tag, grace=0.0, owner=self.owner)  # its pgid may be reused
         self.swept = not left
-        procs.remove_own(expand(self.req["pidfile"]), self.pids)
+        procs.remove_own(expand(self.req["pidfile"]), self.proc.pid)
         self.task_done.set()
         self.tail_wake.set()
 
@@ -400,7 +398,7 @@ class Attached:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             pass
-        procs.remove_own(expand(self.req["pidfile"]), self.pids)
+        procs.remove_own(expand(self.req["pidfile"]), self.proc.pid)
         self.task_done.set()
         self.tail_wake.set()
         if not self.quiet.is_set():
