@@ -48,6 +48,7 @@ RANGE = "198.18.0.0/15"
 SSH_PORT = 2222           # every host's sshd, in its own namespace (the port is per host)
 IP = shutil.which("ip") or "/usr/sbin/ip"
 NFT = shutil.which("nft") or "/usr/sbin/nft"
+LOCKS = os.path.join(tempfile.gettempdir(), "tfcluster-bed-locks")
 
 
 def _ip(*args: str, ns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
@@ -122,6 +123,7 @@ class Bed:
     index: int                # this bed's /24: 198.18.<index>.0 (198.19 past 254)
     bridge: str
     hosts: dict[str, BedHost] = field(default_factory=dict)
+    closed: bool = False
 
     @property
     def prefix(self) -> str:
@@ -205,6 +207,10 @@ class Bed:
         host.state = "silent"
 
     def close(self) -> None:
+        """Everything of the bed removed; a second call does nothing."""
+        if self.closed:
+            return
+        self.closed = True
         for host in self.hosts.values():
             pids = host.pids()
             with contextlib.suppress(OSError):
@@ -318,21 +324,31 @@ def _route_holders():
         f.write(" ".join(map(str, sorted(holders))))
 
 
-def _new_bridge() -> tuple[int, str]:
-    """A free /24 of the range, claimed by creating its bridge (the kernel says who was first)."""
+def _new_bridge() -> tuple[int, str, int]:
+    """A free /24 of the range: its index claimed by a lock held for the bed's whole life (its
+    fixture's teardown included, so a second `close` can never remove another bed's bridge),
+    then its bridge made. A bridge or namespace found under a free lock is a killed session's."""
+    os.makedirs(LOCKS, mode=0o700, exist_ok=True)
     for index in range(1, 2 * 255):
         if index % 255 == 0:
             continue
+        fd = os.open(os.path.join(LOCKS, str(index)), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
         name = f"tfbed{index}"
-        if _ip("link", "add", name, "type", "bridge", check=False).returncode == 0:
-            _clear_leftovers(index)
-            return index, name
+        _clear_leftovers(index)
+        _ip("link", "delete", name, check=False)
+        _ip("link", "add", name, "type", "bridge")
+        return index, name, fd
     raise RuntimeError("no free /24 left in the bed's range")
 
 
 def _clear_leftovers(index: int) -> None:
     """The namespaces and links a session killed before its teardown left with this index: its
-    bridge was free, so no live bed has them (a bed deletes its bridge last)."""
+    lock was free, so no live bed has them."""
     for line in _ip("netns", "list").stdout.splitlines():
         ns = line.split(" ", 1)[0]
         if ns.startswith(f"tfbed{index}-"):
@@ -349,7 +365,7 @@ def bed(_bed_range, request) -> Bed:
     ~/.ssh (the `ssh_home` fixture) in use, each host's key is trusted there."""
     root, key = _bed_range
     ssh_home = request.getfixturevalue("ssh_home") if "ssh_home" in request.fixturenames else None
-    index, bridge = _new_bridge()
+    index, bridge, lock = _new_bridge()
     d = root / f"bed{index}-{os.getpid()}-{time.monotonic_ns()}"
     d.mkdir()
     shutil.copyfile(key.with_suffix(".pub"), d / "authorized_keys")
@@ -360,7 +376,10 @@ def bed(_bed_range, request) -> Bed:
         _ip("link", "set", bridge, "up")
         yield b
     finally:
-        b.close()
+        try:
+            b.close()
+        finally:
+            os.close(lock)
 
 
 # -- dialling from a host, as a user (who is refused where) -------------------------------------

@@ -78,5 +78,24 @@ def test_the_bed_leaves_nothing(bed):
     bed.close()
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert ns not in listed
-    wait_for(lambda: bed.bridge not in subprocess.run(["ip", "link"], capture_output=True, text=True).stdout,
+    # the index stays claimed until the fixture ends: no other bed can have made this bridge again
+    wait_for(lambda: subprocess.run(["ip", "link", "show", "dev", bed.bridge], capture_output=True).returncode != 0,
              timeout=10, what="the bridge removed")
+
+
+def test_a_beds_index_is_its_own_until_its_fixture_ends(bed):
+    """Two beds at once never share an index, and a bed closed twice (by its test, then by its
+    fixture) never removes what a later bed made: an index is claimed for the fixture's life."""
+    import os
+    import subprocess
+
+    from tests.netns import _ip, _new_bridge
+    bed.close()
+    index, bridge, lock = _new_bridge()
+    try:
+        assert index != bed.index
+        bed.close()
+        assert subprocess.run(["ip", "link", "show", "dev", bridge], capture_output=True).returncode == 0
+    finally:
+        _ip("link", "delete", bridge, check=False)
+        os.close(lock)
