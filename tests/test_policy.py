@@ -69,7 +69,14 @@ def test_restart_hints_say_what_to_change():
     assert policy.restart_hint(Restart("on-failure", 3), 3, 1) == \
         "it failed 4 times (train.restart.max_restarts = 3)"
     assert policy.restart_hint(Restart("exit-code", 3), 0, 1) is None
-    assert policy.STOP_ORDER == ("script", "server")
+
+
+def test_a_runs_stop_takes_the_training_scripts_before_what_serves_their_variables():
+    assert policy.stop_wave("script", "worker") == policy.stop_wave("script", "chief") == 0
+    # a server, and the ps's own script in classic mode (it is the server), after them
+    assert policy.stop_wave("server", "ps") == policy.stop_wave("server", "worker") == 1
+    assert policy.stop_wave("script", "ps") == 1
+    assert policy.STOP_WAVES == (0, 1)
 
 
 @pytest.mark.parametrize("tag", [

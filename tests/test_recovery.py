@@ -245,27 +245,43 @@ def test_a_lost_worker_restarts_the_strategys_cluster_on_the_spare_from_the_chec
     wait_for(lambda: not tagged_processes(), timeout=60, what="no task left running")
 
 
+# the chief's host drained, per mode: (jobs, the chief, steps, pace). The coordinator's steps are
+# scheduled at 50 a second, mirrored steps at the machine's pace (its template takes no pace)
+DRAINED = {
+    "between-graph": (CHIEF_ON_H4, "worker:0", 800, 0.05),
+    "classic": (CHIEF_ON_H4, "worker:0", 800, 0.05),
+    "coordinator": (f"  chief: {{tasks: ['h4:{P[0]}']}}\n  ps: {{tasks: ['h2:{P[1]}']}}\n"
+                    f"  worker: {{tasks: ['h3:{P[2]}', 'h2:{P[3]}']}}\n", "chief:0", 1500, 0.02),
+    "mirrored": (f"  worker: {{tasks: ['h4:{P[0]}', 'h3:{P[1]}']}}\n", "worker:0", 600, 0.0),
+}
+
+
 @pytest.mark.timeout(420)
-def test_drain_moves_the_chief_at_its_checkpoint_losing_no_step(tmp_path, home, ssh_home, bed):
-    """`tfcluster drain SPEC h4` from another terminal: the chief saves as it stops (SIGTERM),
-    every task starts again on the spare from that checkpoint, and `drain` says so."""
+@pytest.mark.parametrize("mode", list(DRAINED))
+def test_drain_moves_the_chief_at_its_checkpoint_losing_no_step(tmp_path, home, ssh_home, bed, mode):
+    """`tfcluster drain SPEC h4` from another terminal, in every mode: the chief saves as it
+    stops (SIGTERM; under MultiWorkerMirroredStrategy every worker saves together), every
+    task starts again on the spare from that checkpoint, and `drain` says so. A notice with
+    time enough to move is this same drain (test_notices)."""
+    jobs, chief, steps, pace = DRAINED[mode]
     cwd = tmp_path / "cwd"
     cwd.mkdir()
-    spec = bed_spec(tmp_path, bed, "rdrain", CHIEF_ON_H4, steps=800)
+    spec = bed_spec(tmp_path, bed, f"rd{mode[:5]}", jobs, mode=mode, script=mode.replace("-", "_"),
+                    steps=steps, pace=pace)
 
     def fault() -> None:
         drain = tfcluster("drain", str(spec), "h4", "--wait", "120", home=home, cwd=cwd)
         assert drain.returncode == 0, drain.stdout + drain.stderr
-        assert re.search(r"h4: moved: .* h4 drained: worker:0 moved to h5, every task restarted",
+        assert re.search(rf"h4: moved: .* h4 drained: {chief} moved to h5, every task restarted",
                          drain.stdout + drain.stderr), drain.stdout + drain.stderr
 
-    rc, rest = killed_mid_run(spec, home, cwd, r"worker:0 .*step=[1-9]\d\d", fault, None, timeout=300)
+    rc, rest = killed_mid_run(spec, home, cwd, rf"{chief} .*step=[1-9]\d\d", fault, None, timeout=300)
     assert rc == 0, rest[-4000:]
     doc = manifest(only_run(cwd / "runs"))
     (move,) = doc["moves"]
     assert move["why"] == "drained" and move["action"] == "restart" and move["to"] == "h5", move
-    assert move["steps_lost"] == 0, move
-    assert doc["tasks"]["worker:0"]["host"] == "h5" and doc["progress"]["worker:0"]["step"] >= 700
+    assert move["resumed_step"] is not None and move["steps_lost"] == 0, move
+    assert doc["tasks"][chief]["host"] == "h5" and doc["progress"][chief]["step"] >= steps - 100
     wait_for(lambda: not tagged_processes(), timeout=60, what="no task left running")
     for host in bed.hosts.values():     # the drained host and the spare kept no table either
         wait_for(lambda h=host: "tfcluster_" not in h.run(["nft", "list", "tables"]).stdout, timeout=20,

@@ -24,7 +24,17 @@ TRAINING_JOBS = ("chief", "worker")
 # service refuses a restarted process of an old incarnation, and the others die with the one
 # that went, so a failure restarts every process, from the checkpoint (docs/modes.md).
 TOGETHER = ("keras-jax",)
-STOP_ORDER = ("script", "server")                    # scripts first: a last checkpoint
+
+
+def stop_wave(role: str, job: str) -> int:
+    """When a task stops in a run's stop or a restart of every task: 0, the scripts that
+    train, first, so that the chief's last checkpoint can still read the variables; 1, what
+    serves those variables: the servers, and the ps's own script in classic mode (it is its
+    server: stopped with the others, the chief's save on SIGTERM found no ps and was KILLed)."""
+    return 0 if role == "script" and job != "ps" else 1
+
+
+STOP_WAVES = (0, 1)
 PEER_GRACE = 60.0        # how long other workers may take to finish after the chief succeeded
 
 

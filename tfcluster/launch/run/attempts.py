@@ -199,6 +199,11 @@ def stop_and_wait(run: Run, procs: list[Supervised], fast: threading.Event | Non
                 pass
 
 
+def in_wave(run: Run, wave: int) -> list[Supervised]:
+    """The run's tasks that stop in `wave` (policy.stop_wave)."""
+    return [p for p in run.procs if policy.stop_wave(p.role, p.task.job) == wave]
+
+
 def restart_together(run: Run, proc: Supervised, rc: int) -> None:
     """`proc` failed in a mode whose processes only start together (policy.TOGETHER): stop
     every other script, then start them all afresh, each with the same restart count, so

@@ -123,12 +123,12 @@ def _restart_all(run: Run, move: Move) -> None:
     # make before break: the new scripts' standbys start now, while the old tasks stop and save
     early = Background(run.standbys.before_break, run, run.plan.moved(move.host, move.spare)) \
         if run.standbys is not None else None
-    _stop(run, [p for p in run.procs if p.role == "script"])    # scripts first: a last save
+    _stop(run, attempts.in_wave(run, 0))    # the training scripts first: a last save
     sync = run.recovery.checkpoints
     chief = run.plan.chief
     if sync is not None and chief is not None and chief.host not in run.session.pool.lost:
         sync.pull(chief.host)       # the newest, after the scripts' last save (a drain)
-    _stop(run, [p for p in run.procs if p.role == "server"])
+    _stop(run, attempts.in_wave(run, 1))
     # hosts warned meanwhile move in this restart too
     riders = run.notices.ride_along(run, move) if run.notices is not None else []
     for m in (move, *riders):

@@ -262,12 +262,14 @@ def _shutdown(run: Run, interrupted: bool = False) -> None:
     if interrupted:
         run.ui.info("Stopping every task (Ctrl-C again to stop at once)…")
     try:
-        for role in policy.STOP_ORDER:
-            _stop_role(run, role, fast)
+        for wave in policy.STOP_WAVES:
+            _stop_wave(run, wave, fast)
         prefix = names.run_prefix(run.plan.name, run.run_id)
         if (run.owns_servers or run.procs) and not _swept_by_shims(run):
             run.session.stop_run(prefix, grace=0 if fast.is_set() else SERVER_STOP_GRACE)
-        elif run.owns_servers:      # a host with no task (an idle spare, a drained host): its stop takes its table
+        elif run.owns_servers or not any(t.runs_server for t in run.plan.tasks):
+            # a host with no task (an idle spare, a drained host) holds the table this run put
+            # there (not `up`'s, whose servers it used): its stop takes it
             idle = [h for h in run.session.infos if not run.plan.tasks_on(h)]
             run.session.stop_run(prefix, grace=0, hosts=idle)
         if run.board is not None and not fast.is_set():
@@ -286,11 +288,12 @@ def _swept_by_shims(run: Run) -> bool:
             and all(slot.handle is not None and slot.handle.swept() for slot in run.starts))
 
 
-def _stop_role(run: Run, role: str, fast: threading.Event) -> None:
-    procs = [p for p in run.procs if p.role == role]
+def _stop_wave(run: Run, wave: int, fast: threading.Event) -> None:
+    procs = attempts.in_wave(run, wave)
     attempts.stop_and_wait(run, procs, fast)
-    killed = [p.key for p in procs if p.stopping and p.exit_code == 128 + signal.SIGKILL]   # KILL after grace
-    if role == "script" and killed and not fast.is_set():
+    killed = [p.key for p in procs if p.role == "script" and p.stopping
+              and p.exit_code == 128 + signal.SIGKILL]   # KILL after grace
+    if killed and not fast.is_set():
         run.ui.warn(policy.ignored_term(run.plan.mode, killed, run.options.grace))
 
 
