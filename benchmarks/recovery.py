@@ -308,8 +308,9 @@ class Recovery:
             took = f.lines[j][0] - t0
             run_step = max(f.steps(0, j + 1))     # the run's furthest step by then
             k = f.wait(r"resumed at step \d+", 60, i)
-            for t, x in f.lines[i:j + 1]:     # where a warm move's time went: each take, from the kill
-                if "standby" in x or "cold start" in x:
+            for t, x in [(t, x) for t, x in f.lines[:j + 1] if t >= t0]:     # where a warm move's time went: the stop, the servers, each take
+                if any(m in x for m in ("standby", "cold start", "held before the break", "ready on",
+                                        "stopped by SIGTERM", "restoring")):
                     print(f"  {name} +{t - t0:.2f}s: {x.strip()}", flush=True)
         finally:
             interrupt(b, proc, name, f)

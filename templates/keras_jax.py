@@ -183,6 +183,9 @@ class EpochSaver(keras.callbacks.Callback):
 def main(argv=None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(STOP_EXIT))
+    # The checkpoint request (SIGUSR1) would be a collective save too: it is ignored, and a
+    # move resumes from the last epoch's checkpoint (docs/modes.md, "Mode keras-jax").
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     start_distribution(args.model_parallel)
     me, n = jax.process_index(), jax.process_count()
     local_batch = args.batch_size if args.model_parallel else args.batch_size // n

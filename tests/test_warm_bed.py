@@ -87,6 +87,11 @@ def test_a_lost_workers_host_moves_onto_the_warm_spares_standby_fenced_before_it
         said = "".join(read_until(proc, r"warm standby on h5 took worker:1 \(pid \d+|worker:1 on h5: cold start",
                                   timeout=150))
         assert f"warm standby on h5 took worker:1 (pid {standby}," in said, said[-2000:]
+        # make before break from the drop, not from the verdict: the survivors' standbys and the
+        # new cluster's servers start while the grace runs, and every server is taken held
+        prepared = said.index("h4: its connection dropped; its move to h5 is being prepared")
+        assert prepared < said.index("h4 lost:"), said[-3000:]
+        assert "held before the break: server(s) ps:0, worker:0, worker:1 (" in said, said[-3000:]
         read_until(proc, r"worker:1 .*step=", timeout=120)          # the standby trains as worker:1
         addr = {h.name: h.address for h in bed.hosts.values()}
         refused_everywhere(bed, [[addr["h2"], P[0]], [addr["h3"], P[1]], [addr["h5"], P[2]]], other_user)

@@ -138,9 +138,13 @@ def after_drop(run: Run, proc: Supervised, noticed: float) -> None:
     """proc's channel ended with no exit status: is its host lost? Said at once, by the pump
     that found out first; every process the host held carries the verdict."""
     host = proc.task.host
+    if run.standbys is not None:        # the restart a loss would make, prepared during the verdict
+        run.standbys.suspect(run, host)
     verdict, first = run.session.pool.losses.judge(host, run.session.agents[host].transport,
                                               tasks_on(run, host), noticed)
     if verdict is None:
+        if run.standbys is not None:
+            run.standbys.clear(run, host)
         return
     for p in run.procs:
         if p.task.host == host:

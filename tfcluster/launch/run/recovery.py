@@ -120,7 +120,7 @@ def _watched(run: Run, moved: list[Supervised]) -> str | None:
 
 def _restart_all(run: Run, move: Move) -> None:
     """Every task stops and starts again on the new cluster, from the checkpoint."""
-    # make before break: the new scripts' standbys start now, while the old tasks stop and save
+    # make before break: the new scripts' standbys and servers start now, while the old tasks stop and save
     early = Background(run.standbys.before_break, run, run.plan.moved(move.host, move.spare)) \
         if run.standbys is not None else None
     _stop(run, attempts.in_wave(run, 0))    # the training scripts first: a last save
@@ -188,13 +188,14 @@ def _start(run: Run, procs: list[Supervised], move: Move, riders: list[Move] = (
         if spare not in session.infos:          # not prepared when the run began
             session.infos[spare] = session.agent(spare).prepare(None, None)
     scripts = [p for p in procs if p.role == "script"]
-    on_spare = [p.task for p in scripts if p.task.host in spares]
+    shipped = run.standbys.shipped if run.standbys is not None else set()   # a warm spare's files went with its standby
+    on_spare = [p.task for p in scripts if p.task.host in spares and p.task.host not in shipped]
     if on_spare and run.files:
         run.ui.info(ship(session, on_spare, run.run_id, run.files))
     _refence(run)
     servers = [p for p in procs if p.role == "server"]
     if servers:
-        attempts.start_all(run, servers)
+        attempts.start_all(run, run.standbys.take_servers(run, servers) if run.standbys is not None else servers)
         wait_ready(session, [Started(p.task, p.launch.tag, p.handle.pid, p.launch.log) for p in servers])
     cold = run.standbys.take_all(run, scripts) if run.standbys is not None else scripts  # the standby is the script
     if cold:

@@ -6,14 +6,23 @@ Two kinds, one mechanism (agent/standby.py, host/shim_warm.py):
   shipped: as many as the most scripts a host it could take holds, each started with the
   environment of the task it would most likely take (the first host it can take, moved there),
   TF_CONFIG aside, which TensorFlow reads only when a strategy or resolver is made;
-- **make before break** (a run with a warm spare): the moment a move is decided, every script
-  of the new plan that no standby waits for gets one on its host, started with its exact environment, while the old
-  tasks stop and save; the restart then hands each script its standby.
+- **make before break** (a run with a warm spare): the moment a move is decided (for a host
+  whose connection dropped, already while the grace decides whether it is lost: suspect()),
+  every script of the new plan that no standby waits for gets one on its host, started with
+  its exact environment, while the old tasks stop and save; the restart then hands each
+  script its standby.
 
 A standby's tag is its own (`<run>:standby:<n>:script`): the old attempts' stops, which sweep
 their own tags, never touch it, and it takes its task's tag as it becomes the task. A take the
 standby cannot honour (it died, an environment variable read at start-up differs) starts the
 task cold on the same channel, and the run says why. docs/hostloss.md, "Warm spares".
+
+Make before break covers the TF servers too: each server of the new plan starts **held** at
+the decision (TensorFlow imported, its port not bound, as `train`'s first servers start while
+the checks run), under its task's own tag, which the old attempt's stop leaves alone (a shim
+sweeps only what it started); once the old servers have stopped, each gets GO and binds. A held
+server whose launch is no longer the task's (a notice's move that rode along changed the
+cluster) is stopped and its task starts cold.
 """
 from __future__ import annotations
 
@@ -27,9 +36,10 @@ from tfcluster.errors import HostError
 from tfcluster.host.shim_protocol import RESTART_VAR
 from tfcluster.launch.agent import fence
 from tfcluster.launch.agent.standby import Standby
-from tfcluster.plan import names
+from tfcluster.plan import names, policy
 
 if TYPE_CHECKING:
+    from tfcluster.launch.agent.attached import AttachedTask
     from tfcluster.launch.agent.records import TaskLaunch
     from tfcluster.launch.run.runstate import Run, Supervised
     from tfcluster.plan import Plan, TaskPlan
@@ -44,6 +54,10 @@ class Standbys:
     said: list[str] = field(default_factory=list)   # one line per take, for the summary
     tried: set[str] = field(default_factory=set)    # warm spares keep() has been through
     lock: threading.Lock = field(default_factory=threading.Lock)   # keep()'s thread and a move
+    shipped: set[str] = field(default_factory=set)    # warm spares the run's files went to (a move skips them)
+    suspected: set[str] = field(default_factory=set)   # hosts whose loss is prepared for (suspect())
+    numbering: threading.Lock = field(default_factory=threading.Lock)   # `made` and `suspected`, from several threads
+    servers: dict[str, tuple[str, TaskLaunch, AttachedTask]] = field(default_factory=dict)  # key -> (host, ...) held
 
     # -- starting them
 
@@ -95,21 +109,133 @@ class Standbys:
         with self.lock:             # a warm spare's standbys being made: counted, not made twice
             self._before_break(run, after)
 
+    def suspect(self, run: Run, host: str) -> None:
+        """`host`'s connection ended: while the grace decides whether it is lost (hostloss.py),
+        the restart its loss would make is prepared on a thread (make before break, a few
+        seconds sooner: a survivor's standby imports TensorFlow then, not after the verdict).
+        If the host is back, clear() drops what was made for it."""
+        plan = run.plan
+        if plan.mode not in TF_MODES or not plan.warm_spares:
+            return
+        spare = run.session.pool.spare_for(plan, host)
+        lost = [policy.LostTask(t.job, t.is_chief) for t in plan.tasks_on(host)]
+        if spare is None or policy.on_host_loss(plan.mode, plan.on_host_loss, lost, True)[0] != policy.RESTART:
+            return
+        with self.numbering:        # each of the host's pumps finds the drop
+            if host in self.suspected:
+                return
+            self.suspected.add(host)
+        run.ui.info(f"{host}: its connection dropped; its move to {spare} is being prepared (standbys, servers held) "
+                    f"while the run waits to see whether it is lost")
+        threading.Thread(target=self._quietly, args=(self.before_break, run, plan.moved(host, spare)),
+                         name=f"tfcluster-suspect-{host}", daemon=True).start()
+
+    def clear(self, run: Run, host: str) -> None:
+        """`host` is back: the standbys and servers made for its loss go (a warm spare's own stay)."""
+        if host not in self.suspected:
+            return
+        self.suspected.discard(host)
+        run.ui.info(f"{host} is back: what was prepared for its move is dropped")
+        with self.lock:
+            self._trim(run)
+            self.drop_servers()
+
+    @staticmethod
+    def _quietly(fn, *args) -> None:
+        try:
+            fn(*args)
+        except Exception:  # noqa: BLE001 - an early start is an optimisation: the restart makes what is missing
+            pass
+
     def _before_break(self, run: Run, after: Plan) -> None:
         lost = run.session.pool.unusable() - set(after.spares)
-        for host in after.hosts:
-            if host in lost:
-                continue
+        hosts = [h for h in after.hosts if h not in lost]
+
+        def prepare(host: str) -> None:
             tasks = [t for t in after.tasks_on(host) if t.runs_script]
             waiting = [s for s in self.held.get(host, []) if s.alive()]
             try:
                 self._prepare_host(run, host, after, tasks[len(waiting):])
-            except Exception as exc:  # noqa: BLE001 - the restart starts that host's scripts cold
+                self._hold_servers(run, host, after)
+            except Exception as exc:  # noqa: BLE001 - the restart starts that host's tasks cold
                 run.ui.warn(f"{host}: no standby for the restart ({_said(exc)})")
+
+        run.session.parallel(prepare, hosts)
+
+    def _hold_servers(self, run: Run, host: str, plan: Plan) -> None:
+        """The servers `plan` puts on `host`, started held (see the module's docstring)."""
+        from tfcluster.diagnose.proxy import no_proxy_for
+        from tfcluster.launch.run import attempts
+
+        session = run.session
+        servers = [t for t in plan.tasks_on(host) if t.runs_server and t.key not in self.servers]
+        if not servers:
+            return
+        agent = self._open(run, host)
+        for t in servers:
+            proc = next((p for p in run.procs if p.role == "server" and p.task.key == t.key), None)
+            if proc is None:
+                continue
+            launch = dataclasses.replace(
+                session.launch_for(t, run.run_id, "server", agent.server_argv(), {RESTART_VAR: str(proc.restarts)}),
+                no_proxy=no_proxy_for(plan))
+            task = agent.start_attached(launch, heartbeat_timeout=run.options.heartbeat, grace=run.options.grace,
+                                        hold=True, restart=attempts.in_place(plan, proc))
+            self.servers[t.key] = (host, launch, task)
+
+    def take_servers(self, run: Run, procs: list[Supervised]) -> list[Supervised]:
+        """GO to each server of `procs` held for it before the break, on its host, its launch
+        unchanged; returns the ones left to start cold. Held servers nothing took are stopped."""
+        from tfcluster.launch.run import attempts
+        from tfcluster.launch.run.runstate import StartSlot
+
+        cold, warm, changed = [], [], []
+        for p in procs:
+            host, launch, task = self.servers.pop(p.task.key, (None, None, None))
+            if task is None:
+                cold.append(p)
+                continue
+            now = attempts.launch_of(run.session, run.run_id, p)
+            same = host == p.task.host and (launch.argv, launch.env, launch.no_proxy) == (now.argv, now.env, now.no_proxy)
+            if not same or not task.go():
+                task.stop()
+                cold.append(p)
+                (changed if not same else []).append(p.task.key)
+                continue
+            slot = StartSlot()
+            run.starts.append(slot)
+            p.handle = slot.handle = task
+            attempts.attach(run, p)
+            warm.append(p.task.key)
+        self.drop_servers()
+        if warm:
+            line = f"held before the break: server(s) {', '.join(warm)} (TensorFlow imported while the old tasks stopped)"
+            if changed:
+                line += f"; {', '.join(changed)} started cold (the cluster changed since: a move rode along)"
+            run.ui.info(line)
+            self.said.append(line)
+        return cold
+
+    def drop_servers(self) -> None:
+        for _, _, task in self.servers.values():
+            task.stop()
+        self.servers.clear()
 
     def _prepare_host(self, run: Run, host: str, plan: Plan, tasks: list[TaskPlan]) -> None:
         if not tasks:
             return
+        agent = self._open(run, host)
+        for t in tasks:
+            with self.numbering:        # hosts are prepared in parallel
+                self.made += 1
+                n = self.made
+            launch = self._launch(run, plan, t, n)
+            self.held.setdefault(host, []).append(Standby(agent, launch, run.options.heartbeat, run.options.grace))
+
+    @staticmethod
+    def _open(run: Run, host: str):
+        """`host`'s agent, opened and its table in place: what a standby or a held server is
+        born under."""
         session = run.session
         if host not in session.infos:           # a spare not prepared when the run began
             session.infos[host] = session.agent(host).prepare(None, None)
@@ -121,10 +247,7 @@ class Standbys:
             answer = agent.fence(ask)
             if run.plan.tf_ports == "closed" and not answer.get("closed"):
                 raise HostError(f"host {host}: cannot close TensorFlow's ports ({answer.get('why') or 'unknown'})")
-        for t in tasks:
-            self.made += 1
-            launch = self._launch(run, plan, t, self.made)
-            self.held.setdefault(host, []).append(Standby(agent, launch, run.options.heartbeat, run.options.grace))
+        return agent
 
     def _launch(self, run: Run, plan: Plan, task: TaskPlan, n: int) -> TaskLaunch:
         """The standby's launch: the task's interpreter and environment, its own tag, log and
@@ -141,6 +264,7 @@ class Standbys:
 
         if tasks and run.files:
             ship(run.session, tasks, run.run_id, run.files)
+            self.shipped.add(host)
 
     # -- taking them
 
@@ -202,7 +326,8 @@ class Standbys:
         self.said.append(line)
 
     def close(self) -> None:
-        """Those never taken: each shim reads EOF and stops its standby."""
+        """Those never taken: each shim reads EOF and stops its standby (a held server: STOP)."""
+        self.drop_servers()
         for waiting in self.held.values():
             for s in waiting:
                 s.drop()
