@@ -21,7 +21,7 @@ from tfcluster.host import shim_procs
 P = (25100, 25101, 25102)
 
 
-def _warm_spec(tmp: Path, bed, name: str) -> Path:
+def _warm_spec(tmp: Path, bed, name: str, extra: str = "") -> Path:
     hosts = [bed.add(n) for n in ("h2", "h3", "h4")]
     text = (f"name: {name}\npython: {sys.executable}\nworkdir: {tmp / 'remote'}\nssh: {{connect_timeout: 5}}\n"
             "hosts:\n" + "".join(f"  - {h.spec()}\n" for h in hosts) + f"  - {bed.add('h5').spec(spare='warm')}\n"
@@ -31,7 +31,7 @@ def _warm_spec(tmp: Path, bed, name: str) -> Path:
             # CPU goes to the steps a fast box would run before the kill
             "  args: ['--steps', '800', '--log_every', '50', '--model_dir', '{workdir}/ckpt', '--cleanup_timeout', '3',\n"
             "         '--min_step_time', '0.05']\n"
-            "  checkpoint: {dir: '{workdir}/ckpt', keep: 2, sync: 2s}\n")
+            "  checkpoint: {dir: '{workdir}/ckpt', keep: 2, sync: 2s}\n" + extra)
     path = tmp / f"{name}.yaml"
     path.write_text(text)
     return path
@@ -130,3 +130,40 @@ def test_a_warm_spare_whose_standby_died_starts_the_moved_task_cold_and_says_why
     doc = manifest(only_run(cwd / "runs"))
     assert doc["tasks"]["worker:1"]["host"] == "h5" and doc["moves"][0]["resumed_step"] is not None
     wait_for(lambda: not tagged_processes(), timeout=60, what="no task left running")
+
+
+@pytest.mark.ssh
+@pytest.mark.tf
+@pytest.mark.timeout(480)
+def test_a_dropped_connection_whose_host_is_back_drops_the_move_prepared_for_it(tmp_path, home, ssh_home, bed):
+    """h4's SSH connection dies (the sshd process carrying it killed), h4 itself stays up:
+    while the grace decides, the move to the warm spare is prepared (standbys, servers held);
+    the connection re-opens, so that is dropped, the running servers keep their pid files, and
+    worker:1 restarts in place over the new connection (train.restart)."""
+    import psutil
+
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    spec = _warm_spec(tmp_path, bed, "wback", "  restart: {policy: on-failure, max_restarts: 3}\n")
+    proc = start_tfcluster("train", str(spec), home=home, cwd=cwd)
+    try:
+        read_until(proc, r"worker:1 .*step=[1-9]", timeout=200)
+        wait_for(lambda: _standby_pid(tmp_path, "wback"), timeout=120, what="h5's standby")
+        script = next(p for p, tag in tagged_processes().items() if tag.endswith(":worker:1:script"))
+        carriers = [p for p in psutil.Process(script).parents()         # sshd, or sshd-session since OpenSSH 9.8
+                    if p.name().startswith("sshd") and "-D" not in p.cmdline()]
+        assert carriers, [p.cmdline() for p in psutil.Process(script).parents()]
+        carriers[-1].kill()                     # its connection's sshd: the TCP session ends
+        said = "".join(read_until(proc, r"h4 is back: what was prepared for its move is dropped", timeout=120))
+        assert "h4: its connection dropped; its move to h5 is being prepared" in said, said[-3000:]
+        assert "h4 lost:" not in said
+        pids = tmp_path / "remote" / "wback" / "pids"
+        record = json.loads(next(pids.glob("*_ps_0_server.pid")).read_text())
+        assert psutil.pid_exists(_here(bed.hosts["h2"], record["pid"])), record   # the live ps keeps its record
+        rest = proc.communicate(timeout=300)[0]
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 0, rest[-4000:]
+    doc = manifest(only_run(cwd / "runs"))
+    assert not doc.get("moves") and doc["tasks"]["worker:1"]["host"] == "h4", doc.get("moves")
+    wait_for(lambda: not tagged_processes(), timeout=60, what="no task, standby or held server left running")

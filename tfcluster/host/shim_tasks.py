@@ -135,17 +135,27 @@ def spawn(req: dict) -> tuple[subprocess.Popen, str, int]:
     return proc, log, offset
 
 
-def release(proc: subprocess.Popen, pidfile: str) -> None:
+def release(proc: subprocess.Popen, pidfile: str, then: str | None = None) -> str:
     """GO to a task started with `hold` (a warm server). Its pid file loses the mark first:
-    a released server binds within milliseconds, and a status read then must not call it warm."""
+    a released server binds within milliseconds, and a status read then must not call it warm.
+    `then`: the task's own pid file, where the record moves now (a server held before a break
+    kept one of its own until GO: the old server it replaces had the task's). Returns the path
+    the record is at."""
     if proc.stdin is None:
-        return
+        return pidfile
     _unmark_warm(expand(pidfile))
+    if then:
+        try:
+            os.replace(expand(pidfile), expand(then))
+            pidfile = then
+        except OSError:
+            pass
     try:
         proc.stdin.write(proto.GO_LINE)
         proc.stdin.close()
     except OSError:
         pass                        # it died warm: its exit says so
+    return pidfile
 
 
 def _unmark_warm(path: str) -> None:
@@ -276,7 +286,7 @@ class Attached:
                 break
             self.last_beat = time.monotonic()
             if line == proto.GO_LINE:
-                release(self.proc, self.req["pidfile"])
+                self.req["pidfile"] = release(self.proc, self.req["pidfile"], self.req.get("pidfile_on_go"))
             elif line == proto.CONTINUE_LINE:
                 self.limit = None          # the new attempt's output may follow
                 self.confirmed.set()

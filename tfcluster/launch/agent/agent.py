@@ -307,14 +307,17 @@ class HostAgent:
 
     def start_attached(self, t: TaskLaunch, heartbeat_timeout: float = proto.DEFAULT_HEARTBEAT_TIMEOUT,
                        grace: float = proto.DEFAULT_GRACE, hold: bool = False,
-                       restart: dict | None = None) -> AttachedTask:
+                       restart: dict | None = None, pidfile_on_go: str | None = None) -> AttachedTask:
         """Start a task that dies with this agent (scripts): its shim stays connected.
         `hold`: a warm server, which binds its port only after AttachedTask.go().
         `restart`: {"policy", "max_restarts", "done", "zero_ends"}: the shim restarts the
-        task in place (shim_protocol.py)."""
+        task in place (shim_protocol.py). `pidfile_on_go`: where its pid file moves at GO
+        (held with one of its own until then)."""
         self.check_cancelled()
         request = {**start_request(t, self.paths.root), "attached": True, "hold": hold,
                    "heartbeat_timeout": heartbeat_timeout, "grace": grace, "deflate": self.transport.deflate_logs}
+        if pidfile_on_go:
+            request["pidfile_on_go"] = pidfile_on_go
         if restart:
             request["restart"] = restart
         proc = self._spawn(self._shim_argv(proto.START))

@@ -176,11 +176,14 @@ class Standbys:
             proc = next((p for p in run.procs if p.role == "server" and p.task.key == t.key), None)
             if proc is None:
                 continue
-            launch = dataclasses.replace(
-                session.launch_for(t, run.run_id, "server", agent.server_argv(), {RESTART_VAR: str(proc.restarts)}),
-                no_proxy=no_proxy_for(plan))
+            launch = session.launch_for(t, run.run_id, "server", agent.server_argv(), {RESTART_VAR: str(proc.restarts)})
+            # a pid file of its own while held: the server it replaces, alive until the break
+            # (or for good, when its host comes back), keeps the task's
+            launch = dataclasses.replace(launch, no_proxy=no_proxy_for(plan),
+                                         pidfile=launch.pidfile.removesuffix(".pid") + ".next.pid")
             task = agent.start_attached(launch, heartbeat_timeout=run.options.heartbeat, grace=run.options.grace,
-                                        hold=True, restart=attempts.in_place(plan, proc))
+                                        hold=True, restart=attempts.in_place(plan, proc),
+                                        pidfile_on_go=session.paths.pidfile(launch.tag))
             self.servers[t.key] = (host, launch, task)
 
     def take_servers(self, run: Run, procs: list[Supervised]) -> list[Supervised]:
