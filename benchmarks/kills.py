@@ -155,17 +155,17 @@ class Lines:
 
 def open_bed(root: Path, user_key: Path, known_hosts: Path) -> netns.Bed:
     """What tests/netns.py's `bed` fixture does, without pytest: a free /24's bridge, its
-    address; hosts come with `bed.add`. The caller closes it."""
-    index, bridge = netns._new_bridge()
+    address; hosts come with `bed.add`. The caller releases it (Bed.release)."""
+    index, bridge, lock = netns._new_bridge()
     d = root / f"bed{index}-{os.getpid()}-{time.monotonic_ns()}"
     d.mkdir()
     shutil.copyfile(user_key.with_suffix(".pub"), d / "authorized_keys")
-    bed = netns.Bed(d, user_key, known_hosts, index, bridge)
+    bed = netns.Bed(d, user_key, known_hosts, index, bridge, lock=lock)
     try:
         netns._ip("addr", "add", f"{bed.prefix}.1/24", "dev", bridge)
         netns._ip("link", "set", bridge, "up")
     except BaseException:
-        bed.close()
+        bed.release()
         raise
     return bed
 
@@ -282,7 +282,7 @@ def one_rep(rep: Rep, scenario: str, tmp: Path, home: Path, key: Path, env: dict
         if proc is not None:
             kill_group(proc)
         if bed is not None:
-            bed.close()
+            bed.release()
         left = no_tagged_left(30)
         if left:
             rep.note = (rep.note + "; " if rep.note else "") + f"tagged processes left: {sorted(left.values())}"

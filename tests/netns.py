@@ -124,6 +124,7 @@ class Bed:
     bridge: str
     hosts: dict[str, BedHost] = field(default_factory=dict)
     closed: bool = False
+    lock: int | None = None   # the fd whose flock claims `index` (_new_bridge): release() lets it go
 
     @property
     def prefix(self) -> str:
@@ -205,6 +206,14 @@ class Bed:
                               capture_output=True, timeout=20)
         assert done.returncode == 0, done.stderr
         host.state = "silent"
+
+    def release(self) -> None:
+        """The bed's index free for another bed: only once it is closed for good (the `bed`
+        fixture's teardown; a test may close its bed earlier)."""
+        self.close()
+        if self.lock is not None:
+            os.close(self.lock)
+            self.lock = None
 
     def close(self) -> None:
         """Everything of the bed removed; a second call does nothing."""
@@ -369,17 +378,14 @@ def bed(_bed_range, request) -> Bed:
     d = root / f"bed{index}-{os.getpid()}-{time.monotonic_ns()}"
     d.mkdir()
     shutil.copyfile(key.with_suffix(".pub"), d / "authorized_keys")
-    b = Bed(d, key, ssh_home / "known_hosts" if ssh_home else None, index, bridge)
+    b = Bed(d, key, ssh_home / "known_hosts" if ssh_home else None, index, bridge, lock=lock)
     try:
         prefix = b.prefix
         _ip("addr", "add", f"{prefix}.1/24", "dev", bridge)
         _ip("link", "set", bridge, "up")
         yield b
     finally:
-        try:
-            b.close()
-        finally:
-            os.close(lock)
+        b.release()
 
 
 # -- dialling from a host, as a user (who is refused where) -------------------------------------

@@ -251,7 +251,7 @@ DRAINED = {
     "between-graph": (CHIEF_ON_H4, "worker:0", 800, 0.05),
     "classic": (CHIEF_ON_H4, "worker:0", 800, 0.05),
     "coordinator": (f"  chief: {{tasks: ['h4:{P[0]}']}}\n  ps: {{tasks: ['h2:{P[1]}']}}\n"
-                    f"  worker: {{tasks: ['h3:{P[2]}', 'h2:{P[3]}']}}\n", "chief:0", 1500, 0.02),
+                    f"  worker: {{tasks: ['h3:{P[2]}', 'h2:{P[3]}']}}\n", "chief:0", 800, 0.02),
     "mirrored": (f"  worker: {{tasks: ['h4:{P[0]}', 'h3:{P[1]}']}}\n", "worker:0", 600, 0.0),
 }
 
