@@ -127,7 +127,7 @@ class Standbys:
             self.suspected.add(host)
         run.ui.info(f"{host}: its connection dropped; its move to {spare} is being prepared (standbys, servers held) "
                     f"while the run waits to see whether it is lost")
-        threading.Thread(target=self._quietly, args=(self.before_break, run, plan.moved(host, spare)),
+        threading.Thread(target=self._prepare_for, args=(run, host, plan.moved(host, spare)),
                          name=f"tfcluster-suspect-{host}", daemon=True).start()
 
     def clear(self, run: Run, host: str) -> None:
@@ -140,12 +140,15 @@ class Standbys:
             self._trim(run)
             self.drop_servers()
 
-    @staticmethod
-    def _quietly(fn, *args) -> None:
-        try:
-            fn(*args)
-        except Exception:  # noqa: BLE001 - an early start is an optimisation: the restart makes what is missing
-            pass
+    def _prepare_for(self, run: Run, host: str, after: Plan) -> None:
+        """suspect()'s thread: make before break, unless `host` was found back meanwhile."""
+        with self.lock:
+            if host not in self.suspected:
+                return
+            try:
+                self._before_break(run, after)
+            except Exception:  # noqa: BLE001 - an early start is an optimisation: the restart makes what is missing
+                pass
 
     def _before_break(self, run: Run, after: Plan) -> None:
         lost = run.session.pool.unusable() - set(after.spares)
@@ -203,7 +206,8 @@ class Standbys:
             if not same or not task.go():
                 task.stop()
                 cold.append(p)
-                (changed if not same else []).append(p.task.key)
+                if not same:
+                    changed.append(p.task.key)
                 continue
             slot = StartSlot()
             run.starts.append(slot)
@@ -211,12 +215,16 @@ class Standbys:
             attempts.attach(run, p)
             warm.append(p.task.key)
         self.drop_servers()
+        said = []
         if warm:
-            line = f"held before the break: server(s) {', '.join(warm)} (TensorFlow imported while the old tasks stopped)"
-            if changed:
-                line += f"; {', '.join(changed)} started cold (the cluster changed since: a move rode along)"
-            run.ui.info(line)
-            self.said.append(line)
+            said.append(f"held before the break: server(s) {', '.join(warm)} "
+                        f"(TensorFlow imported while the old tasks stopped)")
+        if changed:
+            said.append(f"server(s) {', '.join(changed)} started cold (the cluster changed since they were held: "
+                        f"a move rode along)")
+        if said:
+            run.ui.info("; ".join(said))
+            self.said.append("; ".join(said))
         return cold
 
     def drop_servers(self) -> None:
