@@ -114,12 +114,14 @@ class Standbys:
         the restart its loss would make is prepared on a thread (make before break, a few
         seconds sooner: a survivor's standby imports TensorFlow then, not after the verdict).
         If the host is back, clear() drops what was made for it."""
+        from tfcluster.launch.run.recovery import lost_tasks
+
         plan = run.plan
         if plan.mode not in TF_MODES or not plan.warm_spares:
             return
         spare = run.session.pool.spare_for(plan, host)
-        lost = [policy.LostTask(t.job, t.is_chief) for t in plan.tasks_on(host)]
-        if spare is None or policy.on_host_loss(plan.mode, plan.on_host_loss, lost, True)[0] != policy.RESTART:
+        action = policy.on_host_loss(plan.mode, plan.on_host_loss, lost_tasks(run, host), True)[0]
+        if spare is None or action != policy.RESTART:
             return
         with self.numbering:        # each of the host's pumps finds the drop
             if host in self.suspected:
