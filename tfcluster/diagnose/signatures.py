@@ -93,8 +93,10 @@ SIGNATURES = (
         "{policy: on-failure}; a script must not call jax.distributed.initialize again in a "
         "process that already joined"),
     Signature(
+        # jax 0.10 ends such a process with the dead-peer line, then the call that failed
         "jax-coordinator-unreachable", (b"Failed to connect to distributed JAX controller",
-                                        b"failed to register with the leader"),
+                                        b"failed to register with the leader",
+                                        b"CoordinationService/RegisterTask"),
         "this process could not reach JAX's coordinator (process 0, worker 0's address and port) "
         "in time, or some processes never joined",
         "look at worker:0's log (process 0 serves the coordinator: did it start, or fail first?); "

@@ -1,0 +1,172 @@
+"""The ways multi-process JAX ends, produced for real and named by the diagnosis.
+
+Each case runs real JAX processes on this machine (the extras layer's Python, CPU, gloo), as
+mode keras-jax starts them, and makes the fault happen: a coordinator nobody serves, a process
+restarted alone, a process that stops answering, a peer gone mid-collective, a barrier only one
+process reaches (through jax's own client, as checkpoint libraries call it), processes with
+different device counts (Keras' own `keras.distribution.initialize()`). The output each process
+really printed goes to `signatures.diagnose`, as a failed task's tail does in a run. JAX's
+timeouts are shortened through `jax.distributed.initialize`'s own arguments, so a case takes
+seconds; the messages are those of the default timeouts (only the wait differs).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import jax_python
+from tests.tf_launch import free_ports
+from tfcluster.diagnose import signatures
+
+pytestmark = pytest.mark.tf
+
+# A process of a two-process JAX job: joins the coordinator, then does what `ACT` says.
+PROGRAM = textwrap.dedent("""
+    import os, signal, sys, time
+    import jax
+    pid, act = int(sys.argv[1]), sys.argv[2]
+    jax.distributed.initialize(coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"], num_processes=2,
+                               process_id=pid, initialization_timeout=int(os.environ.get("INIT_TIMEOUT", "30")),
+                               heartbeat_timeout_seconds=3, shutdown_timeout_seconds=3)
+    print("joined", pid, flush=True)
+    if act == "die":
+        os._exit(1)                     # gone without a word to the coordinator, as a killed process
+    if act == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)     # alive but silent: no heartbeat
+    if act == "barrier":                 # a barrier the other process never reaches (orbax's saves wait at one)
+        from jax._src import distributed
+        distributed.global_state.client.wait_at_barrier("save", 2000)
+    if act == "allreduce":
+        from jax.experimental import multihost_utils
+        while True:
+            multihost_utils.process_allgather(jax.numpy.ones(4))
+    time.sleep(60)
+""")
+
+
+class Jax:
+    """JAX processes of one case, all killed at its end."""
+
+    def __init__(self, tmp: Path):
+        self.program = tmp / "job.py"
+        self.program.write_text(PROGRAM)
+        self.port, = free_ports(1)
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, *args: str, env: dict | None = None, script: Path | None = None) -> subprocess.Popen:
+        base = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "KERAS_", "JAX_"))}
+        proc = subprocess.Popen(
+            [jax_python(), str(script or self.program), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**base, "JAX_PLATFORMS": "cpu", "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
+                 "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{self.port}", **(env or {})})
+        self.procs.append(proc)
+        return proc
+
+    def joined(self, proc: subprocess.Popen) -> None:
+        line = proc.stdout.readline()       # bounded: the program joins or ends within INIT_TIMEOUT
+        assert line.startswith(b"joined"), line + proc.stdout.read()
+
+    def close(self) -> None:
+        for proc in self.procs:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.communicate(timeout=20)
+
+
+@pytest.fixture
+def jax(tmp_path):
+    job = Jax(tmp_path)
+    yield job
+    job.close()
+
+
+def ended(proc: subprocess.Popen, timeout: float = 60) -> bytes:
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode != 0, out[-2000:]
+    return out
+
+
+def named(tail: bytes) -> str | None:
+    found = signatures.diagnose("keras-jax", tail, "worker")
+    return found.name if found else None
+
+
+@pytest.mark.timeout(90)
+def test_a_coordinator_nobody_serves_is_named_as_unreachable_not_as_a_dead_peer(jax):
+    """Process 1 starts and process 0 never does (its host down, its script failed first).
+    jax ends it with the same `Terminating process ... another task died` line a dead peer
+    gives, and the call it failed in (RegisterTask) on the next line: that is what says which."""
+    out = ended(jax.start("1", "wait", env={"INIT_TIMEOUT": "3"}))
+    assert b"RegisterTask" in out, out[-2000:]
+    assert named(out[-8000:]) == "jax-coordinator-unreachable", out[-2000:]
+
+
+@pytest.mark.timeout(120)
+def test_a_process_restarted_alone_is_refused_as_a_new_incarnation(jax):
+    first = jax.start("0", "wait")
+    gone = jax.start("1", "die")
+    jax.joined(first)
+    ended(gone)
+    jax.start("1", "wait", env={"INIT_TIMEOUT": "5"})         # the same process id again, alone
+    out = ended(first)
+    assert b"different incarnation" in out, out[-2000:]
+    assert named(out[-8000:]) == "jax-incarnation", out[-2000:]
+
+
+@pytest.mark.timeout(120)
+def test_a_process_that_stops_answering_ends_the_others_at_the_heartbeat_timeout(jax):
+    first = jax.start("0", "wait")
+    silent = jax.start("1", "stop")
+    jax.joined(first)
+    jax.joined(silent)
+    out = ended(first)
+    assert b"stopped sending heartbeats" in out, out[-2000:]
+    assert named(out[-8000:]) == "jax-peer-died", out[-2000:]
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_killed_mid_collective_ends_the_others(jax):
+    first = jax.start("0", "allreduce")
+    other = jax.start("1", "allreduce")
+    jax.joined(first)
+    jax.joined(other)
+    other.kill()
+    out = ended(first)
+    assert named(out[-8000:]) == "jax-peer-died", out[-2000:]
+
+
+@pytest.mark.timeout(120)
+def test_a_barrier_the_other_process_never_reaches_times_out(jax):
+    waiting = jax.start("0", "barrier")
+    other = jax.start("1", "wait")
+    jax.joined(other)
+    out = ended(waiting)
+    assert b"Barrier timed out" in out, out[-2000:]
+    assert named(out[-8000:]) == "jax-barrier", out[-2000:]
+
+
+@pytest.mark.timeout(120)
+def test_processes_with_different_device_counts_fail_in_keras_initialize(jax, tmp_path):
+    """As the template starts: keras.distribution.initialize() from the KERAS_DISTRIBUTION_*
+    variables; one process sees 2 CPU devices (XLA_FLAGS), the other 1."""
+    script = tmp_path / "fit.py"
+    script.write_text("import keras\nkeras.distribution.initialize()\n"
+                      "keras.distribution.set_distribution(\n"
+                      "    keras.distribution.DataParallel(devices=keras.distribution.list_devices()))\n")
+    env = {"KERAS_BACKEND": "jax", "KERAS_DISTRIBUTION_JOB_ADDRESSES": f"127.0.0.1:{jax.port}",
+           "KERAS_DISTRIBUTION_NUM_PROCESSES": "2"}
+    procs = [jax.start(script=script, env={**env, "KERAS_DISTRIBUTION_PROCESS_ID": "0"}),
+             jax.start(script=script, env={**env, "KERAS_DISTRIBUTION_PROCESS_ID": "1",
+                                           "XLA_FLAGS": "--xla_force_host_platform_device_count=2"})]
+    for proc in procs:
+        out = ended(proc, timeout=90)
+        assert named(out[-8000:]) == "jax-device-count", out[-2000:]
+
