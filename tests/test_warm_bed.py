@@ -37,18 +37,24 @@ def _warm_spec(tmp: Path, bed, name: str, extra: str = "") -> Path:
     return path
 
 
-def _standby_pid(tmp: Path, name: str) -> int | None:
-    """The pid of h5's standby once it is ready to take a task (its pid file, its log's last
-    line), as h5 numbers it: the pid the run's line names."""
-    logs = list((tmp / "remote" / name / "runs").glob("*/standby-*.log"))
-    if not any("standby ready" in p.read_text(errors="replace") for p in logs):
+def _standby_pid(tmp: Path, name: str, n: int = 1) -> int | None:
+    """The pid of standby `n` once it is ready to take a task (its pid file, its log's last
+    line), as its host numbers it: the pid the run's line names. The first is h5's, the warm
+    spare's (the hosts running scripts get theirs, a restart's, once the run has stepped)."""
+    if n not in _ready(tmp, name):
         return None
-    for path in (tmp / "remote" / name / "pids").glob("*standby*.pid"):
+    for path in (tmp / "remote" / name / "pids").glob(f"*_standby_{n}_script.pid"):
         try:
             return int(json.loads(path.read_text())["pid"])
         except (OSError, ValueError, KeyError):
             return None
     return None
+
+
+def _ready(tmp: Path, name: str) -> set[int]:
+    """The numbers of the run's standbys that have said they are ready."""
+    return {int(p.stem.rpartition("-")[2]) for p in (tmp / "remote" / name / "runs").glob("*/standby-*.log")
+            if "standby ready" in p.read_text(errors="replace")}
 
 
 def _here(host, pid: int) -> int:
@@ -82,6 +88,10 @@ def test_a_lost_workers_host_moves_onto_the_warm_spares_standby_fenced_before_it
         # the spare's table was there before the standby: nothing of it ever listened unfenced
         assert "tfcluster_" in h5.run(["nft", "list", "tables"]).stdout
         assert shim_procs.tag_of(_here(h5, standby)).split(":")[2:4] == ["standby", "1"]
+        # once the run stepped, worker:0 and worker:1 each got a standby of their own on their
+        # host, for the restart a move makes of every task
+        wait_for(lambda: _ready(tmp_path, "wwarm") == {1, 2, 3}, timeout=120, what="the restart's standbys")
+        restart_pids = {_standby_pid(tmp_path, "wwarm", n) for n in (2, 3)}
         bed.kill("h4")
         # either way the take says how it went: a cold start's line is the failure's reason
         said = "".join(read_until(proc, r"warm standby on h5 took worker:1 \(pid \d+|worker:1 on h5: cold start",
@@ -100,6 +110,9 @@ def test_a_lost_workers_host_moves_onto_the_warm_spares_standby_fenced_before_it
         kill_group(proc)
     assert proc.returncode == 0, rest[-4000:]
     assert re.search(r"standby: warm standby on h5 took worker:1 \(pid \d+, TensorFlow imported in", rest), rest[-3000:]
+    # the survivor restarted on the standby it held since the run stepped, not one the move made
+    took = re.search(r"standby: warm standby on h3 took worker:0 \(pid (\d+), TensorFlow imported in", rest)
+    assert took and int(took.group(1)) in restart_pids, (restart_pids, rest[-3000:])
     doc = manifest(only_run(cwd / "runs"))
     assert doc["tasks"]["worker:1"]["host"] == "h5" and doc["moves"][0]["resumed_step"] is not None
     wait_for(lambda: not tagged_processes(), timeout=60, what="no task left running")

@@ -133,6 +133,8 @@ def _restart_all(run: Run, move: Move) -> None:
     riders = run.notices.ride_along(run, move) if run.notices is not None else []
     for m in (move, *riders):
         _adopt(run, m.host, m.spare)
+    _open_spares(run, [m.spare for m in (move, *riders)])
+    fenced = Background(_refence, run)      # every host's table, while the checkpoint goes to the spare
     if sync is not None:
         chief = run.plan.chief
         for m in riders:        # the chief moved with a rider: its checkpoint goes there too
@@ -144,7 +146,7 @@ def _restart_all(run: Run, move: Move) -> None:
             run.ui.warn(cost)
     if early is not None:
         early.result()
-    _start(run, list(run.procs), move, riders)
+    _start(run, list(run.procs), move, riders, fenced)
     for m in (move, *riders):
         m.watch = _watched(run, [p for p in run.procs if p.task.host == m.spare])
     for m in riders:
@@ -176,23 +178,28 @@ def _refence(run: Run) -> None:
     fence.report(plan, run.ui, answers, fence.INSTALL)
 
 
-def _start(run: Run, procs: list[Supervised], move: Move, riders: list[Move] = ()) -> None:
-    """Start `procs` afresh on the run's (new) plan: servers first, ready, then the scripts,
-    shipping the files to the spares first (`move`'s, and those of the moves that ride
-    along with it)."""
+def _open_spares(run: Run, spares: list[str]) -> None:
+    """The spares a move puts tasks on, opened (their shim and facts) if the run's start did not."""
+    session = run.session
+    for spare in spares:
+        if spare not in session.infos:
+            session.infos[spare] = session.agent(spare).prepare(None, None)
+
+
+def _start(run: Run, procs: list[Supervised], move: Move, riders: list[Move], fenced: Background) -> None:
+    """Start `procs` afresh on the run's (new) plan, once `fenced` (_refence) is done: servers
+    first, ready, then the scripts, shipping the files to the spares first (`move`'s, and those
+    of the moves that ride along with it)."""
     for p in procs:
         p.handle, p.stopping, p.host_lost, p.exit_code = None, False, None, None
     session = run.session
     spares = [m.spare for m in (move, *riders)]
-    for spare in spares:
-        if spare not in session.infos:          # not prepared when the run began
-            session.infos[spare] = session.agent(spare).prepare(None, None)
     scripts = [p for p in procs if p.role == "script"]
     shipped = run.standbys.shipped if run.standbys is not None else set()   # a warm spare's files went with its standby
     on_spare = [p.task for p in scripts if p.task.host in spares and p.task.host not in shipped]
     if on_spare and run.files:
         run.ui.info(ship(session, on_spare, run.run_id, run.files))
-    _refence(run)
+    fenced.result()
     servers = [p for p in procs if p.role == "server"]
     if servers:
         attempts.start_all(run, run.standbys.take_servers(run, servers) if run.standbys is not None else servers)

@@ -1,11 +1,15 @@
 """Warm standbys: scripts' interpreters with TensorFlow imported, waiting on their hosts for a
 task, so that a move skips Python's and TensorFlow's start (most of a cold move).
 
-Two kinds, one mechanism (agent/standby.py, host/shim_warm.py):
+Three kinds, one mechanism (agent/standby.py, host/shim_warm.py):
 - a **warm spare** (`spare: warm`) keeps standbys from the run's start, with the run's files
   shipped: as many as the most scripts a host it could take holds, each started with the
   environment of the task it would most likely take (the first host it can take, moved there),
   TF_CONFIG aside, which TensorFlow reads only when a strategy or resolver is made;
+- **a restart's own** (a run with a warm spare): once the run has stepped, every host running
+  scripts keeps a standby per script, started with its task's environment: a move restarts
+  every task, so the scripts that stay where they are start again on them, not cold (without
+  them the survivors' import, begun at the decision, was the longest part of a warm move);
 - **make before break** (a run with a warm spare): the moment a move is decided (for a host
   whose connection dropped, already while the grace decides whether it is lost: suspect()),
   every script of the new plan that no standby waits for gets one on its host, started with
@@ -58,18 +62,26 @@ class Standbys:
     suspected: set[str] = field(default_factory=set)   # hosts whose loss is prepared for (suspect())
     numbering: threading.Lock = field(default_factory=threading.Lock)   # `made` and `suspected`, from several threads
     servers: dict[str, tuple[str, TaskLaunch, AttachedTask]] = field(default_factory=dict)  # key -> (host, ...) held
+    restarting: set[str] = field(default_factory=set)   # hosts keep() gave their restart's standbys (until a restart)
 
     # -- starting them
 
     def tick(self, run: Run) -> None:
         """The supervisor's tick: the warm spares get their standbys on a thread of their own,
-        at the run's start and once a move's tasks have stepped again (a standby's import then
-        takes no CPU from a restart)."""
-        if not run.plan.warm_spares or any(m.resumed is None and m.done_at is not None for m in run.recovery.moves):
+        at the run's start and once a move's tasks have stepped again, and the hosts running
+        scripts theirs once the run has stepped (a standby's import then takes no CPU from a
+        start or a restart)."""
+        from tfcluster.launch.run.recovery import step_now
+
+        plan = run.plan
+        if not plan.warm_spares or any(m.resumed is None and m.done_at is not None for m in run.recovery.moves):
             return
-        todo = [s for s in run.plan.warm_spares if s not in self.tried and not run.plan.tasks_on(s)]
-        if todo and self.lock.acquire(blocking=False):
-            self.tried.update(todo)
+        spares = [s for s in plan.warm_spares if s not in self.tried and not plan.tasks_on(s)]
+        hosts = [h for h in self._script_hosts(run) if h not in self.restarting] \
+            if plan.mode in TF_MODES and step_now(run) is not None else []
+        if (spares or hosts) and self.lock.acquire(blocking=False):
+            self.tried.update(spares)
+            self.restarting.update(hosts)
 
             def keep() -> None:
                 try:
@@ -81,6 +93,8 @@ class Standbys:
     def keep(self, run: Run) -> None:
         """Every warm spare still free holds its standbys, its files shipped (after the
         scripts' start, and after each move)."""
+        from tfcluster.launch.run.recovery import step_now
+
         plan, pool = run.plan, run.session.pool
         if plan.mode not in TF_MODES:
             return
@@ -100,6 +114,22 @@ class Standbys:
                 self.ship(run, spare, tasks)
             except Exception as exc:  # noqa: BLE001 - a standby is an optimisation: the move goes cold
                 run.ui.warn(f"warm spare {spare}: no standby ({_said(exc)}); a move there starts cold")
+        if step_now(run) is None:
+            return
+        for host in self._script_hosts(run):       # a restart's own: one per script, for its own task
+            tasks = [t for t in plan.tasks_on(host) if t.runs_script]
+            waiting = [s for s in self.held.get(host, []) if s.alive()]
+            try:
+                self._prepare_host(run, host, plan, tasks[len(waiting):])
+            except Exception as exc:  # noqa: BLE001 - that host's scripts restart cold
+                run.ui.warn(f"{host}: no standby for a restart ({_said(exc)}); its scripts restart cold")
+
+    @staticmethod
+    def _script_hosts(run: Run) -> list[str]:
+        """The usable hosts running scripts of the run."""
+        unusable = run.session.pool.unusable()
+        return [h for h in run.plan.hosts
+                if h not in unusable and any(t.runs_script for t in run.plan.tasks_on(h))]
 
     def before_break(self, run: Run, after: Plan) -> None:
         """Make before break: a standby for every script of `after` (the plan a move is about to
@@ -299,16 +329,26 @@ class Standbys:
         raise_first({pairs[i][0].key: r for i, r in results.items()}, "task")
         taken = {id(p) for p, _ in pairs}
         self._trim(run)
+        self.restarting.clear()         # each host's restart standbys anew, once the run steps again
         return [p for p in procs if id(p) not in taken]
 
     def _trim(self, run: Run) -> None:
-        """After a restart, only the free warm spares keep standbys: one made before a break
-        that nothing took (its task went elsewhere, or started cold) costs memory for nothing."""
+        """After a restart (or a suspected host back), a free warm spare keeps its standbys and
+        any other host at most one per script of its own (its restart's): one made before a
+        break that nothing took (its task went elsewhere, or started cold) costs memory for
+        nothing."""
         for host in list(self.held):
             if host in run.plan.warm_spares and not run.plan.tasks_on(host):
                 continue
-            for s in self.held.pop(host):
-                s.drop()
+            scripts = sum(t.runs_script for t in run.plan.tasks_on(host)) \
+                if host not in run.session.pool.unusable() else 0
+            held = self.held.pop(host)
+            keep = [s for s in held if s.alive()][:scripts]
+            for s in held:
+                if s not in keep:
+                    s.drop()
+            if keep:
+                self.held[host] = keep
 
     def _take(self, run: Run, proc: Supervised, standby: Standby) -> None:
         from tfcluster.launch.run import attempts
