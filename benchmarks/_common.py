@@ -24,6 +24,12 @@ from pathlib import Path
 
 import psutil
 
+# Run from the background of a shell script (`python recovery.py ... &`, nohup), this process
+# starts with SIGINT ignored, and every tfcluster it starts would inherit that, as a background
+# job should: the Ctrl-C a benchmark sends to stop a run would then do nothing.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
