@@ -94,9 +94,12 @@ def ended(proc: subprocess.Popen, timeout: float = 60) -> bytes:
     return out
 
 
-def named(tail: bytes) -> str | None:
-    found = signatures.diagnose("keras-jax", tail, "worker")
-    return found.name if found else None
+def ends_named(proc: subprocess.Popen, name: str, said: bytes = b"", timeout: float = 60) -> None:
+    """`proc` fails, its output holds `said`, and the diagnosis of its tail is `name`."""
+    out = ended(proc, timeout)
+    assert said in out, out[-2000:]
+    found = signatures.diagnose("keras-jax", out[-8000:], "worker")
+    assert (found.name if found else None) == name, out[-2000:]
 
 
 @pytest.mark.timeout(90)
@@ -104,9 +107,7 @@ def test_a_coordinator_nobody_serves_is_named_as_unreachable_not_as_a_dead_peer(
     """Process 1 starts and process 0 never does (its host down, its script failed first).
     jax ends it with the same `Terminating process ... another task died` line a dead peer
     gives, and the call it failed in (RegisterTask) on the next line: that is what says which."""
-    out = ended(jax.start("1", "wait", env={"INIT_TIMEOUT": "3"}))
-    assert b"RegisterTask" in out, out[-2000:]
-    assert named(out[-8000:]) == "jax-coordinator-unreachable", out[-2000:]
+    ends_named(jax.start("1", "wait", env={"INIT_TIMEOUT": "3"}), "jax-coordinator-unreachable", b"RegisterTask")
 
 
 @pytest.mark.timeout(120)
@@ -116,9 +117,7 @@ def test_a_process_restarted_alone_is_refused_as_a_new_incarnation(jax):
     jax.joined(first)
     ended(gone)
     jax.start("1", "wait", env={"INIT_TIMEOUT": "5"})         # the same process id again, alone
-    out = ended(first)
-    assert b"different incarnation" in out, out[-2000:]
-    assert named(out[-8000:]) == "jax-incarnation", out[-2000:]
+    ends_named(first, "jax-incarnation", b"different incarnation")
 
 
 @pytest.mark.timeout(120)
@@ -127,9 +126,7 @@ def test_a_process_that_stops_answering_ends_the_others_at_the_heartbeat_timeout
     silent = jax.start("1", "stop")
     jax.joined(first)
     jax.joined(silent)
-    out = ended(first)
-    assert b"stopped sending heartbeats" in out, out[-2000:]
-    assert named(out[-8000:]) == "jax-peer-died", out[-2000:]
+    ends_named(first, "jax-peer-died", b"stopped sending heartbeats")
 
 
 @pytest.mark.timeout(120)
@@ -139,8 +136,7 @@ def test_a_peer_killed_mid_collective_ends_the_others(jax):
     jax.joined(first)
     jax.joined(other)
     other.kill()
-    out = ended(first)
-    assert named(out[-8000:]) == "jax-peer-died", out[-2000:]
+    ends_named(first, "jax-peer-died")
 
 
 @pytest.mark.timeout(120)
@@ -148,9 +144,7 @@ def test_a_barrier_the_other_process_never_reaches_times_out(jax):
     waiting = jax.start("0", "barrier")
     other = jax.start("1", "wait")
     jax.joined(other)
-    out = ended(waiting)
-    assert b"Barrier timed out" in out, out[-2000:]
-    assert named(out[-8000:]) == "jax-barrier", out[-2000:]
+    ends_named(waiting, "jax-barrier", b"Barrier timed out")
 
 
 @pytest.mark.timeout(120)
@@ -167,6 +161,5 @@ def test_processes_with_different_device_counts_fail_in_keras_initialize(jax, tm
              jax.start(script=script, env={**env, "KERAS_DISTRIBUTION_PROCESS_ID": "1",
                                            "XLA_FLAGS": "--xla_force_host_platform_device_count=2"})]
     for proc in procs:
-        out = ended(proc, timeout=90)
-        assert named(out[-8000:]) == "jax-device-count", out[-2000:]
+        ends_named(proc, "jax-device-count", timeout=90)
 
