@@ -126,7 +126,10 @@ class Standbys:
 
     @staticmethod
     def _script_hosts(run: Run) -> list[str]:
-        """The usable hosts running scripts of the run."""
+        """The usable hosts running scripts of a run that a move would restart (none where its
+        servers are `tfcluster up`'s, which a run does not move: recovery.give_up)."""
+        if not run.owns_servers and any(t.runs_server for t in run.plan.tasks):
+            return []
         unusable = run.session.pool.unusable()
         return [h for h in run.plan.hosts
                 if h not in unusable and any(t.runs_script for t in run.plan.tasks_on(h))]
