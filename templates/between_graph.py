@@ -234,12 +234,12 @@ def init_uninitialized(ready_op):
 
 
 def wait_until_ready(master: str, config, ready_op, timeout: float = 600.0) -> None:
-    """Non-chief: poll (every 0.5 s, not SessionManager's 30 s) until the chief has
+    """Non-chief: poll (every 0.2 s, not SessionManager's 30 s) until the chief has
     initialised or restored the variables, so MonitoredTrainingSession finds them ready."""
     deadline = time.monotonic() + timeout
     with tf.compat.v1.Session(master, config=config) as sess:
         while len(sess.run(ready_op)) and time.monotonic() < deadline:
-            time.sleep(0.5)
+            time.sleep(0.2)
 
 
 def wait_for_replicas(master: str, config, done, replicas: int, timeout: float) -> bool:
