@@ -40,6 +40,7 @@ from tfcluster.errors import HostError
 from tfcluster.host.shim_protocol import RESTART_VAR
 from tfcluster.launch.agent import fence
 from tfcluster.launch.agent.standby import Standby
+from tfcluster.launch.run.recovery import lost_tasks, step_now
 from tfcluster.plan import names, policy
 
 if TYPE_CHECKING:
@@ -71,8 +72,6 @@ class Standbys:
         at the run's start and once a move's tasks have stepped again, and the hosts running
         scripts theirs once the run has stepped (a standby's import then takes no CPU from a
         start or a restart)."""
-        from tfcluster.launch.run.recovery import step_now
-
         plan = run.plan
         if not plan.warm_spares or any(m.resumed is None and m.done_at is not None for m in run.recovery.moves):
             return
@@ -93,8 +92,6 @@ class Standbys:
     def keep(self, run: Run) -> None:
         """Every warm spare still free holds its standbys, its files shipped (after the
         scripts' start, and after each move)."""
-        from tfcluster.launch.run.recovery import step_now
-
         plan, pool = run.plan, run.session.pool
         if plan.mode not in TF_MODES:
             return
@@ -147,8 +144,6 @@ class Standbys:
         the restart its loss would make is prepared on a thread (make before break, a few
         seconds sooner: a survivor's standby imports TensorFlow then, not after the verdict).
         If the host is back, clear() drops what was made for it."""
-        from tfcluster.launch.run.recovery import lost_tasks
-
         plan = run.plan
         if plan.mode not in TF_MODES or not plan.warm_spares:
             return
@@ -340,11 +335,11 @@ class Standbys:
         any other host at most one per script of its own (its restart's): one made before a
         break that nothing took (its task went elsewhere, or started cold) costs memory for
         nothing."""
+        restarts = set(self._script_hosts(run))
         for host in list(self.held):
             if host in run.plan.warm_spares and not run.plan.tasks_on(host):
                 continue
-            scripts = sum(t.runs_script for t in run.plan.tasks_on(host)) \
-                if host not in run.session.pool.unusable() else 0
+            scripts = sum(t.runs_script for t in run.plan.tasks_on(host)) if host in restarts else 0
             held = self.held.pop(host)
             keep = [s for s in held if s.alive()][:scripts]
             for s in held:
