@@ -19,6 +19,7 @@ import shutil
 import signal
 import sys
 import threading
+import time
 
 import numpy as np
 import tensorflow as tf
@@ -91,6 +92,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--learning_rate", type=float, default=0.05)
     p.add_argument("--model_dir", default=None, help="checkpoint directory (saved every ~steps/10, restored)")
     p.add_argument("--log_every", type=int, default=50, help="print step/loss every N steps")
+    p.add_argument("--min_step_time", type=float, default=0.0,
+                   help="seconds each step takes at least (this toy model's take a few milliseconds): "
+                        "a drill of a lost host or a notice wants a real model's pace")
     return p.parse_args(argv)
 
 
@@ -194,6 +198,7 @@ def main(argv=None) -> int:
     save_every = max(1, args.steps // 10)
     start = int(step.numpy())
     for i in range(start, args.steps):
+        began = time.monotonic()
         if stop.asked():
             stop_asked.assign(1.0)
         if stop.save_asked():
@@ -211,6 +216,8 @@ def main(argv=None) -> int:
                 print(f"saved {path} at step={int(step.numpy())} (checkpoint request)", flush=True)
         elif manager and done % save_every == 0:
             manager.save(checkpoint_number=done)
+        if args.min_step_time:          # every worker waits alike: the next all-reduce pairs them
+            stop.requested.wait(max(0.0, began + args.min_step_time - time.monotonic()))
     if manager and not is_chief:
         shutil.rmtree(manager.directory, ignore_errors=True)
 

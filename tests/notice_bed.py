@@ -6,10 +6,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
-from tests.helpers import kill_group
+from tests.helpers import kill_group, wait_for
 
 P = (25100, 25101, 25102)
 FAKE_PORT = 18080
@@ -44,6 +45,13 @@ def write_notice_spec(tmp: Path, name: str, listed: str, steps: int) -> Path:
     path = tmp / f"{name}.yaml"
     path.write_text(text)
     return path
+
+
+def kill_at(bed, deadlines: dict[str, float]) -> None:
+    """Each warned host killed at its deadline, as its cloud would, in deadline order."""
+    for host, deadline in sorted(deadlines.items(), key=lambda kv: kv[1]):
+        wait_for(lambda d=deadline: time.time() >= d, timeout=120, interval=0.2, what=f"{host}'s deadline")
+        bed.kill(host)
 
 
 def finish(proc: subprocess.Popen, timeout: float = 300) -> str:

@@ -27,7 +27,7 @@ from tests.helpers import (
     tagged_processes,
     wait_for,
 )
-from tests.notice_bed import FAKE_PORT, control, finish, start_fake, write_notice_spec
+from tests.notice_bed import FAKE_PORT, control, finish, kill_at, start_fake, write_notice_spec
 
 # A real deadline: judged beside at most one other test at a time, never the parallel part's load
 # (scripts/test.sh: the alone tests' two lanes, the notices' one of them)
@@ -47,13 +47,6 @@ def edge_spec(tmp: Path, bed, name: str, *, watch: dict[str, str], spares: int, 
             extra["spare"] = "true"
         listed += f"  - {h.spec(**extra)}\n"
     return write_notice_spec(tmp, name, listed, steps)
-
-
-def kill_at(bed, deadlines: dict[str, float]) -> None:
-    """Each warned host killed at its deadline, as its cloud would, in deadline order."""
-    for host, deadline in sorted(deadlines.items(), key=lambda kv: kv[1]):
-        wait_for(lambda d=deadline: time.time() >= d, timeout=120, interval=0.2, what=f"{host}'s deadline")
-        bed.kill(host)
 
 
 @pytest.mark.timeout(480)

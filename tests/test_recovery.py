@@ -25,6 +25,7 @@ from tests.helpers import (
     tfcluster,
     wait_for,
 )
+from tests.notice_bed import FAKE_PORT, control, finish, kill_at, start_fake
 
 pytestmark = [pytest.mark.ssh, pytest.mark.tf]
 
@@ -33,22 +34,23 @@ P = (25000, 25001, 25002, 25003)    # each bed host has its own ports: no clash 
 
 def bed_spec(tmp: Path, bed, name: str, jobs: str, *, mode: str = "between-graph",
              script: str = "between_graph", steps: int = 3000, spares: tuple[str, ...] = ("h5",),
-             checkpoint: bool = True, on_host_loss: str | None = None, pace: float = 0.05) -> Path:
+             checkpoint: bool = True, on_host_loss: str | None = None, pace: float = 0.05,
+             extra: dict[str, dict] | None = None) -> Path:
     """Bed hosts h2, h3, h4 and the spares (h5); `jobs` is the YAML of the jobs. With
     `checkpoint`, every task's script checkpoints to {workdir}/ckpt, which train.checkpoint
     copies back every 2 s. The between-graph and classic templates step at most every `pace`
     seconds a worker, the coordinator schedules a step at most that often: a run's length in
     seconds is then the machine's speed's no longer, and the CPU goes to the move, not to steps
-    a fast box would have run past the fault."""
+    a fast box would have run past the fault. `extra`: more fields of a host's entry, by name."""
     hosts = [bed.add(n) for n in ("h2", "h3", "h4")]
-    listed = "".join(f"  - {h.spec()}\n" for h in hosts)
+    listed = "".join(f"  - {h.spec(**(extra or {}).get(h.name, {}))}\n" for h in hosts)
     listed += "".join(f"  - {bed.add(n).spec(spare='true')}\n" for n in spares)
     args = ["--steps", str(steps), "--log_every", "50"]
     if checkpoint:
         args += ["--model_dir", "{workdir}/ckpt"]
     if script == "between_graph":
         args += ["--cleanup_timeout", "3"]
-    if script in ("between_graph", "classic", "coordinator") and pace:
+    if script in ("between_graph", "classic", "coordinator", "mirrored") and pace:
         args += ["--min_step_time", str(pace)]
     text = (f"name: {name}\npython: {sys.executable}\nworkdir: {tmp / 'remote'}\n"
             f"ssh: {{connect_timeout: 5}}\nhosts:\n{listed}jobs:\n{jobs}"
@@ -286,6 +288,59 @@ def test_drain_moves_the_chief_at_its_checkpoint_losing_no_step(tmp_path, home, 
     for host in bed.hosts.values():     # the drained host and the spare kept no table either
         wait_for(lambda h=host: "tfcluster_" not in h.run(["nft", "list", "tables"]).stdout, timeout=20,
                  what=f"no table of the cluster left on {host.name}")
+
+
+# The chief's host warned 30 s ahead by its cloud, in the modes test_notices does not train, a
+# cloud each: (the cloud, how its fake is told, what the run names the notice, steps, pace). Each
+# run steps on past the deadline, so the kill comes while it trains on the spare.
+WARNED = {
+    "classic": ("gce", ("gce/set", {"key": "preempted", "value": "TRUE"}), "gce preempted", 2000, 0.05),
+    "coordinator": ("azure", ("azure/event", {"id": "EV-7", "type": "Preempt", "in": 30}), "azure Preempt",
+                    2000, 0.02),
+    "mirrored": ("aws", ("aws/action", {"action": "terminate", "in": 30}), "aws terminate", 900, 0.05),
+}
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("mode", list(WARNED))
+def test_a_notice_30s_ahead_moves_the_chief_before_the_kill_losing_no_step(tmp_path, home, ssh_home, bed, mode):
+    """A notice is the drain's trigger (test_notices trains between-graph): here the chief's
+    host is warned by a fake of its cloud's metadata service inside its own namespace, and
+    killed at the deadline. Every task starts again on the spare, before the deadline, from
+    the checkpoint the scripts saved as they stopped; the run outlives the host, no step lost."""
+    jobs, chief, _, _ = DRAINED[mode]
+    cloud, (what, body), named, steps, pace = WARNED[mode]
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    watched = {"preemptible": cloud, "metadata_url": f"'http://127.0.0.1:{FAKE_PORT}'"}
+    spec = bed_spec(tmp_path, bed, f"rn{mode[:5]}", jobs, mode=mode, script=mode, steps=steps, pace=pace,
+                    extra={"h4": watched})
+    start_fake(bed.hosts["h4"])
+    proc = start_tfcluster("train", str(spec), home=home, cwd=cwd)
+    try:
+        seen = "".join(read_until(proc, rf"{chief} .*step=[1-9]\d\d", timeout=200))
+        assert f"h4: watched ({cloud} spot)" in seen, seen[-3000:]
+        control(bed.hosts["h4"], what, **body)
+        deadline = time.time() + 30
+        said = "".join(read_until(proc, rf"{chief} on h5 resumed at step \d+", 120))
+        assert time.time() < deadline, "the chief stepped again after the deadline"
+        kill_at(bed, {"h4": deadline})
+        assert proc.poll() is None, "the run ended before its host's deadline: its end shows nothing"
+        rest = finish(proc)
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 0, rest[-4000:]
+    assert re.search(rf"h4: {named} notice: taken back at \S+ \(\d+s from now\)", seen + said), said[-3000:]
+    assert re.search(rf"^notice: \d\d:\d\d:\d\d h4 {named}, deadline \S+ \(\d+s ahead\): moved: {chief} moved "
+                     rf"to h5, every task restarted; 0 step\(s\) lost$", rest, re.MULTILINE), rest[-3000:]
+    doc = manifest(only_run(cwd / "runs"))
+    (notice,) = doc["notices"]
+    assert (notice["host"], notice["source"], notice["action"]) == ("h4", cloud, "moved"), notice
+    assert notice["steps_lost"] == 0 and notice["move"] == {"to": "h5", "action": "restart"}, notice
+    (move,) = doc["moves"]
+    assert move["done_at"] < deadline and move["steps_lost"] == 0, move
+    assert doc["tasks"][chief]["host"] == "h5" and doc["progress"][chief]["step"] >= steps - 100
+    wait_for(lambda: not tagged_processes(), timeout=60, what="no task left running")
 
 
 def test_drain_refuses_a_host_the_spec_lacks_and_a_cluster_not_training(tmp_path, home):
