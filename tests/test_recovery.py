@@ -294,10 +294,10 @@ def test_drain_moves_the_chief_at_its_checkpoint_losing_no_step(tmp_path, home, 
 # cloud each: (the cloud, how its fake is told, what the run names the notice, steps, pace). Each
 # run steps on past the deadline, so the kill comes while it trains on the spare.
 WARNED = {
-    "classic": ("gce", ("gce/set", {"key": "preempted", "value": "TRUE"}), "gce preempted", 2000, 0.05),
+    "classic": ("gce", ("gce/set", {"key": "preempted", "value": "TRUE"}), "gce preempted", 1500, 0.05),
     "coordinator": ("azure", ("azure/event", {"id": "EV-7", "type": "Preempt", "in": 30}), "azure Preempt",
-                    2000, 0.02),
-    "mirrored": ("aws", ("aws/action", {"action": "terminate", "in": 30}), "aws terminate", 900, 0.05),
+                    1700, 0.02),
+    "mirrored": ("aws", ("aws/action", {"action": "terminate", "in": 30}), "aws terminate", 800, 0.05),
 }
 
 
