@@ -15,9 +15,13 @@ LayoutMap), the batch is not split, so every process feeds the same batches.
 
 Resumable: with --model_dir, process 0 saves after every epoch and, on a start, restores
 the newest checkpoint and hands it to the other processes (only its host needs it; a
-restart of every process after a failure resumes there). A checkpoint is written as
-`ckpt-<epoch>.data-00000-of-00001` (the arrays, npz) then `ckpt-<epoch>.index`, each
-renamed into place: the layout tfcluster's checkpoint sync recognises.
+restart of every process after a failure resumes there, mid-epoch if it was saved there).
+A stop (SIGTERM: tfcluster's drain, a host's notice) and a checkpoint request (SIGUSR1)
+save too, at a step every process agrees on (saving is a collective): a stop through JAX's
+own preemption sync point, a request through a gather every SAVE_CHECK steps (Saver). A
+checkpoint is written as `ckpt-<step>.data-00000-of-00001` (the arrays, npz) then
+`ckpt-<step>.index`, each renamed into place: the layout tfcluster's checkpoint sync
+recognises, numbered by the global step as the TensorFlow templates' are.
 
     python keras_jax.py --epochs 5 --batch_size 64 --learning_rate 0.01 [--model_dir DIR] [--model_parallel]
 """
@@ -30,6 +34,7 @@ import os
 import re
 import signal
 import sys
+import threading
 
 import numpy as np
 
@@ -42,10 +47,11 @@ FEATURES = 8
 EXAMPLES = 2048
 HIDDEN = 32
 CKPT = re.compile(r"^ckpt-(\d+)\.index$")
-# tfcluster stops a task with SIGTERM and KILLs it 5 s later. Saving then would be a
-# collective every process must join at the same step; the epoch's checkpoint is enough,
-# so a stop ends the process at once (exit 128+15, a stop and not a failure).
+# tfcluster stops a task with SIGTERM and KILLs it 5 s later: the processes agree on a step
+# at once and save it well within that (a peer gone, the processes wait for it inside a
+# collective until the KILL, the last checkpoint standing). Exit 128+15: a stop, not a failure.
 STOP_EXIT = 128 + signal.SIGTERM
+SAVE_CHECK = 10       # steps between two looks for a checkpoint request (a gather, a few ms here)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -129,22 +135,25 @@ def newest(model_dir: str) -> int | None:
 
 
 def restore(model: keras.Model, model_dir: str | None, steps: int) -> int:
-    """The epoch to start from: process 0 reads its newest checkpoint and every process
-    takes its values (broadcast), so only process 0's host needs the files."""
+    """The global step to start from: process 0 reads its newest checkpoint and every
+    process takes its values (broadcast), so only process 0's host needs the files."""
     template = [np.zeros(v.shape, v.dtype) for v in state(model)]
-    epoch, values = 0, template
+    step, values, n = 0, template, None
     if jax.process_index() == 0 and model_dir and (n := newest(model_dir)) is not None:
+        with open(os.path.join(model_dir, f"ckpt-{n}.index"), "rb") as f:
+            index = json.loads(f.read())
         with np.load(os.path.join(model_dir, f"ckpt-{n}.data-00000-of-00001")) as data:
             values = [data[f"v{i}"] for i in range(len(template))]
-        epoch = n
-    epoch, values = multihost_utils.broadcast_one_to_all((np.int32(epoch), values))
-    epoch = int(epoch)
-    if epoch:
+        # numbered by its step; one this template wrote before that is numbered by its epoch
+        step = index["step"] if "step" in index else n * steps
+    step, values = multihost_utils.broadcast_one_to_all((np.int32(step), values))
+    step = int(step)
+    if step:
         for v, value in zip(state(model), values):
             v.assign(np.asarray(value))
         if jax.process_index() == 0:
-            print(f"restored {model_dir}/ckpt-{epoch} at step={epoch * steps}", flush=True)
-    return epoch
+            print(f"restored {model_dir}/ckpt-{n} at step={step}", flush=True)
+    return step
 
 
 def _atomic(path: str, write) -> None:
@@ -156,36 +165,75 @@ def _atomic(path: str, write) -> None:
     os.replace(tmp, path)
 
 
-def save(model: keras.Model, model_dir: str, epoch: int, keep: int) -> None:
-    values = gathered(model)            # every process: it is a collective
+def save(model: keras.Model, model_dir: str, step: int, keep: int) -> str | None:
+    """A collective (every process calls it at the same step); process 0 writes and returns
+    the checkpoint's prefix."""
+    values = gathered(model)
     if jax.process_index() != 0:
-        return
-    prefix = os.path.join(model_dir, f"ckpt-{epoch}")
+        return None
+    prefix = os.path.join(model_dir, f"ckpt-{step}")
     _atomic(prefix + ".data-00000-of-00001", lambda f: np.savez(f, **{f"v{i}": v for i, v in enumerate(values)}))
-    _atomic(prefix + ".index", lambda f: f.write(json.dumps({"epoch": epoch, "arrays": len(values)}).encode()))
+    _atomic(prefix + ".index", lambda f: f.write(json.dumps({"step": step, "arrays": len(values)}).encode()))
     for old in sorted(int(m.group(1)) for name in os.listdir(model_dir) if (m := CKPT.match(name)))[:-keep]:
         for suffix in (".index", ".data-00000-of-00001"):
             try:
                 os.unlink(os.path.join(model_dir, f"ckpt-{old}{suffix}"))
             except FileNotFoundError:
                 pass
+    return prefix
 
 
-class EpochSaver(keras.callbacks.Callback):
-    def __init__(self, model_dir: str, keep: int) -> None:
+class Asked:
+    """What this process was asked by signal: SIGUSR1, a checkpoint request, and, in a process
+    run alone (no JAX coordination service), SIGTERM. A SIGTERM to a process of a multi-process
+    job is JAX's: jax.distributed.initialize installs a handler for it (its preemption notifier)
+    that tells every process, and multihost_utils.reached_preemption_sync_point answers True in
+    all of them at one step."""
+
+    def __init__(self, alone: bool) -> None:
+        self.stop, self.save = threading.Event(), threading.Event()
+        signal.signal(signal.SIGUSR1, lambda signum, frame: self.save.set())
+        if alone:
+            signal.signal(signal.SIGTERM, lambda signum, frame: self.stop.set())
+
+
+class Saver(keras.callbacks.Callback):
+    """Counts the global step across fit calls; saves after every epoch, at a stop (SIGTERM:
+    every process at the step JAX's preemption sync point names, then it ends, 143) and on a
+    checkpoint request (SIGUSR1 to any process: every process learns it at the next multiple of
+    SAVE_CHECK steps, a gather of one flag, and saves that step)."""
+
+    def __init__(self, asked: Asked, alone: bool, model_dir: str | None, keep: int, step: int) -> None:
         super().__init__()
-        self.model_dir, self.keep = model_dir, keep
+        self.asked, self.alone, self.model_dir, self.keep, self.step = asked, alone, model_dir, keep, step
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.step += 1
+        stop = self.asked.stop.is_set() if self.alone else multihost_utils.reached_preemption_sync_point(self.step)
+        save_now = False
+        if self.step % SAVE_CHECK == 0:
+            asked = np.int32(self.asked.save.is_set())
+            save_now = bool(asked if self.alone else np.max(multihost_utils.process_allgather(asked)))
+            self.asked.save.clear()
+        if (stop or save_now) and self.model_dir:
+            path = save(self.model, self.model_dir, self.step, self.keep)
+            if path:
+                print(f"saved {path} at step={self.step} ({'stop' if stop else 'checkpoint request'})", flush=True)
+        if stop:
+            if not self.alone:
+                multihost_utils.sync_global_devices("stopped")      # process 0's files written before any leaves
+            print(f"stopped by SIGTERM (to this process or another) at step={self.step}", flush=True)
+            os._exit(STOP_EXIT)
 
     def on_epoch_end(self, epoch, logs=None):
-        save(self.model, self.model_dir, epoch + 1, self.keep)
+        if self.model_dir:
+            save(self.model, self.model_dir, self.step, self.keep)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(STOP_EXIT))
-    # The checkpoint request (SIGUSR1) would be a collective save too: it is ignored, and a
-    # move resumes from the last epoch's checkpoint (docs/modes.md, "Mode keras-jax").
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    alone = not os.environ.get("KERAS_DISTRIBUTION_JOB_ADDRESSES")
+    asked = Asked(alone)
     start_distribution(args.model_parallel)
     me, n = jax.process_index(), jax.process_count()
     local_batch = args.batch_size if args.model_parallel else args.batch_size // n
@@ -198,14 +246,26 @@ def main(argv=None) -> int:
     model = build_model(args.learning_rate)
     if args.model_dir:
         os.makedirs(args.model_dir, exist_ok=True)
-    start = restore(model, args.model_dir, steps)
+    step = restore(model, args.model_dir, steps)
+    start, done = divmod(step, steps)
     print(f"process {me} of {n}: {jax.local_device_count()} local device(s), {jax.device_count()} in all, "
-          f"{'model' if args.model_parallel else 'data'} parallel, epoch {start} of {args.epochs}", flush=True)
-    callbacks = [EpochSaver(args.model_dir, args.keep)] if args.model_dir else []
-    history = model.fit(x, y, batch_size=local_batch, epochs=args.epochs, initial_epoch=start, shuffle=False,
-                        verbose=2 if me == 0 else 0, callbacks=callbacks)
+          f"{'model' if args.model_parallel else 'data'} parallel, epoch {start} of {args.epochs}"
+          + (f", its step {done} of {steps}" if done else ""), flush=True)
+    saver = Saver(asked, alone, args.model_dir, args.keep, step)
+    history = None
+    if done and start < args.epochs:
+        # the rest of the epoch it stopped in, without Keras' lines: `Epoch k/N` with a short
+        # bar would tell a reader of the progress (tfcluster's) another epoch size
+        if me == 0:
+            print(f"epoch {start + 1}: its last {steps - done} steps, from step={step}", flush=True)
+        history = model.fit(x[done * local_batch:], y[done * local_batch:], batch_size=local_batch,
+                            epochs=start + 1, initial_epoch=start, shuffle=False, verbose=0, callbacks=[saver])
+        start += 1
+    if start < args.epochs:
+        history = model.fit(x, y, batch_size=local_batch, epochs=args.epochs, initial_epoch=start, shuffle=False,
+                            verbose=2 if me == 0 else 0, callbacks=[saver])
     values = gathered(model)
-    loss = history.history["loss"][-1] if history.history.get("loss") else float("nan")
+    loss = history.history["loss"][-1] if history and history.history.get("loss") else float("nan")
     print(f"weights sha256={digest(values[:len(model.weights)])} process={me}", flush=True)
     if me == 0:
         print(f"tfcluster-result: global_step={args.epochs * steps} loss={loss:.6f}", flush=True)

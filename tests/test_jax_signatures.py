@@ -11,16 +11,12 @@ seconds; the messages are those of the default timeouts (only the wait differs).
 """
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import textwrap
-from pathlib import Path
 
 import pytest
 
-from tests.helpers import jax_python
-from tests.tf_launch import free_ports
+from tests.jax_procs import Jax
 from tfcluster.diagnose import signatures
 
 pytestmark = pytest.mark.tf
@@ -49,41 +45,9 @@ PROGRAM = textwrap.dedent("""
 """)
 
 
-class Jax:
-    """JAX processes of one case, all killed at its end."""
-
-    def __init__(self, tmp: Path):
-        self.program = tmp / "job.py"
-        self.program.write_text(PROGRAM)
-        self.port, = free_ports(1)
-        self.procs: list[subprocess.Popen] = []
-
-    def start(self, *args: str, env: dict | None = None, script: Path | None = None) -> subprocess.Popen:
-        base = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "KERAS_", "JAX_"))}
-        proc = subprocess.Popen(
-            [jax_python(), str(script or self.program), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env={**base, "JAX_PLATFORMS": "cpu", "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
-                 "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{self.port}", **(env or {})})
-        self.procs.append(proc)
-        return proc
-
-    def joined(self, proc: subprocess.Popen) -> None:
-        line = proc.stdout.readline()       # bounded: the program joins or ends within INIT_TIMEOUT
-        assert line.startswith(b"joined"), line + proc.stdout.read()
-
-    def close(self) -> None:
-        for proc in self.procs:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.communicate(timeout=20)
-
-
 @pytest.fixture
 def jax(tmp_path):
-    job = Jax(tmp_path)
+    job = Jax(tmp_path, PROGRAM)
     yield job
     job.close()
 

@@ -99,3 +99,39 @@ def test_a_lost_host_with_a_spare_completes_the_run_there_from_the_checkpoint(tm
     ends = {k: DIGEST.findall((run / f"{k}.log").read_text(errors="replace"))[-1][0] for k in ("worker-0", "worker-1")}
     assert ends["worker-0"] == ends["worker-1"], ends
     wait_for(lambda: not tagged_processes(), timeout=60, what="no task left running")
+
+
+@pytest.mark.timeout(540)
+def test_a_drain_resumes_every_process_at_the_step_their_stop_saved(tmp_path, home, ssh_home, bed):
+    """`tfcluster drain` of process 1's host: the stop reaches the processes one by one, they
+    agree on a step and save it together (saving is a collective), and restarted with process
+    1 on the spare they resume at that step, inside its epoch: no step done twice."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    spec = write_spec(tmp_path, bed, "kjd", spare=True, epochs=12)     # time for the drain to come mid-run
+    name_each_host(tmp_path, bed, ("h3", "h4", "h5"))
+    proc = start_tfcluster("train", str(spec), home=home, cwd=cwd)
+    try:
+        read_until(proc, r"worker:0 .*Epoch 3/", timeout=300)
+        drain = tfcluster("drain", str(spec), "h4", "--wait", "120", home=home, cwd=cwd)
+        said = drain.stdout + drain.stderr
+        assert drain.returncode == 0, said
+        assert re.search(r"h4: moved: .* h4 drained: worker:1 moved to h5, every task restarted", said), said
+        rest = proc.communicate(timeout=360)[0]
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 0, rest[-5000:]
+    stopped = re.findall(r"worker:([01]) +│ stopped by SIGTERM \(to this process or another\) at step=(\d+)", rest)
+    assert sorted(k for k, _ in stopped) == ["0", "1"] and len({s for _, s in stopped}) == 1, rest[-5000:]
+    step = int(stopped[0][1])
+    assert step > 2 * EPOCH_STEPS, step                  # in epoch 3, where the drain came
+    assert re.search(rf"worker:0 +│ saved \S+/ckpt-{step} at step={step} \(stop\)", rest), rest[-5000:]
+    assert re.search(rf"worker:0 +│ restored \S+/ckpt-{step} at step={step}\n", rest), rest[-5000:]
+    run = only_run(cwd / "runs")
+    doc = manifest(run)
+    (move,) = doc["moves"]
+    assert move["why"] == "drained" and move["to"] == "h5" and move["steps_lost"] == 0, move
+    assert move["resumed_step"] == step and doc["tasks"]["worker:1"]["host"] == "h5", move
+    ends = {k: DIGEST.findall((run / f"{k}.log").read_text(errors="replace"))[-1][0] for k in ("worker-0", "worker-1")}
+    assert ends["worker-0"] == ends["worker-1"], ends
+    wait_for(lambda: not tagged_processes(), timeout=60, what="no task left running")
