@@ -56,11 +56,14 @@ def read_until(proc: subprocess.Popen, pattern: bytes, timeout: float = 120) -> 
     raise AssertionError(f"no line matching {pattern!r}:\n{seen[-3000:].decode(errors='replace')}")
 
 
-def ends(procs: list[subprocess.Popen], seen: bytes = b"", timeout: float = 120) -> tuple[list[int], list[bytes]]:
+def ends(procs: list[subprocess.Popen], model_dir: Path, seen: bytes = b"",
+         timeout: float = 120) -> tuple[list[int], list[bytes]]:
+    """Each process's exit code and output (process 0's with what was read of it before);
+    the outputs are kept beside `model_dir`, to read."""
     outs = [proc.communicate(timeout=timeout)[0] for proc in procs]
     outs[0] = seen + outs[0]
-    for proc, out in zip(procs, outs):       # kept with the test's tmp_path, to read
-        (Path(proc.args[-1]).parent / f"process-{procs.index(proc)}-{proc.pid}.out").write_bytes(out)
+    for i, (proc, out) in enumerate(zip(procs, outs)):
+        (model_dir.parent / f"{model_dir.name}-process-{i}-{proc.pid}.out").write_bytes(out)
     return [proc.returncode for proc in procs], outs
 
 
@@ -76,7 +79,7 @@ def test_a_signal_to_one_process_saves_every_process_at_one_step_and_a_stop_resu
     procs = start_pair(jax, tmp_path / "asked")
     seen = read_until(procs[0], rb"^Epoch 1/")
     procs[1].send_signal(signal.SIGUSR1)
-    codes, outs = ends(procs, seen)
+    codes, outs = ends(procs, tmp_path / "asked", seen)
     assert codes == [0, 0], outs[0][-3000:] + outs[1][-3000:]
     asked = re.search(rb"saved \S+/ckpt-(\d+) at step=\1 \(checkpoint request\)", outs[0])
     # a request is looked for every 10 steps (a gather): saved at one of those, inside the epoch
@@ -88,7 +91,7 @@ def test_a_signal_to_one_process_saves_every_process_at_one_step_and_a_stop_resu
     procs = start_pair(jax, model_dir)
     seen = read_until(procs[0], rb"^Epoch 2/")
     procs[1].send_signal(signal.SIGTERM)
-    codes, outs = ends(procs, seen, timeout=60)
+    codes, outs = ends(procs, model_dir, seen, timeout=60)
     assert codes == [143, 143], outs[0][-3000:] + outs[1][-3000:]
     steps = [re.findall(rb"stopped by SIGTERM \(to this process or another\) at step=(\d+)", out) for out in outs]
     assert steps[0] and steps[0] == steps[1], outs[0][-3000:] + outs[1][-3000:]
@@ -99,7 +102,7 @@ def test_a_signal_to_one_process_saves_every_process_at_one_step_and_a_stop_resu
 
     # started again: at that step, inside the epoch, to the weights of the run never stopped
     procs = start_pair(jax, model_dir)
-    codes, outs = ends(procs)
+    codes, outs = ends(procs, model_dir)
     assert codes == [0, 0], outs[0][-3000:] + outs[1][-3000:]
     assert re.search(rb"restored \S+/ckpt-%d at step=%d\n" % (stopped, stopped), outs[0]), outs[0][-3000:]
     start, done = divmod(stopped, STEPS)
