@@ -246,3 +246,29 @@ def test_timeout_options_take_the_durations_the_spec_takes(tmp_path):
         assert bad.returncode == 2 and "Traceback" not in bad.stderr
         assert bad.stderr.splitlines()[0] == ("tfcluster: error: Invalid value for '--timeout': '10x': must be "
                                               "a positive number of seconds or a duration like 90s, 30m, 2h")
+
+
+def test_a_signal_that_python_wraps_while_a_class_is_made_is_still_a_clean_stop():
+    """A Ctrl-C or SIGTERM landing in a dataclass field's __set_name__ (a module imported on
+    first use, the SSH transport's at the first connection) comes out of Python 3.11 as a
+    RuntimeError: still exit 130 (143), one line, no traceback. The class is made for real;
+    only the moment of the signal is injected (it cannot be timed)."""
+    code = (
+        "import sys\n"
+        "import tfcluster.cli.cluster as commands\n"
+        "from tfcluster.cli import main\n"
+        "from tfcluster.errors import Terminated\n"
+        "signal = {'int': KeyboardInterrupt, 'term': Terminated}[sys.argv[1]]\n"
+        "class Lands:\n"
+        "    def __set_name__(self, owner, name):\n"
+        "        raise signal()\n"
+        "def load(*args, **kwargs):\n"
+        "    class Connection:\n"
+        "        proxy = Lands()\n"
+        "commands.load = load\n"
+        f"sys.exit(main(['plan', {LOCAL!r}]))\n"
+    )
+    for which, rc, said in (("int", 130, "interrupted"), ("term", 143, "terminated (SIGTERM)")):
+        result = subprocess.run([sys.executable, "-c", code, which], capture_output=True, text=True, timeout=60)
+        assert result.returncode == rc, result.stdout[-500:] + result.stderr[-2000:]
+        assert f"tfcluster: error: {said}" in result.stderr and "Traceback" not in result.stderr, result.stderr

@@ -76,6 +76,29 @@ def main(argv: list[str] | None = None) -> int:
             raise
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # what is still buffered
         return 0
+    except Exception as exc:
+        # A Ctrl-C or a SIGTERM that lands while a class is made (a dataclass field's
+        # __set_name__, in a module imported on first use: the SSH transport's at the first
+        # connection) comes out of Python 3.11 wrapped in a RuntimeError
+        signalled = _signal_behind(exc)
+        if signalled is None:
+            raise
+        if isinstance(signalled, Terminated):
+            ui.error("terminated (SIGTERM)")
+            return int(ExitCode.TERMINATED)
+        ui.error("interrupted")
+        return int(ExitCode.INTERRUPTED)
+
+
+def _signal_behind(exc: BaseException) -> BaseException | None:
+    """The KeyboardInterrupt or Terminated this exception was raised from, if any."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, (KeyboardInterrupt, Terminated)):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def _answered_broken_pipe(exc: SystemExit) -> bool:
