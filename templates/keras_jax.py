@@ -67,10 +67,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def start_distribution(model_parallel: bool) -> None:
-    """Join the other processes (a process run alone skips it), then lay the model out over
-    every device of every process."""
-    if os.environ.get("KERAS_DISTRIBUTION_JOB_ADDRESSES"):
+def start_distribution(model_parallel: bool, alone: bool) -> None:
+    """Join the other processes (unless run alone), then lay the model out over every device
+    of every process."""
+    if not alone:
         keras.distribution.initialize()
     devices = keras.distribution.list_devices()
     if model_parallel:
@@ -191,6 +191,7 @@ class Asked:
     all of them at one step."""
 
     def __init__(self, alone: bool) -> None:
+        self.alone = alone
         self.stop, self.save = threading.Event(), threading.Event()
         signal.signal(signal.SIGUSR1, lambda signum, frame: self.save.set())
         if alone:
@@ -203,24 +204,25 @@ class Saver(keras.callbacks.Callback):
     checkpoint request (SIGUSR1 to any process: every process learns it at the next multiple of
     SAVE_CHECK steps, a gather of one flag, and saves that step)."""
 
-    def __init__(self, asked: Asked, alone: bool, model_dir: str | None, keep: int, step: int) -> None:
+    def __init__(self, asked: Asked, model_dir: str | None, keep: int, step: int) -> None:
         super().__init__()
-        self.asked, self.alone, self.model_dir, self.keep, self.step = asked, alone, model_dir, keep, step
+        self.asked, self.model_dir, self.keep, self.step = asked, model_dir, keep, step
 
     def on_train_batch_end(self, batch, logs=None):
         self.step += 1
-        stop = self.asked.stop.is_set() if self.alone else multihost_utils.reached_preemption_sync_point(self.step)
+        alone = self.asked.alone
+        stop = self.asked.stop.is_set() if alone else multihost_utils.reached_preemption_sync_point(self.step)
         save_now = False
         if self.step % SAVE_CHECK == 0:
-            asked = np.int32(self.asked.save.is_set())
-            save_now = bool(asked if self.alone else np.max(multihost_utils.process_allgather(asked)))
+            flag = np.int32(self.asked.save.is_set())
+            save_now = bool(flag if alone else np.max(multihost_utils.process_allgather(flag)))
             self.asked.save.clear()
         if (stop or save_now) and self.model_dir:
             path = save(self.model, self.model_dir, self.step, self.keep)
             if path:
                 print(f"saved {path} at step={self.step} ({'stop' if stop else 'checkpoint request'})", flush=True)
         if stop:
-            if not self.alone:
+            if not alone:
                 multihost_utils.sync_global_devices("stopped")      # process 0's files written before any leaves
             print(f"stopped by SIGTERM (to this process or another) at step={self.step}", flush=True)
             os._exit(STOP_EXIT)
@@ -232,9 +234,9 @@ class Saver(keras.callbacks.Callback):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    alone = not os.environ.get("KERAS_DISTRIBUTION_JOB_ADDRESSES")
+    alone = not os.environ.get("KERAS_DISTRIBUTION_JOB_ADDRESSES")    # no job to join: run by hand
     asked = Asked(alone)
-    start_distribution(args.model_parallel)
+    start_distribution(args.model_parallel, alone)
     me, n = jax.process_index(), jax.process_count()
     local_batch = args.batch_size if args.model_parallel else args.batch_size // n
     if local_batch < 1 or (not args.model_parallel and args.batch_size % n):
@@ -251,7 +253,7 @@ def main(argv=None) -> int:
     print(f"process {me} of {n}: {jax.local_device_count()} local device(s), {jax.device_count()} in all, "
           f"{'model' if args.model_parallel else 'data'} parallel, epoch {start} of {args.epochs}"
           + (f", its step {done} of {steps}" if done else ""), flush=True)
-    saver = Saver(asked, alone, args.model_dir, args.keep, step)
+    saver = Saver(asked, args.model_dir, args.keep, step)
     history = None
     if done and start < args.epochs:
         # the rest of the epoch it stopped in, without Keras' lines: `Epoch k/N` with a short

@@ -159,8 +159,9 @@ def start_tfcluster(*args: str, home: Path, cwd: Path) -> subprocess.Popen:
                             start_new_session=True)
 
 
-def read_until(proc: subprocess.Popen, pattern: str, timeout: float) -> list[str]:
-    """Lines of proc's output up to and including the first matching `pattern`."""
+def read_until(proc: subprocess.Popen, pattern: str | bytes, timeout: float) -> list:
+    """Lines of proc's output up to and including the first matching `pattern` (bytes for a
+    process whose output is read as bytes)."""
     deadline = time.monotonic() + timeout
     lines = []
     regex = re.compile(pattern)
@@ -171,7 +172,8 @@ def read_until(proc: subprocess.Popen, pattern: str, timeout: float) -> list[str
         lines.append(line)
         if regex.search(line):
             return lines
-    raise AssertionError(f"no line matching {pattern!r} within {timeout}s; got:\n{''.join(lines[-30:])}")
+    got = "".join(x.decode(errors="replace") if isinstance(x, bytes) else x for x in lines[-30:])
+    raise AssertionError(f"no line matching {pattern!r} within {timeout}s; got:\n{got}")
 
 
 def kill_tagged_once_seen(proc: subprocess.Popen, pattern: str, tag_suffix: str, *, wait: float,

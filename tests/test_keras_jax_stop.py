@@ -12,11 +12,11 @@ from __future__ import annotations
 import re
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import read_until
 from tests.jax_procs import Jax
 
 pytestmark = pytest.mark.tf
@@ -43,19 +43,6 @@ def start_pair(jax: Jax, model_dir: Path) -> list[subprocess.Popen]:
     return [jax.start(*args, script=TEMPLATE, env={**env, "KERAS_DISTRIBUTION_PROCESS_ID": str(i)}) for i in (0, 1)]
 
 
-def read_until(proc: subprocess.Popen, pattern: bytes, timeout: float = 120) -> bytes:
-    """Process 0's output up to the first line matching `pattern` (it prints the epochs)."""
-    seen, deadline = b"", time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()       # the process prints an epoch line every second or two, or ends
-        if not line:
-            break
-        seen += line
-        if re.search(pattern, line):
-            return seen
-    raise AssertionError(f"no line matching {pattern!r}:\n{seen[-3000:].decode(errors='replace')}")
-
-
 def ends(procs: list[subprocess.Popen], model_dir: Path, seen: bytes = b"",
          timeout: float = 120) -> tuple[list[int], list[bytes]]:
     """Each process's exit code and output (process 0's with what was read of it before);
@@ -77,7 +64,7 @@ def digest(outs: list[bytes]) -> str:
 def test_a_signal_to_one_process_saves_every_process_at_one_step_and_a_stop_resumes_mid_epoch(jax, tmp_path):
     # a checkpoint request to process 1 alone, in epoch 1: saved together, trained on to the end
     procs = start_pair(jax, tmp_path / "asked")
-    seen = read_until(procs[0], rb"^Epoch 1/")
+    seen = b"".join(read_until(procs[0], rb"^Epoch 1/", timeout=120))
     procs[1].send_signal(signal.SIGUSR1)
     codes, outs = ends(procs, tmp_path / "asked", seen)
     assert codes == [0, 0], outs[0][-3000:] + outs[1][-3000:]
@@ -89,7 +76,7 @@ def test_a_signal_to_one_process_saves_every_process_at_one_step_and_a_stop_resu
     # a stop to process 1 alone, from epoch 2 on: every process saves the same step and ends 143
     model_dir = tmp_path / "stopped"
     procs = start_pair(jax, model_dir)
-    seen = read_until(procs[0], rb"^Epoch 2/")
+    seen = b"".join(read_until(procs[0], rb"^Epoch 2/", timeout=120))
     procs[1].send_signal(signal.SIGTERM)
     codes, outs = ends(procs, model_dir, seen, timeout=60)
     assert codes == [143, 143], outs[0][-3000:] + outs[1][-3000:]

@@ -65,11 +65,9 @@ def main(argv: list[str] | None = None) -> int:
         ui.error(_once(exc.format_message()), _usage_hint(exc, argv))
         return exc.exit_code
     except Terminated:
-        ui.error("terminated (SIGTERM)")
-        return int(ExitCode.TERMINATED)
+        return _stopped(terminated=True)
     except (KeyboardInterrupt, typer.Abort) + _click("Abort"):
-        ui.error("interrupted")
-        return int(ExitCode.INTERRUPTED)
+        return _stopped(terminated=False)
     except (BrokenPipeError, SystemExit) as exc:
         # `tfcluster plan ... | head`: the reader left; not an error worth a traceback.
         if isinstance(exc, SystemExit) and not _answered_broken_pipe(exc):
@@ -83,11 +81,16 @@ def main(argv: list[str] | None = None) -> int:
         signalled = _signal_behind(exc)
         if signalled is None:
             raise
-        if isinstance(signalled, Terminated):
-            ui.error("terminated (SIGTERM)")
-            return int(ExitCode.TERMINATED)
-        ui.error("interrupted")
-        return int(ExitCode.INTERRUPTED)
+        return _stopped(terminated=isinstance(signalled, Terminated))
+
+
+def _stopped(terminated: bool) -> int:
+    """A stop by SIGTERM or Ctrl-C: one line, its exit code."""
+    if terminated:
+        ui.error("terminated (SIGTERM)")
+        return int(ExitCode.TERMINATED)
+    ui.error("interrupted")
+    return int(ExitCode.INTERRUPTED)
 
 
 def _signal_behind(exc: BaseException) -> BaseException | None:
