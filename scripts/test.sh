@@ -122,9 +122,10 @@ else
   workers=${TFCLUSTER_TEST_WORKERS:-$(( half < 2 ? 2 : half ))}
   [ "$workers" -gt 4 ] && workers=4
   if [ "$workers" -gt 1 ]; then
-    "$PY" -m pytest -q -n "$workers" --dist loadgroup -m "not alone"
+    # --durations: where a run's time went, at its end (the place to look when CI slows)
+    "$PY" -m pytest -q -n "$workers" --dist loadgroup -m "not alone" --durations=30
     rc=$?
-    "$PY" -m pytest -q -n 2 --dist loadgroup -m alone
+    "$PY" -m pytest -q -n 2 --dist loadgroup -m alone --durations=10
     rc_alone=$?
     [ $rc -eq 0 ] && rc=$rc_alone
   else

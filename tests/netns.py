@@ -34,6 +34,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -419,3 +420,27 @@ def refused_everywhere(bed, targets, other_user) -> None:
         for who in (other_user.uid, None):
             got = dial_from(host, targets, who)
             assert set(got.values()) == {"ConnectionRefusedError"}, (host.name, who, got)
+
+
+class TableWatch:
+    """Looks at each host's nftables tables, over and over on a thread, until stop(): which
+    hosts were seen without the cluster's table, and when."""
+
+    def __init__(self, hosts, table_prefix: str) -> None:
+        self.hosts, self.prefix, self.samples, self.gaps = hosts, table_prefix, 0, []
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._look, daemon=True)
+        self.thread.start()
+
+    def _look(self) -> None:
+        start = time.monotonic()
+        while not self.done.is_set():
+            for host in self.hosts:
+                if self.prefix not in host.run(["nft", "list", "tables"]).stdout:
+                    self.gaps.append(f"{host.name} at +{time.monotonic() - start:.2f}s")
+            self.samples += 1
+
+    def stop(self) -> list[str]:
+        self.done.set()
+        self.thread.join(timeout=30)
+        return self.gaps

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from tests.helpers import kill_group, manifest, only_run, read_until, start_tfcluster, tagged_processes, wait_for
-from tests.netns import PYTHON, refused_everywhere
+from tests.netns import PYTHON, TableWatch, refused_everywhere
 
 pytestmark = [pytest.mark.ssh, pytest.mark.tf]
 
@@ -40,15 +40,20 @@ def test_a_second_user_is_refused_at_every_task_port_before_and_after_a_move(tmp
     try:
         read_until(proc, r"worker:1 .*step=[1-9]", timeout=200)
         refused_everywhere(bed, [[addr["h2"], 25000], [addr["h3"], 25001], [addr["h4"], 25002]], other_user)
+        watch = TableWatch([bed.hosts["h2"], bed.hosts["h3"]], "tfcluster_fmove_")
         bed.kill("h4")
         read_until(proc, r"worker:0 on h3 resumed at step \d+", timeout=150)
         read_until(proc, r"worker:1 .*step=", timeout=60)      # worker:1 trains on h5
+        gaps = watch.stop()
         refused_everywhere(bed, [[addr["h2"], 25000], [addr["h3"], 25001], [addr["h5"], 25002]], other_user)
         os.killpg(proc.pid, signal.SIGINT)
         rest = proc.communicate(timeout=60)[0]
     finally:
         kill_group(proc)
     assert proc.returncode == 130, rest[-3000:]
+    # the hosts that kept their tasks kept their tables through the move: never a moment open
+    assert watch.samples >= 20, f"too few looks at the tables ({watch.samples}) to judge the move"
+    assert not gaps, f"a host's table was missing during the move: {gaps}"
     assert not re.search(r"TensorFlow's ports .* stay open", rest), rest[-3000:]
     doc = manifest(only_run(cwd / "runs"))
     assert doc["tasks"]["worker:1"]["host"] == "h5"

@@ -21,8 +21,10 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import (
+    CLUSTER_DIR,
     SESSION_VAR,
     kill_group,
+    launch,
     local_spec,
     read_until,
     ssh_spec,
@@ -239,6 +241,38 @@ def test_the_shims_table_refuses_another_users_connect_lets_the_owner_in_and_goe
         assert foreign in tables()
     finally:
         subprocess.run([nft, "delete", "table", "inet", foreign], timeout=10)
+
+
+@pytest.mark.timeout(60)
+def test_a_moves_stop_leaves_the_table_a_plain_stop_takes_it_and_release_takes_a_left_one(agent, nft, drop_tables):
+    """A move's STOP (`STOP keep`) ends a host's last task and leaves its table for the tasks the
+    move starts there (the fence never opens between); the stop of a run's end takes it with
+    that last task; `release` takes one a move left on a host it gave up, once nothing runs."""
+    name = f"keep{os.getpid()}"
+    drop_tables.append(name)
+    ask = {"cluster_dir": CLUSTER_DIR, "tag_prefix": f"{name}:", "ports": [free_ports(1)[0]],
+           "targets": [], "peers": ["127.0.0.1"]}
+
+    def running() -> bool:
+        return any(t.startswith(f"{name}@") for t in tagged_processes().values())
+
+    def one_task(keep_fence: bool) -> None:
+        task = agent.start_attached(launch(agent, f"{name}:r1:worker:0",
+                                           [sys.executable, "-c", "import time; time.sleep(600)"]))
+        wait_for(running, 20, what="the task running")
+        task.stop(keep_fence=keep_fence)
+        assert task.wait(20) == 128 + signal.SIGTERM
+        wait_for(lambda: not running(), 20, what="the task and its shim gone")
+
+    assert agent.fence(dict(ask, mode="install"))["closed"] is True
+    one_task(keep_fence=True)
+    assert len(cluster_tables(name)) == 1, "a move's stop took the table"
+    assert agent.release_fence(dict(ask, mode="release"))["closed"] is False
+    assert cluster_tables(name) == []
+
+    assert agent.fence(dict(ask, mode="install"))["closed"] is True
+    one_task(keep_fence=False)
+    wait_for(lambda: cluster_tables(name) == [], 20, what="the last task's shim taking the table")
 
 
 def test_without_nft_the_same_rules_go_through_iptables_and_go_again(tmp_path, nft, other_user, monkeypatch):

@@ -283,6 +283,20 @@ def test_fence_lets_the_spares_reach_the_ports_and_closes_an_idle_spares_way_out
     assert fence.request(many.moved("b", "s"), "s", fence.INSTALL)["mode"] == fence.INSTALL
 
 
+def test_a_table_for_a_move_not_yet_decided_closes_both_clusters_ports(many):
+    """While the grace decides whether a host is lost, each other host's table closes the
+    cluster's ports as it is and as the move would make it: right for either outcome."""
+    many = replace(many, tf_ports="auto")
+    moved = many.moved("b", "s")
+    both = fence.request(many, "s", fence.INSTALL, also=moved)
+    targets = {tuple(t) for t in both["targets"]}
+    assert targets == {(t.address, t.port) for p in (many, moved) for t in p.tasks}
+    assert {("10.0.0.2", 2300), ("10.0.0.5", 2300)} <= targets      # the old worker's and the moved one's
+    assert both["ports"] == sorted({t.port for t in moved.tasks_on("s")}) != []   # the spare's own, once it takes them
+    assert both["peers"] == fence.request(many, "s", fence.INSTALL)["peers"]
+    assert fence.request(replace(many, tf_ports="open"), "a", fence.INSTALL, also=moved) is None
+
+
 def test_plan_command_shows_the_spares_what_they_take_the_loss_policy_and_the_checkpoints(tmp_path):
     path = write(tmp_path, MANY + "train:\n  checkpoint: {dir: '{workdir}/ckpt', keep: 3, sync: 2m}\n")
     shown = tfcluster("plan", path, home=tmp_path, cwd=tmp_path, timeout=60)

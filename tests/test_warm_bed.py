@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import kill_group, manifest, only_run, read_until, start_tfcluster, tagged_processes, wait_for
-from tests.netns import refused_everywhere
+from tests.netns import TableWatch, refused_everywhere
 from tfcluster.host import shim_procs
 
 # -- on the bed ------------------------------------------------------------------------------
@@ -92,7 +92,15 @@ def test_a_lost_workers_host_moves_onto_the_warm_spares_standby_fenced_before_it
         # host, for the restart a move makes of every task
         wait_for(lambda: _ready(tmp_path, "wwarm") == {1, 2, 3}, timeout=120, what="the restart's standbys")
         restart_pids = {_standby_pid(tmp_path, "wwarm", n) for n in (2, 3)}
+        addr = {h.name: h.address for h in bed.hosts.values()}
+        h2 = bed.hosts["h2"]
+        old, new = f"{addr['h4']} . {P[2]}", f"{addr['h5']} . {P[2]}"     # worker:1's target, before and after
+        watch = TableWatch([h2, bed.hosts["h3"]], "tfcluster_wwarm_")
         bed.kill("h4")
+        # while the grace decides, each other host's table closes both clusters' ports: the
+        # move binds under it, with no remote execution between the stop and its servers' GO
+        wait_for(lambda: (lambda t: old in t and new in t)(h2.run(["nft", "list", "ruleset"]).stdout),
+                 timeout=60, what="h2's table closing worker:1's old and new address")
         # either way the take says how it went: a cold start's line is the failure's reason
         said = "".join(read_until(proc, r"warm standby on h5 took worker:1 \(pid \d+|worker:1 on h5: cold start",
                                   timeout=150))
@@ -102,13 +110,19 @@ def test_a_lost_workers_host_moves_onto_the_warm_spares_standby_fenced_before_it
         prepared = said.index("h4: its connection dropped; its move to h5 is being prepared")
         assert prepared < said.index("h4 lost:"), said[-3000:]
         assert "held before the break: server(s) ps:0, worker:0, worker:1 (" in said, said[-3000:]
-        read_until(proc, r"worker:1 .*step=", timeout=120)          # the standby trains as worker:1
-        addr = {h.name: h.address for h in bed.hosts.values()}
+        trained = "".join(read_until(proc, r"worker:1 .*step=", timeout=120))   # the standby trains as worker:1
+        if not re.search(r"resumed at step \d+", trained):
+            read_until(proc, r"resumed at step \d+", timeout=60)
+        # once the moved tasks train, the tables are this cluster's alone
+        wait_for(lambda: (lambda t: old not in t and new in t)(h2.run(["nft", "list", "ruleset"]).stdout),
+                 timeout=60, what="h2's table naming worker:1's new address alone")
+        gaps = watch.stop()
         refused_everywhere(bed, [[addr["h2"], P[0]], [addr["h3"], P[1]], [addr["h5"], P[2]]], other_user)
         rest = proc.communicate(timeout=300)[0]
     finally:
         kill_group(proc)
     assert proc.returncode == 0, rest[-4000:]
+    assert watch.samples >= 20 and not gaps, (watch.samples, gaps)      # the fence never opened in the move
     assert re.search(r"standby: warm standby on h5 took worker:1 \(pid \d+, TensorFlow imported in", rest), rest[-3000:]
     # the survivor restarted on the standby it held since the run stepped, not one the move made
     took = re.search(r"standby: warm standby on h3 took worker:0 \(pid (\d+), TensorFlow imported in", rest)

@@ -107,8 +107,9 @@ def cmd_start(req: dict):
             raise ShimError("the launcher went away before the task started")
         proc, log, offset = spawn(req)
         return Attached(proc, req, log, offset, lines).run()     # the task's exit status is ours
-    finally:     # the cluster's last process on this host gone: its ports' table goes too
-        fence.release_if_idle(req["cluster_dir"], req["tag"])
+    finally:     # the cluster's last process on this host gone: its ports' table goes too,
+        if not tasks.FENCE_KEPT.is_set():      # unless a move starts the next ones here
+            fence.release_if_idle(req["cluster_dir"], req["tag"])
 
 
 # ---------------------------------------------------------------- stop / status

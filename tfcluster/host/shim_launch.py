@@ -137,6 +137,9 @@ def cmd_wait(req: dict, gone=None) -> None:
     `gone`: how to tell the launcher went away (default: EOF on stdin, with `watch_stdin`)."""
     pending = list(req["items"])
     deadline = time.monotonic() + float(req.get("timeout", 60))
+    # `settle`: for so long a port someone else listens on is not yet "taken": the process a
+    # held server replaces may still be stopping (its readiness asked before its GO)
+    settled = time.monotonic() + float(req.get("settle", 0))
     gone = gone or (launcher_gone if req.get("watch_stdin") else None)
     while pending:
         if gone is not None and gone():
@@ -147,6 +150,8 @@ def cmd_wait(req: dict, gone=None) -> None:
         for item in list(pending):
             pid = int(item["pid"])
             state, holder = ports.readiness(pid, int(item["port"]), table)
+            if state == "taken" and time.monotonic() < settled:
+                state, holder = None, None
             if state is None and not procs.is_alive(pid):
                 state = "exited"
             elif state is None and time.monotonic() > deadline:

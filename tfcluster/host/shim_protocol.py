@@ -40,6 +40,9 @@ IN_PROCESS = ONE_SHOT
 
 # Control lines the launcher sends to an attached start's stdin.
 STOP_LINE = b"STOP\n"
+# STOP, from a launcher whose move starts the cluster's next tasks on this host: the host's
+# fence table stays when this was its last task (the move replaces it whole, meanwhile).
+STOP_KEEP_LINE = b"STOP keep\n"
 HEARTBEAT_LINE = b"HB\n"
 CONTINUE_LINE = b"CONT\n"       # the launcher took note of a restart in place: its output may follow
 SAVE_LINE = b"SAVE\n"           # the checkpoint request: SIGUSR1 to the task (the script contract's)

@@ -40,6 +40,9 @@ ShimError, TAG_VAR = proto.ShimError, proto.TAG_VAR
 FAST_POLL, FAST_WINDOW = 0.002, 1.0
 TAIL_CHUNK = 1 << 20     # at most this much of a log per copy to the channel
 DEFLATE_CHUNK = 1 << 18  # ... per deflated copy (docs/design/logs.md, "Deflated logs")
+# set: this shim's task was stopped by a move that starts the cluster's next tasks on this
+# host (STOP_KEEP_LINE); its end then leaves the host's fence table in place (shim.cmd_start)
+FENCE_KEPT = threading.Event()
 
 
 class _NoSendfile(Exception):
@@ -176,6 +179,15 @@ def _add_probe(env: dict) -> None:
     env["PYTHONPATH"] = probe + (os.pathsep + rest if rest else "")
 
 
+def is_stop(line: bytes) -> bool:
+    """Whether a control line is STOP (either kind; STOP_KEEP_LINE sets FENCE_KEPT)."""
+    word = line.strip()
+    if word == proto.STOP_KEEP_LINE.strip():
+        FENCE_KEPT.set()
+        return True
+    return word == proto.STOP_LINE.strip()
+
+
 def held(req: dict):
     """A deferred attached start (`defer`): nothing is spawned before the launcher's GO line.
     Until then the launcher may hold reach's conversation here (shim_talk.Reach; a `{"close"}`
@@ -189,7 +201,7 @@ def held(req: dict):
     try:
         while True:
             line = talk.next_line(lines, time.monotonic() + silence)
-            if line is None or line.strip() == proto.STOP_LINE.strip():
+            if line is None or is_stop(line):
                 return None
             if line == proto.GO_LINE:
                 return lines
@@ -294,7 +306,7 @@ class Attached:
                 self.wake.set()
             elif line == proto.SAVE_LINE:
                 self.request_save()
-            elif line.strip() == proto.STOP_LINE.strip():
+            elif is_stop(line):
                 self.reason = self.reason or "stop"
                 break
         self.wake.set()

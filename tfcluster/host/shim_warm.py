@@ -183,7 +183,7 @@ def run(req: dict, qualify) -> int:
         silence = float(req.get("heartbeat_timeout") or proto.DEFAULT_HEARTBEAT_TIMEOUT)
         while True:
             line = talk.next_line(lines, time.monotonic() + silence)
-            if line is None or line.strip() == proto.STOP_LINE.strip():
+            if line is None or tasks.is_stop(line):
                 return 0                        # ended before any take: nothing of a task ran
             if line == proto.HEARTBEAT_LINE:
                 continue

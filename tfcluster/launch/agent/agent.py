@@ -235,6 +235,10 @@ class HostAgent:
         self.fence_answer = self._call(proto.FENCE, request)
         return self.fence_answer
 
+    def release_fence(self, request: dict) -> dict:
+        """The cluster's table here goes if nothing of the cluster runs here any more."""
+        return self._call(proto.FENCE, request)
+
     @contextlib.contextmanager
     def run_command(self, argv: list[str]) -> Iterator[Proc]:
         """A plain command on the host, no shim (for `exec`); Ctrl-C drops it."""
@@ -332,12 +336,13 @@ class HostAgent:
         self._heartbeats.add(task)
         return task
 
-    def wait_ready(self, items: list[tuple[str, int, int]],
-                   timeout: float) -> Iterator[tuple[str, str, str | None]]:
+    def wait_ready(self, items: list[tuple[str, int, int]], timeout: float,
+                   settle: float = 0.0) -> Iterator[tuple[str, str, str | None]]:
         """(key, port, pid) -> yields (key, "ready" | "exited" | "timeout", None) as each is
-        decided, or (key, "taken", holder) when someone else listens on the port."""
+        decided, or (key, "taken", holder) when someone else listens on the port (after
+        `settle` seconds: the process it replaces may still be stopping)."""
         request = {"items": [{"key": k, "port": p, "pid": pid} for k, p, pid in items],
-                   "timeout": timeout}
+                   "timeout": timeout, "settle": settle}
         return map(event_of, self._stream(proto.WAIT, request, {key for key, _, _ in items}))
 
     def launch(self, servers: list[tuple[str, int, TaskLaunch]],

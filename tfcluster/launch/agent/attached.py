@@ -166,9 +166,11 @@ class AttachedTask:
             return int(self._next["exit"])
         return None
 
-    def stop(self) -> None:
-        """Ask the shim to stop the task: TERM, grace, KILL, tag sweep."""
-        self._send(proto.STOP_LINE)
+    def stop(self, keep_fence: bool = False) -> None:
+        """Ask the shim to stop the task: TERM, grace, KILL, tag sweep. `keep_fence`: the
+        cluster's next tasks start on this host (a move), so its fence table stays even when
+        this was its last task."""
+        self._send(proto.STOP_KEEP_LINE if keep_fence else proto.STOP_LINE)
 
     def request_save(self) -> bool:
         """The checkpoint request to the task (SIGUSR1, through its shim); False once the

@@ -12,22 +12,25 @@ from __future__ import annotations
 from tfcluster.errors import PreflightError
 from tfcluster.plan import Plan, names
 
-INSTALL, PROBE, STATUS = "install", "probe", "status"     # shim_fence.cmd_fence's modes
+INSTALL, PROBE, STATUS, RELEASE = "install", "probe", "status", "release"   # shim_fence.cmd_fence's modes
 OTHERS_SHOWN = 8        # shim_fence.MAX_OTHERS: one more than this means "and more"
 
 
-def request(plan: Plan, host: str, mode: str) -> dict | None:
-    """The host's `fence` request, or None where the spec leaves the ports open."""
+def request(plan: Plan, host: str, mode: str, also: Plan | None = None) -> dict | None:
+    """The host's `fence` request, or None where the spec leaves the ports open. `also`: a
+    second plan whose ports and targets the table closes too (a move prepared, not yet
+    decided: a table that closes both clusters' ports is right for either)."""
     if plan.tf_ports == "open":
         return None
+    plans = (plan,) if also is None else (plan, also)
     # an idle spare is closed too: nothing binds there yet, but its users must not dial the
     # others' task ports (the output chain), and a move finds its table in place
     return {"mode": mode, "cluster_dir": plan.cluster_dir, "tag_prefix": names.cluster_prefix(plan.name),
-            "ports": sorted({t.port for t in plan.tasks_on(host)}),
-            "targets": [[t.address, t.port] for t in plan.tasks],
+            "ports": sorted({t.port for p in plans for t in p.tasks_on(host)}),
+            "targets": [list(t) for t in sorted({(t.address, t.port) for p in plans for t in p.tasks})],
             # a spare's address from the start: a task moved there must reach the others'
             # ports without closing them anew (docs/spec.md, "Spare hosts")
-            "peers": sorted({plan.host(h).address for h in (*plan.hosts, *plan.spares)})}
+            "peers": sorted({p.host(h).address for p in plans for h in (*p.hosts, *p.spares)})}
 
 
 def idle_spare(plan: Plan, host: str) -> bool:

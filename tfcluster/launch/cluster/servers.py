@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from tfcluster.errors import DeadlineError, HostError, PreflightError, TfclusterError
 from tfcluster.host.shim_protocol import DEFAULT_GRACE
-from tfcluster.launch.cluster.session import Session, by_host, raise_first
+from tfcluster.launch.cluster.session import Background, Session, by_host, raise_first
 from tfcluster.plan import TaskPlan, names
 
 READY_TIMEOUT = 120.0
@@ -66,6 +66,41 @@ def wait_ready(session: Session, started: list[Started], timeout: float = READY_
 
     results = _decide(session, grouped, [s.task.key for s in started], events)
     _raise_unready(session, results, {s.task.key: s for s in started}, timeout)
+
+
+@dataclass
+class Watch:
+    """watch_ready's question, asked: the servers it watches, and the hosts' answers to come."""
+    keys: set[str]
+    answers: Background
+
+
+def watch_ready(session: Session, started: list[Started], settle: float,
+                timeout: float = READY_TIMEOUT) -> Watch:
+    """wait_ready asked now and judged later (check_ready): for held servers whose GO comes
+    once the servers they replace have stopped (within `settle` seconds: till then a port
+    another process holds is theirs), so that asking costs nothing after the GO."""
+    grouped = by_host(started, lambda s: s.task.host)
+
+    def events(host: str):
+        return session.agents[host].wait_ready([(s.task.key, s.task.port, s.pid) for s in grouped[host]],
+                                               timeout, settle)
+
+    keys = [s.task.key for s in started]
+    return Watch(set(keys), Background(_decide, session, grouped, keys, events))
+
+
+def check_ready(session: Session, watch: Watch, started: list[Started],
+                timeout: float = READY_TIMEOUT) -> None:
+    """Block until every started server listens on its port, as wait_ready, with `watch`'s
+    answers for those it watched (one it watched that was not started after all, a held server
+    stopped instead of its GO, is not judged) and a wait_ready of their own for the rest."""
+    results = {h: [d for d in decided if d[0] in {s.task.key for s in started}] if isinstance(decided, list)
+               else decided for h, decided in watch.answers.result().items()}
+    _raise_unready(session, results, {s.task.key: s for s in started}, timeout)
+    rest = [s for s in started if s.task.key not in watch.keys]
+    if rest:
+        wait_ready(session, rest, timeout)
 
 
 def _decide(session: Session, hosts, keys: list[str], events) -> dict:

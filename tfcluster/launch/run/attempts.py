@@ -159,11 +159,13 @@ def refuse(proc: Supervised) -> None:
         proc.handle.stop()
 
 
-def stop_and_wait(run: Run, procs: list[Supervised], fast: threading.Event | None = None) -> None:
+def stop_and_wait(run: Run, procs: list[Supervised], fast: threading.Event | None = None,
+                  keep_fence: frozenset[str] = frozenset()) -> None:
     """Stop these processes' attempts (TERM, the shim's grace, KILL; at once once `fast` is
     set) and wait for their ends, grace + 5 s at most, then drop what is left (its shim's
     sweep, or the run's, gets it). Their ends are the run's own doing: only a process still
-    running is marked stopping, so one that failed before keeps its exit code.
+    running is marked stopping, so one that failed before keeps its exit code. On the hosts
+    in `keep_fence` (a move's next tasks start there) the fence table stays.
 
     Besides the supervisor's loop, the one reader of the run's events: an exit of an earlier
     attempt is dropped as the loop drops it, and anything else (a check's wake-up, an error
@@ -175,7 +177,8 @@ def stop_and_wait(run: Run, procs: list[Supervised], fast: threading.Event | Non
     for p in live:
         p.stopping = True
         try:
-            p.handle.detach_kill() if fast is not None and fast.is_set() else p.handle.stop()
+            p.handle.detach_kill() if fast is not None and fast.is_set() else \
+                p.handle.stop(keep_fence=p.task.host in keep_fence)
         except Exception:  # noqa: BLE001 - its shim stops it when the channel goes; the sweep after
             pass
     kept = []

@@ -4,6 +4,7 @@ from. The supervisor fills the resumed step from the progress lines that follow 
 it once, and the records go to the summary and the manifest (`moves`)."""
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -69,6 +70,7 @@ class Recovery:
     checkpoints: CheckpointSync | None = None        # train.checkpoint's copies, if configured
     looked: float = 0.0                              # monotonic time drains.poll last looked
     lag: ckptlag.LagWatch = field(default_factory=ckptlag.LagWatch)   # the checkpoint lag, said once
+    after_resume: list = field(default_factory=list)   # work a move left for once every move resumed: off its path
 
     def unproven(self) -> Move | None:
         """The first move after which the task it watches never stepped: a failed recovery,
@@ -92,3 +94,7 @@ class Recovery:
                 move.resumed = after[0][1]
                 run.ui.info(f"{move.watch} on {run.plan.task(move.watch).host} resumed at step {move.resumed} "
                             f"({move.steps_lost} step(s) lost)")
+        if self.after_resume and self.unproven() is None:
+            work, self.after_resume = self.after_resume, []
+            for fn in work:
+                threading.Thread(target=fn, daemon=True, name="tfcluster-after-move").start()

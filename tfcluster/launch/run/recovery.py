@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from tfcluster.errors import ConnectError, TfclusterError
 from tfcluster.launch.agent import fence
 from tfcluster.launch.cluster.hostloss import REOPEN_GRACE
-from tfcluster.launch.cluster.servers import Started, wait_ready
+from tfcluster.launch.cluster.servers import Started, Watch, check_ready, wait_ready, watch_ready
 from tfcluster.launch.cluster.session import Background
 from tfcluster.launch.cluster.shipping import ship
 from tfcluster.launch.run import attempts, ckptlag
@@ -25,6 +25,7 @@ from tfcluster.plan import policy
 if TYPE_CHECKING:
     from tfcluster.launch.cluster.hostloss import LostHost
     from tfcluster.launch.run.runstate import Run, Supervised
+    from tfcluster.plan import Plan
 
 
 def step_now(run: Run) -> int | None:
@@ -120,21 +121,33 @@ def _watched(run: Run, moved: list[Supervised]) -> str | None:
 
 def _restart_all(run: Run, move: Move) -> None:
     """Every task stops and starts again on the new cluster, from the checkpoint."""
+    after = run.plan.moved(move.host, move.spare)
+    _open_spares(run, [move.spare])
     # make before break: the new scripts' standbys and servers start now, while the old tasks stop and save
-    early = Background(run.standbys.before_break, run, run.plan.moved(move.host, move.spare)) \
-        if run.standbys is not None else None
-    _stop(run, attempts.in_wave(run, 0))    # the training scripts first: a last save
+    early = Background(run.standbys.before_break, run, after) if run.standbys is not None else None
+    watching = Background(_watch_held, run, after, early) if early is not None else None
+    # The fence follows the tasks: every host keeps its table through the stop, and each gets
+    # the new one beside the stop (or had it already: _fence_for); a host the move leaves
+    # loses it once the new tasks run (_release). Not with another host warned: it may ride
+    # along, and the tables wait for the stop, as the riders do.
+    fenced, keep = None, frozenset()
+    if not set(run.session.pool.warned) - {move.host}:
+        keep = frozenset(p.task.host for p in run.procs)
+        fenced = Background(_fence_for, run, after, move)
+    _stop(run, attempts.in_wave(run, 0), keep)    # the training scripts first: a last save
     sync = run.recovery.checkpoints
     chief = run.plan.chief
     if sync is not None and chief is not None and chief.host not in run.session.pool.lost:
         sync.pull(chief.host)       # the newest, after the scripts' last save (a drain)
-    _stop(run, attempts.in_wave(run, 1))
+    _stop(run, attempts.in_wave(run, 1), keep)
     # hosts warned meanwhile move in this restart too
     riders = run.notices.ride_along(run, move) if run.notices is not None else []
     for m in (move, *riders):
         _adopt(run, m.host, m.spare)
-    _open_spares(run, [m.spare for m in (move, *riders)])
-    fenced = Background(_refence, run)      # every host's table, while the checkpoint goes to the spare
+    if not keep or riders:        # while the checkpoint goes to the spare
+        first = fenced
+        fenced = Background(_refence, run, run.plan, [m.spare for m in (move, *riders)], first)
+    ready = watching.result() if watching is not None else None
     if sync is not None:
         chief = run.plan.chief
         for m in riders:        # the chief moved with a rider: its checkpoint goes there too
@@ -144,9 +157,10 @@ def _restart_all(run: Run, move: Move) -> None:
         cost = ckptlag.restore_cost(move.checkpoint, move.step_at)    # said before the steps are redone
         if cost is not None:
             run.ui.warn(cost)
-    if early is not None:
-        early.result()
-    _start(run, list(run.procs), move, riders, fenced)
+    _start(run, list(run.procs), move, riders, fenced, ready)
+    if fenced.result() is True:     # tables closing both clusters: this one's once it trains
+        run.recovery.after_resume.append(lambda: _narrow(run))
+    _release(run, [h for h in keep if not run.plan.tasks_on(h)])
     for m in (move, *riders):
         m.watch = _watched(run, [p for p in run.procs if p.task.host == m.spare])
     for m in riders:
@@ -155,27 +169,78 @@ def _restart_all(run: Run, move: Move) -> None:
         run.notices.settle(run, riders)
 
 
-def _stop(run: Run, procs: list[Supervised]) -> None:
+def _stop(run: Run, procs: list[Supervised], keep_fence: frozenset[str] = frozenset()) -> None:
     """Stop these attempts and wait for their ends; the ends are this run's own, not failures.
-    A lost host's are gone already (its shims stopped them when their channels ended)."""
-    attempts.stop_and_wait(run, [p for p in procs if p.task.host not in run.session.pool.lost])
+    A lost host's are gone already (its shims stopped them when their channels ended). On the
+    hosts in `keep_fence` the fence table stays (the next tasks start there)."""
+    attempts.stop_and_wait(run, [p for p in procs if p.task.host not in run.session.pool.lost],
+                           keep_fence=keep_fence)
 
 
-def _refence(run: Run) -> None:
-    """Close the task ports again on every host still in the run, before anything binds: the
-    stop took each host's table with its last task, and every table must name the moved
-    tasks' new addresses. A spare with no task gets the output chain alone (its users may
-    not dial the others' ports). Where it cannot, the run says so as at its start, and
-    `tf_ports: closed` ends it (exit 4)."""
-    plan, session = run.plan, run.session
+def _watch_held(run: Run, after: Plan, early: Background) -> Watch | None:
+    """Once make before break is done (`early`), whether each held server listens is asked of
+    its host, answered as it binds on its GO: the asking (a remote execution) is off the path."""
+    early.result()
+    held = run.standbys.held_servers(after)
+    return watch_ready(run.session, held, settle=run.options.grace + 5) if held else None
+
+
+def _fence_for(run: Run, after: Plan, move: Move) -> bool:
+    """The tables for `after` on every host: True where they were in place already, installed
+    while the grace decided whether `move.host` was lost (Standbys.suspect: they close this
+    cluster's ports and the old one's, and the exact ones can follow once the tasks run)."""
+    if run.standbys is not None and run.standbys.prefenced(move.host, after):
+        return True
+    _refence(run, after, [])
+    return False
+
+
+def _narrow(run: Run) -> None:
+    """The run's own tables, where a move bound under tables that closed the old cluster's
+    ports too (_fence_for): done once the moved tasks train, so its work takes no CPU from
+    their start. Quiet: the tables in place close more than these."""
+    try:
+        _refence(run, run.plan, [])
+    except Exception:  # noqa: BLE001 - see above; the next move or the run's end replaces them
+        pass
+
+
+def _refence(run: Run, plan: Plan, spares: list[str], before: Background | None = None) -> None:
+    """`plan`'s fence on every host still in the run, before anything binds, `spares` opened
+    first: every table must name the moved tasks' new addresses, and a spare that took tasks
+    closes their ports. Each table is replaced whole in one transaction, so its ports are
+    never open meanwhile; a given-up host (lost, drained) left the cluster and gets none
+    (_release). A spare with no task gets the output chain alone (its users may not
+    dial the others' ports). Where it cannot, the run says so as at its start, and
+    `tf_ports: closed` ends it (exit 4). `before`: a refresh this one follows (its tables are
+    older)."""
+    if before is not None:
+        before.result()
+    _open_spares(run, spares)
+    session = run.session
     if plan.tf_ports == "open":
         return
-    hosts = [h for h in session.agents if h not in session.pool.lost and h in session.infos]
+    hosts = [h for h in session.agents if session.pool.usable(h) and h in session.infos]
     results = session.parallel(
         lambda h: session.agents[h].fence(fence.request(plan, h, fence.INSTALL)), hosts)
     answers = {h: r if isinstance(r, dict) else {"closed": False, "can": False, "why": str(r)}
                for h, r in results.items()}
     fence.report(plan, run.ui, answers, fence.INSTALL)
+
+
+def _release(run: Run, hosts: list[str]) -> None:
+    """The hosts the move took the cluster off, whose tasks stopped leaving their tables: each
+    table goes now, unless something of the cluster still runs there. Left to a thread: a
+    drained host may be going away, and nothing waits for its answer. Until the new tasks ran,
+    it had to stay: where hosts share a kernel (one machine's addresses, the test bed) they
+    share the cluster's cgroup, which the last table's removal takes with it, and the tables of
+    the hosts that keep tasks match it."""
+    session = run.session
+    asks = {h: fence.request(run.plan, h, fence.RELEASE) for h in hosts
+            if h in session.agents and h not in session.pool.lost and not session.pool.gone_by_now(h)}
+    asks = {h: ask for h, ask in asks.items() if ask is not None}
+    if asks:
+        Background(session.parallel, lambda h: session.agents[h].release_fence(asks[h]), list(asks))
 
 
 def _open_spares(run: Run, spares: list[str]) -> None:
@@ -186,7 +251,8 @@ def _open_spares(run: Run, spares: list[str]) -> None:
             session.infos[spare] = session.agent(spare).prepare(None, None)
 
 
-def _start(run: Run, procs: list[Supervised], move: Move, riders: list[Move], fenced: Background) -> None:
+def _start(run: Run, procs: list[Supervised], move: Move, riders: list[Move], fenced: Background,
+           ready: Watch | None) -> None:
     """Start `procs` afresh on the run's (new) plan, once `fenced` (_refence) is done: servers
     first, ready, then the scripts, shipping the files to the spares first (`move`'s, and those
     of the moves that ride along with it)."""
@@ -202,8 +268,13 @@ def _start(run: Run, procs: list[Supervised], move: Move, riders: list[Move], fe
     fenced.result()
     servers = [p for p in procs if p.role == "server"]
     if servers:
-        attempts.start_all(run, run.standbys.take_servers(run, servers) if run.standbys is not None else servers)
-        wait_ready(session, [Started(p.task, p.launch.tag, p.handle.pid, p.launch.log) for p in servers])
+        cold = run.standbys.take_servers(run, servers) if run.standbys is not None else servers
+        attempts.start_all(run, cold)
+        started = [Started(p.task, p.launch.tag, p.handle.pid, p.launch.log) for p in servers]
+        if ready is not None:       # the held ones' readiness was asked before their GO
+            check_ready(session, ready, started)
+        else:
+            wait_ready(session, started)
     cold = run.standbys.take_all(run, scripts) if run.standbys is not None else scripts  # the standby is the script
     if cold:
         attempts.start_all(run, cold)

@@ -40,11 +40,13 @@ from tfcluster.errors import HostError
 from tfcluster.host.shim_protocol import RESTART_VAR
 from tfcluster.launch.agent import fence
 from tfcluster.launch.agent.standby import Standby
+from tfcluster.launch.cluster.session import Background
 from tfcluster.launch.run.recovery import lost_tasks, step_now
 from tfcluster.plan import names, policy
 
 if TYPE_CHECKING:
     from tfcluster.launch.agent.attached import AttachedTask
+    from tfcluster.launch.cluster.servers import Started
     from tfcluster.launch.agent.records import TaskLaunch
     from tfcluster.launch.run.runstate import Run, Supervised
     from tfcluster.plan import Plan, TaskPlan
@@ -64,6 +66,7 @@ class Standbys:
     numbering: threading.Lock = field(default_factory=threading.Lock)   # `made` and `suspected`, from several threads
     servers: dict[str, tuple[str, TaskLaunch, AttachedTask]] = field(default_factory=dict)  # key -> (host, ...) held
     restarting: set[str] = field(default_factory=set)   # hosts keep() gave their restart's standbys (until a restart)
+    prefences: dict[str, tuple[Plan, Background]] = field(default_factory=dict)  # suspected host -> (moved plan, _prefence)
 
     # -- starting them
 
@@ -157,14 +160,42 @@ class Standbys:
             self.suspected.add(host)
         run.ui.info(f"{host}: its connection dropped; its move to {spare} is being prepared (standbys, servers held) "
                     f"while the run waits to see whether it is lost")
-        threading.Thread(target=self._prepare_for, args=(run, host, plan.moved(host, spare)),
+        after = plan.moved(host, spare)
+        self.prefences[host] = (after, Background(self._prefence, run, host, plan, after))
+        threading.Thread(target=self._prepare_for, args=(run, host, after),
                          name=f"tfcluster-suspect-{host}", daemon=True).start()
+
+    @staticmethod
+    def _prefence(run: Run, host: str, before: Plan, after: Plan) -> bool:
+        """suspect()'s fence: every other host's table closes the ports of the cluster as it is
+        and as the move would make it, so that the move, once decided, binds under tables
+        already in place (recovery._restart_all). True when every host of `after` but `host`
+        answered closed. If `host` comes back, the tables stay: they close more, never less."""
+        session = run.session
+        hosts = [h for h in session.agents if h != host and session.pool.usable(h) and h in session.infos]
+        asks = {h: fence.request(before, h, fence.INSTALL, also=after) for h in hosts}
+        if not asks or None in asks.values() or any(h not in asks for h in after.hosts if after.tasks_on(h)):
+            return False
+        answers = session.parallel(lambda h: session.agents[h].fence(asks[h]), list(asks))
+        return all(isinstance(a, dict) and a.get("closed") for a in answers.values())
+
+    def prefenced(self, host: str, after: Plan) -> bool:
+        """Whether `host`'s move to the plan `after` finds every table in place (_prefence;
+        waits for it): only where the move prepared is the move made."""
+        prepared, done = self.prefences.pop(host, (None, None))
+        if done is None or prepared != after:
+            return False
+        try:
+            return bool(done.result())
+        except Exception:  # noqa: BLE001 - the restart's own refresh then closes them
+            return False
 
     def clear(self, run: Run, host: str) -> None:
         """`host` is back: the standbys and servers made for its loss go (a warm spare's own stay)."""
         if host not in self.suspected:
             return
         self.suspected.discard(host)
+        self.prefences.pop(host, None)
         run.ui.info(f"{host} is back: what was prepared for its move is dropped")
         with self.lock:
             self._trim(run)
@@ -219,6 +250,15 @@ class Standbys:
                                         pidfile_on_go=session.paths.pidfile(launch.tag))
             self.servers[t.key] = (host, launch, task)
 
+    def held_servers(self, plan: Plan) -> list[Started]:
+        """The servers held now for `plan`, as started ones (their readiness can be asked
+        before their GO: servers.watch_ready)."""
+        from tfcluster.launch.cluster.servers import Started
+
+        return [Started(plan.task(key), launch.tag, task.pid, launch.log)
+                for key, (host, launch, task) in self.servers.items()
+                if plan.task(key).host == host and task.pid]
+
     def take_servers(self, run: Run, procs: list[Supervised]) -> list[Supervised]:
         """GO to each server of `procs` held for it before the break, on its host, its launch
         unchanged; returns the ones left to start cold. Held servers nothing took are stopped."""
@@ -234,7 +274,7 @@ class Standbys:
             now = attempts.launch_of(run.session, run.run_id, p)
             same = host == p.task.host and (launch.argv, launch.env, launch.no_proxy) == (now.argv, now.env, now.no_proxy)
             if not same or not task.go():
-                task.stop()
+                task.stop(keep_fence=bool(run.plan.tasks_on(host)))    # tasks start there
                 cold.append(p)
                 if not same:
                     changed.append(p.task.key)
