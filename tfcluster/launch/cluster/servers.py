@@ -87,7 +87,8 @@ def watch_ready(session: Session, started: list[Started], settle: float,
                                                timeout, settle)
 
     keys = [s.task.key for s in started]
-    return Watch(set(keys), Background(_decide, session, grouped, keys, events))
+    # no "still waiting" lines: nothing is awaited before the GO, which may be seconds away
+    return Watch(set(keys), Background(_decide, session, grouped, keys, events, False))
 
 
 def check_ready(session: Session, watch: Watch, started: list[Started],
@@ -95,19 +96,23 @@ def check_ready(session: Session, watch: Watch, started: list[Started],
     """Block until every started server listens on its port, as wait_ready, with `watch`'s
     answers for those it watched (one it watched that was not started after all, a held server
     stopped instead of its GO, is not judged) and a wait_ready of their own for the rest."""
-    results = {h: [d for d in decided if d[0] in {s.task.key for s in started}] if isinstance(decided, list)
-               else decided for h, decided in watch.answers.result().items()}
+    keys = {s.task.key for s in started}
+    answers = watch.answers.result()
+    failed = {h for h, decided in answers.items() if isinstance(decided, Exception)}   # asked anew below
+    results = {h: [d for d in decided if d[0] in keys] if isinstance(decided, list) else decided
+               for h, decided in answers.items() if h not in failed}
     _raise_unready(session, results, {s.task.key: s for s in started}, timeout)
-    rest = [s for s in started if s.task.key not in watch.keys]
+    rest = [s for s in started if s.task.key not in watch.keys or s.task.host in failed]
     if rest:
         wait_ready(session, rest, timeout)
 
 
-def _decide(session: Session, hosts, keys: list[str], events) -> dict:
+def _decide(session: Session, hosts, keys: list[str], events, waiting: bool = True) -> dict:
     """Every host's `events(host)` ((key, state, value) as its servers start and are
     decided), in parallel, each ready one reported as it comes: host -> the decided
-    (key, state, holder), or the host's error."""
-    progress = _Progress(session, keys)
+    (key, state, holder), or the host's error. `waiting`: the lines say how long it has
+    been, and say it every TICK seconds without news."""
+    progress = _Progress(session, keys, waiting)
 
     def one(host: str) -> list[tuple[str, str, str | None]]:
         decided = []
@@ -147,13 +152,14 @@ class _Progress:
     TICK = 5.0
     NAMED = 4           # names shown before "+N more"
 
-    def __init__(self, session: Session, keys: list[str]) -> None:
-        self.session, self.total, self.t0 = session, len(keys), time.monotonic()
+    def __init__(self, session: Session, keys: list[str], waiting: bool = True) -> None:
+        self.session, self.total, self.t0, self.timed = session, len(keys), time.monotonic(), waiting
         self.pending = list(keys)
         self.lock = threading.Lock()
         self.done = threading.Event()
         self.last_news = self.t0
-        threading.Thread(target=self._tick, name="tfcluster-progress", daemon=True).start()
+        if waiting:
+            threading.Thread(target=self._tick, name="tfcluster-progress", daemon=True).start()
 
     def ready(self, key: str) -> None:
         with self.lock:
@@ -162,8 +168,9 @@ class _Progress:
             count = self.total - len(self.pending)
             self.last_news = now = time.monotonic()
             waiting = f"; waiting for {self._names()}" if self.pending else ""
+            took = f"{now - self.t0:.1f}s, " if self.timed else ""
             self.session.ui.info(f"  ✓ {key:<10} ready on {self.session.plan.task(key).target}"
-                                 f"  ({now - self.t0:.1f}s, {count}/{self.total}{waiting})")
+                                 f"  ({took}{count}/{self.total}{waiting})")
 
     def _tick(self) -> None:
         while not self.done.wait(1.0):

@@ -125,7 +125,7 @@ def _restart_all(run: Run, move: Move) -> None:
     _open_spares(run, [move.spare])
     # make before break: the new scripts' standbys and servers start now, while the old tasks stop and save
     early = Background(run.standbys.before_break, run, after) if run.standbys is not None else None
-    watching = Background(_watch_held, run, after, early) if early is not None else None
+    watching = Background(_watch_held, run, after, move, early) if early is not None else None
     # The fence follows the tasks: every host keeps its table through the stop, and each gets
     # the new one beside the stop (or had it already: _fence_for); a host the move leaves
     # loses it once the new tasks run (_release). Not with another host warned: it may ride
@@ -177,10 +177,14 @@ def _stop(run: Run, procs: list[Supervised], keep_fence: frozenset[str] = frozen
                            keep_fence=keep_fence)
 
 
-def _watch_held(run: Run, after: Plan, early: Background) -> Watch | None:
-    """Once make before break is done (`early`), whether each held server listens is asked of
-    its host, answered as it binds on its GO: the asking (a remote execution) is off the path."""
+def _watch_held(run: Run, after: Plan, move: Move, early: Background) -> Watch | None:
+    """Whether each held server listens, asked of its host before its GO and answered as it
+    binds: asked while the grace decided (Standbys.suspect), or once make before break is
+    done (`early`). The asking (a remote execution) is off the path."""
     early.result()
+    watch = run.standbys.watch_for(move.host, after)
+    if watch is not None:
+        return watch
     held = run.standbys.held_servers(after)
     return watch_ready(run.session, held, settle=run.options.grace + 5) if held else None
 

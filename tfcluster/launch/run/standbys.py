@@ -40,13 +40,15 @@ from tfcluster.errors import HostError
 from tfcluster.host.shim_protocol import RESTART_VAR
 from tfcluster.launch.agent import fence
 from tfcluster.launch.agent.standby import Standby
+from tfcluster.launch.cluster.hostloss import REOPEN_GRACE
+from tfcluster.launch.cluster.servers import watch_ready
 from tfcluster.launch.cluster.session import Background
 from tfcluster.launch.run.recovery import lost_tasks, step_now
 from tfcluster.plan import names, policy
 
 if TYPE_CHECKING:
     from tfcluster.launch.agent.attached import AttachedTask
-    from tfcluster.launch.cluster.servers import Started
+    from tfcluster.launch.cluster.servers import Started, Watch
     from tfcluster.launch.agent.records import TaskLaunch
     from tfcluster.launch.run.runstate import Run, Supervised
     from tfcluster.plan import Plan, TaskPlan
@@ -67,6 +69,7 @@ class Standbys:
     servers: dict[str, tuple[str, TaskLaunch, AttachedTask]] = field(default_factory=dict)  # key -> (host, ...) held
     restarting: set[str] = field(default_factory=set)   # hosts keep() gave their restart's standbys (until a restart)
     prefences: dict[str, tuple[Plan, Background]] = field(default_factory=dict)  # suspected host -> (moved plan, _prefence)
+    watches: dict[str, tuple[Plan, Watch]] = field(default_factory=dict)   # ... -> (moved plan, its held servers asked)
 
     # -- starting them
 
@@ -196,6 +199,7 @@ class Standbys:
             return
         self.suspected.discard(host)
         self.prefences.pop(host, None)
+        self.watches.pop(host, None)        # its held servers go: their answers end it
         run.ui.info(f"{host} is back: what was prepared for its move is dropped")
         with self.lock:
             self._trim(run)
@@ -208,8 +212,18 @@ class Standbys:
                 return
             try:
                 self._before_break(run, after)
+                held = self.held_servers(after)
+                if held:            # asked now, answered as each binds on its GO (servers.watch_ready)
+                    settle = REOPEN_GRACE + run.options.grace + 5      # the verdict, then the old servers' stop
+                    self.watches[host] = (after, watch_ready(run.session, held, settle))
             except Exception:  # noqa: BLE001 - an early start is an optimisation: the restart makes what is missing
                 pass
+
+    def watch_for(self, host: str, after: Plan) -> Watch | None:
+        """The readiness of the servers held for `host`'s move to the plan `after`, asked
+        while the grace decided (None: not asked, or for another move)."""
+        prepared, watch = self.watches.pop(host, (None, None))
+        return watch if prepared == after else None
 
     def _before_break(self, run: Run, after: Plan) -> None:
         lost = run.session.pool.unusable() - set(after.spares)
