@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import pytest
 
 from tests.helpers import (
     CLUSTER_DIR,
+    LISTENER,
     PATHS,
     STUBBORN,
     C,
@@ -97,6 +99,42 @@ def test_tfservers_start_become_ready_and_stop_leaving_ports_free(home, capsys):
     finally:
         agent.stop(f"{C}:", grace=1)
         agent.close()
+
+
+# listens on argv[1] once a line comes on stdin (a held server's GO), says so, and stays
+BIND_AT_GO = ("import socket, sys\nsys.stdin.readline()\ns = socket.socket()\n"
+              "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+              "s.bind(('127.0.0.1', int(sys.argv[1])))\ns.listen()\nprint('up', flush=True)\nsys.stdin.readline()\n")
+
+
+@pytest.mark.timeout(60)
+def test_readiness_asked_while_the_old_server_still_listens_is_ready_once_the_new_one_binds(agent):
+    """A move asks whether each held server listens before its GO, while the server it
+    replaces still holds the port: within `settle` that port is not "taken"; the old server
+    ends, the held one binds at its GO, and the answer is "ready". Asked without `settle`,
+    the old server is named the holder at once."""
+    port = free_port()
+    old = subprocess.Popen([sys.executable, "-c", LISTENER, str(port)])
+    held = subprocess.Popen([sys.executable, "-c", BIND_AT_GO, str(port)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: agent.check_ports([port])[port] is not None, 10, what="the old server listening")
+        assert [state for _, state, _ in agent.wait_ready([("ps:0", port, held.pid)], 30)] == ["taken"]
+        answers: list = []
+        asked = threading.Thread(target=lambda: answers.extend(agent.wait_ready([("ps:0", port, held.pid)], 30,
+                                                                                 settle=20)))
+        asked.start()
+        old.kill()
+        old.wait(10)
+        held.stdin.write("GO\n")
+        held.stdin.flush()
+        assert held.stdout.readline() == "up\n"
+        asked.join(30)
+        assert [(key, state) for key, state, _ in answers] == [("ps:0", "ready")]
+    finally:
+        for p in (old, held):
+            p.kill()
+            p.wait(10)
 
 
 @pytest.mark.timeout(30)
