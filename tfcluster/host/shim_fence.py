@@ -497,9 +497,8 @@ def _write_mark(cluster_dir: str, mark: dict) -> None:
 def cmd_fence(req: dict) -> dict:
     """`fence`: `mode` "install" (close this host's task ports; `up`, `train`), "probe"
     (could they be closed? `plan --check`), "status" (are they? `status`) or "release" (the
-    table goes if nothing of the cluster runs here: a host a move took the cluster off, whose
-    tasks were stopped leaving it, as a table and a cgroup of one kernel's hosts are shared
-    while every task stops). Never an error
+    table goes if nothing of the cluster runs here: a host a move left, whose tasks' stop kept
+    it until the move's new tasks ran). Never an error
     envelope: the answer says {"closed", "table", "why", "others"} and the launcher decides
     (a warning, or an error for `tf_ports: closed`); an install also says what admits the
     cluster's own connections (`match`: "cgroup", or "uid" with `match_why`) and which stale

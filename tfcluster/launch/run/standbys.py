@@ -41,15 +41,15 @@ from tfcluster.host.shim_protocol import RESTART_VAR
 from tfcluster.launch.agent import fence
 from tfcluster.launch.agent.standby import Standby
 from tfcluster.launch.cluster.hostloss import REOPEN_GRACE
-from tfcluster.launch.cluster.servers import watch_ready
+from tfcluster.launch.cluster.servers import Started, watch_ready
 from tfcluster.launch.cluster.session import Background
 from tfcluster.launch.run.recovery import lost_tasks, step_now
 from tfcluster.plan import names, policy
 
 if TYPE_CHECKING:
     from tfcluster.launch.agent.attached import AttachedTask
-    from tfcluster.launch.cluster.servers import Started, Watch
     from tfcluster.launch.agent.records import TaskLaunch
+    from tfcluster.launch.cluster.servers import Watch
     from tfcluster.launch.run.runstate import Run, Supervised
     from tfcluster.plan import Plan, TaskPlan
 
@@ -267,8 +267,6 @@ class Standbys:
     def held_servers(self, plan: Plan) -> list[Started]:
         """The servers held now for `plan`, as started ones (their readiness can be asked
         before their GO: servers.watch_ready)."""
-        from tfcluster.launch.cluster.servers import Started
-
         return [Started(plan.task(key), launch.tag, task.pid, launch.log)
                 for key, (host, launch, task) in self.servers.items()
                 if plan.task(key).host == host and task.pid]
