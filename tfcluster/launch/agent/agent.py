@@ -236,7 +236,8 @@ class HostAgent:
         return self.fence_answer
 
     def release_fence(self, request: dict) -> dict:
-        """The cluster's table here goes if nothing of the cluster runs here any more."""
+        """The cluster's table here goes if nothing of the cluster runs here any more (a `fence`
+        request of mode `release`; unlike fence()'s, not kept as the host's fence_request)."""
         return self._call(proto.FENCE, request)
 
     @contextlib.contextmanager

@@ -4,11 +4,11 @@ from. The supervisor fills the resumed step from the progress lines that follow 
 it once, and the records go to the summary and the manifest (`moves`)."""
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from tfcluster.launch.cluster.session import Background
 from tfcluster.launch.run import ckptlag
 from tfcluster.plan import policy
 
@@ -97,4 +97,4 @@ class Recovery:
         if self.after_resume and self.unproven() is None:
             work, self.after_resume = self.after_resume, []
             for fn in work:
-                threading.Thread(target=fn, daemon=True, name="tfcluster-after-move").start()
+                Background(fn)

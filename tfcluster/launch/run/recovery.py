@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from tfcluster.errors import ConnectError, TfclusterError
 from tfcluster.launch.agent import fence
 from tfcluster.launch.cluster.hostloss import REOPEN_GRACE
-from tfcluster.launch.cluster.servers import Started, Watch, check_ready, wait_ready, watch_ready
+from tfcluster.launch.cluster.servers import Started, Watch, check_ready, wait_ready
 from tfcluster.launch.cluster.session import Background
 from tfcluster.launch.cluster.shipping import ship
 from tfcluster.launch.run import attempts, ckptlag
@@ -182,11 +182,7 @@ def _watch_held(run: Run, after: Plan, move: Move, early: Background) -> Watch |
     binds: asked while the grace decided (Standbys.suspect), or once make before break is
     done (`early`). The asking (a remote execution) is off the path."""
     early.result()
-    watch = run.standbys.watch_for(move.host, after)
-    if watch is not None:
-        return watch
-    held = run.standbys.held_servers(after)
-    return watch_ready(run.session, held, settle=run.options.grace + 5) if held else None
+    return run.standbys.readiness(run, move.host, after)
 
 
 def _fence_for(run: Run, after: Plan, move: Move) -> bool:

@@ -57,6 +57,14 @@ TF_MODES = ("between-graph", "classic", "coordinator", "mirrored")   # the stand
 
 
 @dataclass
+class Prepared:
+    """What suspect() readied for a host's move while the grace decides whether it is lost."""
+    after: Plan                 # the plan the move would adopt
+    fenced: Background          # _prefence: every other host's table, closing both clusters' ports
+    watch: Watch | None = None  # the held servers' readiness, asked (servers.watch_ready)
+
+
+@dataclass
 class Standbys:
     held: dict[str, list[Standby]] = field(default_factory=dict)   # host -> standbys not taken yet
     made: int = 0                       # standbys started (their numbers)
@@ -68,8 +76,7 @@ class Standbys:
     numbering: threading.Lock = field(default_factory=threading.Lock)   # `made` and `suspected`, from several threads
     servers: dict[str, tuple[str, TaskLaunch, AttachedTask]] = field(default_factory=dict)  # key -> (host, ...) held
     restarting: set[str] = field(default_factory=set)   # hosts keep() gave their restart's standbys (until a restart)
-    prefences: dict[str, tuple[Plan, Background]] = field(default_factory=dict)  # suspected host -> (moved plan, _prefence)
-    watches: dict[str, tuple[Plan, Watch]] = field(default_factory=dict)   # ... -> (moved plan, its held servers asked)
+    prepared: dict[str, Prepared] = field(default_factory=dict)   # suspected host -> what its move has ready
 
     # -- starting them
 
@@ -164,7 +171,7 @@ class Standbys:
         run.ui.info(f"{host}: its connection dropped; its move to {spare} is being prepared (standbys, servers held) "
                     f"while the run waits to see whether it is lost")
         after = plan.moved(host, spare)
-        self.prefences[host] = (after, Background(self._prefence, run, host, plan, after))
+        self.prepared[host] = Prepared(after, Background(self._prefence, run, host, plan, after))
         threading.Thread(target=self._prepare_for, args=(run, host, after),
                          name=f"tfcluster-suspect-{host}", daemon=True).start()
 
@@ -182,24 +189,38 @@ class Standbys:
         answers = session.parallel(lambda h: session.agents[h].fence(asks[h]), list(asks))
         return all(isinstance(a, dict) and a.get("closed") for a in answers.values())
 
+    def _for_move(self, host: str, after: Plan) -> Prepared | None:
+        """What suspect() readied for `host`'s move, where the move prepared is the move made."""
+        prepared = self.prepared.get(host)
+        return prepared if prepared is not None and prepared.after == after else None
+
     def prefenced(self, host: str, after: Plan) -> bool:
         """Whether `host`'s move to the plan `after` finds every table in place (_prefence;
-        waits for it): only where the move prepared is the move made."""
-        prepared, done = self.prefences.pop(host, (None, None))
-        if done is None or prepared != after:
-            return False
+        waits for it)."""
+        prepared = self._for_move(host, after)
         try:
-            return bool(done.result())
+            return prepared is not None and bool(prepared.fenced.result())
         except Exception:  # noqa: BLE001 - the restart's own refresh then closes them
             return False
+
+    def readiness(self, run: Run, host: str, after: Plan) -> Watch | None:
+        """Whether each server held for `host`'s move to the plan `after` listens: asked while
+        the grace decided, else now (once make before break is done), before their GO."""
+        prepared = self._for_move(host, after)
+        if prepared is not None and prepared.watch is not None:
+            return prepared.watch
+        return self._ask_ready(run, after, run.options.grace + 5)     # the old servers' stop
+
+    def _ask_ready(self, run: Run, after: Plan, settle: float) -> Watch | None:
+        held = self.held_servers(after)
+        return watch_ready(run.session, held, settle) if held else None
 
     def clear(self, run: Run, host: str) -> None:
         """`host` is back: the standbys and servers made for its loss go (a warm spare's own stay)."""
         if host not in self.suspected:
             return
         self.suspected.discard(host)
-        self.prefences.pop(host, None)
-        self.watches.pop(host, None)        # its held servers go: their answers end it
+        self.prepared.pop(host, None)       # its held servers go: their answers end its watch
         run.ui.info(f"{host} is back: what was prepared for its move is dropped")
         with self.lock:
             self._trim(run)
@@ -212,18 +233,12 @@ class Standbys:
                 return
             try:
                 self._before_break(run, after)
-                held = self.held_servers(after)
-                if held:            # asked now, answered as each binds on its GO (servers.watch_ready)
-                    settle = REOPEN_GRACE + run.options.grace + 5      # the verdict, then the old servers' stop
-                    self.watches[host] = (after, watch_ready(run.session, held, settle))
+                prepared = self.prepared.get(host)      # gone: the host is back
+                if prepared is not None:    # asked now, answered as each binds on its GO: after the
+                    # verdict and the old servers' stop
+                    prepared.watch = self._ask_ready(run, after, REOPEN_GRACE + run.options.grace + 5)
             except Exception:  # noqa: BLE001 - an early start is an optimisation: the restart makes what is missing
                 pass
-
-    def watch_for(self, host: str, after: Plan) -> Watch | None:
-        """The readiness of the servers held for `host`'s move to the plan `after`, asked
-        while the grace decided (None: not asked, or for another move)."""
-        prepared, watch = self.watches.pop(host, (None, None))
-        return watch if prepared == after else None
 
     def _before_break(self, run: Run, after: Plan) -> None:
         lost = run.session.pool.unusable() - set(after.spares)
