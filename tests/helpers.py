@@ -5,6 +5,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -108,6 +109,17 @@ def tagged_processes() -> dict[int, str]:
             if item.startswith(tag):
                 found[int(name)] = item[len(tag):].decode(errors="replace")
     return found
+
+
+def cluster_tables(name: str) -> list[str]:
+    """The nftables tables of clusters named `name` in this network namespace; none where
+    tables cannot be read (not root, no nft): the fence is then not made either."""
+    nft = shutil.which("nft") or next((p for p in ("/usr/sbin/nft", "/sbin/nft") if os.access(p, os.X_OK)), None)
+    if nft is None or os.geteuid() != 0:
+        return []
+    out = subprocess.run([nft, "list", "tables"], capture_output=True, text=True, timeout=10).stdout
+    return [line.split()[-1] for line in out.splitlines()
+            if line.startswith("table inet ") and line.split()[-1].startswith(f"tfcluster_{name}_")]
 
 
 def wait_for(predicate, timeout: float, interval: float = 0.05, what: str = "condition"):

@@ -179,6 +179,35 @@ def test_the_owners_other_processes_are_refused_and_only_the_clusters_own_get_in
     assert not os.path.exists(cgroup)
 
 
+@pytest.mark.timeout(60)
+def test_a_launcher_gone_before_the_batch_answer_leaves_no_table(clusters):
+    """Ctrl-C while a host's first exec (a held script start whose batch installs the fence)
+    still runs: the launcher's end of the pipe is gone when the shim writes the batch's
+    answer. The table that batch made goes with the shim, which starts nothing."""
+    cluster_dir = clusters.make("fencegone")
+    port = free_ports(1)[0]
+    tag = "fencegone:run-1:worker:0:script"
+    log = os.path.join(cluster_dir, "runs", "run-1", "worker-0.log")
+    fence_req = {"mode": "install", "cluster_dir": cluster_dir, "tag_prefix": "fencegone:", "ports": [port],
+                 "targets": [["127.0.0.1", port]], "peers": ["127.0.0.1"]}
+    request = {"tag": tag, "cluster_dir": cluster_dir, "argv": [sys.executable, "-S", "-c", "print('ran')"],
+               "cwd": cluster_dir, "log": log, "attached": True, "defer": True, "heartbeat_timeout": 30,
+               "grace": 1, "pidfile": os.path.join(cluster_dir, "pids", tag.replace(":", "_") + ".pid"),
+               "batch": {"commands": {proto.FENCE: fence_req}}}
+    proc = subprocess.Popen([sys.executable, "-S", SHIM, proto.START], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()                     # the launcher gone: the answer's write fails (EPIPE)
+    proc.stdin.write(json.dumps(request).encode() + b"\n")
+    proc.stdin.close()
+    try:
+        proc.wait(30)
+    finally:
+        proc.kill()
+    assert not os.path.exists(log)          # nothing started
+    assert shim_fence.table_name(cluster_dir, "fencegone:") not in tables()
+    assert not os.path.exists(shim_cgroup.path_of(cluster_dir))
+
+
 # Its stale table is old on purpose, and any root fence install sweeps old tables of clusters
 # with nothing left: another test's local cluster starting meanwhile (under -n 4, seen once in
 # three runs) swept it first. So it runs with this kernel's nftables to itself.

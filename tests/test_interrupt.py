@@ -17,16 +17,17 @@ from tests.helpers import (
     kill_group,
     local_spec,
     read_until,
+    cluster_tables,
     ssh_spec,
     start_tfcluster,
     tagged_processes,
     wait_for,
 )
-from tfcluster.launch.run.runstate import SCRIPT_GRACE  # a script's last checkpoint after Ctrl-C
+from tfcluster.plan import STOP_GRACE  # a script's last checkpoint after Ctrl-C (train.stop_grace)
 
 pytestmark = [pytest.mark.tf, pytest.mark.timeout(240), pytest.mark.alone]   # how soon Ctrl-C ends a run: judged alone
 
-PROMPT = SCRIPT_GRACE + 10.0   # "about a second plus the stop grace", with room for a busy machine
+PROMPT = STOP_GRACE + 10.0   # "about a second plus the stop grace", with room for a busy machine
 
 TRAIN = "train:\n  mode: between-graph\n  script: template:between_graph\n" \
         "  args: ['--steps', '100000', '--log_every', '20', '--min_step_time', '0.05']\n"
@@ -44,13 +45,16 @@ PHASES = {
 }
 
 
+_NAMES = {"local": "intr", "ssh": "intrssh"}
+
+
 def _spec(transport: str, tmp_path, request):
     if transport == "local":
         return local_spec(tmp_path, args=["--steps", "100000", "--log_every", "20", "--min_step_time", "0.05"],
-                          name="intr")
+                          name=_NAMES[transport])
     sshd = request.getfixturevalue("sshd")
     request.getfixturevalue("ssh_home")
-    return ssh_spec(tmp_path, sshd, name="intrssh", train=TRAIN)
+    return ssh_spec(tmp_path, sshd, name=_NAMES[transport], train=TRAIN)
 
 
 @pytest.mark.parametrize("transport", ["local", pytest.param("ssh", marks=pytest.mark.ssh)])
@@ -76,6 +80,7 @@ def test_ctrl_c_exits_130_promptly_and_leaves_nothing(phase, transport, tmp_path
         assert "host " not in out.split("tfcluster: error:")[-1], out[-3000:]
         assert elapsed < PROMPT, f"took {elapsed:.1f}s to stop after Ctrl-C"
         wait_for(lambda: not tagged_processes(), timeout=10, what="every task gone after Ctrl-C")
+        wait_for(lambda: not cluster_tables(_NAMES[transport]), timeout=5, what="the fence's table to go")
     finally:
         kill_group(proc)
 
@@ -99,6 +104,7 @@ def test_ctrl_c_at_varied_moments_of_starting_servers_leaves_nothing(delay, tmp_
         if proc.returncode == 130:
             assert "tfcluster: error: interrupted" in out and "Traceback" not in out, out[-3000:]
             wait_for(lambda: not tagged_processes(), timeout=10, what="every server gone after Ctrl-C")
+            wait_for(lambda: not cluster_tables("intrv"), timeout=5, what="the fence's table to go")
     finally:
         kill_group(proc)
         if tagged_processes():

@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tfcluster.errors import SpecError, UsageError
+from tfcluster.plan import build_plan
 from tfcluster.spec import (
     Host,
     Job,
@@ -257,6 +258,10 @@ REJECTIONS = [
      "8: train.timeout: must be a positive number of seconds or a duration like 90s, 30m, 2h; got '3d'"),
     ("timeout-list", BASE + "train: {timeout: [1]}\n",
      "8: train.timeout: must be a positive number of seconds or a duration like 90s, 30m, 2h; got a list"),
+    ("stop-grace-long", BASE + "train: {stop_grace: 2h}\n",
+     "8: train.stop_grace: must be more than 0 and at most 3600s; got '2h'"),
+    ("stop-grace-zero", BASE + "train: {stop_grace: 0}\n",
+     "8: train.stop_grace: must be a positive number of seconds or a duration like 90s, 30m, 2h; got '0'"),
     ("keras-typo", BASE + "train:\n  mode: mirrored\n  keras: legacey\n",
      "10: train.keras: unknown keras 'legacey'; did you mean 'legacy'?"),
     ("keras-bool", BASE + "train: {keras: true}\n", "8: train.keras: unknown keras 'true'; expected one of: auto, legacy"),
@@ -493,6 +498,12 @@ def test_minimal_spec_gets_defaults(tmp_path):
 def test_timeout_accepts_seconds_and_durations(tmp_path, text, seconds):
     path = write(tmp_path, BASE + f"train: {{timeout: {text}}}\n")
     assert load_spec(path).train.timeout == seconds
+
+
+def test_stop_grace_defaults_to_10s_and_reaches_the_plan(tmp_path):
+    assert load_spec(write(tmp_path, BASE)).train.stop_grace == 10.0
+    spec = load_spec(write(tmp_path, BASE + "train: {stop_grace: 45s}\n"))
+    assert spec.train.stop_grace == 45.0 and build_plan(spec).stop_grace == 45.0
 
 
 def test_template_script_resolves_in_the_package(tmp_path, monkeypatch):

@@ -1,4 +1,4 @@
-"""A script that outlives SIGTERM: the run's stop waits the grace, KILLs it, and says so,
+"""A script that outlives SIGTERM: the run's stop waits the grace (train.stop_grace), KILLs it, and says so,
 naming the tasks (and, in mirrored mode, TensorFlow's SIGTERM handler as the likely cause).
 Real processes on the local host; the script is plain Python that ignores SIGTERM."""
 from __future__ import annotations
@@ -28,10 +28,10 @@ def test_scripts_that_outlive_sigterm_are_killed_and_named(tmp_path, home):
     spec = tmp_path / "stub.yaml"
     spec.write_text("name: stub\nhosts:\n  - {name: a, address: 127.0.0.1}\n"
                     f"jobs:\n  worker: {{tasks: ['a:{p[0]}', 'a:{p[1]}']}}\n"
-                    "train:\n  mode: mirrored\n  script: stubborn.py\n  timeout: 2s\n")
+                    "train:\n  mode: mirrored\n  script: stubborn.py\n  timeout: 2s\n  stop_grace: 2s\n")
     result = tfcluster("train", str(spec), home=home, cwd=tmp_path)
     assert result.returncode == 6, result.stderr
-    assert ("warning: worker:0, worker:1 still ran 10s after SIGTERM, so they were killed; TensorFlow's "
+    assert ("warning: worker:0, worker:1 still ran 2s after SIGTERM, so they were killed; TensorFlow's "
             "MultiWorkerMirroredStrategy takes SIGTERM as a preemption notice") in result.stderr, result.stderr
     assert "TERM ignored" in result.stdout
     assert not tagged_processes()

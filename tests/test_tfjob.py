@@ -182,6 +182,18 @@ def test_every_pod_has_a_termination_grace_the_launchers_stop_fits_in(tmp_path):
     assert graces == {rendering.TERMINATION_GRACE} and rendering.TERMINATION_GRACE > launch.STOP_GRACE + 5
 
 
+def test_a_longer_stop_grace_lengthens_every_pods_grace_and_reaches_the_launcher(tmp_path):
+    """train.stop_grace: the launcher waits that long between SIGTERM and KILL, and the pod's
+    grace outlasts it."""
+    from tfcluster.engines import launch
+
+    plan = load_plan(write_spec(tmp_path, train="  stop_grace: 60s\n"))
+    _, (_, tfjob, _) = rendered(plan)
+    graces = {s["template"]["spec"]["terminationGracePeriodSeconds"] for s in tfjob["spec"]["tfReplicaSpecs"].values()}
+    assert graces == {80}
+    assert launch_config(plan, "tfjob")["stop_grace"] == 60.0 != launch.STOP_GRACE
+
+
 def test_no_timeout_means_no_deadline(tmp_path):
     _, (_, tfjob, _) = rendered(load_plan(write_spec(tmp_path)))
     assert "activeDeadlineSeconds" not in tfjob["spec"]["runPolicy"]

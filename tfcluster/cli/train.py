@@ -59,7 +59,7 @@ def train(
 
         print_plan(ui, p, commands=True)
         return ExitCode.OK
-    options = runstate.Options(show=tuple(task or ()), quiet=quiet, runs_dir=runs_dir,
+    options = runstate.Options(show=tuple(task or ()), quiet=quiet, runs_dir=runs_dir, grace=p.stop_grace,
                                verbose=verbose, allow_skew=allow_skew)
     return supervisor.train(p, ui, options)
 

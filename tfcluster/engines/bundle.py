@@ -59,7 +59,7 @@ def launch_config(plan: Plan, engine: str, **extra) -> dict:
         "chief": chief_key(plan), "script": script, "args": list(plan.args),
         "workdir": plan.cluster_dir, "env": public, "secret_env": list(secret),
         "files": [dest for _path, dest, _size in plan.files],
-        "jax_env": jax_env(plan),
+        "jax_env": jax_env(plan), "stop_grace": plan.stop_grace,
         **extra,
     }
 

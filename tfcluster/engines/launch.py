@@ -28,7 +28,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 READY_TIMEOUT = 300.0     # seconds for a task's TF server to listen
 NOTIFY_TIMEOUT = 30.0     # seconds a finished task tries to tell each ps it is done
-STOP_GRACE = 10.0         # seconds between TERM and KILL for a task's children
+STOP_GRACE = 10.0         # seconds between TERM and KILL for a task's children (train.stop_grace)
 COORDINATOR = "{coordinator}"   # bundle.py's placeholder in a keras-jax process's variables
 _out = threading.Lock()
 
@@ -86,11 +86,11 @@ def _pump(proc: subprocess.Popen, prefix: str) -> None:
         say(prefix, raw.decode("utf-8", "replace"))
 
 
-def stop(procs) -> None:
+def stop(procs, grace: float = STOP_GRACE) -> None:
     live = [p for p in procs if p is not None and p.poll() is None]
     for p in live:
         p.terminate()
-    deadline = time.monotonic() + STOP_GRACE
+    deadline = time.monotonic() + grace
     for p in live:
         try:
             p.wait(max(0.1, deadline - time.monotonic()))
@@ -161,7 +161,7 @@ def run_task(cfg: dict, cluster: dict, job: str, index: int, address: str, port:
         rc = server.wait() if server is not None else 0
         return rc
     finally:
-        stop([script, server])
+        stop([script, server], float(cfg.get("stop_grace", STOP_GRACE)))
         for p in (script, server):
             if p is not None:
                 p.pump.join(5)

@@ -37,11 +37,16 @@ REPLICA_TYPES = {"chief": "Chief", "ps": "PS", "worker": "Worker", "evaluator": 
 KNOWN_TYPES = ("Chief", "Master", "PS", "Worker", "Evaluator")   # what the operator knows
 
 # A pod's end, a node drained or a spot node taken back, is SIGTERM to its launcher, which
-# stops the script with SIGTERM (the script saves) and KILLs it STOP_GRACE (10 s) later
-# (engines/launch.py); the pod's grace covers that stop and the server's after it, with
-# room. Kubernetes' own default is 30 s; a spot node's shutdown may leave less (GKE: 30 s
-# for the whole node), which no grace can lengthen.
+# stops the script with SIGTERM (the script saves) and KILLs it train.stop_grace (10 s by
+# default) later (engines/launch.py); the pod's grace covers that stop and the server's after
+# it, with GRACE_ROOM to spare, and is never under Kubernetes' own default, 30 s. A spot
+# node's shutdown may leave less (GKE: 30 s for the whole node), which no grace can lengthen.
 TERMINATION_GRACE = 30
+GRACE_ROOM = 20
+
+
+def termination_grace(stop_grace: float) -> int:
+    return max(TERMINATION_GRACE, math.ceil(stop_grace) + GRACE_ROOM)
 
 RESTART_POLICIES = {"never": "Never", "on-failure": "OnFailure", "exit-code": "ExitCode"}
 CONFIGMAP_LIMIT = 1 << 20         # bytes over data + binaryData values (the API server's rule)
@@ -55,8 +60,8 @@ MAPPING = (
      "restarts of the whole job, tfcluster those of each task); left out under never"),
     ("train.timeout", "spec.runPolicy.activeDeadlineSeconds, rounded up to whole seconds"),
     ("a host taken back (drain, spot): SIGTERM, the scripts save",
-     f"terminationGracePeriodSeconds {TERMINATION_GRACE} in every pod: the launcher's stop "
-     "(SIGTERM to the script, KILL 10 s later) fits in it"),
+     "terminationGracePeriodSeconds in every pod: train.stop_grace + 20 s, at least 30 s: the "
+     "launcher's stop (SIGTERM to the script, KILL train.stop_grace later) fits in it"),
     ("ps (and coordinator workers) serve until the run ends",
      "spec.runPolicy.cleanPodPolicy: Running: the operator deletes the pods still running "
      "when the job ends"),
@@ -213,7 +218,7 @@ def _tfjob(plan: Plan, name: str, namespace: str, image: str, files: dict[str, b
         replicas[rtype] = {
             "replicas": len(tasks),
             "restartPolicy": RESTART_POLICIES[plan.restart.policy],
-            "template": {"spec": {"terminationGracePeriodSeconds": TERMINATION_GRACE,
+            "template": {"spec": {"terminationGracePeriodSeconds": termination_grace(plan.stop_grace),
                                   "containers": [container], "volumes": [volume]}},
         }
     run_policy: dict = {"cleanPodPolicy": "Running"}

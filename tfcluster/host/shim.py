@@ -87,11 +87,13 @@ def qualified(req: dict) -> dict:
 
 def cmd_start(req: dict):
     req = qualified(req)
-    if req.get("batch"):          # a held start that is also the bootstrap's command (held.py)
-        write_all(1, proto.json_line(cmd_batch(req["batch"])))
-    if not req.get("attached"):
-        return {"pid": spawn(req)[0].pid}
-    try:
+    detached = None
+    try:      # from the batch on: a launcher gone by its answer leaves no table here
+        if req.get("batch"):          # a held start that is also the bootstrap's command (held.py)
+            write_all(1, proto.json_line(cmd_batch(req["batch"])))
+        if not req.get("attached"):
+            detached = spawn(req)[0].pid      # it runs on: the table stays for it
+            return {"pid": detached}
         if req.get("standby"):               # a warm standby, held until a task is handed to it
             if __package__:
                 from . import shim_warm as warm
@@ -108,7 +110,7 @@ def cmd_start(req: dict):
         proc, log, offset = spawn(req)
         return Attached(proc, req, log, offset, lines).run()     # the task's exit status is ours
     finally:     # the cluster's last process on this host gone: its ports' table goes too,
-        if not tasks.FENCE_KEPT.is_set():      # unless a move starts the next ones here
+        if detached is None and not tasks.FENCE_KEPT.is_set():    # unless a move starts the next ones here
             fence.release_if_idle(req["cluster_dir"], req["tag"])
 
 

@@ -34,7 +34,7 @@ from tfcluster.spec import (
     mask_userinfo,
 )
 from tfcluster.spec.addresses import machine_of
-from tfcluster.spec.model import JAX_PER_TASK_ENV
+from tfcluster.spec.model import JAX_PER_TASK_ENV, STOP_GRACE
 from tfcluster.spec.shipped import ScriptScan
 from tfcluster.transport.options import SshOptions
 
@@ -156,6 +156,7 @@ class Plan:
     public_env: tuple[str, ...] = ()
     restart: Restart = field(default_factory=Restart)
     timeout: float | None = None
+    stop_grace: float = STOP_GRACE      # train.stop_grace: a script's SIGTERM-to-KILL seconds
     checks: Checks = field(default_factory=Checks)
     tensorboard: str | None = None       # LOGDIR on the chief's host, placeholders filled
     args: tuple[str, ...] = ()           # train.args as written (placeholders unfilled): the
@@ -373,6 +374,7 @@ def build_plan(spec: Spec, local_python: str | None = None, *,
         public_env=spec.public_env,
         restart=spec.train.restart,
         timeout=spec.train.timeout,
+        stop_grace=spec.train.stop_grace,
         checks=spec.train.checks,
         tensorboard=_tensorboard(spec, slots, placeholders),
         args=spec.train.args,
@@ -544,6 +546,7 @@ def plan_to_dict(plan: Plan, *, redact: bool = True) -> dict:
         "cluster_dir": plan.cluster_dir, "spec_sha256": plan.spec_digest,
         "restart": {"policy": restart.policy, "max_restarts": restart.max_restarts},
         "timeout": plan.timeout,
+        "stop_grace": plan.stop_grace,
         "checks": {"placement": plan.checks.placement, "reachability": plan.checks.reachability,
                    "proxy_guard": plan.checks.proxy_guard, "hang_after": plan.checks.hang_after},
         "tensorboard": plan.tensorboard,

@@ -171,6 +171,12 @@ class Checkpoint:
     max_bytes: int = 16 << 30         # a checkpoint larger than this is not copied (docs/spec.md)
 
 
+# train.stop_grace's default: a script's seconds between SIGTERM (Ctrl-C, a stop, a move) and
+# KILL, to save its last checkpoint; STOP_GRACE_MAX its bound (a stop that waits longer is a hang).
+STOP_GRACE = 10.0
+STOP_GRACE_MAX = 3600.0
+
+
 @dataclass(frozen=True)
 class Train:
     mode: str = "between-graph"
@@ -179,6 +185,7 @@ class Train:
     args: tuple[str, ...] = ()        # unexpanded; placeholders checked by the loader
     restart: Restart = field(default_factory=Restart)
     timeout: float | None = None      # seconds
+    stop_grace: float = STOP_GRACE    # seconds
     checks: Checks = field(default_factory=Checks)
     tensorboard: str | None = None    # LOGDIR (unexpanded placeholders) for TensorBoard on the chief
     image: str | None = None          # container image for `render --to tfjob`

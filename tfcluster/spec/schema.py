@@ -34,6 +34,8 @@ from tfcluster.spec.model import (
     PLACEHOLDERS,
     PREEMPTIBLE,
     RESTART_POLICIES,
+    STOP_GRACE,
+    STOP_GRACE_MAX,
     TF_PORTS,
     Checkpoint,
     Checks,
@@ -75,7 +77,7 @@ _SSH_KEYS = ("user", "port", "identity_file", "known_hosts", "host_key_policy", 
              "connect_timeout")
 _HOST_KEYS = ("name", "address", "gpus", "ssh", "spare", "preemptible", "metadata_url")
 _JOB_KEYS = ("count", "per_gpu", "hosts", "port", "gpus", "tasks")
-_TRAIN_KEYS = ("mode", "script", "files", "allow_outside", "args", "restart", "timeout", "checks",
+_TRAIN_KEYS = ("mode", "script", "files", "allow_outside", "args", "restart", "timeout", "stop_grace", "checks",
                "tensorboard", "image", "progress", "keras", "on_host_loss", "checkpoint")
 _CHECK_KEYS = ("placement", "reachability", "proxy_guard", "hang_after")
 _CHECKPOINT_KEYS = ("dir", "keep", "sync", "max_bytes")
@@ -359,6 +361,7 @@ def _parse_train(node: yaml.Node, base_dir: str) -> Train:
         args=tuple(a for a, _ in args),
         restart=_restart(value["restart"]) if "restart" in f else Restart(),
         timeout=as_duration(value["timeout"], "train.timeout") if "timeout" in f else None,
+        stop_grace=_stop_grace(value["stop_grace"]) if "stop_grace" in f else STOP_GRACE,
         checks=_checks(value["checks"]) if "checks" in f else Checks(),
         tensorboard=_tensorboard(value["tensorboard"]) if "tensorboard" in f else None,
         image=_image(value["image"]) if "image" in f else None,
@@ -377,6 +380,15 @@ def _parse_train(node: yaml.Node, base_dir: str) -> Train:
         on_host_loss_line=line_of(value["on_host_loss"]) if "on_host_loss" in f else 0,
         checkpoint=_checkpoint(value["checkpoint"]) if "checkpoint" in f else None,
     )
+
+
+def _stop_grace(node: yaml.Node) -> float:
+    seconds = as_duration(node, "train.stop_grace")
+    if not 0 < seconds <= STOP_GRACE_MAX:
+        raise BadValue(line_of(node), "train.stop_grace",
+                       f"must be more than 0 and at most {STOP_GRACE_MAX:g}s; got {kind_of(node, typed=True)}",
+                       hint="the seconds a script has after SIGTERM to save, before KILL (default 10s)")
+    return seconds
 
 
 def _check_host_loss(spec: Spec) -> None:

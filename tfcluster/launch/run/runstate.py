@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from tfcluster.host.shim_protocol import DEFAULT_HEARTBEAT_TIMEOUT
 from tfcluster.launch.run.moves import Recovery
-from tfcluster.plan import Plan, TaskPlan
+from tfcluster.plan import STOP_GRACE, Plan, TaskPlan
 from tfcluster.watch.runs import ProgressLog
 
 if TYPE_CHECKING:
@@ -25,9 +25,6 @@ if TYPE_CHECKING:
     from tfcluster.watch.footer import LiveFooter
     from tfcluster.watch.logmux import LogMux
 
-SCRIPT_GRACE = 10.0         # a script's last checkpoint after Ctrl-C, before KILL
-
-
 @dataclass
 class Options:
     """How `train` was asked to run (the command line's options)."""
@@ -35,7 +32,7 @@ class Options:
     show: tuple[str, ...] = ()
     quiet: bool = False
     runs_dir: str = "runs"
-    grace: float = SCRIPT_GRACE
+    grace: float = STOP_GRACE       # the plan's train.stop_grace
     heartbeat: float = DEFAULT_HEARTBEAT_TIMEOUT
     verbose: bool = False           # show TF's start-up chatter too
     allow_skew: bool = False        # hosts on other Python/TF minor versions: warn, go on
