@@ -7,12 +7,13 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
 import sys
 
 import pytest
 
 from tests.helpers import kill_group, manifest, only_run, read_until, start_tfcluster, tagged_processes, wait_for
-from tests.netns import PYTHON, TableWatch, refused_everywhere
+from tests.netns import PYTHON, SSH_PORT, TableWatch, refused_everywhere
 
 pytestmark = [pytest.mark.ssh, pytest.mark.tf]
 
@@ -62,3 +63,46 @@ def test_a_second_user_is_refused_at_every_task_port_before_and_after_a_move(tmp
         if host.state == "up":
             wait_for(lambda h=host: "tfcluster_" not in h.run(["nft", "list", "tables"]).stdout, timeout=20,
                      what=f"no table of the cluster left on {host.name}")
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("fault", ["port-taken", "host-refuses-login"])
+def test_a_train_that_ends_before_its_servers_start_leaves_no_table_on_a_host_without_a_script(
+        fault, tmp_path, home, ssh_home, bed):
+    """The ps's host runs no script, so no held shim of the run sits there to take its table
+    when the run ends early: a worker's port taken on h3 (the checks refuse the run), or h3
+    refusing the login while h2's first exec put its table (the hosts' opening fails). h2's
+    table must go all the same; on one kernel h3's shim took the table of the same name, and
+    hid this."""
+    h2, h3 = bed.add("h2"), bed.add("h3")
+    h3_entry = h3.spec() if fault == "port-taken" else \
+        f"{{name: h3, address: {h3.address}, ssh: {{port: {SSH_PORT}, user: nosuchuser}}}}"
+    spec = tmp_path / "fearly.yaml"
+    spec.write_text(
+        f"name: fearly\npython: {sys.executable}\nworkdir: {tmp_path / 'remote'}\nssh: {{connect_timeout: 5}}\n"
+        f"hosts:\n  - {h2.spec()}\n  - {h3_entry}\n"
+        "jobs:\n  ps: {tasks: ['h2:25000']}\n  worker: {tasks: ['h3:25001', 'h3:25002']}\n"
+        "train:\n  mode: between-graph\n  script: template:between_graph\n")
+    listen = ("import socket, sys\ns = socket.socket(); s.bind(('0.0.0.0', 25002)); s.listen(1)\n"
+              "print('up', flush=True)\nsys.stdin.read()\n")
+    holder = subprocess.Popen(["nsenter", "-t", str(h3.sshd.proc.pid), "-n", "-p", "-m", "--",
+                               sys.executable, "-S", "-c", listen], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline() == "up\n"
+        cwd = tmp_path / "cwd"
+        cwd.mkdir()
+        proc = start_tfcluster("train", str(spec), home=home, cwd=cwd)
+        try:
+            out = proc.communicate(timeout=180)[0]
+        finally:
+            kill_group(proc)
+        assert proc.returncode != 0, out[-3000:]
+        assert ("25002" if fault == "port-taken" else "h3") in out.split("tfcluster: error:")[-1], out[-3000:]
+        assert "Traceback" not in out, out[-3000:]
+        for host in (h2, h3):
+            wait_for(lambda h=host: "tfcluster_" not in h.run(["nft", "list", "tables"]).stdout, timeout=20,
+                     what=f"no table of the cluster left on {host.name}")
+    finally:
+        holder.kill()
+        holder.wait(10)

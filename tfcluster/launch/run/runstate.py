@@ -81,6 +81,7 @@ class Run:
     events: "queue.Queue[tuple[Supervised, int, int]]" = field(default_factory=queue.Queue)
     procs: list[Supervised] = field(default_factory=list)
     owns_servers: bool = False
+    reuses_up: bool | None = None    # its servers are `up`'s (None: not decided yet)
     checks: RunChecks | None = None
     board: Board | None = None      # TensorBoard on the chief's host, if asked for
     progress: ProgressLog | None = None   # each script's step, loss and rate (progress.tsv)

@@ -108,8 +108,10 @@ def _prepare_servers(run: Run) -> tuple[list[TaskPlan], set[str]]:
     """(servers this run starts, keys of the live `up` servers it reuses instead)."""
     servers = server_tasks(run.plan)
     if not servers:
+        run.reuses_up = False
         return [], set()
     live, busy = run.session.survey(servers)
+    run.reuses_up = bool(live)
     gone = sorted(set(live) - {t.key for t in servers})
     if gone:       # their TF servers were started with a cluster that has them: not this spec's
         raise TfclusterError(

@@ -52,8 +52,12 @@ def train(plan: Plan, ui: UI, options: Options) -> int:
         ui.info(f"run {run_id}: connecting to {len(plan.hosts)} host(s)…")
         # the bootstrap's round trip also places the files from each host's cache
         holder = Holder(session, run_id, options)     # the scripts' shims start held, per host
-        session.open(survey=server_tasks(plan), prepare=holder.prepare,
-                     ship=(files, session.paths.rundir(run_id), {t.host for t in plan.tasks if t.runs_script}))
+        try:
+            session.open(survey=server_tasks(plan), prepare=holder.prepare,
+                         ship=(files, session.paths.rundir(run_id), {t.host for t in plan.tasks if t.runs_script}))
+        except BaseException:
+            _no_table_left(session, plan, run_id)
+            raise
         events: queue.Queue = queue.Queue()
         checks = RunChecks(plan, ui, os.path.join(options.runs_dir, run_id), lambda: events.put(None),
                            lambda host, targets, timeout: can_connect(session, host, targets, timeout))
@@ -267,17 +271,45 @@ def _shutdown(run: Run, interrupted: bool = False) -> None:
         prefix = names.run_prefix(run.plan.name, run.run_id)
         if (run.owns_servers or run.procs) and not _swept_by_shims(run):
             run.session.stop_run(prefix, grace=0 if fast.is_set() else SERVER_STOP_GRACE)
-        elif run.owns_servers or not any(t.runs_server for t in run.plan.tasks):
-            # a host with no task (an idle spare, a drained host) holds the table this run put
-            # there (not `up`'s, whose servers it used): its stop takes it
-            idle = [h for h in run.session.infos if not run.plan.tasks_on(h)]
-            run.session.stop_run(prefix, grace=0, hosts=idle)
+        else:
+            left = _tables_left(run.plan, list(run.session.infos), run.owns_servers or bool(run.procs),
+                                run.owns_servers, run.reuses_up)
+            if left:
+                run.session.stop_run(prefix, grace=0, hosts=left)
         if run.board is not None and not fast.is_set():
             run.board.wait_stopped()
     finally:
         if main_thread:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+
+def _tables_left(plan: Plan, hosts: list[str], started: bool, owns_servers: bool,
+                 reuses_up: bool | None) -> list[str]:
+    """Of the opened `hosts`, those holding the table this run put there that no shim of the
+    run is left to take (the stop of each, with nothing of the run to stop, takes it): a host
+    with no task (an idle spare, a drained host), unless the table is `up`'s, whose servers
+    the run used (or may use: `reuses_up` None); and when the run ended before anything of it
+    `started` (its checks refused it, Ctrl-C), a host with no script too, where no held shim
+    of the run sat. A host with `up`'s servers keeps its table: the stop takes a table only
+    once nothing of the cluster runs there."""
+    up_table = reuses_up is not False and any(t.runs_server for t in plan.tasks)
+    left = [h for h in hosts if not plan.tasks_on(h)] if owns_servers or not up_table else []
+    if not started:
+        left += [h for h in hosts if plan.tasks_on(h) and not any(t.runs_script for t in plan.tasks_on(h))]
+    return left
+
+
+def _no_table_left(session: Session, plan: Plan, run_id: str) -> None:
+    """The run ended while its hosts were being opened: the tables its batches put on hosts
+    with no held script of the run go (_tables_left). Never the reason the run's own error is
+    not said."""
+    try:
+        left = _tables_left(plan, list(session.infos), False, False, None)
+        if left:
+            session.stop_run(names.run_prefix(plan.name, run_id), grace=0, hosts=left)
+    except Exception:  # noqa: BLE001 - the run's own error follows
+        pass
 
 
 def _swept_by_shims(run: Run) -> bool:
