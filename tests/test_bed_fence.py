@@ -66,21 +66,22 @@ def test_a_second_user_is_refused_at_every_task_port_before_and_after_a_move(tmp
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("fault", ["port-taken", "host-refuses-login"])
-def test_a_train_that_ends_before_its_servers_start_leaves_no_table_on_a_host_without_a_script(
-        fault, tmp_path, home, ssh_home, bed):
-    """The ps's host runs no script, so no held shim of the run sits there to take its table
-    when the run ends early: a worker's port taken on h3 (the checks refuse the run), or h3
-    refusing the login while h2's first exec put its table (the hosts' opening fails). h2's
-    table must go all the same; on one kernel h3's shim took the table of the same name, and
-    hid this."""
-    h2, h3 = bed.add("h2"), bed.add("h3")
+@pytest.mark.parametrize("command,fault", [("train", "port-taken"), ("train", "host-refuses-login"),
+                                           ("up", "port-taken"), ("up", "host-refuses-login")])
+def test_a_train_or_up_that_ends_before_its_servers_start_leaves_no_table_on_any_host(
+        command, fault, tmp_path, home, ssh_home, bed):
+    """No shim of the run is left to take the table of the ps's host (it runs no script) or of
+    the idle spare when the run or `up` ends early: a worker's port taken on h3 (the checks
+    refuse it), or h3 refusing the login after the other hosts' first exec put their tables
+    (the hosts' opening fails). Every table must go all the same; on one kernel h3's shim took
+    the table of the same name, and hid this."""
+    h2, h3, h4 = bed.add("h2"), bed.add("h3"), bed.add("h4")
     h3_entry = h3.spec() if fault == "port-taken" else \
         f"{{name: h3, address: {h3.address}, ssh: {{port: {SSH_PORT}, user: nosuchuser}}}}"
     spec = tmp_path / "fearly.yaml"
     spec.write_text(
         f"name: fearly\npython: {sys.executable}\nworkdir: {tmp_path / 'remote'}\nssh: {{connect_timeout: 5}}\n"
-        f"hosts:\n  - {h2.spec()}\n  - {h3_entry}\n"
+        f"hosts:\n  - {h2.spec()}\n  - {h3_entry}\n  - {h4.spec(spare='true')}\n"
         "jobs:\n  ps: {tasks: ['h2:25000']}\n  worker: {tasks: ['h3:25001', 'h3:25002']}\n"
         "train:\n  mode: between-graph\n  script: template:between_graph\n")
     listen = ("import socket, sys\ns = socket.socket(); s.bind(('0.0.0.0', 25002)); s.listen(1)\n"
@@ -92,7 +93,7 @@ def test_a_train_that_ends_before_its_servers_start_leaves_no_table_on_a_host_wi
         assert holder.stdout.readline() == "up\n"
         cwd = tmp_path / "cwd"
         cwd.mkdir()
-        proc = start_tfcluster("train", str(spec), home=home, cwd=cwd)
+        proc = start_tfcluster(command, str(spec), home=home, cwd=cwd)
         try:
             out = proc.communicate(timeout=180)[0]
         finally:
@@ -100,7 +101,7 @@ def test_a_train_that_ends_before_its_servers_start_leaves_no_table_on_a_host_wi
         assert proc.returncode != 0, out[-3000:]
         assert ("25002" if fault == "port-taken" else "h3") in out.split("tfcluster: error:")[-1], out[-3000:]
         assert "Traceback" not in out, out[-3000:]
-        for host in (h2, h3):
+        for host in (h2, h3, h4):
             wait_for(lambda h=host: "tfcluster_" not in h.run(["nft", "list", "tables"]).stdout, timeout=20,
                      what=f"no table of the cluster left on {host.name}")
     finally:

@@ -270,6 +270,13 @@ class HostAgent:
             answers = self._batch(self._survey_commands(tag_prefix, ports))
         return Survey(tuple(statuses_of(answers[proto.STATUS])), ports_of(answers[proto.PORTS]))
 
+    def surveyed(self) -> list[TaskStatus] | None:
+        """The statuses the opening batch's survey found, left for survey() (which uses them
+        up); None where none was asked or it failed."""
+        cached = self._surveyed
+        answer = cached[2].get(proto.STATUS) if cached is not None else None
+        return None if answer is None or proto.error_of(answer) else statuses_of(answer)
+
     def _survey_commands(self, tag_prefix: str, ports: list[int]) -> dict[str, dict]:
         status = dict(self._status_request(tag_prefix), **({"sweep": True} if self.sweep_status else {}))
         return {proto.STATUS: status, proto.PORTS: {"ports": list(ports)}}

@@ -34,13 +34,19 @@ def up(plan: Plan, ui, timeout: float = READY_TIMEOUT, allow_skew: bool = False)
         ui.info(f"Connecting to {len(plan.hosts)} host(s)…")
         # One exec per host from here to the end (agent/upexec.py); closing it before GO stops
         # the servers it started warm.
-        execs = upexec.open_all(session, servers, run_id, timeout)
+        try:
+            execs = upexec.open_all(session, servers, run_id, timeout)
+        except BaseException:
+            _no_idle_table(session, plan, run_id)
+            raise
+        done = False
         try:
             live, busy = session.survey(servers)
             check_started_ports(servers, live)
             missing = [t for t in servers if t.key not in live]
             if not missing:
                 ui.ok(f"cluster {plan.name!r} is already up ({len(servers)} servers); nothing started")
+                done = True
                 return ExitCode.OK
             if live:
                 ui.info(f"{len(live)} server(s) already running; starting the {len(missing)} missing")
@@ -50,11 +56,25 @@ def up(plan: Plan, ui, timeout: float = READY_TIMEOUT, allow_skew: bool = False)
                 check_reachability(session, servers, served=set(live), execs=execs)
             ui.info(f"Starting {len(missing)} server(s)…")
             started = start_detached(session, missing, run_id, timeout, execs=execs)
+            done = True
         finally:
             upexec.close_all(session, execs, names.run_prefix(plan.name, run_id))
+            if not done:
+                _no_idle_table(session, plan, run_id)
         _record(plan, run_id, started, live)
         ui.ok(f"cluster {plan.name!r} is up: {len(servers)} servers in {time.monotonic() - t0:.1f}s")
         return ExitCode.OK
+
+
+def _no_idle_table(session: Session, plan: Plan, run_id: str) -> None:
+    """A failed `up`: the hosts with no task (its spares), whose table no server's shim takes,
+    lose it (their stop, with nothing to stop, takes it). Never the reason the error is not said."""
+    try:
+        idle = [h for h in session.infos if not plan.tasks_on(h)]
+        if idle:
+            session.stop_run(names.run_prefix(plan.name, run_id), grace=0, hosts=idle)
+    except Exception:  # noqa: BLE001 - the failure's own error follows
+        pass
 
 
 def _record(plan: Plan, run_id: str, started: list[Started], live: dict) -> None:

@@ -268,11 +268,14 @@ class Session:
         live, busy = {}, {}
         for host, found in results.items():
             busy.update({(host, port): holder for port, holder in found.ports.items()})
-            for st in found.statuses:
-                tag = names.Tag.parse(st.tag)
-                if st.alive and not st.warm and not st.unrecorded and tag is not None and tag.role == "server":
-                    live[tag.key] = st
+            live.update(_live_servers(found.statuses))
         return live, busy
+
+    def serves_already(self) -> bool | None:
+        """Whether the surveys the hosts' opening batches asked (not yet read by survey())
+        found a live server of this cluster, `up`'s; None where no host answered one."""
+        seen = [st for st in (a.surveyed() for a in list(self.agents.values())) if st is not None]
+        return any(_live_servers(st) for st in seen) if seen else None
 
     def stop_run(self, prefix: str, grace: float, hosts: Iterable[str] | None = None) -> dict:
         """Stop every process with this tag prefix on every connected host, or on `hosts` (a
@@ -280,6 +283,17 @@ class Session:
         hosts = [h for h in (self.agents if hosts is None else hosts)
                  if h in self.agents and h not in self.pool.lost and not self.pool.gone_by_now(h)]
         return parallel(lambda h: self.agents[h].stop(prefix, grace), hosts)
+
+
+def _live_servers(statuses) -> dict[str, object]:
+    """Task key -> status of the live servers among a host's statuses (warm ones and those no
+    record names are not servers of the cluster yet)."""
+    live = {}
+    for st in statuses:
+        tag = names.Tag.parse(st.tag)
+        if st.alive and not st.warm and not st.unrecorded and tag is not None and tag.role == "server":
+            live[tag.key] = st
+    return live
 
 
 def _unprefixed(host: str, text: str) -> str:

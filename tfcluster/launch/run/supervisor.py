@@ -305,7 +305,7 @@ def _no_table_left(session: Session, plan: Plan, run_id: str) -> None:
     with no held script of the run go (_tables_left). Never the reason the run's own error is
     not said."""
     try:
-        left = _tables_left(plan, list(session.infos), False, False, None)
+        left = _tables_left(plan, list(session.infos), False, False, session.serves_already())
         if left:
             session.stop_run(names.run_prefix(plan.name, run_id), grace=0, hosts=left)
     except Exception:  # noqa: BLE001 - the run's own error follows
