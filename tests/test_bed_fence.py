@@ -66,10 +66,11 @@ def test_a_second_user_is_refused_at_every_task_port_before_and_after_a_move(tmp
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("command,fault", [("train", "port-taken"), ("train", "host-refuses-login"),
-                                           ("up", "port-taken"), ("up", "host-refuses-login")])
+@pytest.mark.parametrize("command,fault,spare", [("train", "port-taken", "true"), ("train", "host-refuses-login", "true"),
+                                                 ("train", "port-taken", "warm"), ("up", "port-taken", "true"),
+                                                 ("up", "host-refuses-login", "true")])
 def test_a_train_or_up_that_ends_before_its_servers_start_leaves_no_table_on_any_host(
-        command, fault, tmp_path, home, ssh_home, bed):
+        command, fault, spare, tmp_path, home, ssh_home, bed):
     """No shim of the run is left to take the table of the ps's host (it runs no script) or of
     the idle spare when the run or `up` ends early: a worker's port taken on h3 (the checks
     refuse it), or h3 refusing the login after the other hosts' first exec put their tables
@@ -81,7 +82,7 @@ def test_a_train_or_up_that_ends_before_its_servers_start_leaves_no_table_on_any
     spec = tmp_path / "fearly.yaml"
     spec.write_text(
         f"name: fearly\npython: {sys.executable}\nworkdir: {tmp_path / 'remote'}\nssh: {{connect_timeout: 5}}\n"
-        f"hosts:\n  - {h2.spec()}\n  - {h3_entry}\n  - {h4.spec(spare='true')}\n"
+        f"hosts:\n  - {h2.spec()}\n  - {h3_entry}\n  - {h4.spec(spare=spare)}\n"
         "jobs:\n  ps: {tasks: ['h2:25000']}\n  worker: {tasks: ['h3:25001', 'h3:25002']}\n"
         "train:\n  mode: between-graph\n  script: template:between_graph\n")
     listen = ("import socket, sys\ns = socket.socket(); s.bind(('0.0.0.0', 25002)); s.listen(1)\n"
@@ -101,6 +102,7 @@ def test_a_train_or_up_that_ends_before_its_servers_start_leaves_no_table_on_any
         assert proc.returncode != 0, out[-3000:]
         assert ("25002" if fault == "port-taken" else "h3") in out.split("tfcluster: error:")[-1], out[-3000:]
         assert "Traceback" not in out, out[-3000:]
+        wait_for(lambda: not tagged_processes(), timeout=20, what="no process of the run left on any host")
         for host in (h2, h3, h4):
             wait_for(lambda h=host: "tfcluster_" not in h.run(["nft", "list", "tables"]).stdout, timeout=20,
                      what=f"no table of the cluster left on {host.name}")
