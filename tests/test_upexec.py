@@ -3,6 +3,7 @@ servers, GO, and what an aborted conversation leaves (nothing). The server here 
 program speaking tfserver.py's hold protocol (tfserver.py itself: the last test, with TF)."""
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -168,3 +169,38 @@ def test_the_up_shim_exits_0_at_once_while_the_launcher_keeps_its_stdin_open():
         shim.wait()
         shim.stdin.close()
     assert rc == 0 and err == b"", (rc, err[:300])
+
+
+@pytest.mark.tf
+@pytest.mark.timeout(240)
+def test_a_held_tfserver_serves_the_cluster_its_go_carries(agent, home):
+    """A server held before its cluster was known (launch/run/standbys.py: held once the run
+    stepped, for the next move) gets its TF_CONFIG with GO, through the attached shim: it binds
+    the address that config gives it, not the one it was started with."""
+    started_port, given_port, other = free_port(), free_port(), free_port()
+    config = lambda port: json.dumps({"cluster": {"ps": [f"127.0.0.1:{port}"], "worker": [f"127.0.0.1:{other}"]},  # noqa: E731
+                                      "task": {"type": "ps", "index": 0}})
+    tag = str(names.Tag(C, "r-2", "ps", 0, "server"))
+    launch = TaskLaunch(tag=tag, argv=(sys.executable, str(REPO / "tfcluster/host/tfserver.py")),
+                        env={"TF_CONFIG": config(started_port), "CUDA_VISIBLE_DEVICES": "", "TF_CPP_MIN_LOG_LEVEL": "2"},
+                        cwd="~", log=f"{CLUSTER_DIR}/runs/r-2/ps-0.server.log", pidfile=PATHS.pidfile(tag))
+    task = agent.start_attached(launch, hold=True)
+    assert task.go(config(given_port))
+    log = Path(os.path.expanduser(launch.log))
+    wait_for(lambda: log.exists() and "listening on" in log.read_text(), timeout=180, what="the server to listen")
+    assert f"ps:0 listening on 127.0.0.1:{given_port}" in log.read_text()
+    assert not bindable(given_port) and bindable(started_port)
+    task.stop()
+    assert task.wait(30) is not None and not ours()
+
+
+@pytest.mark.tf
+def test_a_held_tfserver_refuses_a_go_for_another_task_and_stays_unbound(tmp_path):
+    port = free_port()
+    env = dict(os.environ, TFCLUSTER_HOLD="1", CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="2",
+               TF_CONFIG='{"cluster": {"ps": ["127.0.0.1:%d"]}, "task": {"type": "ps", "index": 0}}' % port)
+    go = 'GO {"cluster": {"ps": ["127.0.0.1:%d"], "worker": ["127.0.0.1:1"]}, "task": {"type": "worker", "index": 0}}\n'
+    proc = subprocess.run([sys.executable, str(REPO / "tfcluster/host/tfserver.py")], env=env,
+                          input=(go % port).encode(), capture_output=True, timeout=180)
+    assert proc.returncode == 2 and b"GO names worker:0, this server is ps:0" in proc.stderr, proc.stderr[-500:]
+    assert bindable(port)

@@ -92,6 +92,10 @@ def test_a_lost_workers_host_moves_onto_the_warm_spares_standby_fenced_before_it
         # host, for the restart a move makes of every task
         wait_for(lambda: _ready(tmp_path, "wwarm") == {1, 2, 3}, timeout=120, what="the restart's standbys")
         restart_pids = {_standby_pid(tmp_path, "wwarm", n) for n in (2, 3)}
+        # and every server a held twin (TensorFlow imported, unbound), its cluster to come with
+        # the move's GO: a move then starts no server but on the spare
+        wait_for(lambda: all(sum(t.endswith(f":{k}:server") for t in tagged_processes().values()) == 2
+                             for k in ("ps:0", "worker:0", "worker:1")), timeout=120, what="a held twin of each server")
         addr = {h.name: h.address for h in bed.hosts.values()}
         h2 = bed.hosts["h2"]
         old, new = f"{addr['h4']} . {P[2]}", f"{addr['h5']} . {P[2]}"     # worker:1's target, before and after

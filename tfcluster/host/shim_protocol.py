@@ -89,6 +89,9 @@ TAG_VAR = "TFCLUSTER_JOB_ID"     # the environment variable that carries a task'
 SHIM_VAR = "TFCLUSTER_SHIM"      # the pid of the shim that started the task: its sweeps spare another's
 HOLD_VAR = "TFCLUSTER_HOLD"      # "1": a warm TF server; it binds its port only after a GO line
 GO_LINE = b"GO\n"
+# GO with the server's TF_CONFIG (one line of JSON) after it: a server held before its cluster
+# was known (a standby server, launch/run/standbys.py) serves the cluster it is given.
+GO_WITH = b"GO "
 PROBE_VAR = "TFCLUSTER_PROBE"    # "placement,waits": run the start-up probe (probe/) in this task
 FLUSH_VAR = "TFCLUSTER_STDOUT_FLUSH"  # seconds: the probe buffers the script's stdout, flushed this often
 EXIT_ERROR = 3                   # the shim's exit status after an error envelope

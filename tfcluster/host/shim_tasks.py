@@ -138,12 +138,12 @@ def spawn(req: dict) -> tuple[subprocess.Popen, str, int]:
     return proc, log, offset
 
 
-def release(proc: subprocess.Popen, pidfile: str, then: str | None = None) -> str:
+def release(proc: subprocess.Popen, pidfile: str, then: str | None = None, go: bytes = proto.GO_LINE) -> str:
     """GO to a task started with `hold` (a warm server). Its pid file loses the mark first:
     a released server binds within milliseconds, and a status read then must not call it warm.
     `then`: the task's own pid file, where the record moves now (a server held before a break
-    kept one of its own until GO: the old server it replaces had the task's). Returns the path
-    the record is at."""
+    kept one of its own until GO: the old server it replaces had the task's). `go`: the line,
+    GO or GO with the server's TF_CONFIG. Returns the path the record is at."""
     if proc.stdin is None:
         return pidfile
     _unmark_warm(expand(pidfile))
@@ -154,7 +154,7 @@ def release(proc: subprocess.Popen, pidfile: str, then: str | None = None) -> st
         except OSError:
             pass
     try:
-        proc.stdin.write(proto.GO_LINE)
+        proc.stdin.write(go)
         proc.stdin.close()
     except OSError:
         pass                        # it died warm: its exit says so
@@ -297,8 +297,11 @@ class Attached:
                 self.reason = self.reason or "eof"
                 break
             self.last_beat = time.monotonic()
-            if line == proto.GO_LINE:
-                self.req["pidfile"] = release(self.proc, self.req["pidfile"], self.req.get("pidfile_on_go"))
+            if line == proto.GO_LINE or line.startswith(proto.GO_WITH):
+                if line != proto.GO_LINE:      # its TF_CONFIG, for an in-place restart too
+                    self.req["env"] = dict(self.req.get("env") or {},
+                                           TF_CONFIG=line[len(proto.GO_WITH):].decode().strip())
+                self.req["pidfile"] = release(self.proc, self.req["pidfile"], self.req.get("pidfile_on_go"), line)
             elif line == proto.CONTINUE_LINE:
                 self.limit = None          # the new attempt's output may follow
                 self.confirmed.set()

@@ -73,12 +73,17 @@ def server_classes():
     return tf.distribute.Server, tf.train.ClusterSpec
 
 
+def task_of(text: str) -> tuple[dict, str, int, str]:
+    """(cluster, job, index, address) from a TF_CONFIG's text; raises on a bad one."""
+    config = json.loads(text)
+    cluster, task = config["cluster"], config["task"]
+    job, index = task["type"], int(task["index"])
+    return cluster, job, index, cluster[job][index]
+
+
 def main() -> int:
     try:
-        config = json.loads(os.environ["TF_CONFIG"])
-        cluster, task = config["cluster"], config["task"]
-        job, index = task["type"], int(task["index"])
-        address = cluster[job][index]
+        cluster, job, index, address = task_of(os.environ["TF_CONFIG"])
     except (KeyError, ValueError, IndexError, TypeError) as e:
         print(f"tfcluster: bad TF_CONFIG: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return 2
@@ -86,8 +91,22 @@ def main() -> int:
 
     if os.environ.pop("TFCLUSTER_HOLD", None) == "1":   # shim_protocol.HOLD_VAR: a warm start
         # `up` starts the import while its checks run; the port is bound only on GO. Anything
-        # else (EOF: the checks failed, the launcher went away) ends the process unbound.
-        if sys.stdin.readline() != "GO\n":
+        # else (EOF: the checks failed, the launcher went away) ends the process unbound. GO
+        # may carry the TF_CONFIG to serve (shim_protocol.GO_WITH): a server held before its
+        # cluster was known, for the same task.
+        line = sys.stdin.readline()
+        if line.startswith("GO ") and line.strip() != "GO":
+            try:
+                cluster, given_job, given_index, address = task_of(line[3:])
+            except (KeyError, ValueError, IndexError, TypeError) as e:
+                print(f"tfcluster: bad TF_CONFIG at GO: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                return 2
+            if (given_job, given_index) != (job, index):
+                print(f"tfcluster: GO names {given_job}:{given_index}, this server is {job}:{index}",
+                      file=sys.stderr, flush=True)
+                return 2
+            os.environ["TF_CONFIG"] = line[3:].strip()
+        elif line != "GO\n":
             return 0
     server = Server(ClusterSpec(cluster), job_name=job, task_index=index, protocol="grpc", start=True)
     print(f"tfcluster: server {job}:{index} listening on {address}", flush=True)

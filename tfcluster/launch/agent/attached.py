@@ -9,6 +9,7 @@ attempt's output ends and confirms the next (docs/design/restarts.md, "Restarts 
 from __future__ import annotations
 
 import collections
+import json
 import threading
 import time
 import zlib
@@ -177,9 +178,12 @@ class AttachedTask:
         shim is gone."""
         return self._send(proto.SAVE_LINE)
 
-    def go(self) -> bool:
-        """Let a task started with `hold` (a warm server) go on: it binds its port now."""
-        return self._send(proto.GO_LINE)
+    def go(self, tf_config: str | None = None) -> bool:
+        """Let a task started with `hold` (a warm server) go on: it binds its port now, serving
+        the cluster of `tf_config` where given (one held before its cluster was known)."""
+        if tf_config is None:
+            return self._send(proto.GO_LINE)
+        return self._send(proto.GO_WITH + json.dumps(json.loads(tf_config)).encode() + b"\n")
 
     def detach_kill(self) -> None:
         """Drop the channel; the shim's stdin-EOF watchdog kills the task."""

@@ -77,6 +77,7 @@ class Standbys:
     servers: dict[str, tuple[str, TaskLaunch, AttachedTask]] = field(default_factory=dict)  # key -> (host, ...) held
     restarting: set[str] = field(default_factory=set)   # hosts keep() gave their restart's standbys (until a restart)
     prepared: dict[str, Prepared] = field(default_factory=dict)   # suspected host -> what its move has ready
+    early: set[str] = field(default_factory=set)    # keys of servers held before any move (their cluster at GO)
 
     # -- starting them
 
@@ -89,7 +90,7 @@ class Standbys:
         if not plan.warm_spares or any(m.resumed is None and m.done_at is not None for m in run.recovery.moves):
             return
         spares = [s for s in plan.warm_spares if s not in self.tried and not plan.tasks_on(s)]
-        hosts = [h for h in self._script_hosts(run) if h not in self.restarting] \
+        hosts = [h for h in self._restart_hosts(run) if h not in self.restarting] \
             if plan.mode in TF_MODES and step_now(run) is not None else []
         if (spares or hosts) and self.lock.acquire(blocking=False):
             self.tried.update(spares)
@@ -126,23 +127,23 @@ class Standbys:
                 run.ui.warn(f"warm spare {spare}: no standby ({_said(exc)}); a move there starts cold")
         if step_now(run) is None:
             return
-        for host in self._script_hosts(run):       # a restart's own: one per script, for its own task
-            tasks = [t for t in plan.tasks_on(host) if t.runs_script]
+        for host in self._restart_hosts(run):      # a restart's own: one per script, for its own task,
+            tasks = [t for t in plan.tasks_on(host) if t.runs_script]    # and one per server
             waiting = [s for s in self.held.get(host, []) if s.alive()]
             try:
                 self._prepare_host(run, host, plan, tasks[len(waiting):])
-            except Exception as exc:  # noqa: BLE001 - that host's scripts restart cold
-                run.ui.warn(f"{host}: no standby for a restart ({_said(exc)}); its scripts restart cold")
+                self._hold_servers(run, host, plan, early=True)
+            except Exception as exc:  # noqa: BLE001 - that host's tasks restart cold
+                run.ui.warn(f"{host}: no standby for a restart ({_said(exc)}); its tasks restart cold")
 
     @staticmethod
-    def _script_hosts(run: Run) -> list[str]:
-        """The usable hosts running scripts of a run that a move would restart (none where its
+    def _restart_hosts(run: Run) -> list[str]:
+        """The usable hosts running tasks of a run that a move would restart (none where its
         servers are `tfcluster up`'s, which a run does not move: recovery.give_up)."""
         if not run.owns_servers and any(t.runs_server for t in run.plan.tasks):
             return []
         unusable = run.session.pool.unusable()
-        return [h for h in run.plan.hosts
-                if h not in unusable and any(t.runs_script for t in run.plan.tasks_on(h))]
+        return [h for h in run.plan.hosts if h not in unusable and run.plan.tasks_on(h)]
 
     def before_break(self, run: Run, after: Plan) -> None:
         """Make before break: a standby for every script of `after` (the plan a move is about to
@@ -224,7 +225,7 @@ class Standbys:
         run.ui.info(f"{host} is back: what was prepared for its move is dropped")
         with self.lock:
             self._trim(run)
-            self.drop_servers()
+            self.drop_servers(keep=self.early)
 
     def _prepare_for(self, run: Run, host: str, after: Plan) -> None:
         """suspect()'s thread: make before break, unless `host` was found back meanwhile."""
@@ -255,16 +256,26 @@ class Standbys:
 
         run.session.parallel(prepare, hosts)
 
-    def _hold_servers(self, run: Run, host: str, plan: Plan) -> None:
-        """The servers `plan` puts on `host`, started held (see the module's docstring)."""
+    def _hold_servers(self, run: Run, host: str, plan: Plan, early: bool = False) -> None:
+        """The servers `plan` puts on `host`, started held (see the module's docstring).
+        `early`: before any move is known, so the cluster they will serve is given at GO."""
         from tfcluster.diagnose.proxy import no_proxy_for
         from tfcluster.launch.run import attempts
 
         session = run.session
-        servers = [t for t in plan.tasks_on(host) if t.runs_server and t.key not in self.servers]
+        # one held for the task already on this host serves; one held elsewhere (its host
+        # being lost, the task moves here) is stopped and replaced
+        servers = [t for t in plan.tasks_on(host) if t.runs_server and self.servers.get(t.key, (None,))[0] != host]
         if not servers:
             return
+        for t in servers:
+            if t.key in self.servers:
+                self.servers.pop(t.key)[2].stop()
+                self.early.discard(t.key)
         agent = self._open(run, host)
+        no_proxy = no_proxy_for(plan)
+        if early and no_proxy:          # any spare a move may bring in, too
+            no_proxy = tuple(dict.fromkeys(no_proxy + tuple(plan.host(s).address for s in plan.spares)))
         for t in servers:
             proc = next((p for p in run.procs if p.role == "server" and p.task.key == t.key), None)
             if proc is None:
@@ -272,12 +283,16 @@ class Standbys:
             launch = session.launch_for(t, run.run_id, "server", agent.server_argv(), {RESTART_VAR: str(proc.restarts)})
             # a pid file of its own while held: the server it replaces, alive until the break
             # (or for good, when its host comes back), keeps the task's
-            launch = dataclasses.replace(launch, no_proxy=no_proxy_for(plan),
+            launch = dataclasses.replace(launch, no_proxy=no_proxy,
                                          pidfile=launch.pidfile.removesuffix(".pid") + ".next.pid")
             task = agent.start_attached(launch, heartbeat_timeout=run.options.heartbeat, grace=run.options.grace,
                                         hold=True, restart=attempts.in_place(plan, proc),
                                         pidfile_on_go=session.paths.pidfile(launch.tag))
             self.servers[t.key] = (host, launch, task)
+            if early:
+                self.early.add(t.key)
+            else:
+                self.early.discard(t.key)
 
     def held_servers(self, plan: Plan) -> list[Started]:
         """The servers held now for `plan`, as started ones (their readiness can be asked
@@ -295,15 +310,18 @@ class Standbys:
         cold, warm, changed = [], [], []
         for p in procs:
             host, launch, task = self.servers.pop(p.task.key, (None, None, None))
+            early = p.task.key in self.early
+            self.early.discard(p.task.key)
             if task is None:
                 cold.append(p)
                 continue
             now = attempts.launch_of(run.session, run.run_id, p)
-            same = host == p.task.host and (launch.argv, launch.env, launch.no_proxy) == (now.argv, now.env, now.no_proxy)
-            if not same or not task.go():
+            same = host == p.task.host and _serves_as(launch, now)
+            config = now.env.get("TF_CONFIG")
+            if not same or not task.go(config if config != launch.env.get("TF_CONFIG") else None):
                 task.stop(keep_fence=bool(run.plan.tasks_on(host)))    # tasks start there
                 cold.append(p)
-                if not same:
+                if not same and not (early and host != p.task.host):   # not its task's host any more
                     changed.append(p.task.key)
                 continue
             slot = StartSlot()
@@ -324,10 +342,11 @@ class Standbys:
             self.said.append("; ".join(said))
         return cold
 
-    def drop_servers(self) -> None:
-        for _, _, task in self.servers.values():
-            task.stop()
-        self.servers.clear()
+    def drop_servers(self, keep: set[str] = frozenset()) -> None:
+        """Stop the held servers but those of the task keys in `keep`."""
+        for key in [k for k in self.servers if k not in keep]:
+            self.servers.pop(key)[2].stop()
+            self.early.discard(key)
 
     def _prepare_host(self, run: Run, host: str, plan: Plan, tasks: list[TaskPlan]) -> None:
         if not tasks:
@@ -402,7 +421,7 @@ class Standbys:
         any other host at most one per script of its own (its restart's): one made before a
         break that nothing took (its task went elsewhere, or started cold) costs memory for
         nothing."""
-        restarts = set(self._script_hosts(run))
+        restarts = set(self._restart_hosts(run))
         for host in list(self.held):
             if host in run.plan.warm_spares and not run.plan.tasks_on(host):
                 continue
@@ -450,6 +469,16 @@ class Standbys:
             for s in waiting:
                 s.drop()
         self.held.clear()
+
+
+def _serves_as(held: TaskLaunch, now: TaskLaunch) -> bool:
+    """Whether a server held with launch `held` can serve as `now`: the same program and
+    environment but for its cluster (TF_CONFIG, given at GO) and its attempt's number, and
+    every address `now` keeps off a proxy kept off by it too."""
+    late = ("TF_CONFIG", RESTART_VAR)
+    env = {k: v for k, v in held.env.items() if k not in late}
+    return (held.argv == now.argv and env == {k: v for k, v in now.env.items() if k not in late}
+            and set(now.no_proxy) <= set(held.no_proxy))
 
 
 def _said(exc: BaseException) -> str:
