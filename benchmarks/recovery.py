@@ -298,6 +298,7 @@ class Recovery:
             self._warm(f, name, by_hand=False)
             if self.warm:
                 self.standby.append(standby_cost(b, name))
+                warm_state(b, name)
             at_kill = max(f.steps())
             t0, wall0 = time.monotonic(), time.time()
             kill_host(b, lost)
@@ -386,6 +387,38 @@ def standby_cost(b: Bench, name: str, idle: float = 10.0) -> dict:
     mem = proc.memory_full_info()
     return {"import_s": imported, "rss_mb": mem.rss / 2**20, "pss_mb": mem.pss / 2**20,
             "cpu_pct": 100 * ((cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)) / (t1 - t0)}
+
+
+def warm_state(b: Bench, name: str, timeout: float = 300) -> None:
+    """Until the run's warm state is whole, as it is for most of a long run: a standby ready for
+    each script (the restart's own) besides h5's, and a held twin for each server, its import
+    done (idle over a second). They are made once the run stepped; a kill while they still
+    import measures their start-up, not a warm move."""
+    rundir = b.tmp / "remote" / name
+    scripts = 2                  # worker:0 and worker:1 (the layout of recovery_spec)
+    servers = 3                  # ps:0, worker:0, worker:1
+
+    def ready() -> bool:
+        logs = list((rundir / "runs").glob("*/standby-*.log"))
+        if sum("standby ready" in p.read_text(errors="replace") for p in logs) < 1 + scripts:
+            return False
+        twins = []
+        for p in (rundir / "pids").glob("*.next.pid"):
+            try:
+                twins.append(psutil.Process(int(json.loads(p.read_text())["pid"])))
+            except (OSError, ValueError, KeyError, psutil.Error):
+                return False
+        if len(twins) < servers:
+            return False
+        try:
+            busy = [t.cpu_percent(None) for t in twins]
+            time.sleep(1.0)      # the window the CPU is read over, not a synchronisation
+            busy = [t.cpu_percent(None) for t in twins]
+        except psutil.Error:
+            return False
+        return not busy or max(busy) < 10.0
+
+    wait_until(ready, timeout, "every standby ready and every server's twin imported")
 
 
 FAILED: list[str] = []           # reps that did not recover, with why (the row goes on)

@@ -26,7 +26,10 @@ the decision (TensorFlow imported, its port not bound, as `train`'s first server
 the checks run), under its task's own tag, which the old attempt's stop leaves alone (a shim
 sweeps only what it started); once the old servers have stopped, each gets GO and binds. A held
 server whose launch is no longer the task's (a notice's move that rode along changed the
-cluster) is stopped and its task starts cold.
+cluster) is stopped and its task starts cold. Once the run has stepped, each host also holds a
+twin of every server it runs, with the cluster as it is: a move gives it the new cluster with
+its GO (its import does not depend on the cluster), and holds new servers only where tasks
+arrive.
 """
 from __future__ import annotations
 
