@@ -24,12 +24,12 @@ task cold on the same channel, and the run says why. docs/hostloss.md, "Warm spa
 Make before break covers the TF servers too: each server of the new plan starts **held** at
 the decision (TensorFlow imported, its port not bound, as `train`'s first servers start while
 the checks run), under its task's own tag, which the old attempt's stop leaves alone (a shim
-sweeps only what it started); once the old servers have stopped, each gets GO and binds. A held
-server whose launch is no longer the task's (a notice's move that rode along changed the
-cluster) is stopped and its task starts cold. Once the run has stepped, each host also holds a
-twin of every server it runs, with the cluster as it is: a move gives it the new cluster with
-its GO (its import does not depend on the cluster), and holds new servers only where tasks
-arrive.
+sweeps only what it started); once the old servers have stopped, each gets GO, with the
+cluster it is to serve where that changed since (a notice's move rode along), and binds. A
+held server whose launch differs from the task's otherwise is stopped and its task starts
+cold. Once the run has stepped, each host also holds a twin of every server it runs, with the
+cluster as it is: a move gives it the new cluster with its GO (its import does not depend on
+the cluster), and holds new servers only where tasks arrive.
 """
 from __future__ import annotations
 
@@ -338,8 +338,7 @@ class Standbys:
             said.append(f"held before the break: server(s) {', '.join(warm)} "
                         f"(TensorFlow imported while the old tasks stopped)")
         if changed:
-            said.append(f"server(s) {', '.join(changed)} started cold (the cluster changed since they were held: "
-                        f"a move rode along)")
+            said.append(f"server(s) {', '.join(changed)} started cold (their launch changed since they were held)")
         if said:
             run.ui.info("; ".join(said))
             self.said.append("; ".join(said))
