@@ -139,13 +139,18 @@ def test_an_attached_start_with_hold_binds_only_after_go(agent, home):
     assert task.wait(30) is not None and not ours()
 
 
+def held_tfserver(port: int, stdin: bytes) -> subprocess.CompletedProcess:
+    """tfserver.py for ps:0 on `port`, held (TFCLUSTER_HOLD=1), given `stdin`."""
+    env = dict(os.environ, TFCLUSTER_HOLD="1", CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="2",
+               TF_CONFIG='{"cluster": {"ps": ["127.0.0.1:%d"]}, "task": {"type": "ps", "index": 0}}' % port)
+    return subprocess.run([sys.executable, str(REPO / "tfcluster/host/tfserver.py")], env=env,
+                          input=stdin, capture_output=True, timeout=180)
+
+
 @pytest.mark.tf
 def test_tfserver_held_exits_unbound_when_its_stdin_ends(tmp_path):
     port = free_port()
-    env = dict(os.environ, TFCLUSTER_HOLD="1", CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="2",
-               TF_CONFIG='{"cluster": {"ps": ["127.0.0.1:%d"]}, "task": {"type": "ps", "index": 0}}' % port)
-    proc = subprocess.run([sys.executable, str(REPO / "tfcluster/host/tfserver.py")], env=env,
-                          stdin=subprocess.DEVNULL, capture_output=True, timeout=180)
+    proc = held_tfserver(port, b"")
     assert proc.returncode == 0 and b"listening" not in proc.stdout
     assert bindable(port)
 
@@ -197,10 +202,7 @@ def test_a_held_tfserver_serves_the_cluster_its_go_carries(agent, home):
 @pytest.mark.tf
 def test_a_held_tfserver_refuses_a_go_for_another_task_and_stays_unbound(tmp_path):
     port = free_port()
-    env = dict(os.environ, TFCLUSTER_HOLD="1", CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="2",
-               TF_CONFIG='{"cluster": {"ps": ["127.0.0.1:%d"]}, "task": {"type": "ps", "index": 0}}' % port)
     go = 'GO {"cluster": {"ps": ["127.0.0.1:%d"], "worker": ["127.0.0.1:1"]}, "task": {"type": "worker", "index": 0}}\n'
-    proc = subprocess.run([sys.executable, str(REPO / "tfcluster/host/tfserver.py")], env=env,
-                          input=(go % port).encode(), capture_output=True, timeout=180)
+    proc = held_tfserver(port, (go % port).encode())
     assert proc.returncode == 2 and b"GO names worker:0, this server is ps:0" in proc.stderr, proc.stderr[-500:]
     assert bindable(port)
