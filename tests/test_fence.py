@@ -23,6 +23,7 @@ import pytest
 from tests.helpers import (
     CLUSTER_DIR,
     SESSION_VAR,
+    cluster_tables,
     kill_group,
     launch,
     local_spec,
@@ -56,10 +57,6 @@ CONNECT = ("import socket, sys\n"
 def tables() -> list[str]:
     out = subprocess.run([NFT, "list", "tables"], capture_output=True, text=True, timeout=10).stdout
     return [line.split()[-1] for line in out.splitlines() if line.startswith("table inet ")]
-
-
-def cluster_tables(name: str) -> list[str]:
-    return [t for t in tables() if t.startswith(f"tfcluster_{name}_")]
 
 
 @pytest.fixture

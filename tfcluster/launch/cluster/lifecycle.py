@@ -37,7 +37,7 @@ def up(plan: Plan, ui, timeout: float = READY_TIMEOUT, allow_skew: bool = False)
         try:
             execs = upexec.open_all(session, servers, run_id, timeout)
         except BaseException:
-            _no_idle_table(session, plan, run_id)
+            session.take_tables(names.run_prefix(plan.name, run_id), _idle(session, plan))
             raise
         done = False
         try:
@@ -59,22 +59,16 @@ def up(plan: Plan, ui, timeout: float = READY_TIMEOUT, allow_skew: bool = False)
             done = True
         finally:
             upexec.close_all(session, execs, names.run_prefix(plan.name, run_id))
-            if not done:
-                _no_idle_table(session, plan, run_id)
+            if not done:        # a failed `up`: no server's shim takes its spares' tables
+                session.take_tables(names.run_prefix(plan.name, run_id), _idle(session, plan))
         _record(plan, run_id, started, live)
         ui.ok(f"cluster {plan.name!r} is up: {len(servers)} servers in {time.monotonic() - t0:.1f}s")
         return ExitCode.OK
 
 
-def _no_idle_table(session: Session, plan: Plan, run_id: str) -> None:
-    """A failed `up`: the hosts with no task (its spares), whose table no server's shim takes,
-    lose it (their stop, with nothing to stop, takes it). Never the reason the error is not said."""
-    try:
-        idle = [h for h in session.infos if not plan.tasks_on(h)]
-        if idle:
-            session.stop_run(names.run_prefix(plan.name, run_id), grace=0, hosts=idle)
-    except Exception:  # noqa: BLE001 - the failure's own error follows
-        pass
+def _idle(session: Session, plan: Plan) -> list[str]:
+    """The opened hosts with no task (the spares)."""
+    return [h for h in session.infos if not plan.tasks_on(h)]
 
 
 def _record(plan: Plan, run_id: str, started: list[Started], live: dict) -> None:

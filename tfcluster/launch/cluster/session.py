@@ -284,6 +284,17 @@ class Session:
                  if h in self.agents and h not in self.pool.lost and not self.pool.gone_by_now(h)]
         return parallel(lambda h: self.agents[h].stop(prefix, grace), hosts)
 
+    def take_tables(self, prefix: str, hosts: Iterable[str]) -> None:
+        """The run's stop on `hosts`, where nothing of it runs: each takes the table the run put
+        there, once nothing of the cluster is left (shim_fence.release_if_idle). Quiet: the
+        run's own end or error follows, and this is never the reason it is not said."""
+        hosts = list(hosts)
+        if hosts:
+            try:
+                self.stop_run(prefix, grace=0, hosts=hosts)
+            except Exception:  # noqa: BLE001 - what the run says next is what matters
+                pass
+
 
 def _live_servers(statuses) -> dict[str, object]:
     """Task key -> status of the live servers among a host's statuses (warm ones and those no

@@ -55,8 +55,9 @@ def train(plan: Plan, ui: UI, options: Options) -> int:
         try:
             session.open(survey=server_tasks(plan), prepare=holder.prepare,
                          ship=(files, session.paths.rundir(run_id), {t.host for t in plan.tasks if t.runs_script}))
-        except BaseException:
-            _no_table_left(session, plan, run_id)
+        except BaseException:       # the tables its batches put on hosts with no held script go
+            session.take_tables(names.run_prefix(plan.name, run_id),
+                                _tables_left(plan, list(session.infos), False, False, session.serves_already()))
             raise
         events: queue.Queue = queue.Queue()
         checks = RunChecks(plan, ui, os.path.join(options.runs_dir, run_id), lambda: events.put(None),
@@ -272,10 +273,9 @@ def _shutdown(run: Run, interrupted: bool = False) -> None:
         if (run.owns_servers or run.procs) and not _swept_by_shims(run):
             run.session.stop_run(prefix, grace=0 if fast.is_set() else SERVER_STOP_GRACE)
         else:
-            left = _tables_left(run.plan, list(run.session.infos), run.owns_servers or bool(run.procs),
-                                run.owns_servers, run.reuses_up)
-            if left:
-                run.session.stop_run(prefix, grace=0, hosts=left)
+            run.session.take_tables(prefix, _tables_left(run.plan, list(run.session.infos),
+                                                         run.owns_servers or bool(run.procs),
+                                                         run.owns_servers, run.reuses_up))
         if run.board is not None and not fast.is_set():
             run.board.wait_stopped()
     finally:
@@ -298,18 +298,6 @@ def _tables_left(plan: Plan, hosts: list[str], started: bool, owns_servers: bool
     if not started:
         left += [h for h in hosts if plan.tasks_on(h) and not any(t.runs_script for t in plan.tasks_on(h))]
     return left
-
-
-def _no_table_left(session: Session, plan: Plan, run_id: str) -> None:
-    """The run ended while its hosts were being opened: the tables its batches put on hosts
-    with no held script of the run go (_tables_left). Never the reason the run's own error is
-    not said."""
-    try:
-        left = _tables_left(plan, list(session.infos), False, False, session.serves_already())
-        if left:
-            session.stop_run(names.run_prefix(plan.name, run_id), grace=0, hosts=left)
-    except Exception:  # noqa: BLE001 - the run's own error follows
-        pass
 
 
 def _swept_by_shims(run: Run) -> bool:
