@@ -179,7 +179,7 @@ def test_the_up_shim_exits_0_at_once_while_the_launcher_keeps_its_stdin_open():
 @pytest.mark.tf
 @pytest.mark.timeout(240)
 def test_a_held_tfserver_serves_the_cluster_its_go_carries(agent, home):
-    """A server held before its cluster was known (launch/run/standbys.py: held once the run
+    """A server held before its cluster was known (launch/run/heldservers.py: held once the run
     stepped, for the next move) gets its TF_CONFIG with GO, through the attached shim: it binds
     the address that config gives it, not the one it was started with."""
     started_port, given_port, other = free_port(), free_port(), free_port()

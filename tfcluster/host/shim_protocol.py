@@ -90,7 +90,7 @@ SHIM_VAR = "TFCLUSTER_SHIM"      # the pid of the shim that started the task: it
 HOLD_VAR = "TFCLUSTER_HOLD"      # "1": a warm TF server; it binds its port only after a GO line
 GO_LINE = b"GO\n"
 # GO with the server's TF_CONFIG (one line of JSON) after it: a server held before its cluster
-# was known (a standby server, launch/run/standbys.py) serves the cluster it is given.
+# was known (a held server, launch/run/heldservers.py) serves the cluster it is given.
 GO_WITH = b"GO "
 PROBE_VAR = "TFCLUSTER_PROBE"    # "placement,waits": run the start-up probe (probe/) in this task
 FLUSH_VAR = "TFCLUSTER_STDOUT_FLUSH"  # seconds: the probe buffers the script's stdout, flushed this often

@@ -21,15 +21,8 @@ their own tags, never touch it, and it takes its task's tag as it becomes the ta
 standby cannot honour (it died, an environment variable read at start-up differs) starts the
 task cold on the same channel, and the run says why. docs/hostloss.md, "Warm spares".
 
-Make before break covers the TF servers too: each server of the new plan starts **held** at
-the decision (TensorFlow imported, its port not bound, as `train`'s first servers start while
-the checks run), under its task's own tag, which the old attempt's stop leaves alone (a shim
-sweeps only what it started); once the old servers have stopped, each gets GO, with the
-cluster it is to serve where that changed since (a notice's move rode along), and binds. A
-held server whose launch differs from the task's otherwise is stopped and its task starts
-cold. Once the run has stepped, each host also holds a twin of every server it runs, with the
-cluster as it is: a move gives it the new cluster with its GO (its import does not depend on
-the cluster), and holds new servers only where tasks arrive.
+Make before break covers the TF servers too, and each host holds a twin of every server it
+runs once the run has stepped: heldservers.py.
 """
 from __future__ import annotations
 
@@ -44,13 +37,12 @@ from tfcluster.host.shim_protocol import RESTART_VAR
 from tfcluster.launch.agent import fence
 from tfcluster.launch.agent.standby import Standby
 from tfcluster.launch.cluster.hostloss import REOPEN_GRACE
-from tfcluster.launch.cluster.servers import Started, watch_ready
 from tfcluster.launch.cluster.session import Background
+from tfcluster.launch.run.heldservers import HeldServers
 from tfcluster.launch.run.recovery import lost_tasks, step_now
 from tfcluster.plan import names, policy
 
 if TYPE_CHECKING:
-    from tfcluster.launch.agent.attached import AttachedTask
     from tfcluster.launch.agent.records import TaskLaunch
     from tfcluster.launch.cluster.servers import Watch
     from tfcluster.launch.run.runstate import Run, Supervised
@@ -77,10 +69,9 @@ class Standbys:
     shipped: set[str] = field(default_factory=set)    # warm spares the run's files went to (a move skips them)
     suspected: set[str] = field(default_factory=set)   # hosts whose loss is prepared for (suspect())
     numbering: threading.Lock = field(default_factory=threading.Lock)   # `made` and `suspected`, from several threads
-    servers: dict[str, tuple[str, TaskLaunch, AttachedTask]] = field(default_factory=dict)  # key -> (host, ...) held
+    servers: HeldServers = field(default_factory=HeldServers)   # servers held for a move, and twins
     restarting: set[str] = field(default_factory=set)   # hosts keep() gave their restart's standbys (until a restart)
     prepared: dict[str, Prepared] = field(default_factory=dict)   # suspected host -> what its move has ready
-    early: set[str] = field(default_factory=set)    # keys of servers held before any move (their cluster at GO)
 
     # -- starting them
 
@@ -135,7 +126,7 @@ class Standbys:
             waiting = [s for s in self.held.get(host, []) if s.alive()]
             try:
                 self._prepare_host(run, host, plan, tasks[len(waiting):])
-                self._hold_servers(run, host, plan, early=True)
+                self.servers.hold(run, host, plan, self._open, early=True)
             except Exception as exc:  # noqa: BLE001 - that host's tasks restart cold
                 run.ui.warn(f"{host}: no standby for a restart ({_said(exc)}); its tasks restart cold")
 
@@ -213,11 +204,7 @@ class Standbys:
         prepared = self._for_move(host, after)
         if prepared is not None and prepared.watch is not None:
             return prepared.watch
-        return self._ask_ready(run, after, run.options.grace + 5)     # the old servers' stop
-
-    def _ask_ready(self, run: Run, after: Plan, settle: float) -> Watch | None:
-        held = self.held_servers(after)
-        return watch_ready(run.session, held, settle) if held else None
+        return self.servers.watch(run, after, run.options.grace + 5)     # the old servers' stop
 
     def clear(self, run: Run, host: str) -> None:
         """`host` is back: the standbys and servers made for its loss go (a warm spare's own stay)."""
@@ -228,7 +215,7 @@ class Standbys:
         run.ui.info(f"{host} is back: what was prepared for its move is dropped")
         with self.lock:
             self._trim(run)
-            self.drop_servers(keep=self.early)
+            self.servers.drop_made_for_moves()
 
     def _prepare_for(self, run: Run, host: str, after: Plan) -> None:
         """suspect()'s thread: make before break, unless `host` was found back meanwhile."""
@@ -240,7 +227,7 @@ class Standbys:
                 prepared = self.prepared.get(host)      # gone: the host is back
                 if prepared is not None:    # asked now, answered as each binds on its GO: after the
                     # verdict and the old servers' stop
-                    prepared.watch = self._ask_ready(run, after, REOPEN_GRACE + run.options.grace + 5)
+                    prepared.watch = self.servers.watch(run, after, REOPEN_GRACE + run.options.grace + 5)
             except Exception:  # noqa: BLE001 - an early start is an optimisation: the restart makes what is missing
                 pass
 
@@ -253,102 +240,20 @@ class Standbys:
             waiting = [s for s in self.held.get(host, []) if s.alive()]
             try:
                 self._prepare_host(run, host, after, tasks[len(waiting):])
-                self._hold_servers(run, host, after)
+                self.servers.hold(run, host, after, self._open)
             except Exception as exc:  # noqa: BLE001 - the restart starts that host's tasks cold
                 run.ui.warn(f"{host}: no standby for the restart ({_said(exc)})")
 
         run.session.parallel(prepare, hosts)
 
-    def _hold_servers(self, run: Run, host: str, plan: Plan, early: bool = False) -> None:
-        """The servers `plan` puts on `host`, started held (see the module's docstring).
-        `early`: before any move is known, so the cluster they will serve is given at GO."""
-        from tfcluster.diagnose.proxy import no_proxy_for
-        from tfcluster.launch.run import attempts
-
-        session = run.session
-        # one held for the task already on this host serves; one held elsewhere (its host
-        # being lost, the task moves here) is stopped and replaced
-        servers = [t for t in plan.tasks_on(host) if t.runs_server and self.servers.get(t.key, (None,))[0] != host]
-        if not servers:
-            return
-        for t in servers:
-            if t.key in self.servers:
-                self.servers.pop(t.key)[2].stop()
-                self.early.discard(t.key)
-        agent = self._open(run, host)
-        no_proxy = no_proxy_for(plan)
-        if early and no_proxy:          # any spare a move may bring in, too
-            no_proxy = tuple(dict.fromkeys(no_proxy + tuple(plan.host(s).address for s in plan.spares)))
-        for t in servers:
-            proc = next((p for p in run.procs if p.role == "server" and p.task.key == t.key), None)
-            if proc is None:
-                continue
-            launch = session.launch_for(t, run.run_id, "server", agent.server_argv(), {RESTART_VAR: str(proc.restarts)})
-            # a pid file of its own while held: the server it replaces, alive until the break
-            # (or for good, when its host comes back), keeps the task's
-            launch = dataclasses.replace(launch, no_proxy=no_proxy,
-                                         pidfile=launch.pidfile.removesuffix(".pid") + ".next.pid")
-            task = agent.start_attached(launch, heartbeat_timeout=run.options.heartbeat, grace=run.options.grace,
-                                        hold=True, restart=attempts.in_place(plan, proc),
-                                        pidfile_on_go=session.paths.pidfile(launch.tag))
-            self.servers[t.key] = (host, launch, task)
-            if early:
-                self.early.add(t.key)
-            else:
-                self.early.discard(t.key)
-
-    def held_servers(self, plan: Plan) -> list[Started]:
-        """The servers held now for `plan`, as started ones (their readiness can be asked
-        before their GO: servers.watch_ready)."""
-        return [Started(plan.task(key), launch.tag, task.pid, launch.log)
-                for key, (host, launch, task) in self.servers.items()
-                if plan.task(key).host == host and task.pid]
-
     def take_servers(self, run: Run, procs: list[Supervised]) -> list[Supervised]:
-        """GO to each server of `procs` held for it before the break, on its host, its launch
-        unchanged; returns the ones left to start cold. Held servers nothing took are stopped."""
-        from tfcluster.launch.run import attempts
-        from tfcluster.launch.run.runstate import StartSlot
-
-        cold, warm, changed = [], [], []
-        for p in procs:
-            host, launch, task = self.servers.pop(p.task.key, (None, None, None))
-            early = p.task.key in self.early
-            self.early.discard(p.task.key)
-            if task is None:
-                cold.append(p)
-                continue
-            now = attempts.launch_of(run.session, run.run_id, p)
-            same = host == p.task.host and _serves_as(launch, now)
-            config = now.env.get("TF_CONFIG")
-            if not same or not task.go(config if config != launch.env.get("TF_CONFIG") else None):
-                task.stop(keep_fence=bool(run.plan.tasks_on(host)))    # tasks start there
-                cold.append(p)
-                if not same and not (early and host != p.task.host):   # not its task's host any more
-                    changed.append(p.task.key)
-                continue
-            slot = StartSlot()
-            run.starts.append(slot)
-            p.handle = slot.handle = task
-            attempts.attach(run, p)
-            warm.append(p.task.key)
-        self.drop_servers()
-        said = []
-        if warm:
-            said.append(f"held before the break: server(s) {', '.join(warm)} "
-                        f"(TensorFlow imported while the old tasks stopped)")
-        if changed:
-            said.append(f"server(s) {', '.join(changed)} started cold (their launch changed since they were held)")
+        """GO to each server of `procs` held for it (heldservers.py); returns the ones left to
+        start cold."""
+        cold, said = self.servers.take(run, procs)
         if said:
-            run.ui.info("; ".join(said))
-            self.said.append("; ".join(said))
+            run.ui.info(said)
+            self.said.append(said)
         return cold
-
-    def drop_servers(self, keep: set[str] = frozenset()) -> None:
-        """Stop the held servers but those of the task keys in `keep`."""
-        for key in [k for k in self.servers if k not in keep]:
-            self.servers.pop(key)[2].stop()
-            self.early.discard(key)
 
     def _prepare_host(self, run: Run, host: str, plan: Plan, tasks: list[TaskPlan]) -> None:
         if not tasks:
@@ -466,21 +371,11 @@ class Standbys:
 
     def close(self) -> None:
         """Those never taken: each shim reads EOF and stops its standby (a held server: STOP)."""
-        self.drop_servers()
+        self.servers.drop()
         for waiting in self.held.values():
             for s in waiting:
                 s.drop()
         self.held.clear()
-
-
-def _serves_as(held: TaskLaunch, now: TaskLaunch) -> bool:
-    """Whether a server held with launch `held` can serve as `now`: the same program and
-    environment but for its cluster (TF_CONFIG, given at GO) and its attempt's number, and
-    every address `now` keeps off a proxy kept off by it too."""
-    late = ("TF_CONFIG", RESTART_VAR)
-    env = {k: v for k, v in held.env.items() if k not in late}
-    return (held.argv == now.argv and env == {k: v for k, v in now.env.items() if k not in late}
-            and set(now.no_proxy) <= set(held.no_proxy))
 
 
 def _said(exc: BaseException) -> str:
