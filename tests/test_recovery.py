@@ -35,16 +35,17 @@ P = (25000, 25001, 25002, 25003)    # each bed host has its own ports: no clash 
 def bed_spec(tmp: Path, bed, name: str, jobs: str, *, mode: str = "between-graph",
              script: str = "between_graph", steps: int = 3000, spares: tuple[str, ...] = ("h5",),
              checkpoint: bool = True, on_host_loss: str | None = None, pace: float = 0.05,
-             extra: dict[str, dict] | None = None) -> Path:
+             extra: dict[str, dict] | None = None, spare: str = "true") -> Path:
     """Bed hosts h2, h3, h4 and the spares (h5); `jobs` is the YAML of the jobs. With
     `checkpoint`, every task's script checkpoints to {workdir}/ckpt, which train.checkpoint
     copies back every 2 s. The between-graph and classic templates step at most every `pace`
     seconds a worker, the coordinator schedules a step at most that often: a run's length in
     seconds is then the machine's speed's no longer, and the CPU goes to the move, not to steps
-    a fast box would have run past the fault. `extra`: more fields of a host's entry, by name."""
+    a fast box would have run past the fault. `extra`: more fields of a host's entry, by name;
+    `spare`: the spares' kind (`warm`: each holds standbys)."""
     hosts = [bed.add(n) for n in ("h2", "h3", "h4")]
     listed = "".join(f"  - {h.spec(**(extra or {}).get(h.name, {}))}\n" for h in hosts)
-    listed += "".join(f"  - {bed.add(n).spec(spare='true')}\n" for n in spares)
+    listed += "".join(f"  - {bed.add(n).spec(spare=spare)}\n" for n in spares)
     args = ["--steps", str(steps), "--log_every", "50"]
     if checkpoint:
         args += ["--model_dir", "{workdir}/ckpt"]
@@ -291,13 +292,15 @@ def test_drain_moves_the_chief_at_its_checkpoint_losing_no_step(tmp_path, home, 
 
 
 # The chief's host warned 30 s ahead by its cloud, in the modes test_notices does not train, a
-# cloud each: (the cloud, how its fake is told, what the run names the notice, steps, pace). Each
-# run steps on past the deadline, so the kill comes while it trains on the spare.
+# cloud each: (the cloud, how its fake is told, what the run names the notice, steps, pace, the
+# spare's kind). Each run steps on past the deadline, so the kill comes while it trains on the
+# spare. The coordinator's spare is warm: the notice's move takes the chief's standby there and
+# the servers' twins held by then, as a lost host's move does (test_warm_bed).
 WARNED = {
-    "classic": ("gce", ("gce/set", {"key": "preempted", "value": "TRUE"}), "gce preempted", 1500, 0.05),
+    "classic": ("gce", ("gce/set", {"key": "preempted", "value": "TRUE"}), "gce preempted", 1500, 0.05, "true"),
     "coordinator": ("azure", ("azure/event", {"id": "EV-7", "type": "Preempt", "in": 30}), "azure Preempt",
-                    1700, 0.02),
-    "mirrored": ("aws", ("aws/action", {"action": "terminate", "in": 30}), "aws terminate", 800, 0.05),
+                    1700, 0.02, "warm"),
+    "mirrored": ("aws", ("aws/action", {"action": "terminate", "in": 30}), "aws terminate", 800, 0.05, "true"),
 }
 
 
@@ -309,12 +312,12 @@ def test_a_notice_30s_ahead_moves_the_chief_before_the_kill_losing_no_step(tmp_p
     killed at the deadline. Every task starts again on the spare, before the deadline, from
     the checkpoint the scripts saved as they stopped; the run outlives the host, no step lost."""
     jobs, chief, _, _ = DRAINED[mode]
-    cloud, (what, body), named, steps, pace = WARNED[mode]
+    cloud, (what, body), named, steps, pace, spare = WARNED[mode]
     cwd = tmp_path / "cwd"
     cwd.mkdir()
     watched = {"preemptible": cloud, "metadata_url": f"'http://127.0.0.1:{FAKE_PORT}'"}
     spec = bed_spec(tmp_path, bed, f"rn{mode[:5]}", jobs, mode=mode, script=mode, steps=steps, pace=pace,
-                    extra={"h4": watched})
+                    extra={"h4": watched}, spare=spare)
     start_fake(bed.hosts["h4"])
     proc = start_tfcluster("train", str(spec), home=home, cwd=cwd)
     try:
@@ -340,6 +343,10 @@ def test_a_notice_30s_ahead_moves_the_chief_before_the_kill_losing_no_step(tmp_p
     (move,) = doc["moves"]
     assert move["done_at"] < deadline and move["steps_lost"] == 0, move
     assert doc["tasks"][chief]["host"] == "h5" and doc["progress"][chief]["step"] >= steps - 100
+    if spare == "warm":     # the summary's lines: the chief's standby and every server held took
+        assert re.search(rf"^standby: warm standby on h5 took {chief} \(pid \d+", rest, re.MULTILINE), rest[-3000:]
+        assert re.search(r"^standby: held before the break: server\(s\) ps:0, worker:0, worker:1 ", rest,
+                         re.MULTILINE), rest[-3000:]
     wait_for(lambda: not tagged_processes(), timeout=60, what="no task left running")
 
 
