@@ -16,6 +16,8 @@ command -v pdsh >/dev/null || need_apt+=(pdsh)
 { command -v ip >/dev/null || [ -x /usr/sbin/ip ]; } || need_apt+=(iproute2)
 # nftables: up and train close TensorFlow's ports with it (tests/test_fence.py)
 { command -v nft >/dev/null || [ -x /usr/sbin/nft ]; } || need_apt+=(nftables)
+# iptables: the fence's way where a host has no nft command (tests/test_fence.py)
+{ command -v iptables >/dev/null || [ -x /usr/sbin/iptables ]; } || need_apt+=(iptables)
 # Debian's python3 makes a venv only with python3-venv (ensurepip) installed.
 if [ -z "${VIRTUAL_ENV:-}" ] && [ ! -x .venv/bin/python ] && ! python3 -c 'import ensurepip' 2>/dev/null; then
   need_apt+=(python3-venv)

@@ -36,7 +36,7 @@ from tests.helpers import (
 )
 from tests.tf_launch import free_ports
 from tfcluster.errors import PreflightError
-from tfcluster.host import shim_cgroup, shim_fence, shim_procs
+from tfcluster.host import shim_cgroup, shim_fence, shim_procs, shim_rules
 from tfcluster.host import shim_protocol as proto
 from tfcluster.launch.agent import fence
 from tfcluster.plan import build_plan
@@ -109,7 +109,7 @@ def test_a_table_is_named_for_its_cluster_and_directory_and_never_needs_quoting(
 
 
 def test_the_table_refuses_others_sockets_and_strangers_and_lets_the_owner_and_the_hosts_in():
-    text = shim_fence.script("tfcluster_t_1", 1234, [2222], [["127.0.0.1", 2222], ["127.0.0.2", 2223]],
+    text = shim_rules.script("tfcluster_t_1", 1234, [2222], [["127.0.0.1", 2222], ["127.0.0.2", 2223]],
                              ["127.0.0.1", "127.0.0.2"])
     lines = [line.strip() for line in text.splitlines()]
     assert lines[:3] == ["table inet tfcluster_t_1", "delete table inet tfcluster_t_1", "table inet tfcluster_t_1 {"]
@@ -299,7 +299,7 @@ def test_without_nft_the_same_rules_go_through_iptables_and_go_again(tmp_path, n
         server.kill()
         server.wait(10)
         shim_fence.release_if_idle(cluster_dir, "fenceipt:")
-        left = [c for c in shim_fence.chains(table)
+        left = [c for c in shim_rules.chains(table)
                 if subprocess.run([ipt, "-w", "-S", c], capture_output=True, timeout=10).returncode == 0]
         for chain in left:                         # a failed test leaves nothing behind either
             shim_fence._delete({"iptables": [ipt, "-w"], "ip6tables": [ipt.replace("iptables", "ip6tables"), "-w"]},

@@ -26,7 +26,7 @@ import pytest
 
 from tests.helpers import wait_for
 from tests.tf_launch import free_ports
-from tfcluster.host import shim_cgroup, shim_fence, shim_procs
+from tfcluster.host import shim_cgroup, shim_fence, shim_procs, shim_rules
 from tfcluster.host import shim_protocol as proto
 
 NFT = shutil.which("nft") or next((p for p in ("/usr/sbin/nft", "/sbin/nft") if os.access(p, os.X_OK)), None)
@@ -228,13 +228,13 @@ def test_a_killed_clusters_table_is_swept_by_the_next_install_and_a_refusal_name
     wait_for(lambda: not shim_procs.is_alive(pid), 10, what="the server to die")
     # made long ago, as a table left since then would be (the sweep spares young tables)
     old = time.time() - 2 * shim_fence.SWEEP_GRACE
-    subprocess.run([NFT, "-f", "-"], input=shim_fence.script(
+    subprocess.run([NFT, "-f", "-"], input=shim_rules.script(
         stale, 0, [port], [["127.0.0.1", port]], ["127.0.0.1"],
         cgroup=shim_cgroup.nft_name(shim_cgroup.path_of(stale_dir), shim_cgroup.mount_point()), made=old),
         text=True, check=True, timeout=10)
     # another cluster's old table whose cluster still runs (a tagged process, outside any cgroup)
     running = shim_fence.table_name(running_dir, "fencerun:")
-    subprocess.run([NFT, "-f", "-"], input=shim_fence.script(running, 0, [busy_port], [], [], made=old),
+    subprocess.run([NFT, "-f", "-"], input=shim_rules.script(running, 0, [busy_port], [], [], made=old),
                    text=True, check=True, timeout=10)
     tag = shim_procs.qualify("fencerun:up-1:ps:0:server", running_dir)
     clusters.procs.append(subprocess.Popen([sys.executable, "-S", "-c", LISTEN, str(busy_port)],
@@ -260,9 +260,9 @@ def test_a_killed_clusters_table_is_swept_by_the_next_install_and_a_refusal_name
 
 def test_the_uid_is_the_match_where_nft_cannot_name_the_clusters_cgroup():
     """The fallback's rules (no cgroup: a cgroup2 mounted elsewhere, not writable, iptables)."""
-    text = shim_fence.script("tfcluster_t_1", 1234, [2222], [["127.0.0.1", 2222]], ["127.0.0.1"], made=0)
+    text = shim_rules.script("tfcluster_t_1", 1234, [2222], [["127.0.0.1", 2222]], ["127.0.0.1"], made=0)
     assert "meta skuid != 1234" in text and "cgroupv2" not in text
-    text = shim_fence.script("tfcluster_t_1", 1234, [2222], [["127.0.0.1", 2222]], ["127.0.0.1"],
+    text = shim_rules.script("tfcluster_t_1", 1234, [2222], [["127.0.0.1", 2222]], ["127.0.0.1"],
                              cgroup=("unified/tfcluster/abc", 2), made=0)
     assert 'tcp flags & (syn | ack) == syn socket cgroupv2 level 2 "unified/tfcluster/abc" accept' in text
     assert "skuid" not in text and 'comment "tfcluster made 0 uid 1234"' in text

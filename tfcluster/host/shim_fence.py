@@ -24,7 +24,8 @@ cluster runs on the host any more (release_if_idle: the last attached shim, `sto
 `up` and `down`, another cluster's table that nothing of its cluster runs for any more
 (sweep: a killed run's table would refuse the next cluster on those ports). A root shim runs `nft`; another user's shim runs `sudo -n nft`
 when sudo lets it, else the ports stay open and the answer says why and who else has
-processes on the host. Shipped beside shim.py: standard library only, Python >= 3.8.
+processes on the host. The rules themselves, in nft's and iptables' words: shim_rules.py.
+Shipped beside shim.py: standard library only, Python >= 3.8.
 """
 from __future__ import annotations
 
@@ -32,7 +33,6 @@ import hashlib
 import json
 import os
 import re
-import socket
 import subprocess
 import time
 
@@ -40,10 +40,12 @@ if __package__:
     from . import shim_cgroup as cgroup
     from . import shim_fs as fs
     from . import shim_procs as procs
+    from . import shim_rules as rules
 else:  # shipped: the shim's directory is first on sys.path
     import shim_cgroup as cgroup
     import shim_fs as fs
     import shim_procs as procs
+    import shim_rules as rules
 
 PREFIX = "tfcluster_"          # every table tfcluster makes starts so; none other is touched
 MARK = "fence-%s.json"         # <cluster dir>/fence-<host>.json: this host's table and how it was made
@@ -133,128 +135,15 @@ def other_users() -> list:
     return sorted(_user(u) for u in uids - {0, me})
 
 
-def _addresses(names) -> tuple[set, set]:
-    """Every IPv4 and IPv6 address the names resolve to here (a name that does not resolve
-    is left out: the reachability check names it)."""
-    v4, v6 = set(), set()
-    for name in names:
-        try:
-            infos = socket.getaddrinfo(str(name), None, 0, socket.SOCK_STREAM)
-        except (OSError, UnicodeError):
-            continue
-        for family, _t, _p, _c, sockaddr in infos:
-            address = sockaddr[0].split("%")[0]
-            if family == socket.AF_INET:
-                v4.add(address)
-            elif family == socket.AF_INET6:
-                v6.add(address)
-    return v4, v6
-
-
-def _ports(values) -> list:
-    return sorted({int(p) for p in values if 0 < int(p) < 65536})
-
-
-def _rules(ports, targets, peers) -> tuple[list, dict, dict]:
-    """(this machine's task ports, family -> {(address, port)} of every task, family -> the
-    cluster's host addresses), names resolved here."""
-    mine = set(_ports(ports))
-    by_family = {4: set(), 6: set()}
-    resolved = {}
-    for address, port in targets:
-        if address not in resolved:
-            resolved[address] = _addresses([address])
-        v4, v6 = resolved[address]
-        by_family[4].update((a, int(port)) for a in v4)
-        by_family[6].update((a, int(port)) for a in v6)
-        if any(_is_local(a) for a in v4 | v6):
-            mine.add(int(port))     # another host of the spec that is this machine (127.0.0.x): one table
-    peer4, peer6 = _addresses(peers)
-    return sorted(mine), by_family, {4: peer4, 6: peer6}
-
-
-def script(table: str, uid: int, ports, targets, peers, cgroup=None, made=None) -> str:
-    """The nft program that replaces the table whole (one transaction): `ports` this host's
-    task ports, `targets` [address, port] of every task, `peers` the cluster's host addresses;
-    `cgroup` (path under /sys/fs/cgroup, level) the cluster's cgroup, else the uid is matched.
-    The table's comment says when it was made (`made`, epoch seconds) and by whom: sweep()."""
-    mine, by_family, peers_by = _rules(ports, targets, peers)
-    peer4, peer6 = peers_by[4], peers_by[6]
-    # Every rule starts with the SYN test: the packets of a connection already made pass on
-    # one flags compare per rule, and only a new connection meets the uid and route lookups.
-    syn = "tcp flags & (syn | ack) == syn"
-    out = []
-    if cgroup is None:
-        stranger = "%s meta skuid != %d" % (syn, uid)
-    else:
-        # the cluster's own sockets leave this table first; every other new connection meets
-        # the rules below. (Not a `!=` on the cgroup: a socket whose cgroup is shallower than
-        # the level has no ancestor there, and the match then fails both ways.)
-        stranger = syn
-        out.append('%s socket cgroupv2 level %d "%s" accept' % (syn, cgroup[1], cgroup[0]))
-    if mine:
-        out.append("%s tcp dport { %s } fib daddr type local reject with tcp reset" % (stranger, _join(mine)))
-    for family, ip in ((4, "ip"), (6, "ip6")):
-        if by_family[family]:
-            pairs = _join("%s . %d" % pair for pair in sorted(by_family[family]))
-            out.append("%s %s daddr . tcp dport { %s } reject with tcp reset" % (stranger, ip, pairs))
-    inp = []
-    if mine:
-        ports = "%s tcp dport { %s }" % (syn, _join(mine))
-        inp.append("%s fib saddr type local accept" % ports)
-        for ip, peers_of in (("ip", peer4), ("ip6", peer6)):
-            if peers_of:
-                inp.append("%s %s saddr { %s } accept" % (ports, ip, _join(sorted(peers_of))))
-        inp.append("%s reject with tcp reset" % ports)
-    lines = ["table inet %s" % table, "delete table inet %s" % table, "table inet %s {" % table,
-             '  comment "tfcluster made %d uid %d"' % (int(time.time() if made is None else made), uid),
-             "  chain output {", "    type filter hook output priority filter; policy accept;"]
-    lines += ["    " + rule for rule in out] + ["  }"]
-    lines += ["  chain input {", "    type filter hook input priority filter; policy accept;"]
-    lines += ["    " + rule for rule in inp] + ["  }", "}"]
-    return "\n".join(lines) + "\n"
-
-
-def chains(table: str) -> tuple[str, str]:
-    """iptables' chains for a table (a chain name holds at most 28 characters): `TFC<instance>o`
-    and `...i`, the instance being the table name's last 12 hex digits."""
-    return "TFC%so" % table[-12:], "TFC%si" % table[-12:]
-
-
-def iptables_rules(table: str, uid: int, ports, targets, peers) -> dict:
-    """family (4, 6) -> the argument lists that fill the two chains, for iptables where nft
-    is not installed: the same rules as script(), in iptables' words."""
-    mine, by_family, peers_by = _rules(ports, targets, peers)
-    out_chain, in_chain = chains(table)
-    syn = ["-p", "tcp", "--syn"]
-    stranger = syn + ["-m", "owner", "!", "--uid-owner", str(uid)]
-    reject = ["-j", "REJECT", "--reject-with", "tcp-reset"]
-    chunks = [mine[i:i + 15] for i in range(0, len(mine), 15)]     # multiport takes 15 ports
-    rules = {}
-    for family in (4, 6):
-        dports = [["-m", "multiport", "--dports", ",".join(map(str, c))] for c in chunks]
-        out = [["-A", out_chain] + stranger + d + ["-m", "addrtype", "--dst-type", "LOCAL"] + reject
-               for d in dports]
-        out += [["-A", out_chain] + stranger + ["-d", a, "--dport", str(p)] + reject
-                for a, p in sorted(by_family[family])]
-        inp = [["-A", in_chain] + syn + d + ["-m", "addrtype", "--src-type", "LOCAL", "-j", "RETURN"]
-               for d in dports]
-        inp += [["-A", in_chain] + syn + d + ["-s", a, "-j", "RETURN"]
-                for d in dports for a in sorted(peers_by[family])]
-        inp += [["-A", in_chain] + syn + d + reject for d in dports]
-        rules[family] = out + inp
-    return rules
-
-
 def _install(tool: dict, table: str, req: dict, cgroup=None) -> tuple[int, str]:
     args = (table, os.geteuid(), req.get("ports", ()), req.get("targets", ()), req.get("peers", ()))
     if "nft" in tool:
-        return _run(tool["nft"] + ["-f", "-"], script(*args, cgroup=cgroup))
+        return _run(tool["nft"] + ["-f", "-"], rules.script(*args, cgroup=cgroup))
     _delete(tool, table)
-    out_chain, in_chain = chains(table)
-    for family, rules in iptables_rules(*args).items():
+    out_chain, in_chain = rules.chains(table)
+    for family, family_rules in rules.iptables_rules(*args).items():
         ipt = tool["iptables" if family == 4 else "ip6tables"]
-        steps = [["-N", out_chain], ["-N", in_chain]] + rules
+        steps = [["-N", out_chain], ["-N", in_chain]] + family_rules
         steps += [["-I", "OUTPUT", "-j", out_chain], ["-I", "INPUT", "-j", in_chain]]
         for step in steps:
             rc, said = _run(ipt + step)
@@ -267,7 +156,7 @@ def _install(tool: dict, table: str, req: dict, cgroup=None) -> tuple[int, str]:
 def _exists_with(tool: dict, table: str) -> bool:
     if "nft" in tool:
         return _run(tool["nft"] + ["list", "table", "inet", table])[0] == 0
-    return _run(tool["iptables"] + ["-S", chains(table)[0]])[0] == 0
+    return _run(tool["iptables"] + ["-S", rules.chains(table)[0]])[0] == 0
 
 
 def _delete(tool: dict, table: str) -> tuple[int, str]:
@@ -275,7 +164,7 @@ def _delete(tool: dict, table: str) -> tuple[int, str]:
     if "nft" in tool:
         rc, said = _run(tool["nft"] + ["delete", "table", "inet", table])
         return (0, "") if rc == 0 or not _exists_with(tool, table) else (rc, said)
-    out_chain, in_chain = chains(table)
+    out_chain, in_chain = rules.chains(table)
     for ipt in (tool["iptables"], tool["ip6tables"]):
         for hook, chain in (("OUTPUT", out_chain), ("INPUT", in_chain)):
             for _ in range(8):          # a jump inserted twice is deleted twice
@@ -316,8 +205,7 @@ def _made(tool: dict, table: str) -> float | None:
     """When a table was made, from the comment install() gives it; None without one (a
     table of another tfcluster version, or not ours)."""
     rc, said = _run_out(tool["nft"] + ["list", "table", "inet", table])
-    found = re.search(r'comment "tfcluster made (\d+) uid \d+"', said) if rc == 0 else None
-    return float(found.group(1)) if found else None
+    return rules.made_at(said) if rc == 0 else None
 
 
 def _runs(instance: str) -> bool:
@@ -386,34 +274,10 @@ def holders(port: int, exclude=()) -> list | None:
             items = json.loads(said).get("nftables", []) if rc == 0 else []
         except ValueError:
             items = []
-        if any(port in _ports_of(item["rule"]) for item in items
+        if any(port in rules.ports_of(item["rule"]) for item in items
                if isinstance(item, dict) and isinstance(item.get("rule"), dict)):
             found.append(table)
     return found
-
-
-def _ports_of(rule: dict) -> set:
-    """The TCP ports a rule of ours names (`tcp dport`, alone or after an address)."""
-    ports = set()
-    for expr in rule.get("expr") or ():
-        match = expr.get("match") if isinstance(expr, dict) else None
-        if not isinstance(match, dict):
-            continue
-        left, right = match.get("left"), match.get("right")
-        right = right.get("set") if isinstance(right, dict) and "set" in right else [right]
-        concat = isinstance(left, dict) and "concat" in left
-        if not concat and left != {"payload": {"protocol": "tcp", "field": "dport"}}:
-            continue
-        for value in right:
-            if concat and isinstance(value, dict) and "concat" in value:
-                value = value["concat"][-1]
-            if isinstance(value, dict) and "range" in value:
-                lo, hi = value["range"]
-                if isinstance(lo, int) and isinstance(hi, int):
-                    ports.update(range(lo, hi + 1))
-            elif isinstance(value, int):
-                ports.add(value)
-    return ports
 
 
 def refused_hint(port: int, exclude=()) -> str:
@@ -429,26 +293,6 @@ def refused_hint(port: int, exclude=()) -> str:
     return ("%s on this host %s port %d (another tfcluster cluster's; `tfcluster down` its spec, "
             "or as root `nft delete table inet NAME`)" % (", ".join(found),
                                                          "holds" if len(found) == 1 else "hold", port))
-
-
-_LOCAL: dict = {}
-
-
-def _is_local(address: str) -> bool:
-    """Whether an address is this machine's (it can be bound here)."""
-    if address not in _LOCAL:
-        family = socket.AF_INET6 if ":" in address else socket.AF_INET
-        try:
-            with socket.socket(family, socket.SOCK_STREAM) as s:
-                s.bind((address, 0))
-            _LOCAL[address] = True
-        except OSError:
-            _LOCAL[address] = False
-    return _LOCAL[address]
-
-
-def _join(items) -> str:
-    return ", ".join(str(i) for i in items)
 
 
 def _mark_path(cluster_dir: str) -> str:

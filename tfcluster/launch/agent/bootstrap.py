@@ -20,7 +20,7 @@ from tfcluster.host import shim_protocol as proto
 from tfcluster.launch.agent.lines import checked, json_object, tail_text
 
 SHIPPED = ("shim.py", "shim_cgroup.py", "shim_ckpt.py", "shim_facts.py", "shim_fence.py", "shim_fs.py", "shim_launch.py", "shim_net.py", "shim_notice.py",
-           "shim_ports.py", "shim_procs.py", "shim_protocol.py", "shim_talk.py", "shim_tasks.py", "shim_standby.py", "shim_warm.py",
+           "shim_ports.py", "shim_procs.py", "shim_protocol.py", "shim_rules.py", "shim_talk.py", "shim_tasks.py", "shim_standby.py", "shim_warm.py",
            "tfserver.py", "probe/sitecustomize.py")
 # Every shim runs without `site` (`python -S`): .pth files and sitecustomize are a third to a
 # half of a remote execution's CPU, for nothing the shim imports (docs/ARCHITECTURE.md,
