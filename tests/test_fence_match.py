@@ -208,6 +208,30 @@ def test_a_launcher_gone_before_the_batch_answer_leaves_no_table(clusters):
     assert not os.path.exists(shim_cgroup.path_of(cluster_dir))
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("command", [proto.BATCH, proto.FENCE])
+def test_a_launcher_gone_before_an_install_is_answered_leaves_no_table(clusters, command):
+    """Ctrl-C while a host's opening batch (or a move's fence request) installs the table:
+    the answer's write fails, and the table it made goes, nothing of the cluster running here."""
+    name = f"fencebye{command[:3]}"
+    cluster_dir = clusters.make(name)
+    port = free_ports(1)[0]
+    fence_req = {"mode": "install", "cluster_dir": cluster_dir, "tag_prefix": f"{name}:", "ports": [port],
+                 "targets": [["127.0.0.1", port]], "peers": ["127.0.0.1"]}
+    request = {"commands": {proto.FENCE: fence_req}} if command == proto.BATCH else fence_req
+    proc = subprocess.Popen([sys.executable, "-S", SHIM, command], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()                     # the launcher gone: the answer's write fails (EPIPE)
+    proc.stdin.write(json.dumps(request).encode() + b"\n")
+    proc.stdin.close()
+    try:
+        assert proc.wait(30) != 0, "the shim said nothing of an answer it could not give"
+    finally:
+        proc.kill()
+    assert shim_fence.table_name(cluster_dir, f"{name}:") not in tables()
+    assert not os.path.exists(shim_cgroup.path_of(cluster_dir))
+
+
 # Its stale table is old on purpose, and any root fence install sweeps old tables of clusters
 # with nothing left: another test's local cluster starting meanwhile (under -n 4, seen once in
 # three runs) swept it first. So it runs with this kernel's nftables to itself.

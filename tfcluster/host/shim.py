@@ -313,17 +313,41 @@ def main(argv: list) -> int:
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     line = sys.stdin.buffer.readline()
     req = json.loads(line) if line.strip() else {}
+    installs = _installs(argv[1], req)
     try:
         answer = COMMANDS[argv[1]](req)
     except (ShimError, OSError, KeyError, ValueError) as e:
         fd = 2 if req.get("attached") else 1
         write_all(fd, proto.json_line(proto.error_answer(proto.describe_exception(e))))
         return proto.EXIT_ERROR
+    except SystemExit:               # a hangup (_leave) while the table went in
+        _take_back(installs)
+        raise
     if isinstance(answer, int) and not isinstance(answer, bool):
         return answer                # an attached task's exit status
     if answer is not None:
-        write_all(1, proto.json_line(answer))
+        try:
+            write_all(1, proto.json_line(answer))
+        except OSError:              # the launcher is gone (Ctrl-C): nobody will take the table
+            _take_back(installs)     # this exec installed, and nothing here needs it
+            return proto.EXIT_ERROR
     return 0
+
+
+def _installs(command: str, req: dict) -> dict | None:
+    """The fence install an exec makes (`fence`'s, or a batch's: the opening survey's),
+    else None. cmd_start undoes its own batch's."""
+    sub = req.get("commands", {}).get(proto.FENCE) if command == proto.BATCH else req if command == proto.FENCE else None
+    return sub if isinstance(sub, dict) and sub.get("mode", "install") == "install" else None
+
+
+def _take_back(installs: dict | None) -> None:
+    """The table an unanswered install made goes, unless something of its cluster runs here."""
+    if installs is not None:
+        try:
+            fence.release_if_idle(installs["cluster_dir"], installs["tag_prefix"])
+        except (OSError, KeyError, ValueError, TypeError):
+            pass
 
 
 def _leave(signum, frame):
