@@ -289,7 +289,7 @@ def where(t: SshTransport) -> str:
 
 def assert_went_through_jump(t: SshTransport, jump_sshd) -> None:
     import paramiko
-    conn = t._conns[0]
+    conn = t.connections[0]
     assert isinstance(conn.transport.sock, paramiko.Channel)
     assert conn.jumps[0].transport.getpeername() == ("127.0.0.5", jump_sshd.port)
 

@@ -176,13 +176,13 @@ def test_dropped_host_is_lost_after_the_grace_and_a_reopened_one_is_not(sshd_fac
     losses = HostLosses(grace=1.5)
     try:
         t.connect()
-        for c in t._conns:          # the connection drops; sshd still listens: re-opened
+        for c in t.connections:          # the connection drops; sshd still listens: re-opened
             c.transport.sock.shutdown(2)
-        wait_for(lambda: not any(c.active() for c in t._conns), timeout=5, what="the drop")
+        wait_for(lambda: not any(c.active() for c in t.connections), timeout=5, what="the drop")
         assert losses.judge("h8", t, ("worker:1",), time.monotonic()) == (None, False)
         assert t.run(["echo", "back"]).stdout == b"back\n"
         kill_host(server)
-        wait_for(lambda: not any(c.active() for c in t._conns), timeout=5, what="the death")
+        wait_for(lambda: not any(c.active() for c in t.connections), timeout=5, what="the death")
         noticed = time.monotonic()
         verdict, first = losses.judge("h8", t, ("worker:1",), noticed)
         took = time.monotonic() - noticed

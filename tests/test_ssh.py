@@ -327,7 +327,7 @@ def test_twenty_concurrent_connects_to_one_sshd_all_succeed(ssh_home, sshd, tran
     errors = connect_concurrently(ts, 30)
     elapsed = time.monotonic() - started
     assert errors == []
-    assert all(len(t._conns) == 1 and t._conns[0].active() for t in ts)
+    assert all(len(t.connections) == 1 and t.connections[0].active() for t in ts)
     print(f"20 concurrent connects: {elapsed:.2f}s")
 
 
@@ -348,7 +348,7 @@ def test_more_channels_than_maxsessions_open_extra_connections(ssh_home, jump_ss
         assert p.read() == b"%d\n" % i
         p.close_stdin()
     assert [p.wait(10) for p in procs] == [0] * 12
-    assert len(t._conns) >= 3
+    assert len(t.connections) >= 3
 
 
 def test_a_host_refusing_every_session_gives_up_after_a_few_new_connections(
@@ -364,7 +364,7 @@ def test_a_host_refusing_every_session_gives_up_after_a_few_new_connections(
         "new connections: ")
     assert not info.value.message.endswith(": ")              # sshd's reason ends the line
     assert "MaxSessions" in info.value.hint
-    assert len(t._conns) == 1 + MAX_CHANNEL_DIALS             # connect()'s, then the bound
+    assert len(t.connections) == 1 + MAX_CHANNEL_DIALS             # connect()'s, then the bound
 
 
 # --- packaging ----------------------------------------------------------------------
@@ -412,8 +412,8 @@ def test_connect_is_idempotent_and_reuses_one_connection(gpu0):
     gpu0.connect()
     for _ in range(2):
         gpu0.run(["true"])
-    assert len(gpu0._conns) == 1
-    wait_for(lambda: all(c.active() for c in gpu0._conns), 5, what="connection alive")
+    assert len(gpu0.connections) == 1
+    wait_for(lambda: all(c.active() for c in gpu0.connections), 5, what="connection alive")
 
 
 @pytest.mark.alone     # ten handshakes against MaxStartups 2 and a 10 s connect timeout: a loaded machine's clock

@@ -70,7 +70,7 @@ def test_proxycommand_connects_through_ssh_w_on_the_jump_host(ssh_home, sshd, ju
         f"  ProxyCommand {ssh_w(jump_sshd, tmp_path, log)}\n")
     t = transports(make_target("gpu0", "behind", sshd))
     assert where(t) == f"127.0.0.3:{sshd.port}"
-    conn = t._conns[0]
+    conn = t.connections[0]
     assert conn.transport.sock.family == socket.AF_UNIX      # the proxy's stdio, not TCP
     proxy_pid = conn.proxy.proc.pid
     assert psutil.Process(proxy_pid).cmdline()[0] == "ssh"   # `exec` replaced the shell
@@ -88,12 +88,12 @@ def test_a_proxy_that_dies_is_reaped_and_the_next_command_dials_a_new_one(
         f"Host 127.0.0.4\n  ProxyCommand {ssh_w(jump_sshd, tmp_path, tmp_path / 'log')}\n")
     t = transports(make_target("gpu0", "127.0.0.4", sshd))
     t.connect()
-    first = t._conns[0]
+    first = t.connections[0]
     first.proxy.proc.kill()
     wait_for(lambda: not first.active(), 10, what="the connection to notice its proxy died")
     assert t.run(["echo", "again"]).stdout == b"again\n"
     assert first.proxy.proc.returncode is not None            # reaped when dropped
-    assert t._conns[0] is not first and t._conns[0].proxy.proc.poll() is None
+    assert t.connections[0] is not first and t.connections[0].proxy.proc.poll() is None
 
 
 def test_a_proxycommand_that_exits_is_one_line_naming_host_and_command(ssh_home, sshd,
@@ -119,7 +119,7 @@ def test_proxycommand_none_connects_directly(ssh_home, sshd, transports):
                                      "Host *\n  ProxyCommand /nonexistent/proxy %h\n")
     t = transports(make_target("gpu0", "127.0.0.4", sshd))
     assert where(t) == f"127.0.0.4:{sshd.port}"
-    assert t._conns[0].proxy is None and t._conns[0].transport.sock.family == socket.AF_INET
+    assert t.connections[0].proxy is None and t.connections[0].transport.sock.family == socket.AF_INET
 
 
 @pytest.fixture

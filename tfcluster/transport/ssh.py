@@ -62,6 +62,11 @@ class SshTransport(Transport):
         self._uid: int | None = None             # remote_uid(), once asked
 
     @property
+    def connections(self) -> tuple[Connection, ...]:
+        """The connections open now, oldest first (a snapshot: dials and drops go on)."""
+        return tuple(self._conns)
+
+    @property
     def label(self) -> str:
         if self._endpoint:
             return self._endpoint.label
