@@ -200,7 +200,7 @@ def test_classic_mode_expands_placeholders_per_task_and_runs_scripts_everywhere(
      ["chief:0", "worker:0", "worker:1", "worker:2"]),
     ("coordinator", ["ps:0", "ps:1", "worker:0", "worker:1", "worker:2"], ["chief:0"]),
 ])
-def test_each_mode_starts_servers_and_scripts_where_design_says(tmp_path, mode, servers, scripts):
+def test_between_graph_serves_every_job_and_the_coordinator_only_ps_and_workers(tmp_path, mode, servers, scripts):
     plan = build_plan(load_spec(_write(tmp_path, HOSTS, JOBS, mode=mode)))
     assert [t.key for t in plan.tasks if t.runs_server] == servers
     assert [t.key for t in plan.tasks if t.runs_script] == scripts

@@ -301,7 +301,8 @@ WORKERS = "  worker: {count: 2, hosts: [h], port: 22230}"
     ("classic", [PS, WORKERS, "  evaluator: {count: 1, hosts: [h], port: 22240}"],
      ["PS", "Worker", "Evaluator"], "AllWorkers", "evaluator: the operator lists it"),
 ])
-def test_modes(tmp_path, mode, jobs, previewed, success, note):
+def test_each_mode_renders_its_replicas_success_policy_script_preview_and_notes(tmp_path, mode, jobs, previewed,
+                                                                                  success, note):
     train = '  args: ["--ps={ps_hosts}", "--me={job}:{index}", "--n={num_workers}"]\n'
     plan = load_plan(write_spec(tmp_path, mode=mode, jobs=jobs, train=train))
     out = render_tfjob(plan, image=IMAGE, namespace="ns")
@@ -315,7 +316,10 @@ def test_modes(tmp_path, mode, jobs, previewed, success, note):
     ps = ",".join(f"t-ps-{i}.ns.svc:2222" for i in range(types.get("PS", 0)))
     assert shown == [(t, f"--ps={ps} '--me={t.lower()}:{{index}}' --n=2") for t in previewed]
     mode_notes = [n for n in out.notes if n.startswith((mode, "evaluator"))]
-    assert [n for n in mode_notes if note in n] if note else mode_notes == []
+    if note:
+        assert any(note in n for n in mode_notes), mode_notes
+    else:
+        assert mode_notes == [], mode_notes
 
 
 def test_rendering_connects_nowhere_and_the_package_never_imports_the_sdks():
