@@ -39,11 +39,13 @@ import time
 if __package__:
     from . import shim_cgroup as cgroup
     from . import shim_fs as fs
+    from . import shim_ports as ports
     from . import shim_procs as procs
     from . import shim_rules as rules
 else:  # shipped: the shim's directory is first on sys.path
     import shim_cgroup as cgroup
     import shim_fs as fs
+    import shim_ports as ports
     import shim_procs as procs
     import shim_rules as rules
 
@@ -108,15 +110,7 @@ def how() -> tuple[dict | None, str | None]:
 
 
 def _not_root() -> str:
-    return "tfcluster runs as %s there, not root, and `sudo -n nft` is not allowed" % _user(os.geteuid())
-
-
-def _user(uid: int) -> str:
-    try:
-        import pwd
-        return pwd.getpwuid(uid).pw_name
-    except (ImportError, KeyError):
-        return "uid %d" % uid
+    return "tfcluster runs as %s there, not root, and `sudo -n nft` is not allowed" % ports.user_name(os.geteuid())
 
 
 def other_users() -> list:
@@ -132,7 +126,7 @@ def other_users() -> list:
                         break
         except (OSError, ValueError, IndexError):
             continue
-    return sorted(_user(u) for u in uids - {0, me})
+    return sorted(ports.user_name(u) for u in uids - {0, me})
 
 
 def _install(tool: dict, table: str, req: dict, cgroup=None) -> tuple[int, str]:
@@ -349,7 +343,7 @@ def cmd_fence(req: dict) -> dict:
     tables of other clusters it deleted (`swept`)."""
     cluster_dir, mode = req["cluster_dir"], req.get("mode", "install")
     table = table_name(cluster_dir, req["tag_prefix"])
-    answer = {"closed": False, "table": table, "why": None, "others": [], "user": _user(os.geteuid())}
+    answer = {"closed": False, "table": table, "why": None, "others": [], "user": ports.user_name(os.geteuid())}
     try:
         if mode == "release":
             release_if_idle(cluster_dir, req["tag_prefix"])
