@@ -337,7 +337,8 @@ def main(argv: list) -> int:
 def _installs(command: str, req: dict) -> dict | None:
     """The fence install an exec makes (`fence`'s, or a batch's: the opening survey's),
     else None. cmd_start undoes its own batch's."""
-    sub = req.get("commands", {}).get(proto.FENCE) if command == proto.BATCH else req if command == proto.FENCE else None
+    sub = req.get("commands") if command == proto.BATCH else {proto.FENCE: req} if command == proto.FENCE else None
+    sub = sub.get(proto.FENCE) if isinstance(sub, dict) else None
     return sub if isinstance(sub, dict) and sub.get("mode", "install") == "install" else None
 
 
