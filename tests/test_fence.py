@@ -241,6 +241,25 @@ def test_the_shims_table_refuses_another_users_connect_lets_the_owner_in_and_goe
 
 
 @pytest.mark.timeout(60)
+def test_an_in_process_install_that_ends_after_ctrl_c_takes_its_table_back(agent, nft, drop_tables):
+    """A local host's shim commands run in the launcher's own process, on its host threads: an
+    install still running when Ctrl-C lands would finish after the run's stop had passed that
+    host, and nobody would take its table. It takes it back itself, as a remote shim whose
+    launcher is gone does (test_fence_match)."""
+    assert agent.in_process
+    name = f"late{os.getpid()}"
+    drop_tables.append(name)
+    ask = {"cluster_dir": CLUSTER_DIR, "tag_prefix": f"{name}:", "ports": [free_ports(1)[0]],
+           "targets": [], "peers": ["127.0.0.1"]}
+    assert agent.fence(dict(ask, mode="install"))["closed"] is True
+    assert len(cluster_tables(name)) == 1           # not cancelled: the table stays
+    assert agent.release_fence(dict(ask, mode="release"))["closed"] is False
+    agent.interrupt()          # Ctrl-C: the install below is the one that was running then
+    assert agent.fence(dict(ask, mode="install"))["closed"] is True
+    assert cluster_tables(name) == [], "an install that ended after Ctrl-C left its table"
+
+
+@pytest.mark.timeout(60)
 def test_a_moves_stop_leaves_the_table_a_plain_stop_takes_it_and_release_takes_a_left_one(agent, nft, drop_tables):
     """A move's STOP (`STOP keep`) ends a host's last task and leaves its table for the tasks the
     move starts there (the fence never opens between); the stop of a run's end takes it with

@@ -313,7 +313,7 @@ def main(argv: list) -> int:
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     line = sys.stdin.buffer.readline()
     req = json.loads(line) if line.strip() else {}
-    installs = _installs(argv[1], req)
+    installs = installs_of(argv[1], req)
     try:
         answer = COMMANDS[argv[1]](req)
     except (ShimError, OSError, KeyError, ValueError) as e:
@@ -321,7 +321,7 @@ def main(argv: list) -> int:
         write_all(fd, proto.json_line(proto.error_answer(proto.describe_exception(e))))
         return proto.EXIT_ERROR
     except SystemExit:               # a hangup (_leave) while the table went in
-        _take_back(installs)
+        take_back(installs)
         raise
     if isinstance(answer, int) and not isinstance(answer, bool):
         return answer                # an attached task's exit status
@@ -329,20 +329,21 @@ def main(argv: list) -> int:
         try:
             write_all(1, proto.json_line(answer))
         except OSError:              # the launcher is gone (Ctrl-C): nobody will take the table
-            _take_back(installs)     # this exec installed, and nothing here needs it
+            take_back(installs)     # this exec installed, and nothing here needs it
             return proto.EXIT_ERROR
     return 0
 
 
-def _installs(command: str, req: dict) -> dict | None:
+def installs_of(command: str, req: dict) -> dict | None:
     """The fence install an exec makes (`fence`'s, or a batch's: the opening survey's),
-    else None. cmd_start undoes its own batch's."""
+    else None. cmd_start undoes its own batch's; the launcher's in-process calls use this
+    too (bootstrap.call_here)."""
     sub = req.get("commands") if command == proto.BATCH else {proto.FENCE: req} if command == proto.FENCE else None
     sub = sub.get(proto.FENCE) if isinstance(sub, dict) else None
     return sub if isinstance(sub, dict) and sub.get("mode", "install") == "install" else None
 
 
-def _take_back(installs: dict | None) -> None:
+def take_back(installs: dict | None) -> None:
     """The table an unanswered install made goes, unless something of its cluster runs here."""
     if installs is not None:
         try:

@@ -205,7 +205,7 @@ class HostAgent:
     def _call(self, command: str, request: dict, timeout: float = 60.0):
         """One one-shot shim command; its error envelope becomes a HostError (exit 1)."""
         if self._in_process and command in proto.IN_PROCESS:
-            answer = call_here(command, request)
+            answer = call_here(command, request, self.cancelled.is_set)
         else:
             result = self.transport.run(self._shim_argv(command), proto.json_line(request), timeout=timeout)
             answer = last_json(result.stdout)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from tfcluster.errors import PreflightError
@@ -217,11 +218,16 @@ class ShimPlace:
         return None
 
 
-def call_here(command: str, request: dict):
+def call_here(command: str, request: dict, cancelled: Callable[[], bool] = lambda: False):
     """A one-shot shim command answered in this process (shim_protocol.IN_PROCESS), its
-    request copied as if it had travelled as JSON."""
+    request copied as if it had travelled as JSON. A fence it installed goes again when
+    `cancelled()` says, once it is done, that nobody will take the answer (Ctrl-C landed
+    meanwhile: a remote shim sees its launcher gone the same way, shim.main)."""
     from tfcluster.host import shim
     try:
         return shim.COMMANDS[command](json.loads(json.dumps(request)))
     except (proto.ShimError, OSError, KeyError, ValueError) as e:
         return proto.error_answer(proto.describe_exception(e))
+    finally:
+        if cancelled():
+            shim.take_back(shim.installs_of(command, request))
