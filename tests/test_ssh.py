@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import os
+import random
+import signal
 import socket
 import stat
 import subprocess
 import sys
 import threading
 import time
+import traceback
 import uuid
 
 import pytest
@@ -87,6 +90,66 @@ def test_spawn_kill_closes_the_channel(gpu0):
     assert proc.read() == b""
     with pytest.raises(BrokenPipeError):
         proc.write(b"x")
+
+
+def test_ctrl_c_on_the_main_thread_never_lands_inside_paramiko_and_leaves_the_connection_whole(gpu0):
+    """Real SIGINTs, at random moments, while the main thread spawns, writes to and kills
+    channels as a run's start and stop do. Raised inside paramiko, one would leave a lock of
+    the connection held and the next call on it waiting forever (transport/offmain.py). Each
+    interrupt must land in this test's own code, and the connection must still serve."""
+    proc = None
+    armed, stop = threading.Event(), threading.Event()
+    rnd = random.Random(7)
+
+    def pester() -> None:     # one signal per arming, a little after it: during the calls
+        while not stop.is_set():
+            if armed.wait(0.1):
+                armed.clear()
+                time.sleep(rnd.uniform(0, 0.0004))
+                os.kill(os.getpid(), signal.SIGINT)
+
+    may_raise = [False]       # once per call: never inside the except clause below
+
+    def raise_it(signum, frame):
+        if may_raise[0]:
+            may_raise[0] = False
+            raise KeyboardInterrupt
+
+    landed: list[str] = []
+    calls = 0
+    previous = signal.signal(signal.SIGINT, raise_it)
+    thread = threading.Thread(target=pester, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 4
+    try:
+        while True:
+            try:
+                if time.monotonic() > deadline:
+                    break
+                calls += 1
+                may_raise[0] = True
+                armed.set()
+                if proc is None or calls % 50 == 0:   # a channel's stop, then a new one
+                    ending, proc = proc, None
+                    if ending is not None:
+                        ending.kill()
+                    proc = gpu0.spawn(["cat"])
+                proc.write(b"GO\n")
+                time.sleep(0.0005)
+            except KeyboardInterrupt as exc:
+                landed.append(" > ".join(f"{f.filename}:{f.lineno}" for f in traceback.extract_tb(exc.__traceback__)))
+    finally:
+        may_raise[0] = False
+        stop.set()
+        thread.join(5)
+        signal.signal(signal.SIGINT, previous)
+    inside = [where for where in landed if "/paramiko/" in where]
+    assert len(landed) > 500, f"only {len(landed)} interrupts in {calls} calls: the check proves nothing"
+    assert not inside, f"{len(inside)} of {len(landed)} interrupts landed inside paramiko, e.g. {inside[0]}"
+    if proc is not None:
+        proc.kill()
+    answer = gpu0.run(["echo", "whole"], timeout=10)   # a lock left held would hang this (the test's timeout)
+    assert answer.stdout == b"whole\n"
 
 
 def test_put_writes_0600_file_atomically_under_an_absolute_path(gpu0, tmp_path):

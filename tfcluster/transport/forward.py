@@ -12,6 +12,7 @@ import threading
 from typing import Callable
 
 from tfcluster.transport.base import Forward
+from tfcluster.transport.offmain import off_main
 
 CHUNK = 65536
 JOIN_TIMEOUT = 5.0
@@ -96,6 +97,7 @@ class Forwarder(Forward):
             with self._lock:
                 self._open_pairs.discard(pair)
 
+    @off_main      # it closes channels: transport/offmain.py
     def close(self) -> None:
         """Stop accepting, drop every connection, join every thread. Idempotent."""
         with self._lock:

@@ -21,6 +21,7 @@ from tfcluster.errors import ConnectError, DeadlineError, PreflightError
 from tfcluster.localfs import chunks, is_hole
 from tfcluster.transport import liveness
 from tfcluster.transport.base import Forward, Proc, Result, Transport, home_relative
+from tfcluster.transport.offmain import off_main
 from tfcluster.transport.ssh_config import USER_CONFIG, Endpoint, SshOptions, load_ssh_config, resolve
 from tfcluster.transport.ssh_connect import Connection, dial
 
@@ -91,6 +92,7 @@ class SshTransport(Transport):
     def _went_silent(self, reason: str) -> None:
         self.lost = reason
 
+    @off_main
     def reopen(self, within: float) -> str | None:
         """After a dropped connection: None once a connection is open again, else why none
         could be opened in `within` seconds (each dial bounded by what is left of them)."""
@@ -124,6 +126,7 @@ class SshTransport(Transport):
                 c.close()
         self._conns = alive
 
+    @off_main
     def connect(self) -> None:
         with self._lock:
             self._prune()
@@ -161,6 +164,7 @@ class SshTransport(Transport):
                            f"new connections: {reason}",
                            hint="check MaxSessions in the host's sshd_config")
 
+    @off_main
     def run(self, argv: Sequence[str], input: bytes = b"", timeout: float = 60.0) -> Result:
         deadline = time.monotonic() + timeout
         cmd = _command(argv)
@@ -188,6 +192,7 @@ class SshTransport(Transport):
     def _deadline(self, cmd: str, timeout: float) -> DeadlineError:
         return DeadlineError(f"host {self.label}: `{cmd[:80]}` did not finish within {timeout:g}s")
 
+    @off_main
     def spawn(self, argv: Sequence[str]) -> Proc:
         chan = self._channel()
         chan.exec_command(_command(argv))
@@ -200,6 +205,7 @@ class SshTransport(Transport):
     def put(self, data: bytes, path: str, mode: int = 0o600) -> None:
         self.put_many([(data, path, mode)])
 
+    @off_main
     def put_many(self, items) -> None:
         """Every file in one SFTP session: each session is a subsystem the host starts
         through the login shell (a cold host's dozen shim files cost 3 s one by one). Each
@@ -254,6 +260,7 @@ class SshTransport(Transport):
         from tfcluster.transport.forward import Forwarder
         return Forwarder(lambda origin: self.tunnel(port, origin), local_port, name=self.name)
 
+    @off_main
     def tunnel(self, port: int, origin: tuple[str, int] = ("127.0.0.1", 0)):
         """A direct-tcpip channel to 127.0.0.1:`port` on the host, on a connection already
         open (never a new one: a forward must not outlive close()); raises what paramiko
@@ -265,6 +272,7 @@ class SshTransport(Transport):
         return conns[0].transport.open_channel("direct-tcpip", ("127.0.0.1", port), origin,
                                                timeout=self._endpoint.timeout)
 
+    @off_main
     def close(self) -> None:
         with self._lock:
             for w in self._watches:
@@ -432,6 +440,7 @@ class SshProc(Proc):
         self._err = bytearray()
         self._err_lock = threading.Lock()
 
+    @off_main
     def write(self, data: bytes) -> None:
         if self.chan.closed or self.chan.eof_sent:
             raise BrokenPipeError(f"channel to {self._transport.label} is closed")
@@ -440,10 +449,12 @@ class SshProc(Proc):
         except OSError as e:
             raise BrokenPipeError(f"channel to {self._transport.label}: {e}") from None
 
+    @off_main
     def close_stdin(self) -> None:
         if not self.chan.closed:
             self.chan.shutdown_write()
 
+    @off_main
     def read(self, n: int = WHOLE) -> bytes:
         return _read_stdout(self.chan, n, self._drain_and_tell)
 
@@ -457,6 +468,7 @@ class SshProc(Proc):
         if self._drain_stderr() and self.on_stderr is not None:
             self.on_stderr()
 
+    @off_main
     def read_stderr(self) -> bytes:
         """Stderr received since the last call (never blocks)."""
         self._drain_stderr()
@@ -469,5 +481,6 @@ class SshProc(Proc):
             return None
         return self.chan.recv_exit_status()
 
+    @off_main
     def kill(self) -> None:
         self.chan.close()

@@ -442,7 +442,11 @@ class _FooterPause:
 
     def __enter__(self) -> None:
         self._mux._out_lock.acquire()
-        self._mux._emit_raw(self._mux._clear_footer())
+        try:
+            self._mux._emit_raw(self._mux._clear_footer())
+        except BaseException:   # Ctrl-C mid-write: __exit__ will not run, and every line would wait
+            self._mux._out_lock.release()
+            raise
 
     def __exit__(self, *exc: object) -> None:
         try:
