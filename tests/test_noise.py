@@ -61,6 +61,29 @@ TYPE_INFERENCE = (
     b"type_id: TFT_OPTIONAL\nargs {\n  type_id: TFT_PRODUCT\n  args {\n    type_id: TFT_TENSOR\n"
     b"    args {\n      type_id: TFT_INT8\n    }\n  }\n}\n\n"
     b"\twhile inferring type of node 'AutoShardDataset'\n")
+# Captured on a GPU machine (JAX 0.11.2, jax-cuda13-plugin, keras 3.15.1): the end of a mode
+# keras-jax process 0 that trained and exited 0. Two of its absl lines carry a Status whose
+# source trace, gRPC details and the rest of the message take lines of their own.
+JAX_SHUTDOWN = (
+    b"I1130 01:49:04.161221     688 preemption_sync_manager.cc:142] Cancelled call to retrieve "
+    b"preemption notice. This is expected upon program shutdown.\n"
+    b"I1130 01:49:04.161277     690 preemption_sync_manager.cc:115] Preemption sync protocol cancelled "
+    b"by notifier: CANCELLED: Preemption notifier is being deleted.\n"
+    b"=== Source Location Trace: ===\n"
+    b"external/xla+/xla/pjrt/distributed/preemption/preemption_notifier.cc:84\n"
+    b". This is expected during program shutdown.\n"
+    b"I1130 01:49:04.161522     609 client.cc:152] Distributed task shutdown initiated.\n"
+    b"I1130 01:49:04.162290     609 service.cc:114] Jax service shutting down\n"
+    b"W1130 01:49:04.162889     752 pjrt_client.cc:1605] WatchTasksAsync failed for task 0: UNAVAILABLE: "
+    b"failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:23600: Failed to connect "
+    b"to remote host: Connection refused\n"
+    b"Additional GRPC error information from remote target coordination_service while calling "
+    b"/xla.coordination.CoordinationService/WatchTasks:\n"
+    b":UNAVAILABLE:failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:23600: Failed "
+    b"to connect to remote host: Connection refused\n"
+    b"=== Source Location Trace: === \n"
+    b"external/xla+/xla/tsl/distributed_runtime/rpc/grpc_util.h:89\n"
+    b"\n")
 # Each message alone, ending where its last line ends.
 SESSION_ALONE = SESSION_OPTIONS[:SESSION_OPTIONS.index(b"I0000 00:00:1795491529")]
 STRAGGLERS_ALONE = STRAGGLERS[:STRAGGLERS.index(b"I0000 00:00:1795491799.666810")]
@@ -104,6 +127,24 @@ def test_a_type_inference_warning_is_hidden_up_to_its_nodes_name():
 def test_a_type_inference_warning_cut_short_ends_at_a_line_of_another_shape(user):
     cut = TYPE_INFERENCE[:TYPE_INFERENCE.index(b" is neither")]
     assert live(cut + f"{user}\nafter\n".encode()) == [user, "after"]
+
+
+def test_jax_shutdown_statuses_are_hidden_with_their_traces_and_saved_raw(tmp_path):
+    data = b"tfcluster-result: global_step=96 loss=0.089989\n" + JAX_SHUTDOWN
+    assert live(data, tmp_path=tmp_path) == ["tfcluster-result: global_step=96 loss=0.089989"]
+    assert (tmp_path / "w.log").read_bytes() == data
+
+
+def test_a_status_trace_read_in_pieces_is_hidden_all_the_same():
+    cut = JAX_SHUTDOWN.index(b"=== Source Location Trace: === \n")     # the second trace comes later
+    assert live(JAX_SHUTDOWN[:cut], JAX_SHUTDOWN[cut:] + b"epoch 2\n") == ["epoch 2"]
+
+
+@pytest.mark.parametrize("user", ["epoch 1", "", ". a sentence of the script's", "model.cc:3",
+                                  ":ERR: the script's", "=== the script's banner ==="])
+def test_a_script_line_after_a_hidden_line_is_shown_unless_a_status_trace_opened(user):
+    assert live(TF_LINE.replace(b"Example stragglers:", b"Jax service shutting down")
+                + f"{user}\nafter\n".encode()) == [user, "after"]
 
 
 def test_verbose_shows_every_line_of_the_message():

@@ -116,7 +116,7 @@ def test_the_ui_escapes_messages_hints_tables_and_details_from_hosts():
     out, err = io.StringIO(), io.StringIO()
     ui = UI(out, err, color=False)
     ui.error(f"host a: python3: {CLEAR}boom", hint=f"run `x{OSC52}`")
-    ui.warn(f"\u202ewarn")
+    ui.warn("\u202ewarn")
     ui.info(f"info{CLEAR}")
     ui.ok(f"ok{CLEAR}")
     ui.details(f"last lines of worker:0:\n{CLEAR}Traceback\n\x1b[31mError\x1b[0m\n")

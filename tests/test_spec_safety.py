@@ -265,7 +265,7 @@ def test_an_arg_with_a_secret_is_refused_from_the_command_line_too_and_short_val
 
 def _workers(n: int, extra: str = "") -> str:
     return ("name: big\nhosts:\n" + "".join(f"  - {{name: h{i}, address: 10.0.0.{i + 1}}}\n" for i in range(8))
-            + f"jobs:\n  ps: {{count: 1, hosts: [h0], port: 2000}}\n"
+            + "jobs:\n  ps: {count: 1, hosts: [h0], port: 2000}\n"
             + f"  worker: {{count: {n}, hosts: [h0, h1, h2, h3, h4, h5, h6, h7], port: 3000}}\n" + extra)
 
 

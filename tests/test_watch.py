@@ -94,6 +94,16 @@ def test_tracker_keeps_the_latest_step_loss_and_rate_per_task():
     assert t.state("worker:1") is None
 
 
+def test_step_lines_that_came_in_one_burst_give_no_rate_not_a_huge_one():
+    """A fast GPU's three short epochs, read in one chunk: 16 steps 0.2 ms apart are no rate."""
+    t = metrics.Tracker()
+    for step, now in ((8, 100.0), (16, 100.0001), (24, 100.0002)):
+        t.feed("worker:0", f"step={step} loss=1".encode(), now)
+    assert t.state("worker:0").steps_per_s is None
+    t.feed("worker:0", b"step=40 loss=1", 102.0)        # then a line 2 s later: a rate again
+    assert t.state("worker:0").steps_per_s == pytest.approx(32 / 2)
+
+
 def test_custom_patterns_and_their_prefilter():
     class P:
         step, loss, target = r"iter (\d+)", r"xent=([0-9.]+)", 9

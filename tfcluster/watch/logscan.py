@@ -150,23 +150,38 @@ _PROTO_MARK = re.compile(rb"goo\.gle/debug[a-z]*[ \t]*\Z")     # protobuf's Debu
 _PROTO_INLINE = re.compile(rb": [A-Za-z_]\w* \{\Z")            # a DebugString without it
 _PROTO_LINE = re.compile(rb"(?:[A-Za-z_]\w*|\[[\w./]+\])(: .*| \{)\Z")
 _TASK_NAME = re.compile(rb"/job:\w+(?:/replica:\d+)?(?:/task:\d+)?(?:/device:\w+:\d+)?\Z")
+# An absl Status written whole into a line that names none of it (XLA's, JAX 0.11 on: every
+# JAX process's shutdown says two, `... CANCELLED: Preemption notifier is being deleted.`
+# and `WatchTasksAsync failed ... Connection refused`): after any hidden line, a trace or
+# gRPC's details may follow, then the lines of the status's message, to an empty line.
+STATUS = -4
+MAYBE_STATUS = -5
+_STATUS_OPENS = (b"=== Source Location Trace: ===", b"Additional GRPC error information from remote target ")
+_STATUS_LINE = re.compile(rb"(?:=== Source Location Trace: ===|[\w.+/-]+\.(?:cc|h|cpp|c|hpp):\d+|\. .*"
+                          rb"|Additional GRPC error information from remote target .*:|:[A-Z_]+:.*)\s*\Z")
 
 
 def tf_message_opens(line: bytes) -> int | None:
     """How the message whose first line (a hidden TF line) is `line` continues: TYPES after
     TF's type inference failure, a proto's depth (0 after protobuf's marker, 1 after
-    `: name {`), NAMES after a colon, or None."""
+    `: name {`), NAMES after a colon, else perhaps with a status's trace (MAYBE_STATUS)."""
     if _TYPES_OPEN in line:
         return TYPES
     if _PROTO_MARK.search(line):
         return 0
     if _PROTO_INLINE.search(line):
         return 1
-    return NAMES if line.rstrip().endswith(b":") else None
+    return NAMES if line.rstrip().endswith(b":") else MAYBE_STATUS
 
 
 def tf_message_continues(state: int, line: bytes) -> tuple[bool, int | None]:
     """(whether `line` is part of the hidden message, the state after it; None: ended)."""
+    if state == MAYBE_STATUS:
+        return (True, STATUS) if line.startswith(_STATUS_OPENS) else (False, None)
+    if state == STATUS:
+        if not line.strip():
+            return True, None
+        return (True, STATUS) if _STATUS_LINE.match(line) else (False, None)
     if state == NAMES:
         return (True, NAMES) if _TASK_NAME.match(line) else (False, None)
     if state == TYPES:

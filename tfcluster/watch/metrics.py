@@ -71,7 +71,11 @@ class TaskProgress:
 
     @property
     def steps_per_s(self) -> float | None:
-        """Steps per second from the first step line to the latest (None: under two)."""
+        """Steps per second from the first step line to the latest. None under two, or when
+        they came within RATE_SPAN seconds of each other: a run whose every line came in one
+        read (a fast GPU's few short epochs) says nothing of its speed, not 75,600 steps/s."""
+        if self.first is None or self.last is None or self.last[0] - self.first[0] < RATE_SPAN:
+            return None
         return _rate(self.first, self.last)
 
     def recent_rate(self, window: float = RATE_WINDOW, now: float | None = None,
