@@ -19,6 +19,7 @@ from tests.tf_launch import free_ports
 from tfcluster.diagnose.versions import find_skew, find_skews, message, odd_fields
 from tfcluster.host.shim_facts import _build_info, tf_version
 from tfcluster.launch.agent.agent import HostInfo
+from tfcluster.launch.cluster.preflight import jax_cuda_extra
 
 SHIM = Path(__file__).resolve().parent.parent / "tfcluster" / "host" / "shim.py"
 FAKE_TF = "2.12.0"
@@ -350,3 +351,9 @@ def test_keras_jax_refuses_a_gpu_host_whose_jax_has_no_cuda_plugin(tmp_path, hom
     passed = check(plugin_on_a=True)
     assert passed.returncode == 0 and "preflight passed" in passed.stderr, passed.stderr
     assert re.search(rf"^a .* {re.escape(version)} \(cuda\) ", passed.stderr, re.M), passed.stderr
+
+
+@pytest.mark.parametrize("driver,extra", [("580.159.04", "cuda13"), ("590.1", "cuda13"), ("575.57.08", "cuda12"),
+                                          ("535.104.05", "cuda12"), (None, "cuda12"), ("n/a", "cuda12")])
+def test_the_jax_plugin_a_hint_names_is_the_one_the_hosts_driver_runs(driver, extra):
+    assert jax_cuda_extra(driver) == extra

@@ -42,6 +42,19 @@ def preflight(session: Session, tasks: list[TaskPlan], *, ports: bool = True,
         _check_ports_free(session, tasks, busy)
 
 
+CUDA13_DRIVER = 580    # CUDA 13 needs an NVIDIA driver of 580 or later; CUDA 12 runs on 525 on
+
+
+def jax_cuda_extra(driver: str | None) -> str:
+    """jax's extra with the CUDA plugin a host's driver runs: `cuda13` from driver 580 on
+    (a GPU machine here: 580.159.04), else `cuda12` (the one older drivers run)."""
+    try:
+        major = int((driver or "").split(".")[0])
+    except ValueError:
+        major = 0
+    return "cuda13" if major >= CUDA13_DRIVER else "cuda12"
+
+
 def _check_jax_host(session: Session, name: str) -> None:
     """Mode keras-jax needs no TensorFlow, but the backend it sets (KERAS_BACKEND=jax) must exist:
     without jax a Keras script fails at its import, a JAX one at once."""
@@ -51,8 +64,8 @@ def _check_jax_host(session: Session, name: str) -> None:
             f"host {name}: jax is not installed for {host.python} (mode keras-jax runs every process on it)",
             hint="install it there, e.g. `" + shell_join(
                 ["tfcluster", "exec", session.plan.spec_path, "--hosts", name, "--", host.python, "-m", "pip",
-                 "install", "jax[cuda12]" if host.gpus else "jax"]) + "` (the same version on every host), "
-                 "or set `python:` in the spec")
+                 "install", f"jax[{jax_cuda_extra(session.infos[name].driver_version)}]" if host.gpus else "jax"])
+            + "` (the same version on every host), or set `python:` in the spec")
 
 
 def _jax_device_problem(host, info) -> str | None:
@@ -68,7 +81,8 @@ def _jax_cuda_hint(session: Session, name: str, info) -> str:
     host = session.plan.host(name)
     return ("install the plugin of the same version there, e.g. `" + shell_join(
         ["tfcluster", "exec", session.plan.spec_path, "--hosts", name, "--", host.python, "-m", "pip", "install",
-         f"jax[cuda12]=={info.jax_version}"]) + "`, or drop `gpus:` from the host to run on its CPU")
+         f"jax[{jax_cuda_extra(info.driver_version)}]=={info.jax_version}"])
+            + "`, or drop `gpus:` from the host to run on its CPU")
 
 
 def _loopback(address: str) -> bool:
