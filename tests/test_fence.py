@@ -177,6 +177,22 @@ def test_a_host_that_cannot_close_its_ports_gets_one_warning_naming_it_who_else_
     assert lines[0].endswith("or set `tf_ports: open` in the spec to accept this and silence it")
 
 
+def test_in_mode_keras_jax_the_warning_names_what_jaxs_open_port_exposes_not_tensorflow_ops(tmp_path):
+    spec = tmp_path / "kj.yaml"
+    spec.write_text("name: kj\nhosts:\n  - {name: gpu1, address: 10.0.0.1}\n  - {name: gpu2, address: 10.0.0.2}\n"
+                    "jobs:\n  worker: {tasks: ['gpu1:2230', 'gpu2:2230']}\n"
+                    "train: {mode: keras-jax, script: train.py}\n")
+    (tmp_path / "train.py").write_text("")
+    err = io.StringIO()
+    fence.report(build_plan(load_spec(str(spec))), ui_into(err), {"gpu1": {"closed": True}, "gpu2": OPEN},
+                 fence.INSTALL)
+    line, = err.getvalue().splitlines()
+    assert line.startswith("tfcluster: warning: host gpu2: the task ports (2230) stay open: other users with "
+                           "processes there (bob, eve) and anyone on its network can connect and talk to JAX's "
+                           "coordination service on worker 0's, which asks no one who they are"), line
+    assert "TensorFlow" not in line, line
+
+
 def test_tf_ports_open_silences_the_warning_and_closed_refuses_naming_each_host(tmp_path):
     err = io.StringIO()
     fence.report(_plan(tmp_path, "open"), ui_into(err), {"gpu2": OPEN}, fence.INSTALL)

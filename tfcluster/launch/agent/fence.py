@@ -58,7 +58,7 @@ def report(plan: Plan, ui, answers: dict[str, dict | None], mode: str) -> None:
     if plan.tf_ports == "closed":
         where = ", ".join(f"host {h} ({a.get('why') or 'unknown'})" for h, a in open_on.items())
         raise PreflightError(
-            f"tf_ports: closed, but tfcluster cannot close TensorFlow's ports on {where}",
+            f"tf_ports: closed, but tfcluster cannot close {_exposed(plan)[0]} on {where}",
             hint=f"{fix(next(iter(open_on.values())))}; or set `tf_ports: auto` to run with a warning")
     for host, answer in open_on.items():
         ui.warn(warning(plan, host, answer))
@@ -75,10 +75,21 @@ def warning(plan: Plan, host: str, answer: dict) -> str:
     who = (f"other users with processes there ({', '.join(others[:OTHERS_SHOWN])}"
            f"{' and more' if len(others) > OTHERS_SHOWN else ''})" if others else
            "any other user who logs in there (none has processes there now)")
-    return (f"host {host}: TensorFlow's ports ({_ranges(ports)}) stay open: {who} and anyone on its "
-            f"network can connect and run any TensorFlow op as you, which reads and writes your files. "
+    what, harm = _exposed(plan)
+    return (f"host {host}: {what} ({_ranges(ports)}) stay open: {who} and anyone on its "
+            f"network can connect and {harm}. "
             f"tfcluster cannot close them there: {answer.get('why') or 'unknown'}. "
             f"Fix: {fix(answer)}; or set `tf_ports: open` in the spec to accept this and silence it")
+
+
+def _exposed(plan: Plan) -> tuple[str, str]:
+    """What an open port exposes, in the plan's mode: a TF server runs any op it is sent; JAX's
+    coordination service (worker 0's port, mode keras-jax) asks no one who they are either."""
+    if plan.mode == "keras-jax":
+        return ("the task ports", "talk to JAX's coordination service on worker 0's, which asks no one who "
+                                  "they are: read and write its key-value store, or end the run by reporting "
+                                  "an error")
+    return "TensorFlow's ports", "run any TensorFlow op as you, which reads and writes your files"
 
 
 def fix(answer: dict) -> str:
