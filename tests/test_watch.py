@@ -322,6 +322,24 @@ def test_progress_log_records_each_step_line_from_many_threads_and_hands_out_cop
     assert log.tracker.state("worker:0").step == 200
 
 
+@pytest.mark.parametrize("mode,why", [("mirrored", True), ("keras-jax", False)])
+def test_the_keras_loss_note_gives_tf_keras_mwms_sum_as_its_why_only_in_mode_mirrored(tmp_path, mode, why):
+    from tfcluster.plan import build_plan
+    from tfcluster.spec import load_spec
+    from tfcluster.watch.runs import ProgressLog
+
+    spec = spec_for(tmp_path)
+    spec.write_text(spec.read_text().replace("mode: mirrored", f"mode: {mode}"))
+    log = ProgressLog(build_plan(load_spec(str(spec))), str(tmp_path))
+    assert log.loss_note() is None                              # no Keras epoch seen yet
+    log.on_line("worker:0", b"Epoch 1/3")
+    log.on_line("worker:0", b"8/8 - 1s - 112ms/step - loss: 10.3172")
+    log.close()
+    note = log.loss_note()
+    assert note.startswith(metrics.KERAS_LOSS_NOTE)
+    assert ("MultiWorkerMirroredStrategy" in note) is why, note
+
+
 def test_runs_lists_old_manifests_and_calls_a_run_whose_tfcluster_is_gone_died(tmp_path):
     from tfcluster.watch.follow import run_rows
 

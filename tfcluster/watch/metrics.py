@@ -432,7 +432,8 @@ def points(lines: Iterable[bytes], tracker: Tracker, key: str = "") -> list[tupl
 
 # said once under `train`'s summary of a run that trained with model.fit (docs/running.md)
 KERAS_LOSS_NOTE = ("loss: Keras' mean over each finished epoch, as `fit` returns it; the bar's values within an "
-                   "epoch are not shown (tf_keras under MultiWorkerMirroredStrategy sums those over the workers)")
+                   "epoch are not shown")
+MWMS_SUMS = " (tf_keras under MultiWorkerMirroredStrategy sums those over the workers)"   # mode mirrored's why
 
 
 def keras_said(got: TaskProgress) -> str:

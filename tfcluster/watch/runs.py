@@ -31,7 +31,7 @@ from tfcluster.localfs import (
 from tfcluster.plan import JOB_NAMES, Plan, plan_to_dict
 from tfcluster.plan.names import is_run_of, key_of_log, log_file
 from tfcluster.ui.units import size
-from tfcluster.watch.metrics import KERAS_LOSS_NOTE, Tracker, keras_said, target_of
+from tfcluster.watch.metrics import KERAS_LOSS_NOTE, MWMS_SUMS, Tracker, keras_said, target_of
 
 PROGRESS_FILE = "progress.tsv"
 CHECKPOINTS_DIR = "checkpoints"     # runs/<run id>/checkpoints/<name>/: one checkpoint each
@@ -233,6 +233,7 @@ class ProgressLog:
         self._save_failed = save_failed     # (path, OSError): a write failed (a full disk)
         targets = {t.key: target_of(plan.progress, t.argv[1:]) for t in plan.tasks if t.runs_script}
         self.tracker = Tracker(plan.progress, targets=targets)
+        self._mode = plan.mode
         # the summary's last loss line: a line the run's loss pattern finds, as shown (str)
         self._loss_line = re.compile(self.tracker.loss.regex.pattern.decode())
         self._lock = threading.Lock()
@@ -306,7 +307,9 @@ class ProgressLog:
         """The one line on what a Keras loss is, for a run where a script trained with `fit`."""
         with self._lock:
             keras = any(t.epoch is not None for t in self.tracker.tasks.values())
-        return KERAS_LOSS_NOTE if keras and not self.tracker.custom_loss else None
+        if not keras or self.tracker.custom_loss:
+            return None
+        return KERAS_LOSS_NOTE + (MWMS_SUMS if self._mode == "mirrored" else "")
 
     def close(self) -> None:
         with self._lock:
