@@ -125,6 +125,14 @@ def test_the_table_refuses_others_sockets_and_strangers_and_lets_the_owner_and_t
         f"{syn} tcp dport {{ 2222, 2223 }} ip saddr {{ 127.0.0.1, 127.0.0.2 }} accept",
         f"{syn} tcp dport {{ 2222, 2223 }} reject with tcp reset"]
 
+
+def test_a_tables_made_comment_is_read_back_as_written_and_nothing_else_is_taken_for_it():
+    text = shim_rules.script("tfcluster_t_1", 1234, [2222], [["127.0.0.1", 2222]], ["127.0.0.1"], made=1796000000)
+    assert shim_rules.made_at(text) == 1796000000.0
+    assert shim_rules.made_at(text.replace("tfcluster made", "someone made")) is None
+    assert shim_rules.made_at("table inet tfcluster_t_1 {\n}") is None     # an older tfcluster's: no comment
+
+
 @pytest.mark.parametrize("value,problem", [
     ("auto", None), ("closed", None), ("open", None),
     ("shut", "7: tf_ports: unknown tf_ports 'shut'; expected one of: auto, closed, open"),

@@ -13,6 +13,7 @@ import time
 
 # the comment every table carries: when it was made, and by whom (shim_fence.sweep reads it)
 MADE = 'comment "tfcluster made %d uid %d"'
+_MADE_READ = re.compile(re.escape(MADE).replace("%d", r"(\d+)", 1).replace("%d", r"\d+"))   # made_at
 
 
 def addresses(names) -> tuple[set, set]:
@@ -131,7 +132,7 @@ def iptables_rules(table: str, uid: int, ports, targets, peers) -> dict:
 def made_at(listing: str) -> float | None:
     """When a table was made, from `nft list table`'s text (its comment); None without one (a
     table of another tfcluster version, or not ours)."""
-    found = re.search(r'comment "tfcluster made (\d+) uid \d+"', listing)
+    found = _MADE_READ.search(listing)
     return float(found.group(1)) if found else None
 
 
