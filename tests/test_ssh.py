@@ -120,11 +120,11 @@ def test_ctrl_c_on_the_main_thread_never_lands_inside_paramiko_and_leaves_the_co
     previous = signal.signal(signal.SIGINT, raise_it)
     thread = threading.Thread(target=pester, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 4
+    deadline = time.monotonic() + 15        # about 1 s here; a loaded machine gets longer
     try:
         while True:
             try:
-                if time.monotonic() > deadline:
+                if len(landed) >= 1000 or time.monotonic() > deadline:
                     break
                 calls += 1
                 may_raise[0] = True
@@ -144,7 +144,8 @@ def test_ctrl_c_on_the_main_thread_never_lands_inside_paramiko_and_leaves_the_co
         thread.join(5)
         signal.signal(signal.SIGINT, previous)
     inside = [where for where in landed if "/paramiko/" in where]
-    assert len(landed) > 500, f"only {len(landed)} interrupts in {calls} calls: the check proves nothing"
+    # unguarded, about 4 in 5 landed inside paramiko: 200 and none there is no chance
+    assert len(landed) >= 200, f"only {len(landed)} interrupts in {calls} calls: the check proves nothing"
     assert not inside, f"{len(inside)} of {len(landed)} interrupts landed inside paramiko, e.g. {inside[0]}"
     if proc is not None:
         proc.kill()
