@@ -100,8 +100,8 @@ def test_step_lines_that_came_in_one_burst_give_no_rate_not_a_huge_one():
     for step, now in ((8, 100.0), (16, 100.0001), (24, 100.0002)):
         t.feed("worker:0", f"step={step} loss=1".encode(), now)
     assert t.state("worker:0").steps_per_s is None
-    t.feed("worker:0", b"step=40 loss=1", 102.0)        # then a line 2 s later: a rate again
-    assert t.state("worker:0").steps_per_s == pytest.approx(32 / 2)
+    t.feed("worker:0", b"step=40 loss=1", 100.5)        # then a line half a second later: a rate
+    assert t.state("worker:0").steps_per_s == pytest.approx(32 / 0.5)
 
 
 def test_custom_patterns_and_their_prefilter():

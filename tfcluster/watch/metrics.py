@@ -37,6 +37,10 @@ TARGET_FLAGS = ("--steps", "--max_steps", "--train_steps", "--num_steps", "--las
                 "--total_steps", "--num_train_steps")
 RATE_WINDOW = 10.0     # seconds of recent progress behind TaskProgress.recent_rate
 RATE_SPAN = 1.0        # seconds of arrival times a recent rate needs at least
+# seconds of arrival times a run's rate (the summary's steps/s) needs at least: 20 times the
+# 10 ms a script's stdout is flushed at (host/probe/sitecustomize.py), so when its lines arrive
+# moves the rate by 5 % at most
+RUN_RATE_SPAN = 0.2
 
 # Keras' progress, as Keras 3 and tf_keras print it to a pipe (tests/data/keras_progress/):
 # every bar update is `\b` × the last width, `\r`, the bar; the epoch's last update ends
@@ -72,9 +76,9 @@ class TaskProgress:
     @property
     def steps_per_s(self) -> float | None:
         """Steps per second from the first step line to the latest. None under two, or when
-        they came within RATE_SPAN seconds of each other: a run whose every line came in one
-        read (a fast GPU's few short epochs) says nothing of its speed, not 75,600 steps/s."""
-        if self.first is None or self.last is None or self.last[0] - self.first[0] < RATE_SPAN:
+        they came within RUN_RATE_SPAN seconds of each other: a run whose every line came in
+        one read (a fast GPU's few short epochs) says nothing of its speed, not 75,600 steps/s."""
+        if self.first is None or self.last is None or self.last[0] - self.first[0] < RUN_RATE_SPAN:
             return None
         return _rate(self.first, self.last)
 
