@@ -83,3 +83,27 @@ def test_a_host_with_fewer_gpus_than_the_spec_says_fails_preflight(tmp_path, hom
     assert result.returncode == 4, result.stderr
     assert "host local: the spec gives it 4 GPUs but it has 2" in result.stderr
     assert "Starting" not in result.stderr
+
+
+@pytest.mark.parametrize("gpus,warned", [("", True), (", gpus: 0", False), (", gpus: 2", False)])
+def test_a_host_with_gpus_the_spec_does_not_give_is_warned_of_once_unless_gpus_0_says_so(tmp_path, home,
+                                                                                         gpus, warned):
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text(FAKE_SMI)
+    (fake / "nvidia-smi").chmod(0o755)
+    ps, port = free_ports(2)
+    spec = tmp_path / "cpu.yaml"
+    spec.write_text(f"name: cpu\nhosts:\n  - {{name: local, address: 127.0.0.1{gpus}}}\n"
+                    f"jobs:\n  ps: {{tasks: ['local:{ps}']}}\n  worker: {{tasks: ['local:{port}']}}\n")
+    env = {**cli_env(home), "PATH": f"{fake}:{os.environ['PATH']}"}
+    result = subprocess.run([sys.executable, "-m", "tfcluster", "plan", str(spec), "--check"], capture_output=True,
+                            text=True, timeout=120, cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stderr
+    said = [line for line in result.stderr.splitlines() if "GPU(s) but the spec gives it none" in line]
+    assert len(said) == (1 if warned else 0), result.stderr
+    if warned:
+        assert said[0] == ("tfcluster: warning: host local has 2 GPU(s) but the spec gives it none, so its tasks run "
+                           "on the CPU (CUDA_VISIBLE_DEVICES is empty for them): set `gpus: 2` on the host to use "
+                           "them (and `per_gpu: true` on a job for a task per GPU), or `gpus: 0` to say the CPU is "
+                           "meant")

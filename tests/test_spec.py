@@ -466,9 +466,9 @@ def test_full_spec_loads_to_the_exact_spec(tmp_path):
         env=(("TF_CPP_MIN_LOG_LEVEL", "2"), ("DEBUG", "no"), ("N", "2")),
         hosts=(
             Host("cpu0", "10.1.0.10", 0, False, base, 13),
-            Host("gpu0", "10.1.0.11", 4, False, base, 14),
+            Host("gpu0", "10.1.0.11", 4, False, base, 14, gpus_set=True),
             Host("gpu1", "10.1.0.12", 4, False,
-                 SshSettings(**{**vars(base), "user": "admin", "connect_timeout": 2.5}), 15),
+                 SshSettings(**{**vars(base), "user": "admin", "connect_timeout": 2.5}), 15, gpus_set=True),
             Host("me", "localhost", 0, True, base, 16),
             Host("me6", "::1", 0, False, SshSettings(**{**vars(base), "host_key_policy": "accept-new"}), 17),
         ),

@@ -44,7 +44,7 @@ def _host_plan(host, spec: Spec, cluster_dir: str, local_python: str) -> HostPla
                                                 for f in fields(SshOptions)})
     return HostPlan(name=host.name, address=host.address, local=host.local, gpus=host.gpus,
                     python=python, bindir=shim_bindir(host.local, python, cluster_dir, local_python), ssh=ssh,
-                    preemptible=host.preemptible, metadata_url=host.metadata_url)
+                    preemptible=host.preemptible, metadata_url=host.metadata_url, gpus_set=host.gpus_set)
 
 
 def build_plan(spec: Spec, local_python: str | None = None, *,

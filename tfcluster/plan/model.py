@@ -50,6 +50,7 @@ class HostPlan:
     ssh: SshOptions | None = None        # None for a local host
     preemptible: str = "no"              # whose notices a run watches for here (spec.model.PREEMPTIBLE)
     metadata_url: str | None = None      # the metadata service's base URL (None: 169.254.169.254)
+    gpus_set: bool = False               # the spec wrote `gpus:` (0 too): preflight.unused_gpus
 
     @property
     def watched(self) -> str:

@@ -113,6 +113,7 @@ class Host:
     line: int = 0                    # line of this host's entry in the spec
     spare: bool = False              # no task until a host is lost (docs/spec.md, "Spare hosts")
     warm: bool = False               # `spare: warm`: it keeps a standby with TensorFlow imported
+    gpus_set: bool = False           # `gpus:` written (0 included): else GPUs found there are warned of
     preemptible: str = "no"          # PREEMPTIBLE: whose notices a run watches for on it
     metadata_url: str | None = None  # the metadata service's base URL, when not 169.254.169.254
 

@@ -178,6 +178,7 @@ def _parse_host(node: yaml.Node, field: str, ssh: dict[str, Any]) -> Host:
         name=as_name(f["name"][1], sub_field(field, "name")),
         address=address,
         gpus=as_int(f["gpus"][1], sub_field(field, "gpus"), 0, 4096) if "gpus" in f else 0,
+        gpus_set="gpus" in f,
         local=address in LOCAL_ADDRESSES and "ssh" not in f,
         ssh=SshSettings(**{**ssh, **own}),
         line=line_of(node),

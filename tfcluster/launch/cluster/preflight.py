@@ -155,9 +155,23 @@ def check_versions(session: Session, *, allow_skew: bool, report: bool = False) 
     if session.plan.legacy_keras:
         check_tf_keras(session, list(infos))
     for warning in (keras.fit_warning(session.plan, infos), keras.keras2_warning(session.plan, infos),
-                    strategy.static_warning(session.plan)):
+                    strategy.static_warning(session.plan), *unused_gpus(session.plan, infos)):
         if warning:
             session.ui.warn(warning)
+
+
+def unused_gpus(plan, infos) -> list[str]:
+    """A host whose GPUs the spec does not give (no `gpus:`): every task there runs with an
+    empty CUDA_VISIBLE_DEVICES, so on the CPU, with nothing said. `gpus: 0` means it."""
+    out = []
+    for name, info in infos.items():
+        host = plan.host(name)
+        if info.gpus and not host.gpus and not host.gpus_set and plan.tasks_on(name):
+            out.append(f"host {name} has {info.gpus} GPU(s) but the spec gives it none, so its tasks run on the "
+                       f"CPU (CUDA_VISIBLE_DEVICES is empty for them): set `gpus: {info.gpus}` on the host to "
+                       f"use them (and `per_gpu: true` on a job for a task per GPU), or `gpus: 0` to say the "
+                       f"CPU is meant")
+    return out
 
 
 def check_spares(session: Session) -> None:
