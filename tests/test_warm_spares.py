@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import textwrap
+import uuid
 from pathlib import Path
 
 import pytest
@@ -38,10 +39,13 @@ def _requests(tmp: Path, *, standby_env: dict | None = None, task_env: dict | No
         import signal; signal.pause()
         """))
     base = {"TFCLUSTER_STANDBY_IMPORT": "json", "TF_CONFIG": '{"task": "guessed"}'}
-    standby = {"tag": "lab@0123456789ab:run-1:standby:1:script", "argv": [sys.executable, "task.py"],
+    # a cluster instance of its own: a standby's stop sweeps its tag, so a test beside this one
+    # (another xdist worker) with the same tag would stop this test's standby
+    cluster_tag = f"lab@{uuid.uuid4().hex[:12]}"
+    standby = {"tag": f"{cluster_tag}:run-1:standby:1:script", "argv": [sys.executable, "task.py"],
                "env": dict(base, **(standby_env or {})), "cwd": str(tmp), "log": str(cluster / "standby-1.log"),
                "pidfile": str(cluster / "standby.pid"), "cluster_dir": str(cluster)}
-    task = {"tag": "lab@0123456789ab:run-1:worker:1:script", "argv": [sys.executable, "task.py", "--steps", "3"],
+    task = {"tag": f"{cluster_tag}:run-1:worker:1:script", "argv": [sys.executable, "task.py", "--steps", "3"],
             "env": dict(base, TF_CONFIG='{"task": "worker:1"}', **(task_env or {})), "cwd": str(tmp),
             "log": str(cluster / "worker-1.log"), "pidfile": str(cluster / "worker-1.pid"), "cluster_dir": str(cluster)}
     return standby, task
