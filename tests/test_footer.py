@@ -5,9 +5,11 @@ Its progress line's rate and ETA, from explicit times: over the last 10 s, never
 burst, and a stall in their place once no step came in that window."""
 from __future__ import annotations
 
+import io
 import re
 import subprocess
 import sys
+import threading
 from collections import deque
 from dataclasses import replace
 
@@ -16,6 +18,7 @@ import pytest
 from tests.terminal import run_in_pty, screen_lines
 from tfcluster.watch import metrics
 from tfcluster.watch.footer import RateHistory, progress_line
+from tfcluster.watch.logmux import LogMux
 
 # under pytest-xdist, one worker runs them all: they share one cluster name, workdir and port
 pytestmark = pytest.mark.xdist_group("footer")
@@ -131,3 +134,30 @@ def test_the_footer_keeps_the_window_of_a_fast_stepper_that_states_give_16_lines
                       for k, s in t.tasks.items()}
             rate = history.update(states, 1000 + i / 50)["worker:0"].recent_rate(now=1000 + i / 50)
     assert rate == pytest.approx(50, rel=0.01)
+
+
+def test_ctrl_c_while_the_footer_is_taken_off_gives_the_output_lock_back():
+    """A Ctrl-C landing in the write that takes the footer off (a KeyboardInterrupt from the
+    stream stands for it: where a real one lands cannot be chosen) must not leave the output
+    lock held: `__exit__` does not run when `__enter__` raises, and every later line would wait."""
+    class CutOnce(io.BytesIO):
+        cut = False
+
+        def write(self, data):
+            if self.cut:
+                self.cut = False
+                raise KeyboardInterrupt
+            return super().write(data)
+
+    out = CutOnce()
+    mux = LogMux(out, ["w"], color=False)
+    mux.set_footer(["step 1/10"])
+    out.cut = True
+    with pytest.raises(KeyboardInterrupt):
+        with mux.pause_footer():
+            pass
+    done = threading.Event()
+    threading.Thread(target=lambda: (mux.feed("w", b"after\n"), done.set()), daemon=True).start()
+    assert done.wait(5), "the output lock was left held: every later line waits"
+    mux.close()             # only once the lock is free: it takes it too
+    assert b"after" in out.getvalue()
