@@ -40,11 +40,16 @@ json.dump({'script': os.environ['CUDA_VISIBLE_DEVICES'], 'servers': server},
 """
 
 
-def test_gpu_workers_servers_own_the_gpu_and_scripts_see_none(tmp_path, home):
+def with_fake_smi(tmp_path, home) -> dict:
+    """tfcluster's environment with FAKE_SMI first on its PATH: a host with 2 GPUs."""
     fake = tmp_path / "bin"
     fake.mkdir()
     (fake / "nvidia-smi").write_text(FAKE_SMI)
     (fake / "nvidia-smi").chmod(0o755)
+    return {**cli_env(home), "PATH": f"{fake}:{os.environ['PATH']}"}
+
+
+def test_gpu_workers_servers_own_the_gpu_and_scripts_see_none(tmp_path, home):
     (tmp_path / "probe.py").write_text(PROBE)
     out = tmp_path / "out"
     out.mkdir()
@@ -55,7 +60,7 @@ def test_gpu_workers_servers_own_the_gpu_and_scripts_see_none(tmp_path, home):
         f"jobs:\n  ps: {{tasks: ['local:{ps[0]}']}}\n"
         f"  worker: {{per_gpu: true, hosts: [local], port: {w}}}\n"
         f"train:\n  mode: between-graph\n  script: probe.py\n  args: ['{out}']\n")
-    env = {**cli_env(home), "PATH": f"{fake}:{os.environ['PATH']}"}
+    env = with_fake_smi(tmp_path, home)
     result = subprocess.run([sys.executable, "-m", "tfcluster", "train", str(spec)], capture_output=True,
                             text=True, timeout=200, cwd=tmp_path, env=env)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
@@ -68,16 +73,12 @@ def test_gpu_workers_servers_own_the_gpu_and_scripts_see_none(tmp_path, home):
 
 
 def test_a_host_with_fewer_gpus_than_the_spec_says_fails_preflight(tmp_path, home):
-    fake = tmp_path / "bin"
-    fake.mkdir()
-    (fake / "nvidia-smi").write_text(FAKE_SMI)
-    (fake / "nvidia-smi").chmod(0o755)
     ps, port = free_ports(2)
     spec = tmp_path / "four.yaml"
     spec.write_text("name: four\nhosts:\n  - {name: local, address: 127.0.0.1, gpus: 4}\n"
                     f"jobs:\n  ps: {{tasks: ['local:{ps}']}}\n"
                     f"  worker: {{per_gpu: true, hosts: [local], port: {port}}}\n")
-    env = {**cli_env(home), "PATH": f"{fake}:{os.environ['PATH']}"}
+    env = with_fake_smi(tmp_path, home)
     result = subprocess.run([sys.executable, "-m", "tfcluster", "up", str(spec)], capture_output=True,
                             text=True, timeout=120, cwd=tmp_path, env=env)
     assert result.returncode == 4, result.stderr
@@ -88,15 +89,11 @@ def test_a_host_with_fewer_gpus_than_the_spec_says_fails_preflight(tmp_path, hom
 @pytest.mark.parametrize("gpus,warned", [("", True), (", gpus: 0", False), (", gpus: 2", False)])
 def test_a_host_with_gpus_the_spec_does_not_give_is_warned_of_once_unless_gpus_0_says_so(tmp_path, home,
                                                                                          gpus, warned):
-    fake = tmp_path / "bin"
-    fake.mkdir()
-    (fake / "nvidia-smi").write_text(FAKE_SMI)
-    (fake / "nvidia-smi").chmod(0o755)
     ps, port = free_ports(2)
     spec = tmp_path / "cpu.yaml"
     spec.write_text(f"name: cpu\nhosts:\n  - {{name: local, address: 127.0.0.1{gpus}}}\n"
                     f"jobs:\n  ps: {{tasks: ['local:{ps}']}}\n  worker: {{tasks: ['local:{port}']}}\n")
-    env = {**cli_env(home), "PATH": f"{fake}:{os.environ['PATH']}"}
+    env = with_fake_smi(tmp_path, home)
     result = subprocess.run([sys.executable, "-m", "tfcluster", "plan", str(spec), "--check"], capture_output=True,
                             text=True, timeout=120, cwd=tmp_path, env=env)
     assert result.returncode == 0, result.stderr
