@@ -48,7 +48,7 @@ else:  # shipped: this file's directory is first on sys.path
     import shim_tasks as tasks
 
 expand, is_alive, kill_tasks = fs.expand, procs.is_alive, procs.kill_tasks
-remove_quietly, write_all = procs.remove_quietly, procs.write_all
+remove_quietly, write_all = fs.remove_quietly, procs.write_all
 spawn, Attached = tasks.spawn, tasks.Attached
 
 ShimError = proto.ShimError

@@ -402,7 +402,7 @@ def remove(cluster_dir: str, tag_prefix: str, always: bool = False) -> str | Non
     rc, said = _delete(tool, table)
     if rc:
         return "could not delete the rules of %s: %s" % (table, said)
-    procs.remove_quietly(_mark_path(cluster_dir))
+    fs.remove_quietly(_mark_path(cluster_dir))
     cgroup.drop(cluster_dir)
     return None
 

@@ -157,7 +157,7 @@ def write_new(path, data, mode=0o600):
             f.write(data)
         os.replace(tmp, path)
     except BaseException:
-        _unlink(tmp)
+        remove_quietly(tmp)
         raise
 
 
@@ -172,12 +172,12 @@ def copy_verified(source, target, digest, mode=0o600):
     except FileNotFoundError:
         return False
     except OSError:                      # a link (ELOOP) or something else odd: not ours
-        _unlink(source)
+        remove_quietly(source)
         return False
     tmp = _tmp_name(target)
     with os.fdopen(fd, "rb") as src:
         if not stat.S_ISREG(os.fstat(src.fileno()).st_mode):
-            _unlink(source)
+            remove_quietly(source)
             return False
         h = hashlib.sha256()
         out = os.open(tmp, CREATE, 0o600)
@@ -191,17 +191,18 @@ def copy_verified(source, target, digest, mode=0o600):
                     h.update(chunk)
                     dst.write(chunk)
             if h.hexdigest() != digest:
-                _unlink(tmp)
-                _unlink(source)
+                remove_quietly(tmp)
+                remove_quietly(source)
                 return False
             os.replace(tmp, target)
         except BaseException:
-            _unlink(tmp)
+            remove_quietly(tmp)
             raise
     return True
 
 
-def _unlink(path):
+def remove_quietly(path):
+    """Remove a file; one already gone, or that cannot be removed, is no error."""
     try:
         os.unlink(path)
     except OSError:

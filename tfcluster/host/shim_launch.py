@@ -120,7 +120,7 @@ def _stop(warm: dict) -> None:
     _kill({proc.pid: req["tag"] for proc, req in warm.values()})
     for proc, req in warm.values():
         proc.wait()
-        procs.remove_quietly(fs.expand(req["pidfile"]))
+        fs.remove_quietly(fs.expand(req["pidfile"]))
 
 
 def _kill(started: dict) -> None:

@@ -13,10 +13,10 @@ import signal
 import time
 
 if __package__:
-    from .shim_fs import expand, write_new
+    from .shim_fs import expand, remove_quietly, write_new
     from .shim_protocol import SHIM_VAR, TAG_VAR, ShimError
 else:  # shipped: the shim's directory is first on sys.path
-    from shim_fs import expand, write_new
+    from shim_fs import expand, remove_quietly, write_new
     from shim_protocol import SHIM_VAR, TAG_VAR, ShimError
 
 POLL = 0.05
@@ -251,13 +251,6 @@ def _same(pid: int, start: int) -> bool:
 
 def write_pidfile(path: str, record: dict) -> None:
     write_new(path, json.dumps(record).encode())
-
-
-def remove_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
 
 
 def remove_own(path: str, pid: int) -> None:

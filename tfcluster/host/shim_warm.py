@@ -141,7 +141,7 @@ class Standby:
                 procs.write_pidfile(fs.expand(take["pidfile"]), {
                     "pid": self.proc.pid, "start_time": stat[1] if stat else None, "started_at": time.time(),
                     "tag": take["tag"], "argv": argv, "log": log, "from_standby": self.req["tag"]})
-                procs.remove_quietly(self.pidfile)
+                fs.remove_quietly(self.pidfile)
                 return self.proc, log, offset, {"warm": True, "ready_s": self.ready_s,
                                                 "waited_s": round(time.monotonic() - waited, 3)}
             why = ("its standby refused: %s" % said["refused"] if said and "refused" in said
@@ -166,7 +166,7 @@ class Standby:
                 self.proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 pass
-        procs.remove_quietly(self.pidfile)
+        fs.remove_quietly(self.pidfile)
 
 
 def _how(rc) -> str:

@@ -157,8 +157,8 @@ _TASK_NAME = re.compile(rb"/job:\w+(?:/replica:\d+)?(?:/task:\d+)?(?:/device:\w+
 STATUS = -4
 MAYBE_STATUS = -5
 _STATUS_OPENS = (b"=== Source Location Trace: ===", b"Additional GRPC error information from remote target ")
-_STATUS_LINE = re.compile(rb"(?:=== Source Location Trace: ===|[\w.+/-]+\.(?:cc|h|cpp|c|hpp):\d+|\. .*"
-                          rb"|Additional GRPC error information from remote target .*:|:[A-Z_]+:.*)\s*\Z")
+_STATUS_LINE = re.compile(rb"(?:%s|%s.*:|[\w.+/-]+\.(?:cc|h|cpp|c|hpp):\d+|\. .*|:[A-Z_]+:.*)\s*\Z"
+                          % tuple(re.escape(opener) for opener in _STATUS_OPENS))
 
 
 def tf_message_opens(line: bytes) -> int | None:

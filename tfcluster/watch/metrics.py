@@ -78,9 +78,8 @@ class TaskProgress:
         """Steps per second from the first step line to the latest. None under two, or when
         they came within RUN_RATE_SPAN seconds of each other: a run whose every line came in
         one read (a fast GPU's few short epochs) says nothing of its speed, not 75,600 steps/s."""
-        if self.first is None or self.last is None or self.last[0] - self.first[0] < RUN_RATE_SPAN:
-            return None
-        return _rate(self.first, self.last)
+        rate = _rate(self.first, self.last)
+        return rate if rate is not None and self.last[0] - self.first[0] >= RUN_RATE_SPAN else None
 
     def recent_rate(self, window: float = RATE_WINDOW, now: float | None = None,
                     span: float = RATE_SPAN) -> float | None:
