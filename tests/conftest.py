@@ -46,9 +46,9 @@ def pytest_collection_modifyitems(config, items):
             # under pytest-xdist (`--dist loadgroup`), one worker runs them all: one Slurm cluster started
             item.add_marker(pytest.mark.xdist_group("slurm"))
         if item.get_closest_marker("alone") is not None and item.get_closest_marker("xdist_group") is None:
-            # where scripts/test.sh runs the alone tests after the parallel part, it runs them in
-            # two lanes, each one test at a time: the notices' (a module's own group: minutes of
-            # waiting out a deadline on the bed) beside this one, the rest
+            # scripts/test.sh runs the alone tests in two lanes, each one test at a time: the
+            # notices' (a module's own group: minutes of waiting out a deadline on the bed) beside
+            # this one, the rest
             item.add_marker(pytest.mark.xdist_group("alone"))
     if hasattr(config, "workerinput"):    # a pytest-xdist worker (where `dist` reads "no")
         # Workers take tests in this order: the long ones first (a bed of hosts, then TensorFlow,

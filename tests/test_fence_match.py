@@ -236,7 +236,6 @@ def test_a_launcher_gone_before_an_install_is_answered_leaves_no_table(clusters,
 # with nothing left: another test's local cluster starting meanwhile (under -n 4, seen once in
 # three runs) swept it first. So it runs with this kernel's nftables to itself.
 @pytest.mark.alone
-@pytest.mark.own_nftables
 @pytest.mark.timeout(120)
 def test_a_killed_clusters_table_is_swept_by_the_next_install_and_a_refusal_names_it(clusters):
     """A cluster whose servers were killed without `down` leaves its table, which refuses
