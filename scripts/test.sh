@@ -120,7 +120,7 @@ else
   # and those run after the parallel part, in two lanes of one test at a time: the notices'
   # (minutes spent waiting out their deadlines on the bed) and the rest (tests/conftest.py).
   # Not beside it in a cgroup of their own, weighted as much as the parallel part's: that took
-  # 5-9% off two runs and failed the third. Inside a cgroup the kernel's autogroup (a share per
+  # 2-6% off two runs (1261 and 1319 s against 1344 s) and failed the third. Inside a cgroup the kernel's autogroup (a share per
   # session, and every task is a session of its own) is off, so a TensorFlow process's thread
   # pools outweigh the one-thread processes the deadlines time: the launcher, a shim, a fake
   # metadata service (a move's resume 39 s after the notice, not 9; a metadata GET timed out).
