@@ -120,10 +120,11 @@ else
   # and those run after the parallel part, in two lanes of one test at a time: the notices'
   # (minutes spent waiting out their deadlines on the bed) and the rest (tests/conftest.py).
   # Not beside it in a cgroup of their own, weighted as much as the parallel part's: that took
-  # 2-6% off two runs (1261 and 1319 s against 1344 s) and failed the third. Inside a cgroup the kernel's autogroup (a share per
-  # session, and every task is a session of its own) is off, so a TensorFlow process's thread
-  # pools outweigh the one-thread processes the deadlines time: the launcher, a shim, a fake
-  # metadata service (a move's resume 39 s after the notice, not 9; a metadata GET timed out).
+  # 2-6% off two runs (1261 and 1319 s against 1344 s) and failed the third. Inside a cgroup
+  # the kernel's autogroup (a share per session, and every task is a session of its own) is
+  # off, so a TensorFlow process's thread pools outweigh the one-thread processes the
+  # deadlines time: the launcher, a shim, a fake metadata service (a move's resume 39 s after
+  # the notice, not 9; a metadata GET timed out).
   # The Slurm tests share one worker (one Slurm cluster).
   half=$(( $(nproc 2>/dev/null || echo 1) / 2 ))
   workers=${TFCLUSTER_TEST_WORKERS:-$(( half < 2 ? 2 : half ))}

@@ -20,13 +20,13 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import ssh_spec
-from tfcluster.transport.ssh_connect import WINDOW_SIZE
 from tfcluster.errors import SpecError
 from tfcluster.host import shim_ckpt, shim_protocol as proto
 from tfcluster.launch.cluster.session import Session
 from tfcluster.launch.run.ckptsync import CheckpointSync
 from tfcluster.plan import build_plan
 from tfcluster.spec.loader import load_spec
+from tfcluster.transport.ssh_connect import WINDOW_SIZE
 from tfcluster.ui import UI
 from tfcluster.ui.units import size
 
