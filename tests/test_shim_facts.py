@@ -4,6 +4,8 @@ made here with `python -m venv` (a fake `tensorflow` dist-info tells them apart)
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -28,9 +30,9 @@ def info(python: str, *flags: str) -> dict:
     return {k: answer[k] for k in KEYS}
 
 
-def venv(path: Path, system: bool = False) -> tuple[str, Path]:
-    """A venv (no pip: nothing is downloaded); its python and its site-packages."""
-    argv = [sys.executable, "-m", "venv", "--without-pip", str(path)]
+def venv(path: Path, system: bool = False, base: str = sys.executable) -> tuple[str, Path]:
+    """A venv of `base` (no pip: nothing is downloaded); its python and its site-packages."""
+    argv = [base, "-m", "venv", "--without-pip", str(path)]
     subprocess.run(argv + (["--system-site-packages"] if system else []), check=True, timeout=60)
     python = str(path / "bin" / "python")
     site = subprocess.run([python, "-c", "import site; print(site.getsitepackages()[0])"],
@@ -56,8 +58,20 @@ def test_info_under_dash_s_answers_as_with_site():
     assert info(sys.executable, NO_SITE) == with_site
 
 
-def test_a_venvs_own_tensorflow_is_found_not_the_base_interpreters(tmp_path):
-    python, site = venv(tmp_path / "v")
+def distribution_python() -> str:
+    """The system's own python3 where it is another interpreter than this one: Debian's and
+    Ubuntu's patch `site`, and their venvs are where most GPU boxes keep TensorFlow."""
+    system = shutil.which("python3", path="/usr/bin:/bin")
+    if system is None:
+        pytest.skip("no python3 in /usr/bin or /bin")
+    if os.path.realpath(system) == os.path.realpath(sys._base_executable):
+        pytest.skip(f"{system} is the interpreter the tests run on: the case above")
+    return system
+
+
+@pytest.mark.parametrize("base", ["this", "the system's"])
+def test_a_venvs_own_tensorflow_is_found_not_the_base_interpreters(tmp_path, base):
+    python, site = venv(tmp_path / "v", base=sys.executable if base == "this" else distribution_python())
     fake_dist(site, "tensorflow", "9.8.7")
     ran = tmp_path / "pth-ran"      # a .pth line that imports runs: it shows whether `site` ran
     (site / "probe.pth").write_text(f"import os; open({str(ran)!r}, 'w').close()\n")

@@ -39,24 +39,36 @@ def tf_version() -> str | None:
 
 def site_path() -> list:
     """sys.path with the directories `site` adds: the shim runs under `python -S`
-    (bootstrap.NO_SITE). A venv's site-packages first, then the user's and the system's,
-    as `site` orders them; no .pth file is run (full_site() does that)."""
+    (bootstrap.NO_SITE). The user's (where `site` would enable it), a venv's site-packages,
+    then the system's, as `site` orders them; no .pth file is run (full_site() does that)."""
     if _SITE or not _ours_alone():
         return sys.path
     _SITE.append(None)          # computed once, also when it adds nothing
     import site
     exe_dir = os.path.dirname(os.path.abspath(sys.executable))
-    prefixes, user = [sys.prefix, sys.exec_prefix], True
+    prefixes, user, own = [sys.prefix, sys.exec_prefix], True, []
     for folder in (exe_dir, os.path.dirname(exe_dir)):
         conf = _venv_conf(os.path.join(folder, "pyvenv.cfg"))
         if conf is not None:
             system = conf.get("include-system-site-packages", "").lower() == "true"
-            prefixes, user = [os.path.dirname(exe_dir)] + (prefixes if system else []), system
+            own, user = _venv_site_packages(os.path.dirname(exe_dir)), system
+            prefixes = prefixes if system else []
             break
     dirs = ([site.getusersitepackages()] if user and site.check_enableusersite() else [])
-    dirs += site.getsitepackages(prefixes)
+    dirs += own + (site.getsitepackages(prefixes) if prefixes else [])
     sys.path.extend(d for d in dirs if d not in sys.path and os.path.isdir(d))   # searched only
     return sys.path
+
+
+def _venv_site_packages(venv: str) -> list:
+    """A venv's own site directories, as `site` lists them once it has read pyvenv.cfg. Not
+    site.getsitepackages([venv]): Debian's and Ubuntu's Python answer it by whether `site`
+    already made sys.prefix a venv's, which under -S it has not, with dist-packages
+    directories no venv has."""
+    version = "python%d.%d" % sys.version_info[:2]
+    libdirs = [getattr(sys, "platlibdir", "lib")]
+    libdirs += ["lib"] if libdirs[0] != "lib" else []
+    return [os.path.join(venv, libdir, version, "site-packages") for libdir in libdirs]
 
 
 def _ours_alone() -> bool:
