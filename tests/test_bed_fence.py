@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -109,3 +110,37 @@ def test_a_train_or_up_that_ends_before_its_servers_start_leaves_no_table_on_any
     finally:
         holder.kill()
         holder.wait(10)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("command,delay", [("train", 0.05), ("train", 0.2), ("up", 0.05), ("up", 0.2)])
+def test_ctrl_c_while_the_hosts_open_leaves_no_table_on_any_host(command, delay, tmp_path, home, ssh_home, bed):
+    """Ctrl-C a moment after the run starts connecting: some hosts have answered their opening
+    batch, and closed the ports with it (the ps's host, which runs no script; the idle spare),
+    while others are still opening. Exit 130, and every table goes with the run: the stop
+    takes those of the hosts that answered, though the opening as a whole never finished."""
+    hosts = [bed.add(n) for n in ("h2", "h3", "h4")]
+    spare = bed.add("h5")
+    spec = tmp_path / "fintr.yaml"
+    spec.write_text(
+        f"name: fintr\npython: {sys.executable}\nworkdir: {tmp_path / 'remote'}\nssh: {{connect_timeout: 5}}\n"
+        f"hosts:\n" + "".join(f"  - {h.spec()}\n" for h in hosts) + f"  - {spare.spec(spare='true')}\n"
+        "jobs:\n  ps: {tasks: ['h2:25000']}\n  worker: {tasks: ['h3:25001', 'h4:25002']}\n"
+        "train:\n  mode: between-graph\n  script: template:between_graph\n  args: ['--steps', '5000000']\n")
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    proc = start_tfcluster(command, str(spec), home=home, cwd=cwd)
+    try:
+        seen = read_until(proc, r"[Cc]onnecting to \d+ host", timeout=60)
+        time.sleep(delay)   # where the Ctrl-C lands: each host's opening takes a few tenths here
+        os.killpg(proc.pid, signal.SIGINT)
+        rest = proc.communicate(timeout=60)[0]
+    finally:
+        kill_group(proc)
+    out = "".join(seen) + rest
+    assert proc.returncode == 130, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    wait_for(lambda: not tagged_processes(), timeout=20, what="no process of the run left on any host")
+    for host in bed.hosts.values():
+        wait_for(lambda h=host: "tfcluster_" not in h.run(["nft", "list", "tables"]).stdout, timeout=10,
+                 what=f"no table of the cluster left on {host.name}")

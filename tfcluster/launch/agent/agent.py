@@ -221,6 +221,12 @@ class HostAgent:
         answers = self._call(proto.BATCH, {"commands": commands}, timeout)["answers"]
         return checked_answers(answers, f"host {self.name}", unchecked)
 
+    @property
+    def reached(self) -> bool:
+        """The bootstrap ran on the host: a batch sent with it may have acted there (its fence
+        install among it), whether or not its answer came back before a Ctrl-C."""
+        return self._shim.bindir is not None
+
     def check_cancelled(self) -> None:
         """Ctrl-C was pressed: start nothing new (KeyboardInterrupt)."""
         if self.cancelled.is_set():

@@ -67,8 +67,8 @@ def up(plan: Plan, ui, timeout: float = READY_TIMEOUT, allow_skew: bool = False)
 
 
 def _idle(session: Session, plan: Plan) -> list[str]:
-    """The opened hosts with no task (the spares)."""
-    return [h for h in session.infos if not plan.tasks_on(h)]
+    """The hosts an opening reached with no task (the spares)."""
+    return [h for h in session.reached() if not plan.tasks_on(h)]
 
 
 def _record(plan: Plan, run_id: str, started: list[Started], live: dict) -> None:

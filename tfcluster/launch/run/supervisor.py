@@ -57,7 +57,7 @@ def train(plan: Plan, ui: UI, options: Options) -> int:
                          ship=(files, session.paths.rundir(run_id), {t.host for t in plan.tasks if t.runs_script}))
         except BaseException:       # the tables its batches put on hosts with no held script go
             session.take_tables(names.run_prefix(plan.name, run_id),
-                                _tables_left(plan, list(session.infos), False, False, session.serves_already()))
+                                _tables_left(plan, session.reached(), False, False, session.serves_already()))
             raise
         events: queue.Queue = queue.Queue()
         checks = RunChecks(plan, ui, os.path.join(options.runs_dir, run_id), lambda: events.put(None),
