@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -19,19 +20,27 @@ from tests.netns import PYTHON, SSH_PORT, TableWatch, refused_everywhere
 pytestmark = [pytest.mark.ssh, pytest.mark.tf]
 
 
+def ps_two_workers_and_a_spare(tmp_path: Path, bed, name: str, train: str) -> Path:
+    """The spec `name`: a ps on h2, workers on h3 and h4, the idle spare h5; between-graph,
+    `train` the rest of its train section (YAML lines)."""
+    hosts = [bed.add(n) for n in ("h2", "h3", "h4")]
+    spare = bed.add("h5")
+    spec = tmp_path / f"{name}.yaml"
+    spec.write_text(
+        f"name: {name}\npython: {sys.executable}\nworkdir: {tmp_path / 'remote'}\nssh: {{connect_timeout: 5}}\n"
+        f"hosts:\n" + "".join(f"  - {h.spec()}\n" for h in hosts) + f"  - {spare.spec(spare='true')}\n"
+        "jobs:\n  ps: {tasks: ['h2:25000']}\n  worker: {tasks: ['h3:25001', 'h4:25002']}\n"
+        "train:\n  mode: between-graph\n  script: template:between_graph\n" + train)
+    return spec
+
+
 @pytest.mark.timeout(480)
 def test_a_second_user_is_refused_at_every_task_port_before_and_after_a_move(tmp_path, home, ssh_home, bed,
                                                                             other_user):
     if not os.path.exists(PYTHON):
         pytest.fail(f"{PYTHON} is needed to dial as the second user")
-    hosts = [bed.add(n) for n in ("h2", "h3", "h4")]
-    spare = bed.add("h5")
-    spec = tmp_path / "fmove.yaml"
-    spec.write_text(
-        f"name: fmove\npython: {sys.executable}\nworkdir: {tmp_path / 'remote'}\nssh: {{connect_timeout: 5}}\n"
-        f"hosts:\n" + "".join(f"  - {h.spec()}\n" for h in hosts) + f"  - {spare.spec(spare='true')}\n"
-        "jobs:\n  ps: {tasks: ['h2:25000']}\n  worker: {tasks: ['h3:25001', 'h4:25002']}\n"
-        "train:\n  mode: between-graph\n  script: template:between_graph\n"
+    spec = ps_two_workers_and_a_spare(
+        tmp_path, bed, "fmove",
         "  args: ['--steps', '5000000', '--log_every', '50', '--model_dir', '{workdir}/ckpt', '--cleanup_timeout', '3',\n"
         "         '--min_step_time', '0.05']\n"   # trains until stopped: at a real model's pace, not the CPU's
         "  checkpoint: {dir: '{workdir}/ckpt', keep: 2, sync: 2s}\n")
@@ -119,14 +128,7 @@ def test_ctrl_c_while_the_hosts_open_leaves_no_table_on_any_host(command, delay,
     batch, and closed the ports with it (the ps's host, which runs no script; the idle spare),
     while others are still opening. Exit 130, and every table goes with the run: the stop
     takes those of the hosts that answered, though the opening as a whole never finished."""
-    hosts = [bed.add(n) for n in ("h2", "h3", "h4")]
-    spare = bed.add("h5")
-    spec = tmp_path / "fintr.yaml"
-    spec.write_text(
-        f"name: fintr\npython: {sys.executable}\nworkdir: {tmp_path / 'remote'}\nssh: {{connect_timeout: 5}}\n"
-        f"hosts:\n" + "".join(f"  - {h.spec()}\n" for h in hosts) + f"  - {spare.spec(spare='true')}\n"
-        "jobs:\n  ps: {tasks: ['h2:25000']}\n  worker: {tasks: ['h3:25001', 'h4:25002']}\n"
-        "train:\n  mode: between-graph\n  script: template:between_graph\n  args: ['--steps', '5000000']\n")
+    spec = ps_two_workers_and_a_spare(tmp_path, bed, "fintr", "  args: ['--steps', '5000000']\n")
     cwd = tmp_path / "cwd"
     cwd.mkdir()
     proc = start_tfcluster(command, str(spec), home=home, cwd=cwd)
