@@ -234,7 +234,8 @@ def test_a_launcher_gone_before_an_install_is_answered_leaves_no_table(clusters,
 
 # Its stale table is old on purpose, and any root fence install sweeps old tables of clusters
 # with nothing left: another test's local cluster starting meanwhile (under -n 4, seen once in
-# three runs) swept it first. So it runs with this kernel's nftables to itself.
+# three runs) swept it first. So it runs alone: the lane beside it runs the notices' tests,
+# whose hosts are the bed's namespaces, each with nftables of its own.
 @pytest.mark.alone
 @pytest.mark.timeout(120)
 def test_a_killed_clusters_table_is_swept_by_the_next_install_and_a_refusal_names_it(clusters):

@@ -213,10 +213,10 @@ class Session:
         return results
 
     def reached(self) -> list[str]:
-        """The hosts an opening reached: those that answered, and those whose answer a Ctrl-C
-        cut short (their batch's table may be there all the same; the opening as a whole
-        raised, so `infos` holds none of them)."""
-        return [name for name, agent in self.agents.items() if name in self.infos or agent.reached]
+        """The hosts an opening reached: those that answered (every one in `infos`), and those
+        whose answer a Ctrl-C cut short (their batch's table may be there all the same; the
+        opening as a whole raised, so `infos` holds none of them)."""
+        return [name for name, agent in self.agents.items() if agent.reached]
 
     def set_aside(self, spares: dict[str, str]) -> None:
         """Spares that cannot take tasks (spare -> why): one warning each, and the session
