@@ -127,3 +127,21 @@ def test_processes_with_different_device_counts_fail_in_keras_initialize(jax, tm
     for proc in procs:
         ends_named(proc, "jax-device-count", timeout=90)
 
+
+
+@pytest.mark.timeout(120)
+def test_a_mesh_shaped_for_another_device_count_is_named_with_the_counts(jax, tmp_path):
+    """keras-io's distribution guide as written: a DeviceMesh of shape (8,) for one host's 8
+    GPUs, here two processes of one CPU device each."""
+    script = tmp_path / "guide.py"
+    script.write_text("import keras\nkeras.distribution.initialize()\n"
+                      "devices = keras.distribution.list_devices()\n"
+                      "mesh_1d = keras.distribution.DeviceMesh(shape=(8,), axis_names=['data'], devices=devices)\n")
+    env = {"KERAS_BACKEND": "jax", "KERAS_DISTRIBUTION_JOB_ADDRESSES": f"127.0.0.1:{jax.port}",
+           "KERAS_DISTRIBUTION_NUM_PROCESSES": "2"}
+    procs = [jax.start(script=script, env={**env, "KERAS_DISTRIBUTION_PROCESS_ID": str(i)}) for i in (0, 1)]
+    for proc in procs:
+        out = ended(proc, 90)
+        found = signatures.diagnose("keras-jax", out[-8000:], "worker")
+        assert found is not None and found.name == "keras-mesh-shape", out[-2000:]
+        assert "shape=(8,)" in found.line and "devices.shape=(2,)" in found.line, found.line

@@ -85,6 +85,16 @@ SIGNATURES = (
         "per GPU (jobs.worker.per_gpu: true), and the same XLA_FLAGS everywhere",
         also=(b"in _get_mesh_devices",)),
     Signature(
+        # keras-io's distribution guide builds DeviceMesh(shape=(8,)) for one host's 8 GPUs
+        "keras-mesh-shape", (b"Shape does not match the number of devices",),
+        "the script's DeviceMesh names another number of devices than the cluster has: "
+        "keras.distribution.list_devices() returns every process's devices together (the "
+        "processes times the devices each sees), and the mesh's shape must multiply to that",
+        "build the mesh from what list_devices() returns, e.g. `devices = "
+        "keras.distribution.list_devices()` then `DeviceMesh(shape=(len(devices),), "
+        "axis_names=[\"data\"], devices=devices)`, or `DataParallel(devices=devices)` with no mesh",
+        also=(b"/keras/",)),
+    Signature(
         "jax-incarnation", (b"unexpectedly tried to connect with a different incarnation",
                             b"wrong service incarnation", b"from a newer incarnation"),
         "a JAX process restarted alone: JAX's coordination service refuses a process of a new "
