@@ -67,6 +67,8 @@ def test_three_processes_train_to_the_same_weights_and_progress_comes_from_proce
     log0 = (run / "worker-0.log").read_text()
     assert "process 0 of 3: 1 local device(s), 3 in all" in log0
     assert f"global_step={3 * EPOCH_STEPS}" in log0
+    # every process joined before JAX started (the probe's report, diagnose/strategy.py)
+    assert "strategy check: jax.distributed, 3 processes joined on worker:0, worker:1, worker:2" in out, out[-3000:]
     # Keras' own epoch lines, read as for any Keras run: process 0's step in the summary
     row = next(line for line in out.splitlines() if line.lstrip().startswith("worker:0") and " h2 " in line)
     assert str(3 * EPOCH_STEPS) in row.split(), row
@@ -111,7 +113,7 @@ def test_a_script_that_picks_another_backend_is_diagnosed(tmp_path, home):
     (tmp_path / "main.py").write_text(
         'import os\nos.environ["KERAS_BACKEND"] = "tensorflow"\nimport keras\n'
         'keras.distribution.initialize()\n')
-    spec = one_local_process(tmp_path, "kjbackend", jax_python(), "main.py")
+    spec = local_processes(tmp_path, "kjbackend", jax_python(), "main.py", 1)
     result = tfcluster("train", str(spec), home=home, cwd=tmp_path, timeout=220)
     out = result.stdout + result.stderr
     assert result.returncode == 5, out[-3000:]        # a task failed (docs: exit codes)
@@ -120,13 +122,50 @@ def test_a_script_that_picks_another_backend_is_diagnosed(tmp_path, home):
     assert not tagged_processes()
 
 
-def one_local_process(tmp_path: Path, name: str, python: str, script: str) -> Path:
-    """Mode keras-jax, one process on this machine, run by `python`."""
-    port, = free_ports(1)
+# Keras' guides train one process: run as they are, two processes train two copies
+ALONE_FIT = ("import keras\nimport numpy as np\n{init}"
+             "x, y = np.zeros((64, 4), 'float32'), np.zeros((64, 1), 'float32')\n"
+             "model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])\n"
+             "model.compile(optimizer='sgd', loss='mse')\n"
+             "model.fit(x, y, epochs=100000, verbose=2)\n")
+
+
+@pytest.mark.tf
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("init, what, summary, fix", [
+    ("", "ran JAX without joining the other processes (no keras.distribution.initialize() or "
+         "jax.distributed.initialize() before its first JAX computation): each of the 2 processes trains "
+         "its own copy of the model, never synchronised",
+     "no jax.distributed.initialize() on worker:", "hint: call keras.distribution.initialize() first"),
+    ("keras.distribution.initialize()\n",
+     "ran model.fit with no keras.distribution set: the processes joined, but each of the 2 fits its own "
+     "copy of the model on its own devices, never synchronised",
+     "no keras.distribution on worker:",
+     "hint: set one before building the model: keras.distribution.set_distribution("
+     "keras.distribution.DataParallel(devices=keras.distribution.list_devices()))"),
+], ids=["never-joined", "joined-without-a-distribution"])
+def test_processes_that_each_train_their_own_copy_are_stopped_with_the_fix(tmp_path, home, init, what, summary, fix):
+    """A fit of 100,000 epochs: only the check ends it, exit 8, with what the first process to
+    show it did (the summary names those that had shown it by the stop)."""
+    (tmp_path / "alone.py").write_text(ALONE_FIT.format(init=init))
+    spec = local_processes(tmp_path, "kjalone", jax_python(), "alone.py", 2)
+    result = tfcluster("train", str(spec), home=home, cwd=tmp_path, timeout=200)
+    out = result.stdout + result.stderr
+    assert result.returncode == 8, out[-4000:]
+    error = next(line for line in result.stderr.splitlines() if line.startswith("tfcluster: error: "))
+    assert re.fullmatch(r"tfcluster: error: strategy mismatch: worker:[01] " + re.escape(what), error), error
+    assert f"strategy check: {summary}" in out, out[-3000:]
+    assert fix in result.stderr, result.stderr[-3000:]
+    assert not tagged_processes()
+
+
+def local_processes(tmp_path: Path, name: str, python: str, script: str, n: int) -> Path:
+    """Mode keras-jax, `n` processes on this machine, run by `python`."""
+    tasks = ", ".join(f"'me:{port}'" for port in free_ports(n))
     spec = tmp_path / f"{name}.yaml"
     spec.write_text(f"name: {name}\npython: {python}\nworkdir: {tmp_path / 'remote'}\n"
                     "hosts:\n  - {name: me, address: localhost}\n"
-                    f"jobs:\n  worker: {{tasks: ['me:{port}']}}\n"
+                    f"jobs:\n  worker: {{tasks: [{tasks}]}}\n"
                     f"train:\n  mode: keras-jax\n  script: {script}\n  timeout: 200\n")
     return spec
 
@@ -137,7 +176,7 @@ def test_a_python_without_jax_is_refused_before_anything_starts(tmp_path, home):
     if importlib.util.find_spec("jax") is not None:
         pytest.skip(f"{sys.executable} has jax: the fault needs a Python without it")
     (tmp_path / "t.py").write_text("print(1)\n")
-    spec = one_local_process(tmp_path, "kjnojax", sys.executable, "t.py")
+    spec = local_processes(tmp_path, "kjnojax", sys.executable, "t.py", 1)
     result = tfcluster("train", str(spec), home=home, cwd=tmp_path, timeout=120)
     assert result.returncode == 4, result.stdout + result.stderr      # preflight (docs: exit codes)
     assert f"host me: jax is not installed for {sys.executable}" in result.stderr, result.stderr

@@ -153,3 +153,20 @@ def test_two_workers_that_each_train_alone_are_stopped_with_the_fix(tmp_path, ho
 def test_the_test_script_is_where_the_spec_says(tmp_path):
     assert (SCRIPTS / "single_host_strategy.py").read_text().splitlines()[7].startswith(
         "strategy = tf.distribute.MirroredStrategy()")
+
+
+def test_keras_jax_processes_are_judged_by_whether_they_joined_and_fit_with_a_distribution(tmp_path):
+    check = st.StrategyCheck("keras-jax", ["worker:0", "worker:1"], 2)
+    assert check.add(st.parse(b'tfcluster-strategy: {"task":"worker:0","class":"jax-joined","replicas":2}')) is None
+    assert check.add(st.Report("worker:1", "jax-joined", 2)) is None
+    assert check.summary() == "jax.distributed, 2 processes joined on worker:0, worker:1"
+    message, hint = check.add(st.Report("worker:1", "keras-no-distribution", 1))
+    assert message.startswith("strategy mismatch: worker:1 ran model.fit with no keras.distribution set")
+    assert "keras.distribution.set_distribution(" in hint
+    assert check.summary() == ("jax.distributed, 2 processes joined on worker:0; "
+                               "no keras.distribution on worker:1")
+    # the probe is asked for where two or more processes run and the check is on
+    assert plan_of(tmp_path, "print(1)\n", mode="keras-jax").probes() == "jax"
+    assert plan_of(tmp_path, "print(1)\n", mode="keras-jax", workers=1).probes() == ""
+    off = plan_of(tmp_path, "print(1)\n", mode="keras-jax", extra="  checks: {placement: false}\n")
+    assert off.probes() == "" and st.judged_tasks(off) == ["worker:0", "worker:1"]

@@ -26,6 +26,12 @@ _CLASSES = {     # TF's class names -> the names a script writes
     "ParameterServerStrategyV2": PARAMETER_SERVER,
     "ParameterServerStrategyV1": PARAMETER_SERVER,
 }
+# mode keras-jax: what the probe says of a JAX process (it names no TF strategy)
+JAX_JOINED = "jax-joined"                   # joined the others before JAX's backend started
+JAX_ALONE = "jax-alone"                     # started JAX's backend without joining: never can
+KERAS_NO_DISTRIBUTION = "keras-no-distribution"   # joined, but fit with no keras.distribution
+_JAX_SHOWN = {JAX_JOINED: "jax.distributed", JAX_ALONE: "no jax.distributed.initialize()",
+              KERAS_NO_DISTRIBUTION: "no keras.distribution"}
 _BUILD_MWMS = "tf.distribute.MultiWorkerMirroredStrategy()"
 _BUILD_PSS = ("tf.distribute.ParameterServerStrategy("
               "tf.distribute.cluster_resolver.TFConfigClusterResolver())")
@@ -36,21 +42,25 @@ def shown(cls: str) -> str:
     """The name a script writes for TF's class `cls` (MirroredStrategyV1 -> MirroredStrategy)."""
     if cls in _CLASSES:
         return _CLASSES[cls]
+    if cls in _JAX_SHOWN:
+        return _JAX_SHOWN[cls]
     name = cls.lstrip("_")
     return name[:-2] if name.endswith(("V1", "V2")) else name
 
 
 def expected(mode: str) -> str | None:
     """The strategy a script of `mode` must build; None: the mode judges none (TF1 modes)."""
-    return {"mirrored": MULTI_WORKER, "coordinator": PARAMETER_SERVER}.get(mode)
+    return {"mirrored": MULTI_WORKER, "coordinator": PARAMETER_SERVER,
+            "keras-jax": _JAX_SHOWN[JAX_JOINED]}.get(mode)
 
 
 def judged_tasks(plan) -> list[str]:
     """The tasks whose strategy is judged: in mirrored mode every worker and chief when there
     are two or more (one worker may train alone with any strategy); in coordinator mode the
-    chief, the coordinator. An evaluator builds none of them and is never judged."""
+    chief, the coordinator; in keras-jax mode every process when there are two or more. An
+    evaluator builds none of them and is never judged."""
     scripts = [t for t in plan.tasks if t.runs_script and t.job in ("chief", "worker")]
-    if plan.mode == "mirrored":
+    if plan.mode in ("mirrored", "keras-jax"):
         return [t.key for t in scripts] if len(scripts) > 1 else []
     if plan.mode == "coordinator":
         return [t.key for t in scripts if t.job == "chief"]
@@ -66,6 +76,8 @@ def mismatch(mode: str, workers: int, cls: str) -> tuple[str, str] | None:
     if want is None or name == want:
         return None
     built = "no strategy (TensorFlow's default)" if cls == "default" else name
+    if mode == "keras-jax":
+        return _jax_mismatch(workers, cls)
     if mode == "mirrored":
         if name == PARAMETER_SERVER:
             return (f"{built}, which needs ps tasks and a coordinator",
@@ -76,6 +88,22 @@ def mismatch(mode: str, workers: int, cls: str) -> tuple[str, str] | None:
     return (f"{built}: the ps and worker servers wait for a ParameterServerStrategy "
             f"coordinator, and the chief trains alone",
             f"build {_BUILD_PSS} instead")
+
+
+def _jax_mismatch(processes: int, cls: str) -> tuple[str, str] | None:
+    if cls == JAX_ALONE:
+        return (f"JAX without joining the other processes (no keras.distribution.initialize() or "
+                f"jax.distributed.initialize() before its first JAX computation): each of the "
+                f"{processes} processes trains its own copy of the model, never synchronised",
+                "call keras.distribution.initialize() first, before anything runs on JAX (it reads "
+                "the KERAS_DISTRIBUTION_* variables tfcluster sets), or jax.distributed.initialize() "
+                "in a plain JAX program")
+    if cls == KERAS_NO_DISTRIBUTION:
+        return (f"model.fit with no keras.distribution set: the processes joined, but each of the "
+                f"{processes} fits its own copy of the model on its own devices, never synchronised",
+                "set one before building the model: keras.distribution.set_distribution("
+                "keras.distribution.DataParallel(devices=keras.distribution.list_devices()))")
+    return None
 
 
 # -- before the run: the script's text -------------------------------------------------------
@@ -138,7 +166,8 @@ class StrategyCheck:
             if found is not None and self.mismatch is None:
                 what, fix = found
                 replicas = f"{report.replicas} replica{'s' if report.replicas != 1 else ''}"
-                self.mismatch = (f"strategy mismatch: {report.task} built {what} ({replicas} in sync)",
+                self.mismatch = (f"strategy mismatch: {report.task} ran {what}" if self.mode == "keras-jax"
+                                 else f"strategy mismatch: {report.task} built {what} ({replicas} in sync)",
                                  f"{fix}; {OFF}")
             return self.mismatch
 
@@ -150,6 +179,10 @@ class StrategyCheck:
         by_class: dict[str, list[Report]] = {}
         for r in reports:
             by_class.setdefault(shown(r.cls), []).append(r)
+        if self.mode == "keras-jax":
+            return "; ".join((f"{name}, {max(r.replicas for r in rs)} processes joined" if rs[0].cls == JAX_JOINED
+                              else name) + " on " + ", ".join(sorted(r.task for r in rs))
+                             for name, rs in by_class.items())
         return "; ".join(f"{'no strategy (the default)' if rs[0].cls == 'default' else name}, "
                          f"{max(r.replicas for r in rs)} replica(s) in sync on "
                          f"{', '.join(sorted(r.task for r in rs))}" for name, rs in by_class.items())

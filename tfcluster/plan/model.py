@@ -172,7 +172,11 @@ class Plan:
 
     def probes(self) -> str:
         """What the start-up probe reports in a script process ("" : no probe): the
-        variables' placement, and model-not-ready waits, for TF1-style modes only."""
+        variables' placement, and model-not-ready waits, for TF1-style modes; in mode
+        keras-jax with two or more processes, whether they joined (diagnose/strategy.py)."""
+        if self.mode == "keras-jax":
+            processes = [t for t in self.tasks if t.runs_script]
+            return "jax" if self.checks.placement and len(processes) > 1 else ""
         if self.mode not in ("between-graph", "classic"):
             return ""
         wanted = (("placement", self.checks.placement), ("waits", self.checks.hang_after > 0))

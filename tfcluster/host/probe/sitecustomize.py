@@ -141,10 +141,83 @@ def _default_at_exit():
         _emit(_strategy_line("default", 1))
 
 
+# Mode keras-jax: whether each JAX process joined the others before JAX started its backend
+# (jax.distributed.initialize, which keras.distribution.initialize calls, is refused after
+# that), and whether a Keras fit has a distribution to spread it across them. Without either
+# every process trains its own copy. Reported with the strategy's mark and read the same way.
+_jax_seen = []
+
+
+def _jax_report(cls_name, replicas):
+    if cls_name not in _jax_seen:
+        _jax_seen.append(cls_name)
+        _emit(_strategy_line(cls_name, replicas))
+
+
+def _first_call(module, owner, name, then):
+    """owner.name (a function or method) runs `then()` once, at its first call, after itself
+    (module functions) or before (methods: `then` judges what the call is about to do)."""
+    original = getattr(owner, name, None)
+    if original is None or getattr(original, "_tfcluster", False):
+        return
+    import functools
+    done = []
+    before = owner is not module
+
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        if not done and before:
+            done.append(True)
+            _quietly(then)
+        result = original(*args, **kwargs)
+        if not done:
+            done.append(True)
+            _quietly(then)
+        return result
+
+    wrapper._tfcluster = True
+    setattr(owner, name, wrapper)
+
+
+def _quietly(then):
+    try:
+        then()
+    except Exception:  # noqa: BLE001 - the probe must never break the user's script
+        pass
+
+
+# JAX and Keras are read from sys.modules, as the script imported them: the probe imports
+# nothing beyond the standard library.
+def _jax_backend_started():
+    state = sys.modules["jax._src.distributed"].global_state
+    if state.client is None:
+        _jax_report("jax-alone", sys.modules["jax"].local_device_count())
+    else:
+        _jax_report("jax-joined", int(state.num_processes or 0))
+
+
+def _keras_fit_started():
+    jax = sys.modules["jax"]
+    if jax.process_count() < 2:
+        return                      # not joined: said when its backend started
+    if sys.modules["keras.src.distribution.distribution_lib"].distribution() is None:
+        _jax_report("keras-no-distribution", jax.local_device_count())
+
+
+def _patch_xla_bridge(module):
+    _first_call(module, module, "backends", _jax_backend_started)
+
+
+def _patch_jax_trainer(module):
+    _first_call(module, getattr(module, "JAXTrainer", None), "fit", _keras_fit_started)
+
+
 _TARGETS = {
     "tensorflow.python.client.session": _patch_session,
     "tensorflow.python.training.session_manager": _patch_session_manager,
     "tensorflow.python.distribute.distribute_lib": _patch_strategy,
+    "jax._src.xla_bridge": _patch_xla_bridge,
+    "keras.src.backend.jax.trainer": _patch_jax_trainer,
 }
 
 
@@ -299,6 +372,8 @@ if "waits" not in _WANTED:
 if not _WANTED.isdisjoint(("placement", "waits")) or not os.environ.get("TF_CONFIG"):
     # a TF1-style mode (the probes it asks for) or no cluster: no TF2 strategy to judge
     del _TARGETS["tensorflow.python.distribute.distribute_lib"]
+if "jax" not in _WANTED:
+    del _TARGETS["jax._src.xla_bridge"], _TARGETS["keras.src.backend.jax.trainer"]
 if _TARGETS:
     sys.meta_path.insert(0, _AfterImport)
 _unprobe_children()
