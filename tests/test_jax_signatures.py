@@ -111,6 +111,13 @@ def test_a_barrier_the_other_process_never_reaches_times_out(jax):
     ends_named(waiting, "jax-barrier", b"Barrier timed out")
 
 
+def keras_process(jax, script, process_id: int, **env: str) -> subprocess.Popen:
+    """One of two processes of a Keras `script`, with the variables mode keras-jax gives it."""
+    return jax.start(script=script, env={"KERAS_BACKEND": "jax", "KERAS_DISTRIBUTION_NUM_PROCESSES": "2",
+                                         "KERAS_DISTRIBUTION_JOB_ADDRESSES": f"127.0.0.1:{jax.port}",
+                                         "KERAS_DISTRIBUTION_PROCESS_ID": str(process_id), **env})
+
+
 @pytest.mark.timeout(120)
 def test_processes_with_different_device_counts_fail_in_keras_initialize(jax, tmp_path):
     """As the template starts: keras.distribution.initialize() from the KERAS_DISTRIBUTION_*
@@ -119,14 +126,10 @@ def test_processes_with_different_device_counts_fail_in_keras_initialize(jax, tm
     script.write_text("import keras\nkeras.distribution.initialize()\n"
                       "keras.distribution.set_distribution(\n"
                       "    keras.distribution.DataParallel(devices=keras.distribution.list_devices()))\n")
-    env = {"KERAS_BACKEND": "jax", "KERAS_DISTRIBUTION_JOB_ADDRESSES": f"127.0.0.1:{jax.port}",
-           "KERAS_DISTRIBUTION_NUM_PROCESSES": "2"}
-    procs = [jax.start(script=script, env={**env, "KERAS_DISTRIBUTION_PROCESS_ID": "0"}),
-             jax.start(script=script, env={**env, "KERAS_DISTRIBUTION_PROCESS_ID": "1",
-                                           "XLA_FLAGS": "--xla_force_host_platform_device_count=2"})]
+    procs = [keras_process(jax, script, 0),
+             keras_process(jax, script, 1, XLA_FLAGS="--xla_force_host_platform_device_count=2")]
     for proc in procs:
         ends_named(proc, "jax-device-count", timeout=90)
-
 
 
 @pytest.mark.timeout(120)
@@ -137,10 +140,7 @@ def test_a_mesh_shaped_for_another_device_count_is_named_with_the_counts(jax, tm
     script.write_text("import keras\nkeras.distribution.initialize()\n"
                       "devices = keras.distribution.list_devices()\n"
                       "mesh_1d = keras.distribution.DeviceMesh(shape=(8,), axis_names=['data'], devices=devices)\n")
-    env = {"KERAS_BACKEND": "jax", "KERAS_DISTRIBUTION_JOB_ADDRESSES": f"127.0.0.1:{jax.port}",
-           "KERAS_DISTRIBUTION_NUM_PROCESSES": "2"}
-    procs = [jax.start(script=script, env={**env, "KERAS_DISTRIBUTION_PROCESS_ID": str(i)}) for i in (0, 1)]
-    for proc in procs:
+    for proc in [keras_process(jax, script, 0), keras_process(jax, script, 1)]:
         out = ended(proc, 90)
         found = signatures.diagnose("keras-jax", out[-8000:], "worker")
         assert found is not None and found.name == "keras-mesh-shape", out[-2000:]
