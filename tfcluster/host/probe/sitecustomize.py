@@ -154,15 +154,14 @@ def _jax_report(cls_name, replicas):
         _emit(_strategy_line(cls_name, replicas))
 
 
-def _first_call(module, owner, name, then):
-    """owner.name (a function or method) runs `then()` once, at its first call, after itself
-    (module functions) or before (methods: `then` judges what the call is about to do)."""
+def _first_call(owner, name, then, before):
+    """owner.name (a function or method) runs `then()` once, at its first call: `before` the
+    call (`then` judges what it is about to do) or after it."""
     original = getattr(owner, name, None)
     if original is None or getattr(original, "_tfcluster", False):
         return
     import functools
     done = []
-    before = owner is not module
 
     @functools.wraps(original)
     def wrapper(*args, **kwargs):
@@ -205,11 +204,11 @@ def _keras_fit_started():
 
 
 def _patch_xla_bridge(module):
-    _first_call(module, module, "backends", _jax_backend_started)
+    _first_call(module, "backends", _jax_backend_started, before=False)
 
 
 def _patch_jax_trainer(module):
-    _first_call(module, getattr(module, "JAXTrainer", None), "fit", _keras_fit_started)
+    _first_call(getattr(module, "JAXTrainer", None), "fit", _keras_fit_started, before=True)
 
 
 _TARGETS = {
