@@ -156,6 +156,9 @@ def test_processes_that_each_train_their_own_copy_are_stopped_with_the_fix(tmp_p
     assert re.fullmatch(r"tfcluster: error: strategy mismatch: worker:[01] " + re.escape(what), error), error
     assert f"strategy check: {summary}" in out, out[-3000:]
     assert fix in result.stderr, result.stderr[-3000:]
+    # said before the run too where the text shows it: no call that joins the processes
+    warned = "tfcluster: warning: alone.py: keras-jax mode: the script calls neither" in result.stderr
+    assert warned == (init == ""), result.stderr[-3000:]
     assert not tagged_processes()
 
 

@@ -170,3 +170,19 @@ def test_keras_jax_processes_are_judged_by_whether_they_joined_and_fit_with_a_di
     assert plan_of(tmp_path, "print(1)\n", mode="keras-jax", workers=1).probes() == ""
     off = plan_of(tmp_path, "print(1)\n", mode="keras-jax", extra="  checks: {placement: false}\n")
     assert off.probes() == "" and st.judged_tasks(off) == ["worker:0", "worker:1"]
+
+
+@pytest.mark.parametrize("script, warned", [
+    ("import keras\nmodel.fit(x, y)\n", True),
+    ("import keras\n# keras.distribution.initialize()\nmodel.fit(x, y)\n", True),
+    ("import keras\nkeras.distribution.initialize()\n", False),
+    ("import jax\njax.distributed.initialize(num_processes=2, process_id=0)\n", False),
+    ("from keras.distribution import initialize\ninitialize()\n", False),
+], ids=["none", "commented-out", "keras", "jax", "imported-by-name"])
+def test_a_keras_jax_script_that_never_joins_is_warned_before_the_run(tmp_path, script, warned):
+    warning = st.static_warning(plan_of(tmp_path, script, mode="keras-jax"))
+    assert warning == ("train.py: keras-jax mode: the script calls neither keras.distribution.initialize() "
+                       "nor jax.distributed.initialize(): each of the 2 processes would train its own copy of "
+                       "the model, never synchronised; call keras.distribution.initialize() first, before "
+                       "anything runs on JAX" if warned else None)
+    assert st.static_warning(plan_of(tmp_path, script, mode="keras-jax", workers=1)) is None

@@ -11,6 +11,7 @@ docs/design/diagnoses.md, "Strategy check". Pure: the supervisor feeds it lines.
 from __future__ import annotations
 
 import json
+import os
 import threading
 from dataclasses import dataclass
 
@@ -110,11 +111,20 @@ def _jax_mismatch(processes: int, cls: str) -> tuple[str, str] | None:
 
 def static_warning(plan) -> str | None:
     """One line when the script and its shipped files build a strategy that does not fit the
-    mode and never the one that does (plan.script_scan: what the text says); else None."""
+    mode and never the one that does, or in keras-jax mode never join the processes
+    (plan.script_scan: what the text says); else None."""
     scan = getattr(plan, "script_scan", None)
     want = expected(plan.mode)
     if scan is None or want is None or not judged_tasks(plan):
         return None
+    if plan.mode == "keras-jax":
+        if scan.joins:
+            return None
+        processes = len(judged_tasks(plan))
+        return (f"{os.path.basename(plan.script)}: keras-jax mode: the script calls neither "
+                f"keras.distribution.initialize() nor jax.distributed.initialize(): each of the "
+                f"{processes} processes would train its own copy of the model, never synchronised; call "
+                f"keras.distribution.initialize() first, before anything runs on JAX")
     names = [shown(name) for name, _ in scan.strategies]
     if want in names:       # built somewhere: which one runs is the run's to say
         return None

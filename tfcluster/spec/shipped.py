@@ -173,6 +173,9 @@ _BUILT = re.compile(rb"\b(MultiWorkerMirroredStrategy|MirroredStrategy|OneDevice
 _KERAS2_ONLY = ((re.compile(rb"\boptimizers\.legacy\b"), "tf.keras.optimizers.legacy (Keras 3 has none)"),
                 (re.compile(rb"\.reset_states\s*\("), "reset_states() (Keras 3's metrics have reset_state())"))
 _TF_OP = re.compile(r"tf\.[\w.]+")
+# a JAX process joining the others: keras.distribution.initialize(), jax.distributed.initialize()
+# (or either imported by name)
+_JOINS = re.compile(rb"\bdistribut(?:ion|ed)\.initialize\s*\(|\bimport\b[^\n]*\binitialize\b")
 
 
 @dataclass(frozen=True)
@@ -185,6 +188,7 @@ class ScriptScan:
     fit_at: str | None = None  # where the first `.fit(` is
     strategies: tuple[tuple[str, str], ...] = ()    # (class, where) of each strategy built
     keras2_only: tuple[tuple[str, str], ...] = ()   # (what fails under Keras 3, where)
+    joins: bool = False        # a JAX process joining the others, in any file
 
 
 def scan_scripts(spec: Spec) -> ScriptScan | None:
@@ -209,7 +213,7 @@ def scan_scripts(spec: Spec) -> ScriptScan | None:
         except OSError:
             continue
     fit_at, strategies, keras2 = None, [], []
-    named = False
+    named = joins = False
     for name, text in texts:
         named = named or _STRATEGY.search(text) is not None
         for number, line in enumerate(text.split(b"\n"), 1):
@@ -218,9 +222,10 @@ def scan_scripts(spec: Spec) -> ScriptScan | None:
                 fit_at = f"{name}:{number}"
             strategies += [(m.group(1).decode(), f"{name}:{number}") for m in _BUILT.finditer(code)]
             keras2 += [(what, f"{name}:{number}") for regex, what in _KERAS2_ONLY if regex.search(code)]
+            joins = joins or _JOINS.search(code) is not None
         keras2 += [(what, f"{name}:{number}") for what, number in tf_ops_on_keras_inputs(text)]
     return ScriptScan(fits=fit_at is not None and named, fit_at=fit_at, strategies=tuple(strategies),
-                      keras2_only=tuple(sorted(keras2, key=lambda k: _where_key(k[1]))))
+                      keras2_only=tuple(sorted(keras2, key=lambda k: _where_key(k[1]))), joins=joins)
 
 
 def _where_key(where: str) -> tuple[str, int]:
