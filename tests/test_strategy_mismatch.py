@@ -5,11 +5,16 @@ exits 0: the run is stopped, exit 8, with the fix. Real runs: tests/scripts/sing
 on two local workers. docs/design/diagnoses.md, "Strategy check"."""
 from __future__ import annotations
 
+import json
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import SCRIPTS, known_spec, local_spec, tagged_processes, tfcluster, wait_for
+from tests.helpers import SCRIPTS, free_ports, known_spec, local_spec, tagged_processes, tfcluster, wait_for
 from tfcluster.diagnose import strategy as st
 from tfcluster.diagnose.keras import fit_warning, keras2_warning
 from tfcluster.launch.agent.records import HostInfo
@@ -18,6 +23,7 @@ from tfcluster.spec import load_spec
 from tfcluster.spec.shipped import scan_scripts
 
 pytestmark = [pytest.mark.timeout(120)]
+PROBE = Path(__file__).resolve().parent.parent / "tfcluster" / "host" / "probe"
 
 MWMS = "import tensorflow as tf\nstrategy = tf.distribute.MultiWorkerMirroredStrategy()\n"
 MIRRORED = "import tensorflow as tf\n\n# one host, every GPU\nstrategy = tf.distribute.MirroredStrategy()\n"
@@ -147,6 +153,41 @@ def test_two_workers_that_each_train_alone_are_stopped_with_the_fix(tmp_path, ho
     assert "Number of devices: 1" in r.stdout and "tfcluster-strategy" not in r.stdout   # probe lines stay in the logs
     logs = "".join(p.read_text() for p in Path(tmp_path, "runs").glob("*/worker-*.log"))
     assert "tfcluster-strategy: " in logs
+    wait_for(lambda: not tagged_processes(), 15, what="nothing of the run left")
+
+
+@pytest.mark.tf
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("legacy", [False, True], ids=["keras-3", "tf_keras"])
+def test_the_probe_reports_a_fit_outside_the_strategys_scope(tmp_path, legacy):
+    """One worker of its own cluster, the probe on as a TF2 mode's script has it."""
+    port, = free_ports(1)
+    env = {**os.environ, "PYTHONPATH": str(PROBE), "TFCLUSTER_JOB": "worker", "TFCLUSTER_TASK_INDEX": "0",
+           "TF_CONFIG": json.dumps({"cluster": {"worker": [f"127.0.0.1:{port}"]}, "task": {"type": "worker", "index": 0}})}
+    env.pop("TF_USE_LEGACY_KERAS", None)
+    if legacy:
+        env["TF_USE_LEGACY_KERAS"] = "1"
+    done = subprocess.run([sys.executable, str(SCRIPTS / "fit_outside_scope.py")], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0 and "trained" in done.stdout, done.stderr[-3000:]
+    reports = [st.parse(line.encode()) for line in done.stderr.splitlines() if line.startswith("tfcluster-strategy: ")]
+    assert [(r.task, r.cls) for r in reports] == [("worker:0", "CollectiveAllReduceStrategy"), ("worker:0", "fit-default")]
+
+
+@pytest.mark.tf
+@pytest.mark.timeout(180)
+def test_a_model_built_outside_the_strategys_scope_is_stopped_with_the_fix(tmp_path, home):
+    """A fit of 100,000 epochs: only the check ends it."""
+    spec = known_spec(tmp_path, "fit_outside_scope.py", "mirrored", {"worker": 2}, ["--epochs", "100000"])
+    spec.write_text(spec.read_text() + "  keras: legacy\n")      # TensorFlow's tutorial runs on tf_keras
+    r = tfcluster("train", str(spec), home=home, cwd=tmp_path, timeout=160)
+    assert r.returncode == 8, r.stdout[-2000:] + r.stderr[-3000:]
+    error = next(line for line in r.stderr.splitlines() if line.startswith("tfcluster: error: "))
+    assert re.fullmatch(r"tfcluster: error: strategy mismatch: worker:[01] ran model\.fit outside strategy\.scope\(\) "
+                        r"\(the model was built or compiled outside it, so Keras fits under TensorFlow's default "
+                        r"strategy\): each of the 2 workers trains its own copy of the model, never synchronised", error), error
+    assert "hint: build and compile the model inside `with strategy.scope():`" in r.stderr, r.stderr[-3000:]
+    assert "trained" not in r.stdout
     wait_for(lambda: not tagged_processes(), 15, what="nothing of the run left")
 
 

@@ -33,6 +33,9 @@ JAX_ALONE = "jax-alone"                     # started JAX's backend without join
 KERAS_NO_DISTRIBUTION = "keras-no-distribution"   # joined, but fit with no keras.distribution
 _JAX_SHOWN = {JAX_JOINED: "jax.distributed", JAX_ALONE: "no jax.distributed.initialize()",
               KERAS_NO_DISTRIBUTION: "no keras.distribution"}
+# a TF2 mode's Keras fit under TensorFlow's default strategy: a model built outside the scope
+FIT_DEFAULT = "fit-default"
+_FIT_DEFAULT_SHOWN = "model.fit outside strategy.scope()"
 _BUILD_MWMS = "tf.distribute.MultiWorkerMirroredStrategy()"
 _BUILD_PSS = ("tf.distribute.ParameterServerStrategy("
               "tf.distribute.cluster_resolver.TFConfigClusterResolver())")
@@ -45,6 +48,8 @@ def shown(cls: str) -> str:
         return _CLASSES[cls]
     if cls in _JAX_SHOWN:
         return _JAX_SHOWN[cls]
+    if cls == FIT_DEFAULT:
+        return _FIT_DEFAULT_SHOWN
     name = cls.lstrip("_")
     return name[:-2] if name.endswith(("V1", "V2")) else name
 
@@ -79,6 +84,12 @@ def mismatch(mode: str, workers: int, cls: str) -> tuple[str, str] | None:
     built = "no strategy (TensorFlow's default)" if cls == "default" else name
     if mode == "keras-jax":
         return _jax_mismatch(workers, cls)
+    if cls == FIT_DEFAULT:
+        alone = (f"each of the {workers} workers trains its own copy of the model, never synchronised"
+                 if mode == "mirrored" else "the chief trains alone and the ps and workers wait")
+        return (f"{_FIT_DEFAULT_SHOWN} (the model was built or compiled outside it, so Keras fits under "
+                f"TensorFlow's default strategy): {alone}",
+                "build and compile the model inside `with strategy.scope():`")
     if mode == "mirrored":
         if name == PARAMETER_SERVER:
             return (f"{built}, which needs ps tasks and a coordinator",
@@ -176,7 +187,8 @@ class StrategyCheck:
             if found is not None and self.mismatch is None:
                 what, fix = found
                 replicas = f"{report.replicas} replica{'s' if report.replicas != 1 else ''}"
-                self.mismatch = (f"strategy mismatch: {report.task} ran {what}" if self.mode == "keras-jax"
+                ran = self.mode == "keras-jax" or report.cls == FIT_DEFAULT     # not a strategy it built
+                self.mismatch = (f"strategy mismatch: {report.task} ran {what}" if ran
                                  else f"strategy mismatch: {report.task} built {what} ({replicas} in sync)",
                                  f"{fix}; {OFF}")
             return self.mismatch

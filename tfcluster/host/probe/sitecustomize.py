@@ -111,6 +111,7 @@ def _patch_session_manager(module):
 # one that builds its strategy later too.
 _STRATEGY_MARK = "tfcluster-strategy: "
 _strategies = []
+_said = []
 
 
 def _strategy_line(cls_name, replicas):
@@ -137,7 +138,8 @@ def _strategy_built(strategy):
 
 
 def _default_at_exit():
-    if not any(_strategies):
+    if not any(_strategies) and "default" not in _said:
+        _said.append("default")
         _emit(_strategy_line("default", 1))
 
 
@@ -155,8 +157,8 @@ def _jax_report(cls_name, replicas):
 
 
 def _first_call(owner, name, then, before):
-    """owner.name (a function or method) runs `then()` once, at its first call: `before` the
-    call (`then` judges what it is about to do) or after it."""
+    """owner.name (a function or method) runs `then` once, at its first call: `before` the
+    call, with its arguments (`then` judges what it is about to do), or after it, without."""
     original = getattr(owner, name, None)
     if original is None or getattr(original, "_tfcluster", False):
         return
@@ -167,7 +169,7 @@ def _first_call(owner, name, then, before):
     def wrapper(*args, **kwargs):
         if not done and before:
             done.append(True)
-            _quietly(then)
+            _quietly(then, *args)
         result = original(*args, **kwargs)
         if not done:
             done.append(True)
@@ -178,9 +180,9 @@ def _first_call(owner, name, then, before):
     setattr(owner, name, wrapper)
 
 
-def _quietly(then):
+def _quietly(then, *args):
     try:
-        then()
+        then(*args)
     except Exception:  # noqa: BLE001 - the probe must never break the user's script
         pass
 
@@ -195,12 +197,33 @@ def _jax_backend_started():
         _jax_report("jax-joined", int(state.num_processes or 0))
 
 
-def _keras_fit_started():
+def _keras_fit_started(*_):
     jax = sys.modules["jax"]
     if jax.process_count() < 2:
         return                      # not joined: said when its backend started
     if sys.modules["keras.src.distribution.distribution_lib"].distribution() is None:
         _jax_report("keras-no-distribution", jax.local_device_count())
+
+
+# A TF2 mode's Keras fit: the strategy the model runs under. A model built and compiled
+# outside `strategy.scope()` fits under TensorFlow's default strategy, on this worker alone,
+# though the script built the mode's strategy (and so reported it above); a script that built
+# none is said to have none now rather than at its exit.
+def _tf_fit_started(model, *_):
+    if not type(model.distribute_strategy).__name__.startswith("_DefaultDistributionStrategy"):
+        return
+    said = "fit-default" if any(_strategies) else "default"
+    if said not in _said:
+        _said.append(said)
+        _emit(_strategy_line(said, 1))
+
+
+def _patch_tf_keras_training(module):        # tf_keras (train.keras: legacy)
+    _first_call(getattr(module, "Model", None), "fit", _tf_fit_started, before=True)
+
+
+def _patch_keras_tf_trainer(module):         # Keras 3 on TensorFlow
+    _first_call(getattr(module, "TensorFlowTrainer", None), "fit", _tf_fit_started, before=True)
 
 
 def _patch_xla_bridge(module):
@@ -215,6 +238,8 @@ _TARGETS = {
     "tensorflow.python.client.session": _patch_session,
     "tensorflow.python.training.session_manager": _patch_session_manager,
     "tensorflow.python.distribute.distribute_lib": _patch_strategy,
+    "tf_keras.src.engine.training": _patch_tf_keras_training,
+    "keras.src.backend.tensorflow.trainer": _patch_keras_tf_trainer,
     "jax._src.xla_bridge": _patch_xla_bridge,
     "keras.src.backend.jax.trainer": _patch_jax_trainer,
 }
@@ -371,6 +396,7 @@ if "waits" not in _WANTED:
 if not _WANTED.isdisjoint(("placement", "waits")) or not os.environ.get("TF_CONFIG"):
     # a TF1-style mode (the probes it asks for) or no cluster: no TF2 strategy to judge
     del _TARGETS["tensorflow.python.distribute.distribute_lib"]
+    del _TARGETS["tf_keras.src.engine.training"], _TARGETS["keras.src.backend.tensorflow.trainer"]
 if "jax" not in _WANTED:
     del _TARGETS["jax._src.xla_bridge"], _TARGETS["keras.src.backend.jax.trainer"]
 if _TARGETS:
