@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -37,18 +38,41 @@ SERVER_PROGRAM = Path(__file__).resolve().parent.parent / "tfcluster" / "host" /
 def free_ports(n: int, host: str = HOST) -> list[int]:
     """`n` distinct ports free right now (held open together so none repeats), on every
     address: a TF server binds all of them, and a test sshd listening on 127.0.0.2 would
-    leave a port bindable on 127.0.0.1 yet taken for the task (seen once in CI). `host`
-    is where the tasks will be addressed; the check does not depend on it."""
-    socks = []
+    leave a port bindable on 127.0.0.1 yet taken for the task (seen once in CI). They come
+    from below the kernel's ephemeral range: a port picked there could be any connection's
+    source port by the time its task binds it (a test's SSH client held one, seen once in CI).
+    `host` is where the tasks will be addressed; the check does not depend on it."""
+    low = _ephemeral_low()
+    pick = random.SystemRandom()
+    socks: list[socket.socket] = []
     try:
-        for _ in range(n):
+        for _ in range(200 * n):
+            if len(socks) == n:
+                break
             s = socket.socket()
-            s.bind(("0.0.0.0", 0))
+            try:
+                s.bind(("0.0.0.0", pick.randrange(PORTS_FROM, low) if low - PORTS_FROM > 1000 else 0))
+            except OSError:             # in use: another
+                s.close()
+                continue
             socks.append(s)
+        assert len(socks) == n, f"no {n} free ports below {low}"
         return [s.getsockname()[1] for s in socks]
     finally:
         for s in socks:
             s.close()
+
+
+PORTS_FROM = 10000
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's range for connections' source ports (32768 by default)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def make_cluster(ps: int = 1, worker: int = 2, chief: int = 0, host: str = HOST) -> dict[str, list[str]]:
