@@ -10,7 +10,9 @@ tested without processes at the end.
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -160,6 +162,21 @@ def test_processes_that_each_train_their_own_copy_are_stopped_with_the_fix(tmp_p
     warned = "tfcluster: warning: alone.py: keras-jax mode: the script calls neither" in result.stderr
     assert warned == (init == ""), result.stderr[-3000:]
     assert not tagged_processes()
+
+
+@pytest.mark.timeout(120)
+def test_plan_check_says_which_ports_the_table_will_close(tmp_path, home):
+    """No TensorFlow server runs in this mode: the table closes its task ports (JAX's
+    coordinator on worker 0's), and the line says so, not "TensorFlow's ports"."""
+    if os.geteuid() != 0 or not (shutil.which("nft") or os.access("/usr/sbin/nft", os.X_OK)):
+        pytest.skip("the table is made by root with nft: without them it is never promised")
+    (tmp_path / "t.py").write_text("print(1)\n")
+    spec = local_processes(tmp_path, "kjcheck", jax_python(), "t.py", 2)
+    result = tfcluster("plan", str(spec), "--check", home=home, cwd=tmp_path, timeout=100)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-3000:]
+    assert "The task ports will be closed to other users on every host (nftables)" in out, out[-3000:]
+    assert "TensorFlow's ports" not in out
 
 
 def local_processes(tmp_path: Path, name: str, python: str, script: str, n: int) -> Path:

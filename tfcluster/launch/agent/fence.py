@@ -58,7 +58,7 @@ def report(plan: Plan, ui, answers: dict[str, dict | None], mode: str) -> None:
     if plan.tf_ports == "closed":
         where = ", ".join(f"host {h} ({a.get('why') or 'unknown'})" for h, a in open_on.items())
         raise PreflightError(
-            f"tf_ports: closed, but tfcluster cannot close {_exposed(plan)[0]} on {where}",
+            f"tf_ports: closed, but tfcluster cannot close {exposed(plan)[0]} on {where}",
             hint=f"{fix(next(iter(open_on.values())))}; or set `tf_ports: auto` to run with a warning")
     for host, answer in open_on.items():
         ui.warn(warning(plan, host, answer))
@@ -75,14 +75,14 @@ def warning(plan: Plan, host: str, answer: dict) -> str:
     who = (f"other users with processes there ({', '.join(others[:OTHERS_SHOWN])}"
            f"{' and more' if len(others) > OTHERS_SHOWN else ''})" if others else
            "any other user who logs in there (none has processes there now)")
-    what, harm = _exposed(plan)
+    what, harm = exposed(plan)
     return (f"host {host}: {what} ({_ranges(ports)}) stay open: {who} and anyone on its "
             f"network can connect and {harm}. "
             f"tfcluster cannot close them there: {answer.get('why') or 'unknown'}. "
             f"Fix: {fix(answer)}; or set `tf_ports: open` in the spec to accept this and silence it")
 
 
-def _exposed(plan: Plan) -> tuple[str, str]:
+def exposed(plan: Plan) -> tuple[str, str]:
     """What an open port exposes, in the plan's mode: a TF server runs any op it is sent; JAX's
     coordination service (worker 0's port, mode keras-jax) asks no one who they are either."""
     if plan.mode == "keras-jax":
@@ -116,9 +116,9 @@ def _ranges(ports: list[int]) -> str:
 def status_line(answers: dict[str, dict | None], running: set[str]) -> str | None:
     """`status`: where the ports are closed and where they are open while tasks run."""
     closed = sorted(h for h, a in answers.items() if isinstance(a, dict) and a.get("closed"))
-    exposed = sorted(h for h, a in answers.items()
-                     if isinstance(a, dict) and not a.get("closed") and h in running)
+    left_open = sorted(h for h, a in answers.items()
+                       if isinstance(a, dict) and not a.get("closed") and h in running)
     parts = [f"closed on {', '.join(closed)} (nftables)"] if closed else []
     parts += [f"OPEN on {h} ({answers[h].get('why') or 'no table: not started by this tfcluster'})"
-              for h in exposed]
+              for h in left_open]
     return f"TensorFlow's ports: {'; '.join(parts)}" if parts else None

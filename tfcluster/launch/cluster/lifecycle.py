@@ -348,7 +348,8 @@ def check(plan: Plan, ui, allow_skew: bool = False) -> None:
         preflight(session, binders)
         ui.ok("preflight passed: every host can run its tasks and every port is free")
         if plan.tf_ports != "open" and all((a or {}).get("can") for a in session.fence_answers().values()):
-            ui.info("TensorFlow's ports will be closed to other users on every host (nftables)")
+            what = fence.exposed(plan)[0]      # TensorFlow's ports, or mode keras-jax's task ports
+            ui.info(f"{what[:1].upper()}{what[1:]} will be closed to other users on every host (nftables)")
         if plan.checks.reachability:
             check_reachability(session)
         proxy.report(session, ui)
