@@ -31,11 +31,10 @@ _CLASSES = {     # TF's class names -> the names a script writes
 JAX_JOINED = "jax-joined"                   # joined the others before JAX's backend started
 JAX_ALONE = "jax-alone"                     # started JAX's backend without joining: never can
 KERAS_NO_DISTRIBUTION = "keras-no-distribution"   # joined, but fit with no keras.distribution
-_JAX_SHOWN = {JAX_JOINED: "jax.distributed", JAX_ALONE: "no jax.distributed.initialize()",
-              KERAS_NO_DISTRIBUTION: "no keras.distribution"}
 # a TF2 mode's Keras fit under TensorFlow's default strategy: a model built outside the scope
 FIT_DEFAULT = "fit-default"
-_FIT_DEFAULT_SHOWN = "model.fit outside strategy.scope()"
+_SHOWN = {JAX_JOINED: "jax.distributed", JAX_ALONE: "no jax.distributed.initialize()",   # the probe's
+          KERAS_NO_DISTRIBUTION: "no keras.distribution", FIT_DEFAULT: "model.fit outside strategy.scope()"}
 _BUILD_MWMS = "tf.distribute.MultiWorkerMirroredStrategy()"
 _BUILD_PSS = ("tf.distribute.ParameterServerStrategy("
               "tf.distribute.cluster_resolver.TFConfigClusterResolver())")
@@ -46,10 +45,8 @@ def shown(cls: str) -> str:
     """The name a script writes for TF's class `cls` (MirroredStrategyV1 -> MirroredStrategy)."""
     if cls in _CLASSES:
         return _CLASSES[cls]
-    if cls in _JAX_SHOWN:
-        return _JAX_SHOWN[cls]
-    if cls == FIT_DEFAULT:
-        return _FIT_DEFAULT_SHOWN
+    if cls in _SHOWN:
+        return _SHOWN[cls]
     name = cls.lstrip("_")
     return name[:-2] if name.endswith(("V1", "V2")) else name
 
@@ -57,7 +54,7 @@ def shown(cls: str) -> str:
 def expected(mode: str) -> str | None:
     """The strategy a script of `mode` must build; None: the mode judges none (TF1 modes)."""
     return {"mirrored": MULTI_WORKER, "coordinator": PARAMETER_SERVER,
-            "keras-jax": _JAX_SHOWN[JAX_JOINED]}.get(mode)
+            "keras-jax": _SHOWN[JAX_JOINED]}.get(mode)
 
 
 def judged_tasks(plan) -> list[str]:
@@ -87,7 +84,7 @@ def mismatch(mode: str, workers: int, cls: str) -> tuple[str, str] | None:
     if cls == FIT_DEFAULT:
         alone = (f"each of the {workers} workers trains its own copy of the model, never synchronised"
                  if mode == "mirrored" else "the chief trains alone and the ps and workers wait")
-        return (f"{_FIT_DEFAULT_SHOWN} (the model was built or compiled outside it, so Keras fits under "
+        return (f"{_SHOWN[FIT_DEFAULT]} (the model was built or compiled outside it, so Keras fits under "
                 f"TensorFlow's default strategy): {alone}",
                 "build and compile the model inside `with strategy.scope():`")
     if mode == "mirrored":
@@ -126,15 +123,15 @@ def static_warning(plan) -> str | None:
     (plan.script_scan: what the text says); else None."""
     scan = getattr(plan, "script_scan", None)
     want = expected(plan.mode)
-    if scan is None or want is None or not judged_tasks(plan):
+    judged = judged_tasks(plan)
+    if scan is None or want is None or not judged:
         return None
     if plan.mode == "keras-jax":
         if scan.joins:
             return None
-        processes = len(judged_tasks(plan))
         return (f"{os.path.basename(plan.script)}: keras-jax mode: the script calls neither "
                 f"keras.distribution.initialize() nor jax.distributed.initialize(): each of the "
-                f"{processes} processes would train its own copy of the model, never synchronised; call "
+                f"{len(judged)} processes would train its own copy of the model, never synchronised; call "
                 f"keras.distribution.initialize() first, before anything runs on JAX")
     names = [shown(name) for name, _ in scan.strategies]
     if want in names:       # built somewhere: which one runs is the run's to say

@@ -111,7 +111,7 @@ def _patch_session_manager(module):
 # one that builds its strategy later too.
 _STRATEGY_MARK = "tfcluster-strategy: "
 _strategies = []
-_said = []
+_said = []           # what _say_once said
 
 
 def _strategy_line(cls_name, replicas):
@@ -138,24 +138,21 @@ def _strategy_built(strategy):
 
 
 def _default_at_exit():
-    if not any(_strategies) and "default" not in _said:
-        _said.append("default")
-        _emit(_strategy_line("default", 1))
+    if not any(_strategies):
+        _say_once("default", 1)
+
+
+def _say_once(cls_name, replicas):
+    """A report that is the same whenever it is made (no strategy, or how JAX or a fit ran): once."""
+    if cls_name not in _said:
+        _said.append(cls_name)
+        _emit(_strategy_line(cls_name, replicas))
 
 
 # Mode keras-jax: whether each JAX process joined the others before JAX started its backend
 # (jax.distributed.initialize, which keras.distribution.initialize calls, is refused after
 # that), and whether a Keras fit has a distribution to spread it across them. Without either
 # every process trains its own copy. Reported with the strategy's mark and read the same way.
-_jax_seen = []
-
-
-def _jax_report(cls_name, replicas):
-    if cls_name not in _jax_seen:
-        _jax_seen.append(cls_name)
-        _emit(_strategy_line(cls_name, replicas))
-
-
 def _first_call(owner, name, then, before):
     """owner.name (a function or method) runs `then` once, at its first call: `before` the
     call, with its arguments (`then` judges what it is about to do), or after it, without."""
@@ -192,9 +189,9 @@ def _quietly(then, *args):
 def _jax_backend_started():
     state = sys.modules["jax._src.distributed"].global_state
     if state.client is None:
-        _jax_report("jax-alone", sys.modules["jax"].local_device_count())
+        _say_once("jax-alone", sys.modules["jax"].local_device_count())
     else:
-        _jax_report("jax-joined", int(state.num_processes or 0))
+        _say_once("jax-joined", int(state.num_processes or 0))
 
 
 def _keras_fit_started(*_):
@@ -202,7 +199,7 @@ def _keras_fit_started(*_):
     if jax.process_count() < 2:
         return                      # not joined: said when its backend started
     if sys.modules["keras.src.distribution.distribution_lib"].distribution() is None:
-        _jax_report("keras-no-distribution", jax.local_device_count())
+        _say_once("keras-no-distribution", jax.local_device_count())
 
 
 # A TF2 mode's Keras fit: the strategy the model runs under. A model built and compiled
@@ -212,10 +209,7 @@ def _keras_fit_started(*_):
 def _tf_fit_started(model, *_):
     if not type(model.distribute_strategy).__name__.startswith("_DefaultDistributionStrategy"):
         return
-    said = "fit-default" if any(_strategies) else "default"
-    if said not in _said:
-        _said.append(said)
-        _emit(_strategy_line(said, 1))
+    _say_once("fit-default" if any(_strategies) else "default", 1)
 
 
 def _patch_tf_keras_training(module):        # tf_keras (train.keras: legacy)
