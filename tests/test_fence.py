@@ -126,6 +126,30 @@ def test_the_table_refuses_others_sockets_and_strangers_and_lets_the_owner_and_t
         f"{syn} tcp dport {{ 2222, 2223 }} reject with tcp reset"]
 
 
+def test_with_listeners_every_port_the_clusters_processes_listen_on_is_closed_not_only_the_task_ports():
+    """Mode keras-jax: JAX's collectives listen on ports the kernel picks. The input chain
+    finds the listener a new connection is for (`socket`): a cluster's admits the cluster's own
+    connections from this machine (marked on their way out, the mark taken off on the way in)
+    and the hosts', and refuses the rest. Without a cgroup there is no such match: no rule."""
+    cg = ("unified/tfcluster/abc", 2)
+    args = ("tfcluster_t_1", 1234, [2222], [["127.0.0.1", 2222]], ["127.0.0.1", "10.0.0.2"])
+    lines = [line.strip() for line in shim_rules.script(*args, cgroup=cg, listeners=True).splitlines()]
+    syn, ours = "tcp flags & (syn | ack) == syn", 'socket cgroupv2 level 2 "unified/tfcluster/abc"'
+    out = lines[lines.index("chain output {") + 2:lines.index("chain input {") - 1]
+    assert out[:2] == [f"{syn} {ours} fib daddr type local meta mark set meta mark | 0x20000000 accept",
+                       f"{syn} {ours} accept"], out
+    inp = lines[lines.index("chain input {") + 2:-2]
+    assert inp[:4] == [
+        f"{syn} {ours} fib saddr type local meta mark & 0x20000000 == 0x20000000 "
+        "meta mark set meta mark & 0xdfffffff accept",
+        f"{syn} {ours} fib saddr type local reject with tcp reset",
+        f"{syn} {ours} ip saddr {{ 10.0.0.2, 127.0.0.1 }} accept",
+        f"{syn} {ours} reject with tcp reset"], inp
+    assert inp[4:] == [line.strip() for line in shim_rules.script(*args, cgroup=cg).splitlines()][-5:-2]
+    assert "mark" not in shim_rules.script(*args, cgroup=cg)
+    assert "mark" not in shim_rules.script(*args, listeners=True)       # the uid: no listener is known
+
+
 def test_a_tables_made_comment_is_read_back_as_written_and_nothing_else_is_taken_for_it():
     text = shim_rules.script("tfcluster_t_1", 1234, [2222], [["127.0.0.1", 2222]], ["127.0.0.1"], made=1796000000)
     assert shim_rules.made_at(text) == 1796000000.0
@@ -164,7 +188,7 @@ def test_each_host_is_asked_for_its_own_ports_and_every_task_address(tmp_path):
     assert fence.request(plan, "gpu1", fence.INSTALL) == {
         "mode": "install", "cluster_dir": plan.cluster_dir, "tag_prefix": "lab:", "ports": [2222, 2230],
         "targets": [["10.0.0.1", 2222], ["10.0.0.1", 2230], ["10.0.0.2", 2230]],
-        "peers": ["10.0.0.1", "10.0.0.2"]}
+        "peers": ["10.0.0.1", "10.0.0.2"], "listeners": False}
     assert fence.request(_plan(tmp_path, "open"), "gpu1", fence.INSTALL) is None
 
 
@@ -194,6 +218,16 @@ def test_in_mode_keras_jax_the_warning_names_what_jaxs_open_port_exposes_not_ten
     err = io.StringIO()
     fence.report(build_plan(load_spec(str(spec))), ui_into(err), {"gpu1": {"closed": True}, "gpu2": OPEN},
                  fence.INSTALL)
+    plan = build_plan(load_spec(str(spec)))
+    assert fence.request(plan, "gpu1", fence.INSTALL)["listeners"] is True     # JAX's own ports closed too
+    # closed by the uid (no cgroup match): JAX's own ports stay open, and the host is named with why
+    uid_err = io.StringIO()
+    fence.report(plan, ui_into(uid_err), {"gpu1": {"closed": True, "match": "uid", "match_why": "no cgroup v2 here"},
+                                          "gpu2": {"closed": True, "match": "cgroup"}}, fence.INSTALL)
+    assert uid_err.getvalue().splitlines() == [
+        "tfcluster: warning: host gpu1: the task ports are closed, but the ports JAX's collectives listen on stay "
+        "open to other users there: closing them needs the cluster's cgroup v2 matched by nft (no cgroup v2 here; "
+        'docs/security.md, "The fallback")'], uid_err.getvalue()
     line, = err.getvalue().splitlines()
     assert line.startswith("tfcluster: warning: host gpu2: the task ports (2230) stay open: other users with "
                            "processes there (bob, eve) and anyone on its network can connect and talk to JAX's "

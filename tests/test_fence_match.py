@@ -128,10 +128,10 @@ def clusters(tmp_path, cgroup_fence):
     made.cleanup()
 
 
-def install(cluster_dir: str, name: str, port: int) -> dict:
+def install(cluster_dir: str, name: str, port: int, listeners: bool = False) -> dict:
     """`fence install` in a shim of its own, as the batch that opens `up` sends it."""
     req = {"mode": "install", "cluster_dir": cluster_dir, "tag_prefix": f"{name}:", "ports": [port],
-           "targets": [["127.0.0.1", port]], "peers": ["127.0.0.1"]}
+           "targets": [["127.0.0.1", port]], "peers": ["127.0.0.1"], "listeners": listeners}
     return shim(proto.BATCH, {"commands": {proto.FENCE: req}})["answers"][proto.FENCE]
 
 
@@ -177,6 +177,37 @@ def test_the_owners_other_processes_are_refused_and_only_the_clusters_own_get_in
     assert [s["pid"] for s in stopped["stopped"]] == [pid] and not stopped["survivors"]
     assert answer["table"] not in tables()                           # the last task's end: table and cgroup go
     assert not os.path.exists(cgroup)
+
+
+@pytest.mark.timeout(120)
+def test_with_listeners_a_port_the_kernel_picked_for_the_cluster_refuses_all_but_the_clusters_own(
+        clusters, other_user):
+    """Mode keras-jax's table: JAX's collectives (gloo) listen on ports the kernel picks, which
+    no task port names, and any user could connect to them (seen: a second user connected to
+    both processes' gloo ports of a 2-process run). With `listeners`, a listener of the
+    cluster's on such a port refuses another user and the owner's processes outside the
+    cluster, and lets the cluster's own connections from this machine in (the shim's reach,
+    made from the cluster's cgroup: the output chain marks it, the input chain admits the mark).
+    The same table without `listeners` leaves that port open: the rules are what closes it."""
+    cluster_dir = clusters.make("fencelst")
+    port, picked = free_ports(2)
+    answer = install(cluster_dir, "fencelst", port, listeners=True)
+    assert answer["closed"] is True and answer["match"] == "cgroup", answer
+    start_server(cluster_dir, "fencelst", picked)                    # no task port: one the kernel picked
+
+    assert connect(picked, other_user) == "ConnectionRefusedError"   # another user
+    assert connect(picked) == "ConnectionRefusedError"               # the owner's process, outside
+    reached = shim(proto.REACH, {"targets": [["127.0.0.1", picked]], "cluster_dir": cluster_dir, "timeout": 3})
+    assert reached == {"results": {f"127.0.0.1:{picked}": None}}     # the cluster's own
+    listing = subprocess.run([NFT, "list", "table", "inet", answer["table"]], capture_output=True, text=True,
+                             timeout=10).stdout
+    assert "meta mark set meta mark | 0x20000000" in listing, listing
+
+    assert install(cluster_dir, "fencelst", port)["closed"] is True   # the same table, no `listeners`
+    assert connect(picked, other_user) == "connected"
+    shim(proto.STOP, {"tag_prefix": "fencelst:", "cluster_dir": cluster_dir,
+                      "piddir": os.path.join(cluster_dir, "pids")})
+    assert answer["table"] not in tables() and not os.path.exists(shim_cgroup.path_of(cluster_dir))
 
 
 @pytest.mark.timeout(60)

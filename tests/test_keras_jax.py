@@ -13,12 +13,29 @@ import importlib.util
 import os
 import re
 import shutil
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
-from tests.helpers import free_ports, jax_python, kill_tagged_once_seen, manifest, only_run, start_tfcluster, tagged_processes, tfcluster
+from tests.helpers import (
+    cluster_tables,
+    free_ports,
+    jax_python,
+    kill_group,
+    kill_tagged_once_seen,
+    manifest,
+    only_run,
+    read_until,
+    start_tfcluster,
+    tagged_processes,
+    tfcluster,
+    wait_for,
+)
+from tfcluster.host import shim_cgroup
 from tfcluster.errors import SpecError
 from tfcluster.plan import build_plan
 from tfcluster.spec import load_spec
@@ -177,6 +194,69 @@ def test_plan_check_says_which_ports_the_table_will_close(tmp_path, home):
     assert result.returncode == 0, out[-3000:]
     assert "The task ports will be closed to other users on every host (nftables)" in out, out[-3000:]
     assert "TensorFlow's ports" not in out
+
+
+CONNECT = ("import socket, sys\n"
+           "for p in sys.argv[1:]:\n"
+           "    try:\n"
+           "        socket.create_connection(('127.0.0.1', int(p)), 3).close(); print(p, 'connected')\n"
+           "    except OSError as e:\n"
+           "        print(p, type(e).__name__)\n")
+
+
+def picked_ports(task_ports: set[int]) -> dict[int, set[int]]:
+    """pid -> the ports a tagged process listens on that no task port names (JAX's gloo)."""
+    found = {}
+    for pid in tagged_processes():
+        try:
+            ports = {c.laddr.port for c in psutil.Process(pid).net_connections(kind="tcp")
+                     if c.status == psutil.CONN_LISTEN} - task_ports
+        except psutil.Error:
+            continue
+        if ports:
+            found[pid] = ports
+    return found
+
+
+@pytest.mark.tf
+@pytest.mark.timeout(240)
+def test_the_ports_jaxs_collectives_picked_are_closed_to_another_user_while_it_trains(tmp_path, home, other_user):
+    """Gloo's pair listeners are on ports the kernel picks, not the task ports; before the
+    table closed every port of the cluster's processes, a second user connected to both
+    processes' of this run. Now that user and the owner's own processes outside the cluster
+    are refused there, the run trains on through it, and Ctrl-C takes the table away."""
+    nft = shutil.which("nft") or next((p for p in ("/usr/sbin/nft", "/sbin/nft") if os.access(p, os.X_OK)), None)
+    if os.geteuid() != 0 or nft is None:
+        pytest.skip("the table is made by root with nft")
+    mount = shim_cgroup.mount_point()
+    if mount is None or shim_cgroup.nft_name(os.path.join(mount, "x"), mount) is None:
+        pytest.skip(f"no cgroup v2 that nft can name here (mounted at {mount}): the uid is matched, "
+                    "which closes the task ports only (docs/security.md)")
+    ports = free_ports(2)
+    spec = tmp_path / "kjfence.yaml"
+    spec.write_text(f"name: kjfence\npython: {jax_python()}\nworkdir: {tmp_path / 'remote'}\n"
+                    "hosts:\n  - {name: me, address: localhost}\n"
+                    f"jobs:\n  worker: {{tasks: ['me:{ports[0]}', 'me:{ports[1]}']}}\n"
+                    "train:\n  mode: keras-jax\n  script: template:keras_jax\n"
+                    "  args: ['--epochs', '100000']\n  timeout: 200\n")
+    proc = start_tfcluster("train", str(spec), home=home, cwd=tmp_path)
+    try:
+        read_until(proc, r"│ Epoch 2/", timeout=150)
+        picked = wait_for(lambda: (found := picked_ports(set(ports))) and len(found) == 2 and found, 30,
+                          what="both processes' gloo listeners")
+        targets = [str(p) for found in picked.values() for p in sorted(found)]
+        for run in (lambda argv: other_user.run(["/usr/bin/python3", *argv], timeout=30),
+                    lambda argv: subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=30)):
+            said = run(["-S", "-c", CONNECT, *targets]).stdout
+            assert said.split() == [w for t in targets for w in (t, "ConnectionRefusedError")], said
+        assert len(cluster_tables("kjfence")) == 1
+        read_until(proc, r"│ Epoch \d+/", timeout=60)        # still training
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(60) == 130
+    finally:
+        kill_group(proc)
+    wait_for(lambda: not cluster_tables("kjfence"), 15, what="the table to go after Ctrl-C")
+    wait_for(lambda: not tagged_processes(), 15, what="the run's processes to go")
 
 
 def local_processes(tmp_path: Path, name: str, python: str, script: str, n: int) -> Path:

@@ -20,6 +20,12 @@ pytestmark = [pytest.mark.ssh, pytest.mark.tf]
 
 EPOCHS, EPOCH_STEPS = 6, 32     # the template's 2048 examples in global batches of 64
 DIGEST = re.compile(r"weights sha256=([0-9a-f]{16}) process=(\d)")
+CONNECT = ("import socket, sys\n"
+           "for p in sys.argv[2:]:\n"
+           "    try:\n"
+           "        socket.create_connection((sys.argv[1], int(p)), 3).close(); print(p, 'connected')\n"
+           "    except OSError as e:\n"
+           "        print(p, type(e).__name__)\n")
 
 
 def write_spec(tmp_path: Path, bed, name: str, spare: bool = False, epochs: int = EPOCHS) -> Path:
@@ -102,7 +108,7 @@ def test_a_lost_host_with_a_spare_completes_the_run_there_from_the_checkpoint(tm
 
 
 @pytest.mark.timeout(540)
-def test_a_drain_resumes_every_process_at_the_step_their_stop_saved(tmp_path, home, ssh_home, bed):
+def test_a_drain_resumes_every_process_at_the_step_their_stop_saved(tmp_path, home, ssh_home, bed, other_user):
     """`tfcluster drain` of process 1's host: the stop reaches the processes one by one, they
     agree on a step and save it together (saving is a collective), and restarted with process
     1 on the spare they resume at that step, inside its epoch: no step done twice."""
@@ -113,6 +119,18 @@ def test_a_drain_resumes_every_process_at_the_step_their_stop_saved(tmp_path, ho
     proc = start_tfcluster("train", str(spec), home=home, cwd=cwd)
     try:
         read_until(proc, r"worker:0 .*Epoch 3/", timeout=300)
+        # gloo trains between the hosts through tables that close every port it listens on: on
+        # h3, another user is refused at the ports worker:0's gloo picked (no task port names them)
+        for name in ("h3", "h4", "h5"):
+            listing = bed.hosts[name].run(["nft", "list", "ruleset"], timeout=20).stdout
+            assert "meta mark set meta mark | 0x20000000" in listing, (name, listing)
+        h3 = bed.hosts["h3"]
+        listening = h3.run(["ss", "-Hltnp"], timeout=20).stdout
+        picked = sorted({int(m) for m in re.findall(r":(\d+)\s+\S+\s+users:\(\(\"python", listening)} - {26100})
+        assert picked, listening
+        said = h3.run(["/usr/bin/python3", "-S", "-c", CONNECT, h3.address, *map(str, picked)], user=other_user.uid,
+                      timeout=30).stdout
+        assert said.split() == [w for p in picked for w in (str(p), "ConnectionRefusedError")], said
         drain = tfcluster("drain", str(spec), "h4", "--wait", "120", home=home, cwd=cwd)
         said = drain.stdout + drain.stderr
         assert drain.returncode == 0, said

@@ -11,6 +11,9 @@ import re
 import socket
 import time
 
+# the packet mark bit a cluster's own new connection carries from the output chain to the input
+# chain on one machine (`listeners`; docs/security.md, "TensorFlow's ports")
+MARK = 0x20000000
 # the comment every table carries: when it was made, and by whom (shim_fence.sweep reads it)
 MADE = 'comment "tfcluster made %d uid %d"'
 _MADE_READ = re.compile(re.escape(MADE).replace("%d", r"(\d+)", 1).replace("%d", r"\d+"))   # made_at
@@ -56,10 +59,12 @@ def resolve(ports, targets, peers) -> tuple[list, dict, dict]:
     return sorted(mine), by_family, {4: peer4, 6: peer6}
 
 
-def script(table: str, uid: int, ports, targets, peers, cgroup=None, made=None) -> str:
+def script(table: str, uid: int, ports, targets, peers, cgroup=None, made=None, listeners=False) -> str:
     """The nft program that replaces the table whole (one transaction): `ports` this host's
     task ports, `targets` [address, port] of every task, `peers` the cluster's host addresses;
     `cgroup` (path under /sys/fs/cgroup, level) the cluster's cgroup, else the uid is matched.
+    `listeners` (with a cgroup): every port the cluster's processes listen on is closed too,
+    not only the task ports (mode keras-jax: JAX's collectives listen on ports of their own).
     The table's comment says when it was made (`made`, epoch seconds) and by whom: sweep()."""
     mine, by_family, peers_by = resolve(ports, targets, peers)
     peer4, peer6 = peers_by[4], peers_by[6]
@@ -74,7 +79,13 @@ def script(table: str, uid: int, ports, targets, peers, cgroup=None, made=None) 
         # the rules below. (Not a `!=` on the cgroup: a socket whose cgroup is shallower than
         # the level has no ancestor there, and the match then fails both ways.)
         stranger = syn
-        out.append('%s socket cgroupv2 level %d "%s" accept' % (syn, cgroup[1], cgroup[0]))
+        ours = '%s socket cgroupv2 level %d "%s"' % (syn, cgroup[1], cgroup[0])
+        if listeners:
+            # a connection that stays on this machine carries the mark from here to the input
+            # chain below, which takes it off again: the one way a listener learns that the
+            # process dialling it is the cluster's (the input hook sees no sender's socket)
+            out.append("%s fib daddr type local meta mark set meta mark | 0x%08x accept" % (ours, MARK))
+        out.append("%s accept" % ours)
     if mine:
         out.append("%s tcp dport { %s } fib daddr type local reject with tcp reset" % (stranger, _join(mine)))
     for family, ip in ((4, "ip"), (6, "ip6")):
@@ -82,6 +93,17 @@ def script(table: str, uid: int, ports, targets, peers, cgroup=None, made=None) 
             pairs = _join("%s . %d" % pair for pair in sorted(by_family[family]))
             out.append("%s %s daddr . tcp dport { %s } reject with tcp reset" % (stranger, ip, pairs))
     inp = []
+    if listeners and cgroup is not None:
+        # `socket` finds the listener a new connection is for: one of the cluster's admits
+        # the cluster's own connections from this machine (marked above), and the hosts' from theirs
+        theirs = '%s socket cgroupv2 level %d "%s"' % (syn, cgroup[1], cgroup[0])
+        inp.append("%s fib saddr type local meta mark & 0x%08x == 0x%08x meta mark set meta mark & 0x%08x accept"
+                   % (theirs, MARK, MARK, 0xFFFFFFFF ^ MARK))
+        inp.append("%s fib saddr type local reject with tcp reset" % theirs)
+        for ip, peers_of in (("ip", peer4), ("ip6", peer6)):
+            if peers_of:
+                inp.append("%s %s saddr { %s } accept" % (theirs, ip, _join(sorted(peers_of))))
+        inp.append("%s reject with tcp reset" % theirs)
     if mine:
         ports = "%s tcp dport { %s }" % (syn, _join(mine))
         inp.append("%s fib saddr type local accept" % ports)

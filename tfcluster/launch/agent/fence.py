@@ -30,7 +30,10 @@ def request(plan: Plan, host: str, mode: str, also: Plan | None = None) -> dict 
             "targets": [list(t) for t in sorted({(t.address, t.port) for p in plans for t in p.tasks})],
             # a spare's address from the start: a task moved there must reach the others'
             # ports without closing them anew (docs/spec.md, "Spare hosts")
-            "peers": sorted({p.host(h).address for p in plans for h in (*p.hosts, *p.spares)})}
+            "peers": sorted({p.host(h).address for p in plans for h in (*p.hosts, *p.spares)}),
+            # JAX's collectives (gloo) listen on ports of their own, picked by the kernel:
+            # closed as every port the cluster's processes listen on, where the cgroup match works
+            "listeners": any(p.mode == "keras-jax" for p in plans)}
 
 
 def idle_spare(plan: Plan, host: str) -> bool:
@@ -51,6 +54,12 @@ def report(plan: Plan, ui, answers: dict[str, dict | None], mode: str) -> None:
     error naming them all (`closed`). Idle spares are spare_problems' business."""
     if plan.tf_ports == "open":
         return
+    if plan.mode == "keras-jax" and mode == INSTALL:
+        for host, answer in answers.items():
+            if isinstance(answer, dict) and answer.get("closed") and answer.get("match") == "uid":
+                ui.warn(f"host {host}: the task ports are closed, but the ports JAX's collectives listen on stay "
+                        f"open to other users there: closing them needs the cluster's cgroup v2 matched by nft "
+                        f"({answer.get('match_why') or 'unknown'}; docs/security.md, \"The fallback\")")
     open_on = {h: a for h, a in answers.items()
                if isinstance(a, dict) and not idle_spare(plan, h) and not _closed(a, mode)}
     if not open_on:
