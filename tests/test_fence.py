@@ -126,28 +126,38 @@ def test_the_table_refuses_others_sockets_and_strangers_and_lets_the_owner_and_t
         f"{syn} tcp dport {{ 2222, 2223 }} reject with tcp reset"]
 
 
-def test_with_listeners_every_port_the_clusters_processes_listen_on_is_closed_not_only_the_task_ports():
+def test_with_listeners_the_ports_the_kernel_picked_for_the_clusters_processes_are_closed_too():
     """Mode keras-jax: JAX's collectives listen on ports the kernel picks. The input chain
-    finds the listener a new connection is for (`socket`): a cluster's admits the cluster's own
-    connections from this machine (marked on their way out, the mark taken off on the way in)
-    and the hosts', and refuses the rest. Without a cgroup there is no such match: no rule."""
+    finds the listener a new connection to such a port is for (`socket`): a cluster's admits
+    the cluster's own connections from this machine (marked on their way out, the mark taken
+    off on the way in) and the hosts', and refuses the rest. Without a cgroup there is no such
+    match: no rule."""
     cg = ("unified/tfcluster/abc", 2)
     args = ("tfcluster_t_1", 1234, [2222], [["127.0.0.1", 2222]], ["127.0.0.1", "10.0.0.2"])
-    lines = [line.strip() for line in shim_rules.script(*args, cgroup=cg, listeners=True).splitlines()]
+    lines = [line.strip() for line in shim_rules.script(*args, cgroup=cg, listeners=(32768, 60999)).splitlines()]
     syn, ours = "tcp flags & (syn | ack) == syn", 'socket cgroupv2 level 2 "unified/tfcluster/abc"'
     out = lines[lines.index("chain output {") + 2:lines.index("chain input {") - 1]
     assert out[:2] == [f"{syn} {ours} fib daddr type local meta mark set meta mark | 0x20000000 accept",
                        f"{syn} {ours} accept"], out
     inp = lines[lines.index("chain input {") + 2:-2]
+    picked = f"{syn} tcp dport 32768-60999 {ours}"
     assert inp[:4] == [
-        f"{syn} {ours} fib saddr type local meta mark & 0x20000000 == 0x20000000 "
+        f"{picked} fib saddr type local meta mark & 0x20000000 == 0x20000000 "
         "meta mark set meta mark & 0xdfffffff accept",
-        f"{syn} {ours} fib saddr type local reject with tcp reset",
-        f"{syn} {ours} ip saddr {{ 10.0.0.2, 127.0.0.1 }} accept",
-        f"{syn} {ours} reject with tcp reset"], inp
+        f"{picked} fib saddr type local reject with tcp reset",
+        f"{picked} ip saddr {{ 10.0.0.2, 127.0.0.1 }} accept",
+        f"{picked} reject with tcp reset"], inp
     assert inp[4:] == [line.strip() for line in shim_rules.script(*args, cgroup=cg).splitlines()][-5:-2]
     assert "mark" not in shim_rules.script(*args, cgroup=cg)
-    assert "mark" not in shim_rules.script(*args, listeners=True)       # the uid: no listener is known
+    assert "mark" not in shim_rules.script(*args, listeners=(32768, 60999))    # the uid: no listener is known
+
+
+def test_the_range_the_kernel_picks_from_is_read_and_linuxs_default_stands_in(tmp_path):
+    (tmp_path / "range").write_text("40000\t50000\n")
+    assert shim_rules.picked_range(str(tmp_path / "range")) == (40000, 50000)
+    (tmp_path / "bad").write_text("40000\n")
+    assert shim_rules.picked_range(str(tmp_path / "bad")) == (32768, 60999)
+    assert shim_rules.picked_range(str(tmp_path / "none")) == (32768, 60999)
 
 
 def test_a_tables_made_comment_is_read_back_as_written_and_nothing_else_is_taken_for_it():
@@ -220,6 +230,10 @@ def test_in_mode_keras_jax_the_warning_names_what_jaxs_open_port_exposes_not_ten
                  fence.INSTALL)
     plan = build_plan(load_spec(str(spec)))
     assert fence.request(plan, "gpu1", fence.INSTALL)["listeners"] is True     # JAX's own ports closed too
+    assert fence.status_line(plan, {"gpu1": {"closed": True}, "gpu2": OPEN}, {"gpu1", "gpu2"}) == (
+        f"The task ports: closed on gpu1 (nftables); OPEN on gpu2 ({OPEN['why']})")
+    assert fence.status_line(_plan(tmp_path), {"gpu1": {"closed": True}}, {"gpu1"}) == (
+        "TensorFlow's ports: closed on gpu1 (nftables)")
     # closed by the uid (no cgroup match): JAX's own ports stay open, and the host is named with why
     uid_err = io.StringIO()
     fence.report(plan, ui_into(uid_err), {"gpu1": {"closed": True, "match": "uid", "match_why": "no cgroup v2 here"},

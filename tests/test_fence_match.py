@@ -35,7 +35,7 @@ SYSTEM_PYTHON = "/usr/bin/python3"
 LISTEN = ("import socket, sys, time\n"
           "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
           "s.bind(('127.0.0.1', int(sys.argv[1]))); s.listen(64)\n"
-          "print('up', flush=True)\n"
+          "print('up', s.getsockname()[1], flush=True)\n"
           "while True:\n"
           "    s.accept()[0].close()\n")
 CONNECT = ("import socket, sys\n"
@@ -135,10 +135,11 @@ def install(cluster_dir: str, name: str, port: int, listeners: bool = False) -> 
     return shim(proto.BATCH, {"commands": {proto.FENCE: req}})["answers"][proto.FENCE]
 
 
-def start_server(cluster_dir: str, name: str, port: int) -> int:
-    """A detached listener started by the shim as `up` starts a server; its pid once it listens."""
-    tag = f"{name}:up-1:ps:0:server"
-    log = os.path.join(cluster_dir, "runs", "up-1", "ps-0.server.log")
+def start_server(cluster_dir: str, name: str, port: int, job: str = "ps") -> int:
+    """A detached listener started by the shim as `up` starts `job`:0's server (on the port
+    the kernel picks for 0); its pid once it listens."""
+    tag = f"{name}:up-1:{job}:0:server"
+    log = os.path.join(cluster_dir, "runs", "up-1", f"{job}-0.server.log")
     answer = shim(proto.START, {"tag": tag, "cluster_dir": cluster_dir, "argv": [sys.executable, "-S", "-c", LISTEN,
                                                                                  str(port)],
                                 "cwd": os.path.dirname(log), "log": log, "port": port,
@@ -188,20 +189,26 @@ def test_with_listeners_a_port_the_kernel_picked_for_the_cluster_refuses_all_but
     cluster's on such a port refuses another user and the owner's processes outside the
     cluster, and lets the cluster's own connections from this machine in (the shim's reach,
     made from the cluster's cgroup: the output chain marks it, the input chain admits the mark).
-    The same table without `listeners` leaves that port open: the rules are what closes it."""
+    A port someone chose (TensorBoard's) is left as it was. The same table without `listeners`
+    leaves the kernel's port open: the rules are what closes it."""
     cluster_dir = clusters.make("fencelst")
-    port, picked = free_ports(2)
+    port, chosen = free_ports(2)                                     # both below the kernel's range
     answer = install(cluster_dir, "fencelst", port, listeners=True)
     assert answer["closed"] is True and answer["match"] == "cgroup", answer
-    start_server(cluster_dir, "fencelst", picked)                    # no task port: one the kernel picked
+    start_server(cluster_dir, "fencelst", 0)              # no task port: one the kernel picked
+    picked = int(Path(cluster_dir, "runs", "up-1", "ps-0.server.log").read_text().split()[-1])
+    low, high = shim_rules.picked_range()
+    assert low <= picked <= high
+    start_server(cluster_dir, "fencelst", chosen, job="worker")      # a port chosen, as TensorBoard's
 
     assert connect(picked, other_user) == "ConnectionRefusedError"   # another user
     assert connect(picked) == "ConnectionRefusedError"               # the owner's process, outside
     reached = shim(proto.REACH, {"targets": [["127.0.0.1", picked]], "cluster_dir": cluster_dir, "timeout": 3})
     assert reached == {"results": {f"127.0.0.1:{picked}": None}}     # the cluster's own
+    assert connect(chosen, other_user) == "connected"
     listing = subprocess.run([NFT, "list", "table", "inet", answer["table"]], capture_output=True, text=True,
                              timeout=10).stdout
-    assert "meta mark set meta mark | 0x20000000" in listing, listing
+    assert f"tcp dport {low}-{high} socket cgroupv2" in listing, listing
 
     assert install(cluster_dir, "fencelst", port)["closed"] is True   # the same table, no `listeners`
     assert connect(picked, other_user) == "connected"
@@ -296,11 +303,11 @@ def test_a_killed_clusters_table_is_swept_by_the_next_install_and_a_refusal_name
     clusters.procs.append(subprocess.Popen([sys.executable, "-S", "-c", LISTEN, str(busy_port)],
                                            stdout=subprocess.PIPE, text=True,
                                            env={**os.environ, proto.TAG_VAR: tag}))
-    assert clusters.procs[-1].stdout.readline() == "up\n"
+    assert clusters.procs[-1].stdout.readline().startswith("up ")
     # the next cluster on the stale one's port: its reach is refused, naming the table
     listener = subprocess.Popen([sys.executable, "-S", "-c", LISTEN, str(port)], stdout=subprocess.PIPE, text=True)
     clusters.procs.append(listener)
-    assert listener.stdout.readline() == "up\n"
+    assert listener.stdout.readline().startswith("up ")
     reason = shim(proto.REACH, {"targets": [["127.0.0.1", port]], "cluster_dir": next_dir,
                                 "timeout": 3})["results"][f"127.0.0.1:{port}"]
     assert reason.startswith("connection refused; ") and f"{stale} on this host holds port {port}" in reason, reason

@@ -132,8 +132,8 @@ def other_users() -> list:
 def _install(tool: dict, table: str, req: dict, cgroup=None) -> tuple[int, str]:
     args = (table, os.geteuid(), req.get("ports", ()), req.get("targets", ()), req.get("peers", ()))
     if "nft" in tool:
-        return _run(tool["nft"] + ["-f", "-"], rules.script(*args, cgroup=cgroup,
-                                                            listeners=bool(req.get("listeners"))))
+        picked = rules.picked_range() if req.get("listeners") else None
+        return _run(tool["nft"] + ["-f", "-"], rules.script(*args, cgroup=cgroup, listeners=picked))
     _delete(tool, table)
     out_chain, in_chain = rules.chains(table)
     for family, family_rules in rules.iptables_rules(*args).items():

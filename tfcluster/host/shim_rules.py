@@ -59,12 +59,13 @@ def resolve(ports, targets, peers) -> tuple[list, dict, dict]:
     return sorted(mine), by_family, {4: peer4, 6: peer6}
 
 
-def script(table: str, uid: int, ports, targets, peers, cgroup=None, made=None, listeners=False) -> str:
+def script(table: str, uid: int, ports, targets, peers, cgroup=None, made=None, listeners=None) -> str:
     """The nft program that replaces the table whole (one transaction): `ports` this host's
     task ports, `targets` [address, port] of every task, `peers` the cluster's host addresses;
     `cgroup` (path under /sys/fs/cgroup, level) the cluster's cgroup, else the uid is matched.
-    `listeners` (with a cgroup): every port the cluster's processes listen on is closed too,
-    not only the task ports (mode keras-jax: JAX's collectives listen on ports of their own).
+    `listeners` (with a cgroup): the kernel's range of ports it picks, (low, high); a port in it
+    that one of the cluster's processes listens on is closed too (mode keras-jax: JAX's
+    collectives listen on such ports; a port someone chose, TensorBoard's, is left as it was).
     The table's comment says when it was made (`made`, epoch seconds) and by whom: sweep()."""
     mine, by_family, peers_by = resolve(ports, targets, peers)
     peer4, peer6 = peers_by[4], peers_by[6]
@@ -96,7 +97,8 @@ def script(table: str, uid: int, ports, targets, peers, cgroup=None, made=None, 
     if listeners and cgroup is not None:
         # `socket` finds the listener a new connection is for: one of the cluster's admits
         # the cluster's own connections from this machine (marked above), and the hosts' from theirs
-        theirs = '%s socket cgroupv2 level %d "%s"' % (syn, cgroup[1], cgroup[0])
+        theirs = '%s tcp dport %d-%d socket cgroupv2 level %d "%s"' % (syn, listeners[0], listeners[1],
+                                                                        cgroup[1], cgroup[0])
         inp.append("%s fib saddr type local meta mark & 0x%08x == 0x%08x meta mark set meta mark & 0x%08x accept"
                    % (theirs, MARK, MARK, 0xFFFFFFFF ^ MARK))
         inp.append("%s fib saddr type local reject with tcp reset" % theirs)
@@ -118,6 +120,19 @@ def script(table: str, uid: int, ports, targets, peers, cgroup=None, made=None, 
     lines += ["  chain input {", "    type filter hook input priority filter; policy accept;"]
     lines += ["    " + rule for rule in inp] + ["  }", "}"]
     return "\n".join(lines) + "\n"
+
+
+def picked_range(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> tuple:
+    """The ports the kernel picks for a socket bound to port 0 (both families), Linux's
+    default where it cannot be read."""
+    try:
+        with open(path) as f:
+            low, high = (int(v) for v in f.read().split())
+        if 0 < low <= high < 65536:
+            return low, high
+    except (OSError, ValueError):
+        pass
+    return 32768, 60999
 
 
 def chains(table: str) -> tuple[str, str]:

@@ -31,8 +31,8 @@ def request(plan: Plan, host: str, mode: str, also: Plan | None = None) -> dict 
             # a spare's address from the start: a task moved there must reach the others'
             # ports without closing them anew (docs/spec.md, "Spare hosts")
             "peers": sorted({p.host(h).address for p in plans for h in (*p.hosts, *p.spares)}),
-            # JAX's collectives (gloo) listen on ports of their own, picked by the kernel:
-            # closed as every port the cluster's processes listen on, where the cgroup match works
+            # JAX's collectives (gloo) listen on ports of their own, picked by the kernel: those
+            # of the cluster's processes are closed too, where the cgroup match works
             "listeners": any(p.mode == "keras-jax" for p in plans)}
 
 
@@ -122,12 +122,14 @@ def _ranges(ports: list[int]) -> str:
     return ", ".join(spans)
 
 
-def status_line(answers: dict[str, dict | None], running: set[str]) -> str | None:
-    """`status`: where the ports are closed and where they are open while tasks run."""
+def status_line(plan: Plan, answers: dict[str, dict | None], running: set[str]) -> str | None:
+    """`status`: where the ports are closed and where they are open while tasks run, named as
+    the plan's mode has them (exposed())."""
     closed = sorted(h for h, a in answers.items() if isinstance(a, dict) and a.get("closed"))
     left_open = sorted(h for h, a in answers.items()
                        if isinstance(a, dict) and not a.get("closed") and h in running)
     parts = [f"closed on {', '.join(closed)} (nftables)"] if closed else []
     parts += [f"OPEN on {h} ({answers[h].get('why') or 'no table: not started by this tfcluster'})"
               for h in left_open]
-    return f"TensorFlow's ports: {'; '.join(parts)}" if parts else None
+    what = exposed(plan)[0]
+    return f"{what[0].upper()}{what[1:]}: {'; '.join(parts)}" if parts else None

@@ -281,7 +281,7 @@ def status(plan: Plan, ui) -> tuple[list[TaskRow], dict[str, BaseException]]:
                         f"spec no longer lists it, so they cannot be looked at or stopped with this spec; "
                         f"`tfcluster down` with the spec `up` used stops them")
         running = {r.host for r in rows if r.status == "running"}
-        fenced = fence.status_line(session.fence_answers(), running)
+        fenced = fence.status_line(plan, session.fence_answers(), running)
         if fenced and running:
             ui.info(fenced)
         return rows, unreachable
