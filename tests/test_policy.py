@@ -61,6 +61,25 @@ def test_only_a_successful_chief_in_chief_modes_starts_the_peer_grace(mode, chie
     assert policy.starts_peer_grace(mode, chief, rc) is expected
 
 
+@pytest.mark.parametrize("stopping,rc,expected", [
+    (True, 143, True), (True, 137, True),      # SIGTERM (or the templates' exit after saving), the KILL
+    (True, 1, False),                          # failing already when the stop came: its own failure
+    (True, 0, False), (True, None, False),     # done; still running
+    (False, 143, False),                       # killed by someone else: no stop of the run's
+])
+def test_an_end_is_the_stops_only_by_a_signal_while_stopping(stopping, rc, expected):
+    assert policy.ended_by_stop(stopping, rc) is expected
+
+
+def test_a_process_failing_when_the_stop_came_shows_its_exit_code_in_the_footer():
+    from types import SimpleNamespace
+
+    from tfcluster.watch.footer import task_state
+    proc = SimpleNamespace(exit_code=1, ended=1.0, stopping=True, role="script", restarts=0)
+    assert task_state(proc, 3, True) == "failed (exit 1)"
+    assert task_state(SimpleNamespace(**{**vars(proc), "exit_code": 143}), 3, True) == "stopped"
+
+
 def test_restart_hints_say_what_to_change():
     assert "policy: on-failure" in policy.restart_hint(Restart("never", 3), 0, 137)
     assert "policy: on-failure" in policy.restart_hint(Restart("never", 3), 0, 255)   # connection lost

@@ -60,6 +60,14 @@ def should_restart(restart: Restart, rc: int, restarts_done: int) -> bool:
     return proto.should_restart(restart.policy, restart.max_restarts, rc, restarts_done)
 
 
+def ended_by_stop(stopping: bool, rc: int | None) -> bool:
+    """Whether a process's end is the stop's, not a failure of its own: it was stopping and
+    went by a signal (128-255: SIGTERM, the KILL after the grace, the templates' 143 after
+    saving). A process stopped while it was already failing (an exception's exit 1, as two
+    processes of one JAX run fail together) keeps its exit code."""
+    return stopping and rc is not None and rc in RETRYABLE
+
+
 def run_succeeded(mode: str, scripts: Sequence[ScriptState]) -> bool:
     """between-graph / coordinator: the chief exited 0 and every other training script
     has ended (or PEER_GRACE runs out, which the supervisor times); mirrored / classic:

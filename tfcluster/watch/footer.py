@@ -17,6 +17,7 @@ import shutil
 import time
 from dataclasses import replace
 
+from tfcluster.plan import policy
 from tfcluster.watch.metrics import RATE_WINDOW, metric_items
 
 REFRESH = 0.5          # seconds between rebuilds of the footer's text
@@ -91,7 +92,7 @@ def task_state(proc, restart_max: int, has_output: bool) -> str:
     if proc.exit_code is not None and proc.ended is not None:
         if proc.exit_code == 0:
             return "done"
-        return "stopped" if proc.stopping else f"failed (exit {proc.exit_code})"
+        return "stopped" if policy.ended_by_stop(proc.stopping, proc.exit_code) else f"failed (exit {proc.exit_code})"
     if proc.stopping:
         return "stopping"
     if proc.role == "server":

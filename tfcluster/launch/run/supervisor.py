@@ -344,7 +344,7 @@ def _summary(run: Run, outcome: tuple[int, str]) -> None:
                             "-" if rate is None else f"{rate:.3g}")
             last = run.progress.last_said(p.key, run.mux) if run.progress else ""
         duration = (p.ended or time.time()) - p.started if p.started else 0     # every attempt
-        code = "stopped" if p.stopping and p.exit_code else p.exit_code    # the run's end: no failure
+        code = "stopped" if policy.ended_by_stop(p.stopping, p.exit_code) else p.exit_code
         if p.host_lost:
             code = "lost"       # its host went, not the task (launch/cluster/hostloss.py)
         rows.append((p.key, p.task.host, "-" if code is None else str(code),
