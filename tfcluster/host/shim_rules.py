@@ -64,8 +64,9 @@ def script(table: str, uid: int, ports, targets, peers, cgroup=None, made=None, 
     task ports, `targets` [address, port] of every task, `peers` the cluster's host addresses;
     `cgroup` (path under /sys/fs/cgroup, level) the cluster's cgroup, else the uid is matched.
     `listeners` (with a cgroup): the kernel's range of ports it picks, (low, high); a port in it
-    that one of the cluster's processes listens on is closed too (mode keras-jax: JAX's
-    collectives listen on such ports; a port someone chose, TensorBoard's, is left as it was).
+    that one of the cluster's processes listens on is closed to the other users of this machine
+    too (mode keras-jax: JAX's collectives listen on such ports; a port someone chose,
+    TensorBoard's, is left as it was).
     The table's comment says when it was made (`made`, epoch seconds) and by whom: sweep()."""
     mine, by_family, peers_by = resolve(ports, targets, peers)
     peer4, peer6 = peers_by[4], peers_by[6]
@@ -95,16 +96,14 @@ def script(table: str, uid: int, ports, targets, peers, cgroup=None, made=None, 
             out.append("%s %s daddr . tcp dport { %s } reject with tcp reset" % (stranger, ip, pairs))
     inp = []
     if listeners and cgroup is not None:
-        # `socket` finds the listener a new connection is for: one of the cluster's admits
-        # the cluster's own connections from this machine (marked above), and the hosts' from theirs
-        theirs = '%s tcp dport %d-%d socket cgroupv2 level %d "%s"' % (syn, listeners[0], listeners[1],
-                                                                        cgroup[1], cgroup[0])
-        inp.append("%s fib saddr type local meta mark & 0x%08x == 0x%08x meta mark set meta mark & 0x%08x accept"
+        # `socket` finds the listener a new connection is for: one of the cluster's admits the
+        # cluster's own connections from this machine (marked above) and refuses the other
+        # users' here. From other machines nothing changes: a GPU host's collectives (NCCL) may
+        # dial from an interface no spec names
+        theirs = '%s tcp dport %d-%d socket cgroupv2 level %d "%s" fib saddr type local' % (
+            syn, listeners[0], listeners[1], cgroup[1], cgroup[0])
+        inp.append("%s meta mark & 0x%08x == 0x%08x meta mark set meta mark & 0x%08x accept"
                    % (theirs, MARK, MARK, 0xFFFFFFFF ^ MARK))
-        inp.append("%s fib saddr type local reject with tcp reset" % theirs)
-        for ip, peers_of in (("ip", peer4), ("ip6", peer6)):
-            if peers_of:
-                inp.append("%s %s saddr { %s } accept" % (theirs, ip, _join(sorted(peers_of))))
         inp.append("%s reject with tcp reset" % theirs)
     if mine:
         ports = "%s tcp dport { %s }" % (syn, _join(mine))
