@@ -212,6 +212,12 @@ def kill_group(proc: subprocess.Popen) -> None:
     proc.wait(10)
 
 
+def gone_after_ctrl_c(name: str) -> None:
+    """After a run of cluster `name` ended on Ctrl-C: its table goes, and every task."""
+    wait_for(lambda: not cluster_tables(name), 15, what="the table to go after Ctrl-C")
+    wait_for(lambda: not tagged_processes(), 15, what="the run's processes to go")
+
+
 def only_run(runs: Path) -> Path:
     dirs = [d for d in runs.iterdir() if d.is_dir()]
     assert len(dirs) == 1, dirs

@@ -24,6 +24,7 @@ from tests.helpers import (
     CLUSTER_DIR,
     SESSION_VAR,
     cluster_tables,
+    gone_after_ctrl_c,
     kill_group,
     launch,
     local_spec,
@@ -460,8 +461,7 @@ def test_trains_table_lives_while_it_runs_and_goes_on_ctrl_c(tmp_path, home, nft
         assert proc.wait(60) == 130
     finally:
         kill_group(proc)
-    wait_for(lambda: not cluster_tables("fencetr"), 15, what="the table to go after Ctrl-C")
-    wait_for(lambda: not tagged_processes(), 15, what="the run's processes to go")
+    gone_after_ctrl_c("fencetr")
 
 
 @pytest.mark.tf

@@ -24,6 +24,7 @@ import pytest
 from tests.helpers import (
     cluster_tables,
     free_ports,
+    gone_after_ctrl_c,
     jax_python,
     kill_group,
     kill_tagged_once_seen,
@@ -255,8 +256,7 @@ def test_the_ports_jaxs_collectives_picked_are_closed_to_another_user_while_it_t
         assert proc.wait(60) == 130
     finally:
         kill_group(proc)
-    wait_for(lambda: not cluster_tables("kjfence"), 15, what="the table to go after Ctrl-C")
-    wait_for(lambda: not tagged_processes(), 15, what="the run's processes to go")
+    gone_after_ctrl_c("kjfence")
 
 
 def local_processes(tmp_path: Path, name: str, python: str, script: str, n: int) -> Path:
