@@ -221,6 +221,7 @@ def test_a_host_that_cannot_close_its_ports_gets_one_warning_naming_it_who_else_
 def test_in_mode_keras_jax_the_warning_names_what_jaxs_open_port_exposes_not_tensorflow_ops(tmp_path):
     spec = tmp_path / "kj.yaml"
     spec.write_text("name: kj\nhosts:\n  - {name: gpu1, address: 10.0.0.1}\n  - {name: gpu2, address: 10.0.0.2}\n"
+                    "  - {name: gpu3, address: 10.0.0.3, spare: true}\n"
                     "jobs:\n  worker: {tasks: ['gpu1:2230', 'gpu2:2230']}\n"
                     "train: {mode: keras-jax, script: train.py}\n")
     (tmp_path / "train.py").write_text("")
@@ -236,7 +237,8 @@ def test_in_mode_keras_jax_the_warning_names_what_jaxs_open_port_exposes_not_ten
     # closed by the uid (no cgroup match): JAX's own ports stay open, and the host is named with why
     uid_err = io.StringIO()
     fence.report(plan, ui_into(uid_err), {"gpu1": {"closed": True, "match": "uid", "match_why": "no cgroup v2 here"},
-                                          "gpu2": {"closed": True, "match": "cgroup"}}, fence.INSTALL)
+                                          "gpu2": {"closed": True, "match": "cgroup"},
+                                          "gpu3": {"closed": True, "match": "uid"}}, fence.INSTALL)   # idle spare
     assert uid_err.getvalue().splitlines() == [
         "tfcluster: warning: host gpu1: the task ports are closed, but the ports JAX's collectives listen on stay "
         "open to other users there: closing them needs the cluster's cgroup v2 matched by nft (no cgroup v2 here; "

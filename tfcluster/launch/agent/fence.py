@@ -56,7 +56,8 @@ def report(plan: Plan, ui, answers: dict[str, dict | None], mode: str) -> None:
         return
     if plan.mode == "keras-jax" and mode == INSTALL:
         for host, answer in answers.items():
-            if isinstance(answer, dict) and answer.get("closed") and answer.get("match") == "uid":
+            if isinstance(answer, dict) and answer.get("closed") and answer.get("match") == "uid" \
+                    and not idle_spare(plan, host):
                 ui.warn(f"host {host}: the task ports are closed, but the ports JAX's collectives listen on stay "
                         f"open to other users there: closing them needs the cluster's cgroup v2 matched by nft "
                         f"({answer.get('match_why') or 'unknown'}; docs/security.md, \"The fallback\")")
