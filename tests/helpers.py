@@ -20,7 +20,7 @@ import pytest
 
 from tests.tf_launch import free_ports
 from tfcluster.errors import ConnectError
-from tfcluster.host import shim_procs
+from tfcluster.host import shim_cgroup, shim_procs
 from tfcluster.launch.agent.agent import HostAgent
 from tfcluster.launch.agent.records import TaskLaunch
 from tfcluster.plan.names import ClusterPaths
@@ -111,15 +111,51 @@ def tagged_processes() -> dict[int, str]:
     return found
 
 
+NFT = shutil.which("nft") or next((p for p in ("/usr/sbin/nft", "/sbin/nft") if os.access(p, os.X_OK)), None)
+
+
 def cluster_tables(name: str) -> list[str]:
     """The nftables tables of clusters named `name` in this network namespace; none where
     tables cannot be read (not root, no nft): the fence is then not made either."""
-    nft = shutil.which("nft") or next((p for p in ("/usr/sbin/nft", "/sbin/nft") if os.access(p, os.X_OK)), None)
-    if nft is None or os.geteuid() != 0:
+    if NFT is None or os.geteuid() != 0:
         return []
-    out = subprocess.run([nft, "list", "tables"], capture_output=True, text=True, timeout=10).stdout
+    out = subprocess.run([NFT, "list", "tables"], capture_output=True, text=True, timeout=10).stdout
     return [line.split()[-1] for line in out.splitlines()
             if line.startswith("table inet ") and line.split()[-1].startswith(f"tfcluster_{name}_")]
+
+
+def cgroup_fence_or_skip() -> str:
+    """The cgroup v2 mount, where root can make tables with nft that name a cluster's cgroup;
+    else the test skips, with the reason."""
+    if os.geteuid() != 0:
+        pytest.skip("closing ports needs root (CI runs as root)")
+    if NFT is None or subprocess.run([NFT, "list", "tables"], capture_output=True, timeout=10).returncode:
+        pytest.skip("nftables is not installed or not usable here (scripts/test.sh installs it)")
+    mount = shim_cgroup.mount_point()
+    if mount is None or shim_cgroup.nft_name(os.path.join(mount, "x"), mount) is None:
+        pytest.skip(f"no cgroup v2 that nft can name here (mounted at {mount}): the uid is matched, "
+                    "which closes the task ports only (docs/security.md)")
+    return mount
+
+
+DIAL = ("import socket, sys\n"
+        "for a in sys.argv[1:]:\n"
+        "    h, _, p = a.rpartition(':')\n"
+        "    try:\n"
+        "        socket.create_connection((h.strip('[]'), int(p)), 3).close(); print(a, 'connected')\n"
+        "    except OSError as e:\n"
+        "        print(a, type(e).__name__)\n")
+
+
+def dial(*targets: str, user=None) -> dict[str, str]:
+    """From this machine, a plain TCP connect to each 'address:port' (`[::1]:port`) by `user`
+    (tests.users.User; None: this test's own process, root, outside every cluster's cgroup):
+    target -> 'connected' or the error's name. The bed's hosts: tests.netns.dial_from."""
+    argv = ["-S", "-c", DIAL, *targets]
+    done = (subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=30) if user is None
+            else user.run(["/usr/bin/python3", *argv], timeout=30))
+    assert done.returncode == 0, done.stderr
+    return dict(line.rsplit(" ", 1) for line in done.stdout.splitlines())
 
 
 def wait_for(predicate, timeout: float, interval: float = 0.05, what: str = "condition"):

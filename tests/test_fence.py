@@ -22,8 +22,10 @@ import pytest
 
 from tests.helpers import (
     CLUSTER_DIR,
+    NFT,
     SESSION_VAR,
     cluster_tables,
+    dial,
     gone_after_ctrl_c,
     kill_group,
     launch,
@@ -44,15 +46,6 @@ from tfcluster.plan import build_plan
 from tfcluster.spec import load_spec
 from tfcluster.ui import UI
 
-NFT = shutil.which("nft") or next((p for p in ("/usr/sbin/nft", "/sbin/nft") if os.access(p, os.X_OK)), None)
-SYSTEM_PYTHON = "/usr/bin/python3"
-CONNECT = ("import socket, sys\n"
-           "for a in sys.argv[1:]:\n"
-           "    h, _, p = a.rpartition(':')\n"
-           "    try:\n"
-           "        socket.create_connection((h.strip('[]'), int(p)), 3).close(); print(a, 'connected')\n"
-           "    except OSError as e:\n"
-           "        print(a, type(e).__name__)\n")
 
 
 def tables() -> list[str]:
@@ -82,15 +75,8 @@ def drop_tables(nft):
                            timeout=max(1.0, deadline - time.monotonic()))
 
 
-def connect_as(user, *targets: str) -> dict[str, str]:
-    """address:port -> 'connected' or the error's name, for a plain TCP connect by `user`."""
-    result = user.run([SYSTEM_PYTHON, "-c", CONNECT, *targets], timeout=30)
-    assert result.returncode == 0, result.stderr
-    return dict(line.rsplit(" ", 1) for line in result.stdout.splitlines())
-
-
 def refused_everywhere(user, targets: list[str]) -> None:
-    answers = connect_as(user, *targets)
+    answers = dial(*targets, user=user)
     assert answers == {t: "ConnectionRefusedError" for t in targets}, answers
 
 
@@ -285,7 +271,7 @@ def test_the_shims_table_refuses_another_users_connect_lets_the_owner_in_and_goe
     try:
         assert server.stdout.readline() == "up\n"
         targets = [f"127.0.0.1:{port}", f"[::1]:{port}"]
-        assert connect_as(other_user, *targets) == {t: "connected" for t in targets}   # open before
+        assert dial(*targets, user=other_user) == {t: "connected" for t in targets}   # open before
         answer = shim_fence.cmd_fence({"cluster_dir": cluster_dir, "tag_prefix": "fenceshim:", "ports": [port],
                                        "targets": [["127.0.0.1", port]], "peers": ["127.0.0.1"]})
         assert answer["closed"] is True and answer["why"] is None, answer

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -24,25 +23,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import wait_for
+from tests.helpers import NFT, cgroup_fence_or_skip, dial, wait_for
 from tests.tf_launch import free_ports
 from tfcluster.host import shim_cgroup, shim_fence, shim_procs, shim_rules
 from tfcluster.host import shim_protocol as proto
 
-NFT = shutil.which("nft") or next((p for p in ("/usr/sbin/nft", "/sbin/nft") if os.access(p, os.X_OK)), None)
 SHIM = str(Path(shim_fence.__file__).with_name("shim.py"))
-SYSTEM_PYTHON = "/usr/bin/python3"
 LISTEN = ("import socket, sys, time\n"
           "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
           "s.bind(('127.0.0.1', int(sys.argv[1]))); s.listen(64)\n"
           "print('up', s.getsockname()[1], flush=True)\n"
           "while True:\n"
           "    s.accept()[0].close()\n")
-CONNECT = ("import socket, sys\n"
-           "try:\n"
-           "    socket.create_connection(('127.0.0.1', int(sys.argv[1])), 3).close(); print('connected')\n"
-           "except OSError as e:\n"
-           "    print(type(e).__name__)\n")
 
 
 def shim(command: str, request: dict, timeout: float = 60) -> dict:
@@ -62,26 +54,12 @@ def tables() -> list[str]:
 def connect(port: int, user=None) -> str:
     """'connected' or the error's name, for a plain TCP connect from a process outside every
     cluster's cgroup: the owner's own (root), or `user`'s."""
-    if user is None:
-        done = subprocess.run([sys.executable, "-S", "-c", CONNECT, str(port)], capture_output=True, text=True,
-                              timeout=30)
-    else:
-        done = user.run([SYSTEM_PYTHON, "-S", "-c", CONNECT, str(port)], timeout=30)
-    assert done.returncode == 0, done.stderr
-    return done.stdout.strip()
+    return dial(f"127.0.0.1:{port}", user=user)[f"127.0.0.1:{port}"]
 
 
 @pytest.fixture
 def cgroup_fence():
-    """Root, nft, and a cgroup v2 that nft can name (else skip, with the reason)."""
-    if os.geteuid() != 0:
-        pytest.skip("closing ports needs root (CI runs as root)")
-    if NFT is None or subprocess.run([NFT, "list", "tables"], capture_output=True, timeout=10).returncode:
-        pytest.skip("nftables is not installed or not usable here")
-    mount = shim_cgroup.mount_point()
-    if mount is None or shim_cgroup.nft_name(os.path.join(mount, "x"), mount) is None:
-        pytest.skip(f"no cgroup v2 that nft can name here (mounted at {mount})")
-    return mount
+    return cgroup_fence_or_skip()
 
 
 class Clusters:

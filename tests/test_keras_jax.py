@@ -12,9 +12,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-import shutil
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,7 +20,10 @@ import psutil
 import pytest
 
 from tests.helpers import (
+    NFT,
+    cgroup_fence_or_skip,
     cluster_tables,
+    dial,
     free_ports,
     gone_after_ctrl_c,
     jax_python,
@@ -36,7 +37,6 @@ from tests.helpers import (
     tfcluster,
     wait_for,
 )
-from tfcluster.host import shim_cgroup
 from tfcluster.errors import SpecError
 from tfcluster.plan import build_plan
 from tfcluster.spec import load_spec
@@ -186,7 +186,7 @@ def test_processes_that_each_train_their_own_copy_are_stopped_with_the_fix(tmp_p
 def test_plan_check_says_which_ports_the_table_will_close(tmp_path, home):
     """No TensorFlow server runs in this mode: the table closes its task ports (JAX's
     coordinator on worker 0's), and the line says so, not "TensorFlow's ports"."""
-    if os.geteuid() != 0 or not (shutil.which("nft") or os.access("/usr/sbin/nft", os.X_OK)):
+    if os.geteuid() != 0 or NFT is None:
         pytest.skip("the table is made by root with nft: without them it is never promised")
     (tmp_path / "t.py").write_text("print(1)\n")
     spec = local_processes(tmp_path, "kjcheck", jax_python(), "t.py", 2)
@@ -195,14 +195,6 @@ def test_plan_check_says_which_ports_the_table_will_close(tmp_path, home):
     assert result.returncode == 0, out[-3000:]
     assert "The task ports will be closed to other users on every host (nftables)" in out, out[-3000:]
     assert "TensorFlow's ports" not in out
-
-
-CONNECT = ("import socket, sys\n"
-           "for p in sys.argv[1:]:\n"
-           "    try:\n"
-           "        socket.create_connection(('127.0.0.1', int(p)), 3).close(); print(p, 'connected')\n"
-           "    except OSError as e:\n"
-           "        print(p, type(e).__name__)\n")
 
 
 def picked_ports(task_ports: set[int]) -> dict[int, set[int]]:
@@ -226,13 +218,7 @@ def test_the_ports_jaxs_collectives_picked_are_closed_to_another_user_while_it_t
     table closed every port of the cluster's processes, a second user connected to both
     processes' of this run. Now that user and the owner's own processes outside the cluster
     are refused there, the run trains on through it, and Ctrl-C takes the table away."""
-    nft = shutil.which("nft") or next((p for p in ("/usr/sbin/nft", "/sbin/nft") if os.access(p, os.X_OK)), None)
-    if os.geteuid() != 0 or nft is None:
-        pytest.skip("the table is made by root with nft")
-    mount = shim_cgroup.mount_point()
-    if mount is None or shim_cgroup.nft_name(os.path.join(mount, "x"), mount) is None:
-        pytest.skip(f"no cgroup v2 that nft can name here (mounted at {mount}): the uid is matched, "
-                    "which closes the task ports only (docs/security.md)")
+    cgroup_fence_or_skip()
     ports = free_ports(2)
     spec = tmp_path / "kjfence.yaml"
     spec.write_text(f"name: kjfence\npython: {jax_python()}\nworkdir: {tmp_path / 'remote'}\n"
@@ -245,11 +231,9 @@ def test_the_ports_jaxs_collectives_picked_are_closed_to_another_user_while_it_t
         read_until(proc, r"│ Epoch 2/", timeout=150)
         picked = wait_for(lambda: (found := picked_ports(set(ports))) and len(found) == 2 and found, 30,
                           what="both processes' gloo listeners")
-        targets = [str(p) for found in picked.values() for p in sorted(found)]
-        for run in (lambda argv: other_user.run(["/usr/bin/python3", *argv], timeout=30),
-                    lambda argv: subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=30)):
-            said = run(["-S", "-c", CONNECT, *targets]).stdout
-            assert said.split() == [w for t in targets for w in (t, "ConnectionRefusedError")], said
+        targets = [f"127.0.0.1:{p}" for found in picked.values() for p in sorted(found)]
+        for user in (other_user, None):              # another user; the owner's process outside the cluster
+            assert dial(*targets, user=user) == {t: "ConnectionRefusedError" for t in targets}, user
         assert len(cluster_tables("kjfence")) == 1
         read_until(proc, r"│ Epoch \d+/", timeout=60)        # still training
         os.killpg(proc.pid, signal.SIGINT)
