@@ -1,6 +1,7 @@
 """Shared helpers for the end-to-end tests: write specs on free ports, run the CLI."""
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -290,6 +291,37 @@ def ssh_spec(tmp: Path, sshd, *, name: str = "sshc", ssh_extra: str = "", env: s
     path = tmp / f"{name}.yaml"
     path.write_text(text)
     return path
+
+
+@functools.cache
+def other_pythons() -> tuple[tuple[int, str], ...]:
+    """The interpreters on this machine other than the one the tests run on, as (minor version,
+    real path): the system's (/usr/bin, /bin), those on PATH (a venv's bin skipped: its python is
+    this one), and those installed beside any of them (pyenv and the like: <root>/<version>/bin).
+    CI may make its venv from the system's python3 while PATH's is another (pyenv's)."""
+    mine = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
+    dirs = ["/usr/bin", "/bin"] + [d for d in os.environ.get("PATH", "").split(os.pathsep)
+                                   if d and not (Path(d).parent / "pyvenv.cfg").exists()]
+    named = [os.path.join(d, f"python3{suffix}") for d in dict.fromkeys(dirs)
+             for suffix in ["", *(f".{m}" for m in range(8, 20))]]
+    probe = "import os, sys; print(sys.version_info[1], os.path.realpath(sys.executable))"
+    found: dict[str, int] = {}
+
+    def add(exe: str) -> None:
+        if not os.access(exe, os.X_OK):
+            return
+        done = subprocess.run([exe, "-c", probe], capture_output=True, text=True, timeout=30)
+        minor, _, real = done.stdout.strip().partition(" ")
+        if done.returncode == 0 and minor.isdigit() and real != mine and real not in found:
+            found[real] = int(minor)
+
+    for exe in named:
+        add(exe)
+    for real in list(found) + [mine]:
+        for exe in sorted(Path(real).parents[2].glob("*/bin/python3.*")):
+            if re.fullmatch(r"python3\.\d+", exe.name):
+                add(str(exe))
+    return tuple((minor, real) for real, minor in found.items())
 
 
 def this_python_renamed(directory: Path, name: str = "python-other") -> str:

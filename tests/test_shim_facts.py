@@ -4,14 +4,13 @@ made here with `python -m venv` (a fake `tensorflow` dist-info tells them apart)
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import other_pythons
 from tfcluster.host import shim_facts
 from tfcluster.launch.agent.bootstrap import NO_SITE
 
@@ -58,20 +57,20 @@ def test_info_under_dash_s_answers_as_with_site():
     assert info(sys.executable, NO_SITE) == with_site
 
 
-def distribution_python() -> str:
-    """The system's own python3 where it is another interpreter than this one: Debian's and
-    Ubuntu's patch `site`, and their venvs are where most GPU boxes keep TensorFlow."""
-    system = shutil.which("python3", path="/usr/bin:/bin")
-    if system is None:
-        pytest.skip("no python3 in /usr/bin or /bin")
-    if os.path.realpath(system) == os.path.realpath(sys._base_executable):
-        pytest.skip(f"{system} is the interpreter the tests run on: the case above")
-    return system
+def another_python() -> str:
+    """Another interpreter than this one, the system's own python3 first: Debian's and Ubuntu's
+    patch `site`, and their venvs are where most GPU boxes keep TensorFlow. Where the tests run
+    on that one (CI makes its venv from it), the case above covers it: then another, such as
+    pyenv's."""
+    found = [exe for minor, exe in other_pythons() if minor >= 8]
+    if not found:
+        pytest.skip("no Python (>= 3.8) on this machine but the one the tests run on")
+    return found[0]
 
 
-@pytest.mark.parametrize("base", ["this", "the system's"])
+@pytest.mark.parametrize("base", ["this", "another"])
 def test_a_venvs_own_tensorflow_is_found_not_the_base_interpreters(tmp_path, base):
-    python, site = venv(tmp_path / "v", base=sys.executable if base == "this" else distribution_python())
+    python, site = venv(tmp_path / "v", base=sys.executable if base == "this" else another_python())
     fake_dist(site, "tensorflow", "9.8.7")
     ran = tmp_path / "pth-ran"      # a .pth line that imports runs: it shows whether `site` ran
     (site / "probe.pth").write_text(f"import os; open({str(ran)!r}, 'w').close()\n")

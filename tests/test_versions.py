@@ -7,14 +7,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import jax_python, state_path, tagged_processes, tfcluster
+from tests.helpers import jax_python, other_pythons, state_path, tagged_processes, tfcluster
 from tests.tf_launch import free_ports
 from tfcluster.diagnose.versions import find_skew, find_skews, message, odd_fields
 from tfcluster.host.shim_facts import _build_info, tf_version
@@ -155,19 +154,8 @@ needs_tf = pytest.mark.skipif(REAL_TF is None, reason="tensorflow is not install
 
 
 def other_minor_python() -> str | None:
-    """An interpreter (>= 3.8, as the shim needs) of another Python minor version than this
-    one: on PATH, or installed beside this one (pyenv and the like: <root>/<version>/bin)."""
-    mine = sys.version_info[1]
-    beside = Path(sys.executable).resolve().parents[2].glob("*/bin/python3.*")
-    candidates = [shutil.which(f"python3.{m}") for m in range(8, 20) if m != mine]
-    candidates += sorted(str(p) for p in beside if re.fullmatch(r"python3\.\d+", p.name))
-    for exe in filter(None, candidates):
-        probe = subprocess.run([exe, "-c", "import sys; print(sys.version_info[1], sys.executable)"],
-                               capture_output=True, text=True, timeout=30)
-        found = probe.stdout.split(maxsplit=1) if probe.returncode == 0 else []
-        if found and found[0].isdigit() and 8 <= int(found[0]) != mine:
-            return found[1].strip()
-    return None
+    """An interpreter (>= 3.8, as the shim needs) of another Python minor version than this one."""
+    return next((exe for minor, exe in other_pythons() if 8 <= minor != sys.version_info[1]), None)
 
 
 def skewed_spec(tmp_path: Path, sshd, *, name: str, odd: str = sys.executable, fake_tf: bool = True,
