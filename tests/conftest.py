@@ -51,10 +51,7 @@ def pytest_collection_modifyitems(config, items):
             # this one, the rest
             item.add_marker(pytest.mark.xdist_group("alone"))
     if hasattr(config, "workerinput"):    # a pytest-xdist worker (where `dist` reads "no")
-        # Workers take tests in this order: the long ones first (a bed of hosts, then TensorFlow,
-        # an sshd or Slurm), the quick ones last, where they fill the end of every worker's queue
-        # instead of one long test running on its own at the end. Same order on every worker.
-        items.sort(key=_weight)
+        items[:] = _queue(items)
 
 
 def pytest_collection_finish(session):
@@ -70,11 +67,26 @@ def pytest_collection_finish(session):
                                     "cannot; see the pytest bound in pyproject.toml")
 
 
-def _weight(item) -> int:
-    if "bed" in item.fixturenames:
-        return 0
-    # an sshd or Slurm test most often runs TensorFlow too (a tutorial's trainer over SSH)
-    return 1 if any(item.get_closest_marker(m) is not None for m in ("tf", "ssh", "slurm")) else 2
+def _queue(items: list) -> list:
+    """The order workers take tests in (the same on every worker): the long ones first, the
+    quick ones (no TensorFlow, sshd or Slurm) last, where they fill the end of every worker's
+    queue instead of one long test running on its own at the end. Among the long ones, a test on
+    the bed of hosts takes turns with one on this machine's TensorFlow, spread over the first
+    three quarters: a bed test spends much of its time waiting (a deadline, a host's silence,
+    steps at a set pace), two side by side left a core idle (minutes at 60-75 % busy), and a
+    TensorFlow test beside it fills that."""
+    bed, slow, quick = [], [], []
+    for item in items:
+        # an sshd or Slurm test most often runs TensorFlow too (a tutorial's trainer over SSH)
+        (bed if "bed" in item.fixturenames
+         else slow if any(item.get_closest_marker(m) is not None for m in SLOW_MARKS) else quick).append(item)
+    head = len(slow) * 3 // 4
+    mixed, taken = [], 0
+    for n, test in enumerate(bed):
+        upto = head * (n + 1) // len(bed)
+        mixed += [test, *slow[taken:upto]]
+        taken = max(taken, upto)
+    return mixed + slow[taken:] + quick
 
 
 def _slow_processes(root: psutil.Process, old: set[int]) -> list[str]:
