@@ -42,7 +42,7 @@ def test_a_second_user_is_refused_at_every_task_port_before_and_after_a_move(tmp
     spec = ps_two_workers_and_a_spare(
         tmp_path, bed, "fmove",
         "  args: ['--steps', '5000000', '--log_every', '50', '--model_dir', '{workdir}/ckpt', '--cleanup_timeout', '3',\n"
-        "         '--min_step_time', '0.05']\n"   # trains until stopped: at a real model's pace, not the CPU's
+        "         '--min_step_time', '0.1']\n"    # trains until stopped: at a real model's pace, not the CPU's
         "  checkpoint: {dir: '{workdir}/ckpt', keep: 2, sync: 2s}\n")
     cwd = tmp_path / "cwd"
     cwd.mkdir()

@@ -34,14 +34,17 @@ P = (25000, 25001, 25002, 25003)    # each bed host has its own ports: no clash 
 
 def bed_spec(tmp: Path, bed, name: str, jobs: str, *, mode: str = "between-graph",
              script: str = "between_graph", steps: int = 3000, spares: tuple[str, ...] = ("h5",),
-             checkpoint: bool = True, on_host_loss: str | None = None, pace: float = 0.05,
+             checkpoint: bool = True, on_host_loss: str | None = None, pace: float = 0.1,
              extra: dict[str, dict] | None = None, spare: str = "true") -> Path:
     """Bed hosts h2, h3, h4 and the spares (h5); `jobs` is the YAML of the jobs. With
     `checkpoint`, every task's script checkpoints to {workdir}/ckpt, which train.checkpoint
     copies back every 2 s. The between-graph and classic templates step at most every `pace`
     seconds a worker, the coordinator schedules a step at most that often: a run's length in
     seconds is then the machine's speed's no longer, and the CPU goes to the move, not to steps
-    a fast box would have run past the fault. `extra`: more fields of a host's entry, by name;
+    a fast box would have run past the fault. Ten steps a second a worker is pace enough: each
+    global step costs about 30 ms of CPU over the scripts and the servers on 2 slow cores, and
+    at twice the rate (and twice the steps, for the same timeline) the steps took a quarter of
+    a move test's CPU. `extra`: more fields of a host's entry, by name;
     `spare`: the spares' kind (`warm`: each holds standbys)."""
     hosts = [bed.add(n) for n in ("h2", "h3", "h4")]
     listed = "".join(f"  - {h.spec(**(extra or {}).get(h.name, {}))}\n" for h in hosts)
@@ -93,9 +96,9 @@ def test_a_lost_workers_host_restarts_every_task_and_the_moved_worker_trains_on_
     cwd = tmp_path / "cwd"
     cwd.mkdir()
     script = mode.replace("-", "_")
-    # worker:0 steps on alone until the loss is seen (a silent host: 20 s), at 20 steps a second
+    # worker:0 steps on alone until the loss is seen (a silent host: 20 s), at 10 steps a second
     spec = bed_spec(tmp_path, bed, f"rmove{fault[0]}{mode[0]}", PS_AND_TWO_WORKERS, mode=mode,
-                    steps=1000 if fault == "silence" else 600,
+                    steps=500 if fault == "silence" else 300,
                     script=script)
     rc, rest = killed_mid_run(spec, home, cwd, r"worker:1 .*step=[1-9]", lambda: getattr(bed, fault)("h4"),
                               r"h4: moving worker:1 to h5, every task restarting from the checkpoint \(a ps "
@@ -123,7 +126,7 @@ def test_the_ps_host_lost_and_then_the_spare_that_took_it_each_restart_the_run_o
     dies too and ps:0 restarts on h6; the run reaches its target from the checkpoints."""
     cwd = tmp_path / "cwd"
     cwd.mkdir()
-    spec = bed_spec(tmp_path, bed, "rtwice", PS_AND_TWO_WORKERS, steps=1000, spares=("h5", "h6"))
+    spec = bed_spec(tmp_path, bed, "rtwice", PS_AND_TWO_WORKERS, steps=500, spares=("h5", "h6"))
     proc = start_tfcluster("train", str(spec), home=home, cwd=cwd)
     try:
         read_until(proc, r"worker:1 .*step=[1-9]", timeout=200)
@@ -141,7 +144,7 @@ def test_the_ps_host_lost_and_then_the_spare_that_took_it_each_restart_the_run_o
     assert (first["host"], first["to"], second["host"], second["to"]) == ("h2", "h5", "h5", "h6"), doc["moves"]
     assert first["resumed_step"] is not None and second["resumed_step"] is not None, doc["moves"]
     assert doc["tasks"]["ps:0"]["host"] == "h6" and set(doc["hosts_lost"]) == {"h2", "h5"}
-    assert doc["progress"]["worker:0"]["step"] >= 900
+    assert doc["progress"]["worker:0"]["step"] >= 450
     wait_for(lambda: not tagged_processes(), timeout=60, what="no task left running")
 
 
@@ -149,7 +152,7 @@ def test_the_ps_host_lost_and_then_the_spare_that_took_it_each_restart_the_run_o
 def test_shrink_goes_on_without_a_lost_worker(tmp_path, home, ssh_home, bed):
     cwd = tmp_path / "cwd"
     cwd.mkdir()
-    spec = bed_spec(tmp_path, bed, "rshrink", PS_AND_TWO_WORKERS, steps=400, spares=(), checkpoint=False,
+    spec = bed_spec(tmp_path, bed, "rshrink", PS_AND_TWO_WORKERS, steps=200, spares=(), checkpoint=False,
                     on_host_loss="shrink")
     rc, rest = killed_mid_run(spec, home, cwd, r"worker:1 .*step=", lambda: bed.kill("h4"),
                               r"h4: going on without worker:1", timeout=240)
@@ -158,7 +161,7 @@ def test_shrink_goes_on_without_a_lost_worker(tmp_path, home, ssh_home, bed):
     doc = manifest(only_run(cwd / "runs"))
     (move,) = doc["moves"]
     assert move["action"] == "shrink" and move["to"] is None
-    assert doc["progress"]["worker:0"]["step"] >= 300
+    assert doc["progress"]["worker:0"]["step"] >= 150
     wait_for(lambda: not tagged_processes(), timeout=60, what="no task left running")
 
 
@@ -193,7 +196,7 @@ def test_a_lost_chief_restarts_every_task_on_the_spare_from_the_launchers_copy(
     with the host), and the run resumes from the copy the launcher pulled."""
     cwd = tmp_path / "cwd"
     cwd.mkdir()
-    spec = bed_spec(tmp_path, bed, "rchief", CHIEF_ON_H4, steps=800)
+    spec = bed_spec(tmp_path, bed, "rchief", CHIEF_ON_H4, steps=400)
 
     def fault() -> None:
         wait_for(lambda: any(pulled(cwd)), timeout=120, what="a checkpoint past step 0 pulled to the launcher")
@@ -209,7 +212,7 @@ def test_a_lost_chief_restarts_every_task_on_the_spare_from_the_launchers_copy(
     assert move["action"] == "restart" and move["to"] == "h5" and move["checkpoint"], move
     assert move["resumed_step"] is not None and 0 < move["resumed_step"] <= move["step_at"], move
     assert doc["tasks"]["worker:0"]["host"] == "h5"
-    assert doc["progress"]["worker:0"]["step"] >= 700
+    assert doc["progress"]["worker:0"]["step"] >= 350
     wait_for(lambda: not tagged_processes(), timeout=60, what="no task left running")
 
 
@@ -225,8 +228,8 @@ def test_a_lost_worker_restarts_the_strategys_cluster_on_the_spare_from_the_chec
     if mode == "coordinator":
         jobs = (f"  chief: {{tasks: ['h2:{p[0]}']}}\n  ps: {{tasks: ['h3:{p[1]}']}}\n"
                 f"  worker: {{tasks: ['h3:{p[2]}', 'h4:{p[3]}']}}\n")
-        # the coordinator outlives a lost worker: 30 s of steps at 50 a second, long enough to see it
-        watched, steps, pace = "chief:0", 1500, 0.02
+        # the coordinator outlives a lost worker: 30 s of steps at 25 a second, long enough to see it
+        watched, steps, pace = "chief:0", 750, 0.04
     else:
         jobs = f"  worker: {{tasks: ['h3:{p[0]}', 'h4:{p[1]}']}}\n"
         watched, steps, pace = "worker:0", 500, 0.0
@@ -249,12 +252,12 @@ def test_a_lost_worker_restarts_the_strategys_cluster_on_the_spare_from_the_chec
 
 
 # the chief's host drained, per mode: (jobs, the chief, steps, pace). The coordinator's steps are
-# scheduled at 50 a second, mirrored steps at the machine's pace (its template takes no pace)
+# scheduled at 25 a second, mirrored steps at the machine's pace
 DRAINED = {
-    "between-graph": (CHIEF_ON_H4, "worker:0", 800, 0.05),
-    "classic": (CHIEF_ON_H4, "worker:0", 800, 0.05),
+    "between-graph": (CHIEF_ON_H4, "worker:0", 400, 0.1),
+    "classic": (CHIEF_ON_H4, "worker:0", 400, 0.1),
     "coordinator": (f"  chief: {{tasks: ['h4:{P[0]}']}}\n  ps: {{tasks: ['h2:{P[1]}']}}\n"
-                    f"  worker: {{tasks: ['h3:{P[2]}', 'h2:{P[3]}']}}\n", "chief:0", 800, 0.02),
+                    f"  worker: {{tasks: ['h3:{P[2]}', 'h2:{P[3]}']}}\n", "chief:0", 400, 0.04),
     "mirrored": (f"  worker: {{tasks: ['h4:{P[0]}', 'h3:{P[1]}']}}\n", "worker:0", 600, 0.0),
 }
 
@@ -297,10 +300,10 @@ def test_drain_moves_the_chief_at_its_checkpoint_losing_no_step(tmp_path, home, 
 # spare. The coordinator's spare is warm: the notice's move takes the chief's standby there and
 # the servers' twins held by then, as a lost host's move does (test_warm_bed).
 WARNED = {
-    "classic": ("gce", ("gce/set", {"key": "preempted", "value": "TRUE"}), "gce preempted", 1500, 0.05, "true"),
+    "classic": ("gce", ("gce/set", {"key": "preempted", "value": "TRUE"}), "gce preempted", 750, 0.1, "true"),
     "coordinator": ("azure", ("azure/event", {"id": "EV-7", "type": "Preempt", "in": 30}), "azure Preempt",
-                    1700, 0.02, "warm"),
-    "mirrored": ("aws", ("aws/action", {"action": "terminate", "in": 30}), "aws terminate", 800, 0.05, "true"),
+                    850, 0.04, "warm"),
+    "mirrored": ("aws", ("aws/action", {"action": "terminate", "in": 30}), "aws terminate", 400, 0.1, "true"),
 }
 
 

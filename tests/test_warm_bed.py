@@ -27,10 +27,10 @@ def _warm_spec(tmp: Path, bed, name: str, extra: str = "") -> Path:
             "hosts:\n" + "".join(f"  - {h.spec()}\n" for h in hosts) + f"  - {bed.add('h5').spec(spare='warm')}\n"
             f"jobs:\n  ps: {{tasks: ['h2:{P[0]}']}}\n  worker: {{tasks: ['h3:{P[1]}', 'h4:{P[2]}']}}\n"
             "train:\n  mode: between-graph\n  script: template:between_graph\n"
-            # at most 20 steps a second a worker: the run outlasts the move on any machine, and no
+            # at most 10 steps a second a worker: the run outlasts the move on any machine, and no
             # CPU goes to the steps a fast box would run before the kill
-            "  args: ['--steps', '800', '--log_every', '50', '--model_dir', '{workdir}/ckpt', '--cleanup_timeout', '3',\n"
-            "         '--min_step_time', '0.05']\n"
+            "  args: ['--steps', '400', '--log_every', '50', '--model_dir', '{workdir}/ckpt', '--cleanup_timeout', '3',\n"
+            "         '--min_step_time', '0.1']\n"
             "  checkpoint: {dir: '{workdir}/ckpt', keep: 2, sync: 2s}\n" + extra)
     path = tmp / f"{name}.yaml"
     path.write_text(text)
