@@ -41,8 +41,12 @@ def free_ports(n: int, host: str = HOST) -> list[int]:
     leave a port bindable on 127.0.0.1 yet taken for the task (seen once in CI). They come
     from below the kernel's ephemeral range: a port picked there could be any connection's
     source port by the time its task binds it (a test's SSH client held one, seen once in CI).
-    `host` is where the tasks will be addressed; the check does not depend on it."""
-    low = _ephemeral_low()
+    `host` is where the tasks will be addressed; the check does not depend on it. Each test
+    process picks from a slice of its own (`_slice`): a port free now is bound by its task only
+    later, and a test in another process could have picked it meanwhile (seen once in CI, with
+    the quick lane beside two workers: a plan's check found its ps's port held by another test's
+    server)."""
+    first, last = _slice(PORTS_FROM, _ephemeral_low())
     pick = random.SystemRandom()
     socks: list[socket.socket] = []
     try:
@@ -51,12 +55,12 @@ def free_ports(n: int, host: str = HOST) -> list[int]:
                 break
             s = socket.socket()
             try:
-                s.bind(("0.0.0.0", pick.randrange(PORTS_FROM, low) if low - PORTS_FROM > 1000 else 0))
+                s.bind(("0.0.0.0", pick.randrange(first, last) if last - first > 1000 else 0))
             except OSError:             # in use: another
                 s.close()
                 continue
             socks.append(s)
-        assert len(socks) == n, f"no {n} free ports below {low}"
+        assert len(socks) == n, f"no {n} free ports in {first}-{last - 1}"
         return [s.getsockname()[1] for s in socks]
     finally:
         for s in socks:
@@ -64,6 +68,16 @@ def free_ports(n: int, host: str = HOST) -> list[int]:
 
 
 PORTS_FROM = 10000
+SLICES = 5      # pytest-xdist's workers gw0-gw3 (`scripts/test.sh` runs at most 4), and one without
+
+
+def _slice(low: int, high: int) -> tuple[int, int]:
+    """This test process's part of [low, high): worker gwN's is slice N % 4, a process run
+    without workers (the quick lane of `scripts/test.sh`, a plain `pytest`) the last."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    index = int(worker[2:]) % (SLICES - 1) if re.fullmatch(r"gw\d+", worker) else SLICES - 1
+    size = (high - low) // SLICES
+    return low + index * size, low + (index + 1) * size
 
 
 def _ephemeral_low() -> int:
