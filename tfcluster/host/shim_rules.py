@@ -173,9 +173,16 @@ def made_at(listing: str) -> float | None:
 
 
 def ports_of(rule: dict) -> set:
-    """The TCP ports a rule of ours names (`tcp dport`, alone or after an address)."""
+    """The TCP ports a rule of ours names (`tcp dport`, alone or after an address). None for
+    the rules that match a listener's cgroup (`socket`, the kernel-picked ports of mode
+    keras-jax): they refuse only where that cluster's own processes listen, so a refusal at
+    any other port of their range is none of theirs."""
+    exprs = rule.get("expr") or ()
+    if any(isinstance(e, dict) and isinstance(e.get("match"), dict) and isinstance(e["match"].get("left"), dict)
+           and "socket" in e["match"]["left"] for e in exprs):
+        return set()
     ports = set()
-    for expr in rule.get("expr") or ():
+    for expr in exprs:
         match = expr.get("match") if isinstance(expr, dict) else None
         if not isinstance(match, dict):
             continue
