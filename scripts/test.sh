@@ -140,17 +140,14 @@ else
     setsid bash -c 'echo 5 > /proc/self/autogroup 2>/dev/null; exec "$@"' quick-tests \
       "$PY" -m pytest -q -p no:cacheprovider -m "$quick" > "$quick_log" 2>&1 < /dev/null &
     quick_pid=$!
+    quick_done() { wait "$quick_pid"; rc_quick=$?; echo "the quick tests, run beside them:"; cat "$quick_log"; rm -f "$quick_log"; }
     # a Ctrl-C reaches the workers (this terminal's group), and the quick lane through this
-    trap 'kill -INT -- -"$quick_pid" 2>/dev/null; wait "$quick_pid"; cat "$quick_log"; rm -f "$quick_log"; exit 130' INT TERM
+    trap 'kill -INT -- -"$quick_pid" 2>/dev/null; quick_done; exit 130' INT TERM
     # --durations: where a run's time went, at its end (the place to look when CI slows)
     "$PY" -m pytest -q -n "$workers" --dist loadgroup -m "not alone and (tf or ssh or slurm)" --durations=30
     rc=$?
-    wait "$quick_pid"
-    rc_quick=$?
+    quick_done
     trap - INT TERM
-    echo "the quick tests, run beside them:"
-    cat "$quick_log"
-    rm -f "$quick_log"
     [ $rc -eq 0 ] && rc=$rc_quick
     "$PY" -m pytest -q -n 2 --dist loadgroup -m alone --durations=10
     rc_alone=$?

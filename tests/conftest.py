@@ -85,7 +85,7 @@ def _queue(items: list) -> list:
     for n, test in enumerate(bed):
         upto = head * (n + 1) // len(bed)
         mixed += [test, *slow[taken:upto]]
-        taken = max(taken, upto)
+        taken = upto
     return mixed + slow[taken:] + quick
 
 
