@@ -25,8 +25,9 @@ import tensorflow as tf
 FEATURES = 8
 EXAMPLES = 2048
 
-# tfcluster stops a task with SIGTERM and KILLs it 5 s later (10 s on Ctrl-C): a task whose
-# loop cannot get back to the signal ends itself before that (docs/hostloss.md).
+# tfcluster stops a task with SIGTERM and KILLs it train.stop_grace later (10 s unless the spec
+# says otherwise): a task whose loop cannot get back to the signal ends itself before that
+# (docs/hostloss.md).
 STOP_DEADLINE = 4.0
 
 

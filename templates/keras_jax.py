@@ -47,9 +47,10 @@ FEATURES = 8
 EXAMPLES = 2048
 HIDDEN = 32
 CKPT = re.compile(r"^ckpt-(\d+)\.index$")
-# tfcluster stops a task with SIGTERM and KILLs it 5 s later: the processes agree on a step
-# at once and save it well within that (a peer gone, the processes wait for it inside a
-# collective until the KILL, the last checkpoint standing). Exit 128+15: a stop, not a failure.
+# tfcluster stops a task with SIGTERM and KILLs it train.stop_grace later (10 s unless the spec
+# says otherwise): the processes agree on a step at once and save it well within that (a peer
+# gone, the processes wait for it inside a collective until the KILL, the last checkpoint
+# standing). Exit 128+15: a stop, not a failure.
 STOP_EXIT = 128 + signal.SIGTERM
 SAVE_CHECK = 10       # steps between two looks for a checkpoint request (a gather, a few ms here)
 

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from tests.helpers import GPU_LAB, LOCAL, tfc
+from tests.helpers import GPU_LAB, LOCAL, tfc, tfcluster
 
 
 def test_version_and_help_exit_0_and_help_has_an_example_per_command():
@@ -33,9 +33,17 @@ def test_plan_json_is_one_parseable_document_with_redacted_secrets():
 def test_plan_commands_shows_exact_command_and_redacts_secrets():
     result = tfc("plan", GPU_LAB, "--commands")
     assert result.returncode == 0, result.stderr
-    assert "script:  /opt/venv/bin/python between_graph.py --steps 2000 --model_dir '~/.tfcluster/lab/ckpt'" in result.stdout
+    assert "script:  /opt/venv/bin/python between_graph.py --steps 2000 --model_dir ~/.tfcluster/lab/ckpt " in result.stdout
     assert "WANDB_API_KEY='***'" in result.stdout
     assert "set-me" not in result.stdout
+    # pasted into a shell, the line runs the argv the host's shim runs: `~/` words expanded
+    # to that home (shim_tasks), the rest word for word
+    line = next(x for x in result.stdout.splitlines() if x.startswith("  script:  "))
+    shown = line[len("  script:  "):line.index("  (in ")]
+    said = subprocess.run(["bash", "-c", f"printf '%s\\n' {shown}"], capture_output=True, text=True,
+                          env={"HOME": "/home/me", "PATH": os.environ["PATH"]}, timeout=30).stdout.split("\n")[:-1]
+    assert said == ["/opt/venv/bin/python", "between_graph.py", "--steps", "2000", "--model_dir",
+                    "/home/me/.tfcluster/lab/ckpt"], said
 
 
 def test_bad_spec_exits_2_with_one_line_naming_file_line_and_field(tmp_path):
@@ -49,6 +57,12 @@ def test_bad_spec_exits_2_with_one_line_naming_file_line_and_field(tmp_path):
     assert lines[0].startswith(f"tfcluster: error: {bad}:6: jobs")
     assert "did you mean 'worker'" in lines[0]
     assert "Traceback" not in result.stderr
+    # a word with no close choice: the choices said once, in the error line, with no hint
+    # repeating them
+    bad.write_text(bad.read_text().replace("wroker", "zzz"))
+    lines = tfc("plan", str(bad)).stderr.strip().splitlines()
+    assert lines == [f"tfcluster: error: {bad}:6: jobs.zzz: unknown job 'zzz'; expected one of: "
+                     "chief, ps, worker, evaluator"], lines
 
 
 def test_missing_spec_file_is_a_clean_error_and_debug_shows_the_traceback(tmp_path):
@@ -56,7 +70,47 @@ def test_missing_spec_file_is_a_clean_error_and_debug_shows_the_traceback(tmp_pa
     assert result.returncode == 2
     assert "Traceback" not in result.stderr and "nope.yaml" in result.stderr
     debug = tfc("--debug", "plan", str(tmp_path / "nope.yaml"))
-    assert debug.returncode != 0 and "Traceback" in debug.stderr
+    # the traceback, then the same line and the same exit code: scripts that read the code
+    # behave alike with and without it
+    assert debug.returncode == 2 and "Traceback" in debug.stderr, debug.stderr
+    assert debug.stderr.rstrip().splitlines()[-1] == result.stderr.rstrip().splitlines()[0]
+
+
+def test_a_file_this_machine_refuses_is_one_line_not_a_traceback(tmp_path):
+    """A directory that cannot be made (here in /proc, where mkdir answers ENOENT): what it
+    was for, the path and the system's words, exit 4 as for any directory refused there. A
+    full disk under stdout: the system's words, exit 1."""
+    result = tfc("render", GPU_LAB, "--to", "slurm", "-o", "/proc/tfcluster-none/out")
+    assert result.returncode == 4 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.rstrip().splitlines()[-1] == ("tfcluster: error: render -o: /proc/tfcluster-none: "
+                                                       "cannot make this directory: No such file or directory"), result.stderr
+    with open("/dev/full", "w") as full:
+        result = subprocess.run([sys.executable, "-m", "tfcluster", "plan", LOCAL], stdout=full,
+                                stderr=subprocess.PIPE, text=True, timeout=60)
+    assert result.returncode == 1 and result.stderr == "tfcluster: error: No space left on device\n", result.stderr
+
+
+def test_plan_to_slurm_checks_the_engine_first_and_its_json_holds_the_ranks():
+    bad = tfc("plan", LOCAL, "--to", "tfjob")
+    assert bad.returncode == 2 and bad.stdout == "", bad.stdout   # refused before any plan is printed
+    result = tfc("plan", GPU_LAB, "--to", "slurm", "--json")
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(result.stdout)      # one document, nothing after it
+    slurm = doc["slurm"]
+    assert slurm["nodes"] * slurm["tasks_per_node"] == len(slurm["ranks"])
+    placed = {r["task"]: r for r in slurm["ranks"] if r["task"] is not None}
+    assert set(placed) == {t["task"] for t in doc["tasks"]}
+    assert all(isinstance(g, int) for r in slurm["ranks"] for g in r["gpus"])
+    assert placed["worker:0"]["gpus"] == [0]
+
+
+def test_down_and_drain_take_durations_as_up_and_train_do(tmp_path, home):
+    down = tfcluster("down", LOCAL, "--grace", "2s", home=home, cwd=tmp_path)
+    assert down.returncode == 0, down.stderr
+    drain = tfcluster("drain", LOCAL, "local", "--wait", "1m", home=home, cwd=tmp_path)
+    assert drain.returncode == 1 and "no `tfcluster train` of cluster 'local' is running" in drain.stderr, drain.stderr
+    bad = tfcluster("down", LOCAL, "--grace", "soon", home=home, cwd=tmp_path)
+    assert bad.returncode == 2 and "hint: see `tfcluster down --help`" in bad.stderr, bad.stderr
 
 
 def test_unknown_command_and_unknown_option_exit_2_without_traceback():
@@ -121,6 +175,8 @@ def test_exec_rejects_unknown_host_with_a_suggestion():
     result = tfc("exec", LOCAL, "--hosts", "locl", "--", "true")
     assert result.returncode == 2
     assert "did you mean 'local'" in result.stderr
+    none = tfc("exec", LOCAL, "--hosts", " , ", "--", "true")    # not a run on no host, said as done
+    assert none.returncode == 2 and "--hosts ' , ': names no host (hosts: local)" in none.stderr, none.stderr
 
 
 def test_init_copies_a_template_and_refuses_to_overwrite(tmp_path):
@@ -131,6 +187,9 @@ def test_init_copies_a_template_and_refuses_to_overwrite(tmp_path):
     again = tfc("init", "mirrored", cwd=str(tmp_path))
     assert again.returncode == 2 and "already exists" in again.stderr
     assert tfc("init", "mirrorred", cwd=str(tmp_path)).returncode == 2
+    # the template's file name given for its mode: the mode it meant
+    typo = tfc("init", "between_graph", cwd=str(tmp_path))
+    assert typo.returncode == 2 and "unknown mode 'between_graph'; did you mean 'between-graph'?" in typo.stderr
 
 
 def test_script_flag_without_double_dash_gets_a_hint():

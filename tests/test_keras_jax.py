@@ -309,6 +309,13 @@ def test_per_gpu_gives_one_process_per_gpu_and_cpu_hosts_get_gloo(tmp_path):
 @pytest.mark.parametrize("body,line,message", [
     ("jobs:\n  ps: {count: 1, hosts: [a], port: 2222}\n  worker: {count: 1, hosts: [b], port: 7600}\n"
      "train: {mode: keras-jax, script: t.py}\n", 6, "jobs.ps: mode keras-jax takes no ps tasks"),
+    # an evaluator is refused by name, not by the GPUs a worker would take by default
+    ("jobs:\n  worker: {count: 1, hosts: [a], port: 7600}\n  evaluator: {count: 1, hosts: [a], port: 7700}\n"
+     "train: {mode: keras-jax, script: t.py}\n", 7, "jobs.evaluator: mode keras-jax takes no evaluator tasks"),
+    # two processes on one host would each take all of its GPUs: the message says why it needs 8
+    ("jobs:\n  worker: {count: 2, hosts: [a], port: 7600}\n"
+     "train: {mode: keras-jax, script: t.py}\n", 6,
+     "jobs.worker: host a has 4 GPUs but its tasks need 8 (mode keras-jax gives each process every GPU of its host)"),
     ("env: {KERAS_BACKEND: tensorflow}\njobs:\n  worker: {count: 1, hosts: [a], port: 7600}\n"
      "train: {mode: keras-jax, script: t.py}\n", 5, "env.KERAS_BACKEND: mode keras-jax runs Keras on JAX"),
     ("env: {JAX_PROCESS_ID: '3'}\njobs:\n  worker: {count: 1, hosts: [a], port: 7600}\n"

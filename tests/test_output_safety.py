@@ -98,7 +98,7 @@ def test_plan_commands_shows_control_characters_escaped_and_every_command_quoted
     assert "  BIDI=$'\\u202etxt'" in out
     assert ("  script:  python3 between_graph.py $'\\x1b]52;c;ZWNobyBwd25lZA==\\x07' $'\\x1b[2J' --ok"
             in out)
-    assert "  server:  python3 '~/$(touch${IFS}pwned)/esc/bin/tfserver.py'" in out
+    assert "  server:  python3 ~/'$(touch${IFS}pwned)/esc/bin/tfserver.py'" in out
     doc = tfc("plan", str(path), "--json").stdout
     assert no_raw(doc) and json.loads(doc)["tasks"][0]["env"]["X"] == OSC52 + CLEAR + "mid"
 

@@ -116,11 +116,15 @@ REJECTIONS = [
     ("ssh-unknown", BASE + "ssh: {usr: x}\n", "8: ssh.usr: unknown key 'usr'; did you mean 'user'?"),
     ("ssh-policy", BASE + "ssh: {host_key_policy: accept_new}\n",
      "8: ssh.host_key_policy: unknown host key policy 'accept_new'; did you mean 'accept-new'?"),
-    ("ssh-timeout-zero", BASE + "ssh: {connect_timeout: 0}\n", "8: ssh.connect_timeout: must be a positive number, got 0"),
+    ("ssh-timeout-zero", BASE + "ssh: {connect_timeout: 0}\n",
+     "8: ssh.connect_timeout: must be a positive number of seconds or a duration like 90s, 30m, 2h; got '0'"),
     ("ssh-timeout-word", BASE + "ssh: {connect_timeout: soon}\n",
-     "8: ssh.connect_timeout: must be a positive number, got 'soon'"),
+     "8: ssh.connect_timeout: must be a positive number of seconds or a duration like 90s, 30m, 2h; got 'soon'"),
     ("ssh-user", BASE + "ssh: {user: -oProxyCommand}\n", "8: ssh.user: invalid user name '-oProxyCommand'"),
     ("ssh-jump", BASE + "ssh: {jump_host: 'b;rm'}\n", "8: ssh.jump_host: must not contain shell metacharacter ';': 'b;rm'"),
+    ("ssh-jump-password", BASE + "ssh: {jump_host: 'u:hunter2pw@bastion'}\n",
+     "8: ssh.jump_host: must be [user@]host[:port], with no password (SSH logs in with a key here): "
+     "'u:***@bastion'"),
     ("ssh-jump-port", BASE + "ssh: {jump_host: 'u@b:99999'}\n",
      "8: ssh.jump_host: port must be from 1 to 65535: 'u@b:99999'"),
     ("ssh-jump-port-0", BASE + "ssh: {jump_host: 'b:0'}\n", "8: ssh.jump_host: port must be from 1 to 65535: 'b:0'"),
@@ -433,6 +437,7 @@ ssh:
   known_hosts: ~/.ssh/known_hosts
   host_key_policy: reject
   jump_host: bastion.example
+  connect_timeout: 1m
 hosts:
   - {name: cpu0, address: 10.1.0.10}
   - {name: gpu0, address: 10.1.0.11, gpus: 4}
@@ -460,25 +465,25 @@ def test_full_spec_loads_to_the_exact_spec(tmp_path):
     path = write(tmp_path, FULL, "lab.yaml")
     base = SshSettings(user="ubuntu", port=22, identity_file="~/.ssh/id_ed25519",
                        known_hosts="~/.ssh/known_hosts", host_key_policy="reject",
-                       jump_host="bastion.example", connect_timeout=10.0)
+                       jump_host="bastion.example", connect_timeout=60.0)
     assert load_spec(path) == Spec(
         path=path, name="lab", python="/opt/venv/bin/python", workdir="~/.tfcluster",
         env=(("TF_CPP_MIN_LOG_LEVEL", "2"), ("DEBUG", "no"), ("N", "2")),
         hosts=(
-            Host("cpu0", "10.1.0.10", 0, False, base, 13),
-            Host("gpu0", "10.1.0.11", 4, False, base, 14, gpus_set=True),
+            Host("cpu0", "10.1.0.10", 0, False, base, 14),
+            Host("gpu0", "10.1.0.11", 4, False, base, 15, gpus_set=True),
             Host("gpu1", "10.1.0.12", 4, False,
-                 SshSettings(**{**vars(base), "user": "admin", "connect_timeout": 2.5}), 15, gpus_set=True),
-            Host("me", "localhost", 0, True, base, 16),
-            Host("me6", "::1", 0, False, SshSettings(**{**vars(base), "host_key_policy": "accept-new"}), 17),
+                 SshSettings(**{**vars(base), "user": "admin", "connect_timeout": 2.5}), 16, gpus_set=True),
+            Host("me", "localhost", 0, True, base, 17),
+            Host("me6", "::1", 0, False, SshSettings(**{**vars(base), "host_key_policy": "accept-new"}), 18),
         ),
-        jobs=(Job("ps", count=2, hosts=("cpu0",), port=2222, line=20),
-              Job("worker", per_gpu=True, gpus=1, hosts=("gpu0", "gpu1"), port=2300, line=19)),
+        jobs=(Job("ps", count=2, hosts=("cpu0",), port=2222, line=21),
+              Job("worker", per_gpu=True, gpus=1, hosts=("gpu0", "gpu1"), port=2300, line=20)),
         train=Train(mode="between-graph", script=str(tmp_path / "train.py"),
                     files=("model/", "data/small.csv"),
                     args=("--steps", "2000", "--model_dir", "{workdir}/ckpt", "{{literal}}", "no"),
-                    restart=Restart("on-failure", 3), timeout=1800.0, args_line=25, args_lines=(25,) * 6,
-                    script_source="train.py", script_line=23, files_lines=(24, 24)),
+                    restart=Restart("on-failure", 3), timeout=1800.0, args_line=26, args_lines=(26,) * 6,
+                    script_source="train.py", script_line=24, files_lines=(25, 25)),
         digest=hashlib.sha256(Path(path).read_bytes()).hexdigest(),
     )
 

@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import threading
+import traceback
 
 import typer
 
@@ -35,7 +36,8 @@ def _usage_hint(exc, argv: list[str]) -> str | None:
         return None
     if type(exc).__name__ == "NoSuchOption" and "train" in argv and "--" not in argv:
         return "arguments for the training script go after `--`, e.g. `tfcluster train SPEC -- --steps 100`"
-    return "see `tfcluster --help`"
+    ctx = getattr(exc, "ctx", None)      # click's context: the command the mistake is in
+    return f"see `{getattr(ctx, 'command_path', None) or 'tfcluster'} --help`"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(ExitCode.INTERRUPTED)
     except TfclusterError as exc:
         if ui.debug:
-            raise
+            traceback.print_exc()       # then the same line and exit code as without --debug
         if exc.details:
             ui.details(exc.details)
         ui.error(exc.message, exc.hint)
@@ -74,6 +76,14 @@ def main(argv: list[str] | None = None) -> int:
             raise
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # what is still buffered
         return 0
+    except OSError as exc:
+        # this machine's files refused us (a full disk, a read-only or missing directory given
+        # for the output or the state): the file and the system's words, not a traceback
+        if ui.debug:
+            traceback.print_exc()
+        where = f"{exc.filename}: " if exc.filename else ""
+        ui.error(f"{where}{exc.strerror or exc}")
+        return int(ExitCode.ERROR)
     except Exception as exc:
         # A Ctrl-C or a SIGTERM that lands while a class is made (a dataclass field's
         # __set_name__, in a module imported on first use: the SSH transport's at the first

@@ -42,13 +42,17 @@ class StoppedWatching(Exception):
     exits 130 without an error line or a traceback."""
 
 
-def seconds(text) -> float:
-    """A --timeout in the spec's durations (`90`, `90s`, `30m`, `2h`); a default is a number."""
+def seconds(text, zero: bool = False) -> float:
+    """A duration option in the spec's words (`90`, `90s`, `30m`, `2h`); a default is a
+    number. `zero`: 0 is allowed too (`drain --wait 0`: ask and return)."""
     from tfcluster.spec.yamltree import DURATION_WORDS, parse_duration
 
-    seconds = float(text) if isinstance(text, (int, float)) else parse_duration(text.strip())
+    if isinstance(text, (int, float)):
+        return float(text)
+    text = text.strip()
+    seconds = 0.0 if zero and text in ("0", "0s") else parse_duration(text)
     if seconds is None:
-        raise typer.BadParameter(f"{text!r}: must be {DURATION_WORDS}")
+        raise typer.BadParameter(f"{text!r}: must be {DURATION_WORDS}" + (" (or 0)" if zero else ""))
     return seconds
 
 

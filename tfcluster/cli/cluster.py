@@ -34,15 +34,15 @@ def plan(
     """
     from tfcluster.ui.views import plan_json, print_plan
 
+    if to is not None and to != "slurm":
+        raise UsageError(f"plan --to {to!r}: only slurm has a rank mapping to show")
     spec, p = load(spec_path, preview=True)
     if json_:
-        ui.json(plan_json(p))
+        ui.json({**plan_json(p), **({"slurm": slurm_ranks(p)} if to else {})})
     else:
         print_plan(ui, p, commands=commands)
-    if to is not None:
-        if to != "slurm":
-            raise UsageError(f"plan --to {to!r}: only slurm has a rank mapping to show")
-        print_ranks(p)
+        if to:
+            print_ranks(p)
     if check:
         from tfcluster.launch.cluster import lifecycle
         lifecycle.check(p, ui, allow_skew=allow_skew)
@@ -78,7 +78,8 @@ def up(
 @app.command()
 def down(
     spec_path: str = SpecArg,
-    grace: float = typer.Option(5.0, "--grace", help="Seconds between TERM and KILL."),
+    grace: float = typer.Option(5.0, "--grace", parser=lambda text: seconds(text, zero=True), metavar="DURATION",
+                                help="How long between TERM and KILL: seconds, or 5s, 1m (0: KILL at once)."),
 ) -> int:
     """Stop every task of the cluster on every host and verify nothing survived.
 
@@ -94,7 +95,8 @@ def down(
 def drain(
     spec_path: str = SpecArg,
     host: str = typer.Argument(..., help="The host to take tasks off, as the spec names it."),
-    wait: float = typer.Option(600.0, "--wait", help="Seconds to wait for the move (0: ask and return)."),
+    wait: float = typer.Option(600.0, "--wait", parser=lambda text: seconds(text, zero=True), metavar="DURATION",
+                               help="How long to wait for the move: seconds, or 90s, 10m (0: ask and return)."),
     deadline: Optional[float] = typer.Option(None, "--deadline", parser=seconds, metavar="DURATION",
                                              help="The host goes in this long (30s, 2m): recorded as a notice; "
                                                   "too short to move, the checkpoint is copied and the tasks "
@@ -191,6 +193,8 @@ def _select_hosts(path: str, known: list[str], hosts: str | None) -> list[str]:
     if not hosts:
         return known
     names = list(dict.fromkeys(h.strip() for h in hosts.split(",") if h.strip()))   # a,a: once
+    if not names:
+        raise UsageError(f"--hosts {hosts!r}: names no host (hosts: {', '.join(known)})")
     for name in names:
         if name not in known:
             raise UsageError(f"--hosts: no host named {name!r} in {path}"
@@ -224,6 +228,17 @@ def watch_status(plan, interval: float, json_: bool) -> int:
     except KeyboardInterrupt:
         raise StoppedWatching() from None
     return ExitCode.OK
+
+
+def slurm_ranks(plan) -> dict:
+    """`plan --to slurm --json`: the rank table's rows as objects, under the job's shape."""
+    from tfcluster.engines.slurm import rank_table, shape
+
+    nodes, per_node, gpus = shape(plan)
+    ranks = [{"rank": rank, "node": node, "local": local, "task": None if task == "-" else task,
+              "host": host, "gpus": [] if shown == "-" else [int(g) for g in shown.split(",")]}
+             for rank, node, local, task, host, shown in rank_table(plan)]
+    return {"nodes": nodes, "tasks_per_node": per_node, "gpus_per_node": gpus, "ranks": ranks}
 
 
 def print_ranks(plan) -> None:

@@ -142,7 +142,8 @@ def run_task(cfg: dict, cluster: dict, job: str, index: int, address: str, port:
     server = script = None
     try:
         if job in cfg["server_jobs"]:
-            env = {**env, "TFCLUSTER_MASTER": f"grpc://{address}:{port}"}
+            target = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"    # IPv6 in brackets
+            env = {**env, "TFCLUSTER_MASTER": f"grpc://{target}"}
             server = start([sys.executable, os.path.join(cwd, "tfserver.py")], env, cwd, prefix)
             wait_listening(address, port, server)
         if job in cfg["script_jobs"] and cfg["script"]:

@@ -74,6 +74,8 @@ def _mkdir_or_refuse(path):
     except PermissionError:
         raise Refused("%s: permission denied (its directory is not yours to write): "
                       "use a directory of your own" % path) from None
+    except OSError as e:        # a read-only or full filesystem, a place no directory can be
+        raise Refused("%s: cannot make this directory: %s" % (path, e.strerror or e)) from None
 
 
 def private_dir(path, top="/"):

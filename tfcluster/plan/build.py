@@ -31,6 +31,7 @@ from tfcluster.spec import (
     Spec,
     layout_tasks,
 )
+from tfcluster.spec.addresses import host_port
 from tfcluster.spec.model import JAX_PER_TASK_ENV
 from tfcluster.spec.shipped import ScriptScan
 from tfcluster.transport.options import SshOptions
@@ -164,7 +165,7 @@ def _cluster_dict(mode: str, slots, addresses: dict[str, str]) -> dict[str, list
     cluster: dict[str, list[str]] = {}
     for slot in slots:
         if slot.job in jobs:
-            cluster.setdefault(slot.job, []).append(f"{addresses[slot.host]}:{slot.port}")
+            cluster.setdefault(slot.job, []).append(host_port(addresses[slot.host], slot.port))
     return cluster
 
 
@@ -195,7 +196,7 @@ def _task_plan(spec: Spec, slot, address: str, cluster_json: str, chief: str, pl
         env.update(jax_env(placeholders["worker_hosts"].split(",")[0], placeholders["num_workers"],
                            slot.index, bool(slot.gpus), spec.env))
     if runs_server:
-        env["TFCLUSTER_MASTER"] = f"grpc://{address}:{slot.port}"
+        env["TFCLUSTER_MASTER"] = f"grpc://{host_port(address, slot.port)}"
     argv: tuple[str, ...] = ()
     if slot.job in SCRIPT_JOBS[mode] and spec.train.script:
         values = {**placeholders, "job": slot.job, "index": str(slot.index)}

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from tfcluster.host import HOST_DIR
 from tfcluster.plan.names import task_key
 from tfcluster.spec import Checks, Progress, Restart, Spec, has_userinfo, is_secret
-from tfcluster.spec.addresses import machine_of
+from tfcluster.spec.addresses import host_port, machine_of
 from tfcluster.spec.model import STOP_GRACE
 from tfcluster.spec.shipped import ScriptScan
 from tfcluster.transport.options import SshOptions
@@ -90,7 +90,7 @@ class TaskPlan:
 
     @property
     def target(self) -> str:
-        return f"{self.address}:{self.port}"
+        return host_port(self.address, self.port)
 
     @property
     def runs_script(self) -> bool:

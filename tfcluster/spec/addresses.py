@@ -56,6 +56,12 @@ def _is_hostname(value: str) -> bool:
     return not all(label.isdigit() for label in labels)   # 10.1.0.300 is a broken IPv4
 
 
+def host_port(address: str, port: int | str) -> str:
+    """`address:port` as gRPC, TF's ClusterSpec and JAX read it: an IPv6 address in brackets
+    (`[::1]:2222`), since `::1:2222` is itself an IPv6 address, with no port."""
+    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+
+
 def machine_of(address: str) -> str:
     """One key per machine. Every loopback address is this machine: a TF server binds every
     interface, so 127.0.0.2:P and 127.0.0.3:P are the same port."""
@@ -77,6 +83,10 @@ def parse_jump_host(node: yaml.Node, field: str) -> str:
     problem = _address_problem(host) if ok else "must be [user@]host[:port]"
     if not problem and port and not 1 <= int(port) <= 65535:
         problem = "port must be from 1 to 65535"
+    if problem and ":" in user:     # user:password@host: never echo what may be a password
+        name = user.partition(":")[0]
+        raise BadValue(line_of(node), field, f"must be [user@]host[:port], with no password (SSH logs in with "
+                                             f"a key here): {name + ':***@' + rest!r}")
     if problem:
         raise BadValue(line_of(node), field, f"{problem}: {value!r}")
     return value

@@ -27,13 +27,14 @@ def layout_tasks(spec: Spec) -> tuple[Slot, ...]:
     hosts = {h.name: h for h in spec.hosts}
     order = {name: i for i, name in enumerate(JOB_NAMES)}
     every = spec.train.mode == "keras-jax"
+    # keras-jax takes no other job: those are refused by name (check_jobs), not by GPU count
     placed = [p for job in sorted(spec.jobs, key=lambda j: order[j.name])
-              for p in _place(job, hosts, all_gpus=every and not job.gpus_set)]
-    return tuple(_assign_gpus(spec.path, placed, hosts))
+              for p in _place(job, hosts, all_gpus=every and not job.gpus_set and job.name == "worker")]
+    return tuple(_assign_gpus(spec.path, placed, hosts, every))
 
 
 def _assign_gpus(path: str, placed: list[tuple[Job, int, str, int, int]],
-                 hosts: dict[str, Host]) -> Iterator[Slot]:
+                 hosts: dict[str, Host], jax: bool = False) -> Iterator[Slot]:
     need: dict[str, int] = {}          # totals, so the error says what the host would need
     for _, _, host, _, k in placed:
         need[host] = need.get(host, 0) + k
@@ -41,8 +42,12 @@ def _assign_gpus(path: str, placed: list[tuple[Job, int, str, int, int]],
     for job, index, host, port, k in placed:
         start = used.get(host, 0)
         if start + k > hosts[host].gpus:
+            taken = jax and not job.gpus_set and job.name == "worker"
             raise spec_error(path, job.line, sub_field("jobs", job.name),
-                              f"host {host} has {hosts[host].gpus} GPUs but its tasks need {need[host]}")
+                             f"host {host} has {hosts[host].gpus} GPUs but its tasks need {need[host]}"
+                             + (" (mode keras-jax gives each process every GPU of its host)" if taken else ""),
+                             "one worker task per host, or one per GPU (per_gpu: true), or set "
+                             "jobs.worker.gpus" if taken else None)
         used[host] = start + k
         yield Slot(job.name, index, host, port, tuple(range(start, start + k)))
 

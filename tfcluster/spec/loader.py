@@ -56,6 +56,8 @@ def check_train_files(spec: Spec) -> Shipped:
 def preview_train_files(spec: Spec) -> tuple[Shipped, str | None]:
     """check_train_files for `plan`, which shows what would ship and never fails on it:
     (the files, None), or ((), why train would refuse them)."""
+    if not spec.train.script:
+        return (), f"{spec.path}: train.script is not set: there is no script to run (or pass `train --script`)"
     try:
         return check_train_files(spec), None
     except SpecError as exc:

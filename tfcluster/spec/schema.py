@@ -59,7 +59,6 @@ from tfcluster.spec.yamltree import (
     as_list,
     as_name,
     as_path,
-    as_positive,
     as_str,
     as_word,
     fields_of,
@@ -152,7 +151,7 @@ _SSH_PARSERS: dict[str, Callable[[yaml.Node, str], Any]] = {
     "known_hosts": as_path,
     "host_key_policy": lambda n, f: as_choice(n, f, HOST_KEY_POLICIES, "host key policy"),
     "jump_host": parse_jump_host,
-    "connect_timeout": as_positive,
+    "connect_timeout": as_duration,
 }
 
 
@@ -229,8 +228,9 @@ def _parse_jobs(node: yaml.Node, hosts: dict[str, Host]) -> tuple[Job, ...]:
     found = fields_of(node, "jobs", AnyKey())
     for key, (key_node, _) in found.items():
         if key not in JOB_NAMES:
-            raise BadValue(line_of(key_node), sub_field("jobs", key), suggest(key, JOB_NAMES, "job"),
-                       hint=f"jobs are {', '.join(JOB_NAMES)}")
+            problem = suggest(key, JOB_NAMES, "job")
+            raise BadValue(line_of(key_node), sub_field("jobs", key), problem,
+                           hint=f"jobs are {', '.join(JOB_NAMES)}" if "did you mean" in problem else None)
     jobs = [_parse_job(name, *found[name], hosts) for name in JOB_NAMES if name in found]
     total = sum(task_count(job, hosts) for job in jobs)
     if total > MAX_TASKS:

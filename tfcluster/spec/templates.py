@@ -35,7 +35,9 @@ def copy_template(mode: str, dest: str | None) -> str:
     """Copy the template for `mode` to `dest` (default train_<mode>.py); returns the path written."""
     modes = [name.replace("_", "-") for name in template_names()]   # one template per mode
     if mode not in modes:
-        raise UsageError(f"unknown mode {mode!r}; choose one of: {', '.join(modes)}")
+        close = mode.replace("_", "-")      # the template's file name given for its mode
+        raise UsageError(f"unknown mode {mode!r}; " + (f"did you mean {close!r}?" if close in modes
+                                                       else f"choose one of: {', '.join(modes)}"))
     name = mode.replace("-", "_") + ".py"
     dest = dest or f"train_{name}"
     data = templates_root().joinpath(name).read_bytes()
@@ -46,7 +48,9 @@ def copy_template(mode: str, dest: str | None) -> str:
     except FileExistsError:
         raise UsageError(f"{dest} already exists; pass another destination") from None
     except FileNotFoundError:
-        raise UsageError(f"cannot write {dest}: no directory {os.path.dirname(dest)}") from None
+        where = os.path.dirname(dest)
+        raise UsageError(f"cannot write {dest}: " + (f"no directory {where}" if where and not os.path.isdir(where)
+                                                     else "No such file or directory")) from None
     except OSError as e:
         raise UsageError(f"cannot write {dest}: {e.strerror}") from None
     with os.fdopen(fd, "wb") as f:

@@ -22,7 +22,6 @@ MAX_DEPTH = 32                    # the schema nests 5 deep; deeper is junk (and
 
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 _INT_RE = re.compile(r"-?[0-9]+")
-_NUM_RE = re.compile(r"[0-9]+(\.[0-9]+)?")
 _DURATION_RE = re.compile(r"([0-9]+(?:\.[0-9]+)?)([smh]?)")
 _NULLS = ("", "~", "null", "Null", "NULL")
 _UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -235,8 +234,9 @@ def fields_of(node: yaml.Node, field: str, allowed: Sequence[str] | AnyKey,
             first = line_of(found[key][0])
             raise BadValue(line_of(key_node), sub_field(field, key), f"duplicate key (first on line {first})")
         if key not in allowed:
-            raise BadValue(line_of(key_node), sub_field(field, key), suggest(key, allowed, "key"),
-                       hint=f"allowed keys here: {', '.join(allowed)}")
+            problem = suggest(key, allowed, "key")
+            raise BadValue(line_of(key_node), sub_field(field, key), problem,     # the list once
+                           hint=f"allowed keys here: {', '.join(allowed)}" if "did you mean" in problem else None)
         found[key] = (key_node, value)
     for key in required:
         if key not in found:
@@ -294,15 +294,6 @@ def as_int(node: yaml.Node, field: str, lo: int, hi: int) -> int:
     return value
 
 
-def as_positive(node: yaml.Node, field: str) -> float:
-    if not is_plain(node) or not _NUM_RE.fullmatch(node.value) or len(node.value) > 15:
-        raise BadValue(line_of(node), field, f"must be a positive number, got {kind_of(node, typed=True)}")
-    value = float(node.value)
-    if value <= 0:
-        raise BadValue(line_of(node), field, f"must be a positive number, got {node.value}")
-    return value
-
-
 DURATION_WORDS = "a positive number of seconds or a duration like 90s, 30m, 2h"
 
 
@@ -330,8 +321,9 @@ def as_bool(node: yaml.Node, field: str) -> bool:
 def as_choice(node: yaml.Node, field: str, choices: Sequence[str], what: str) -> str:
     value = as_str(node, field)
     if value not in choices:
-        raise BadValue(line_of(node), field, suggest(value, choices, what),
-                   hint=f"one of: {', '.join(choices)}")
+        problem = suggest(value, choices, what)
+        raise BadValue(line_of(node), field, problem,
+                       hint=f"one of: {', '.join(choices)}" if "did you mean" in problem else None)
     return value
 
 

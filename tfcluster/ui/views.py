@@ -1,6 +1,6 @@
 """How plans and status look: tables for people, JSON for programs.
 
-Commands shown for copy and paste are quoted word by word (safetext.shell_join); the UI
+Commands shown for copy and paste are quoted word by word (safetext.shell_word); the UI
 escapes every other control character (docs/design/spec-safety.md, "Spec safety")."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import dataclasses
 import json
 
 from tfcluster.plan import Plan, TaskPlan, mask_userinfo, plan_to_dict, policy, redact_env, spare_to_dict
-from tfcluster.safetext import escape, shell_join, shell_word
+from tfcluster.safetext import escape, shell_word
 from tfcluster.ui.units import duration, size
 
 FILES_SHOWN = 20      # files listed by `plan` without --commands (--json lists all)
@@ -47,13 +47,19 @@ def print_plan(ui, plan: Plan, *, commands: bool = False) -> None:
     for t in plan.tasks:
         ui.text(f"\n{t.key} on {t.host}", style="bold")
         if t.runs_server:
-            ui.text(f"  server:  {shell_join(plan.command(t, 'server'))}")
+            ui.text(f"  server:  {_argv(plan.command(t, 'server'))}")
         if t.runs_script:
-            ui.text(f"  script:  {shell_join([mask_userinfo(a) for a in plan.command(t)])}  (in {plan.cluster_dir}/runs/<run id>)")
+            ui.text(f"  script:  {_argv([mask_userinfo(a) for a in plan.command(t)])}  (in {plan.cluster_dir}/runs/<run id>)")
             for name, value in t.script_env:
                 ui.text(f"  script env: {name}={shell_word(value)}  (a client: its server owns the GPU)")
         for name, value in redact_env(t.env, plan.secret_env, plan.public_env).items():
             ui.text(f"  {name}={shell_word(value)}")
+
+
+def _argv(words) -> str:
+    """A task's command as a shell reads it back: the host's shim expands a word that starts
+    with `~/` (its home there), so the `~/` stays outside the quotes, where a shell expands it too."""
+    return " ".join("~/" + shell_word(w[2:]) if w.startswith("~/") and len(w) > 2 else shell_word(w) for w in words)
 
 
 WHAT_A_LOSS_DOES = {

@@ -45,9 +45,9 @@ from tfcluster.plan import policy
 if TYPE_CHECKING:
     from tfcluster.launch.run.runstate import Run
 
-# A drain needs, before the deadline: the scripts' stop with their last save (the grace, 5 s,
-# then KILL), the chief's newest checkpoint copied back (a 2 s sync's copy is small), the
-# servers' stop (2 s); the new tasks then start on the spare whether or not the host is still
+# A drain needs, before the deadline: the scripts' stop with their last save (a few seconds;
+# KILL after train.stop_grace), the chief's newest checkpoint copied back (a 2 s sync's copy is
+# small), the servers' stop (2 s); the new tasks then start on the spare whether or not the host is still
 # there. That is at most about 10 s; twice that is kept, for a loaded host. On the 2-core test
 # machine, loaded, a notice 30 s ahead had the chief stepping again 22.8 s after it, restart
 # on the spare included (docs/hostloss.md, "When a host warns").
