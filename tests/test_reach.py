@@ -20,7 +20,8 @@ import pytest
 from tests.helpers import tagged_processes, tfcluster, wait_for
 from tests.tf_launch import free_ports
 from tfcluster.host import shim_net
-from tfcluster.launch.cluster.reach import Failure, _error, can_connect
+from tfcluster.errors import PreflightError
+from tfcluster.launch.cluster.reach import Failure, _error, can_connect, check_reachability
 from tfcluster.launch.cluster.session import Session
 from tfcluster.plan import build_plan
 from tfcluster.spec import load_spec
@@ -341,14 +342,28 @@ def test_plan_check_reports_it_and_the_switch_turns_it_off(tmp_path, home, ssh_h
 
 # ------------------------------------------------------------------ the package side, locally
 
-def local_plan(tmp_path: Path, mode: str = "between-graph", ports=None):
+def local_plan(tmp_path: Path, mode: str = "between-graph", ports=None, address: str = "127.0.0.1"):
     ports = ports or free_ports(3)
     spec = tmp_path / "loc.yaml"
     jobs = (f"  ps: {{tasks: ['local:{ports[0]}']}}\n" if mode != "mirrored" else "") + \
         f"  worker: {{tasks: ['local:{ports[1]}', 'local:{ports[2]}']}}\n"
-    spec.write_text(f"name: loc\nworkdir: {tmp_path / 'remote'}\nhosts:\n  - {{name: local, address: 127.0.0.1}}\n"
+    spec.write_text(f"name: loc\nworkdir: {tmp_path / 'remote'}\nhosts:\n  - {{name: local, address: '{address}'}}\n"
                     f"jobs:\n{jobs}train:\n  mode: {mode}\n")
     return spec, build_plan(load_spec(str(spec)))
+
+
+def test_an_ipv6_task_nothing_answers_at_is_named_with_its_bracketed_address(tmp_path, home):
+    """On IPv6's loopback: worker:1 counted as served already, so no rehearsal listener
+    stands in for it, and nothing listens at its port: the check names it at `[::1]:PORT`."""
+    ports = free_ports(3)
+    _, plan = local_plan(tmp_path, ports=ports, address="::1")
+    with Session(plan, UI(io.StringIO(), io.StringIO())) as session:
+        session.open()
+        with pytest.raises(PreflightError) as refused:
+            check_reachability(session, served={"worker:1"}, timeout=2)
+    assert refused.value.message == f"host local cannot reach worker:1 at [::1]:{ports[2]}: connection refused"
+    assert refused.value.hint.startswith(f"nothing listens at [::1]:{ports[2]} as seen from local: a firewall "
+                                         "rejects the port, or ::1 names another machine"), refused.value.hint
 
 
 def test_can_connect_reports_each_target_without_listening(tmp_path, home, refused_port):

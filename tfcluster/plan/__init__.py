@@ -29,11 +29,12 @@ from tfcluster.plan.model import (
 )
 from tfcluster.plan.view import REDACTED, env_redactor, plan_to_dict, redact_env, spare_to_dict
 from tfcluster.spec import JOB_NAMES, Restart, mask_userinfo
+from tfcluster.spec.addresses import host_port
 from tfcluster.spec.model import STOP_GRACE
 
 __all__ = [
     "DEFAULT_PYTHON", "ENV_DEFAULTS", "HOST_DIR", "JAX_COORDINATOR_ENV", "JAX_ENV", "JOB_NAMES", "REDACTED",
     "SCRIPT_JOBS", "SERVER_JOBS", "STOP_GRACE", "CheckpointPlan", "HostPlan", "Plan", "Restart", "TaskPlan",
-    "build_plan", "env_redactor", "interpreter", "jax_env", "mask_userinfo", "plan_to_dict", "redact_env", "runs_in_process",
+    "build_plan", "env_redactor", "host_port", "interpreter", "jax_env", "mask_userinfo", "plan_to_dict", "redact_env", "runs_in_process",
     "shim_bindir", "spare_to_dict", "tf_config_json",
 ]

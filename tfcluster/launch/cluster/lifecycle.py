@@ -17,7 +17,7 @@ from tfcluster.launch.cluster.preflight import check_started_ports, check_versio
 from tfcluster.launch.cluster.reach import check_reachability
 from tfcluster.launch.cluster.servers import READY_TIMEOUT, Started, start_detached
 from tfcluster.launch.cluster.session import Session, server_tasks
-from tfcluster.plan import Plan, TaskPlan, names
+from tfcluster.plan import Plan, TaskPlan, host_port, names
 
 
 def up(plan: Plan, ui, timeout: float = READY_TIMEOUT, allow_skew: bool = False) -> int:
@@ -308,7 +308,7 @@ def _host_rows(session: Session, host: str, surveys: dict) -> list[TaskRow]:
         tag = names.Tag.parse(st.tag)
         if st.alive and not st.warm and tag and not any(
                 _is_task(st.tag, t) and _sees(surveys, t.host, st) for t in session.plan.tasks):
-            rows.append(TaskRow(tag.key, host, f"{address}:{st.port}" if st.port else "-", "running",
+            rows.append(TaskRow(tag.key, host, host_port(address, st.port) if st.port else "-", "running",
                                 st.pid, _uptime(st), None, not st.unrecorded, in_spec=False))
     return rows
 

@@ -61,8 +61,9 @@ def check_reachability(session, tasks: list[TaskPlan] | None = None, served=froz
     ui.info(f"Checking that {len(sources)} host(s) reach {len(tasks)} task address(es)…")
     answers = _exchange(session, sources, listen, targets, timeout, execs or {})
     _raise_busy(answers, tasks)
-    by_target = {t.target: t for t in tasks}
-    failures = [Failure(h, by_target[f"{a}:{p}"].key, f"{a}:{p}", reason)
+    by_pair = {(t.address, t.port): t for t in tasks}
+    # the shim's answers are keyed `address:port` as written, an IPv6 address unbracketed
+    failures = [Failure(h, by_pair[(a, p)].key, by_pair[(a, p)].target, reason)
                 for h in sources for a, p in targets
                 if (reason := answers[h]["results"].get(f"{a}:{p}")) is not None]
     if failures:
