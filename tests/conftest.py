@@ -1,4 +1,4 @@
-"""Suite-wide fixtures: isolated HOME, a leak check after every test, and the speed classes.
+"""Suite-wide fixtures: a private HOME for every test, a leak check after every test, and the speed classes.
 
 Every process tfcluster starts carries TFCLUSTER_JOB_ID in its environment
 (see docs/ARCHITECTURE.md). After each test, no such process that was not there before the
@@ -157,9 +157,17 @@ def no_leaked_processes():
     pytest.fail(f"processes left running after the test: {leaked}")
 
 
+@pytest.fixture(autouse=True)
+def private_home(tmp_path_factory, monkeypatch):
+    """Every test runs with a HOME of its own, `home` or not: what it starts never reads or
+    writes the real ~/.tfcluster or ~/.ssh (a test's `local` cluster would otherwise share the
+    state, lock and ports of the user's own `tfcluster up sample_clusters/local.yaml`)."""
+    monkeypatch.setenv("HOME", str(tmp_path_factory.mktemp("home")))
+
+
 @pytest.fixture
 def home(tmp_path, monkeypatch):
-    """An isolated HOME: no real ~/.ssh or ~/.tfcluster is ever read or written."""
+    """An isolated HOME the test can name (its tmp_path's `home`)."""
     h = tmp_path / "home"
     h.mkdir()
     monkeypatch.setenv("HOME", str(h))
