@@ -157,6 +157,38 @@ def test_a_quiet_watchdog_says_what_it_watched_not_that_nothing_hung(tmp_path):
     assert checks.summary()["hang"] == "2 diagnosis(es)"
 
 
+def test_a_task_that_never_printed_is_said_silent_once_a_minute_not_at_every_tick(tmp_path):
+    """A script that has printed nothing since its start 90 s ago: the run's checks, ticked
+    five times on the real clocks, say it once. Its start was reckoned on the monotonic clock
+    again at every tick, a hair apart each time, and each tick then saw a new silence (two
+    warnings a second, 2,208 in ten minutes). Only the diagnosis itself (which dials the
+    task's host) is left out: what the ticks hand it is recorded."""
+    import time
+    from types import SimpleNamespace
+
+    from tfcluster.diagnose.checks import RunChecks
+    from tfcluster.plan import build_plan
+    from tfcluster.spec import load_spec
+
+    plan = build_plan(load_spec(str(local_spec(tmp_path, mode="mirrored", script="template:mirrored", ps=0))))
+    checks = RunChecks(plan, ui=None, log_dir=str(tmp_path), wake=lambda: None)
+    said: list[str] = []
+
+    def record(due, procs, mux) -> None:
+        said.extend(w.waiter for w in due)
+        checks._diagnosing.release()
+
+    checks._diagnose = record
+    proc = SimpleNamespace(role="script", exit_code=None, handle=object(), task=plan.task("worker:0"),
+                           key="worker:0", attempt_started=time.time() - 90)
+    quiet = SimpleNamespace(last_output=lambda key: None)
+    for _ in range(5):
+        checks.tick([proc], quiet)
+        wait_for(lambda: checks._diagnosing.acquire(blocking=False) and not checks._diagnosing.release(),
+                 timeout=10, what="the diagnosis thread done")
+    assert said == ["worker:0"], said
+
+
 # TF's stall messages. BLOCKED is real: TF 2.21, a session on worker:0's in-process server whose
 # step failed on ps:0 (an assert) while worker:0's own part of it slept in a py_func; TF said
 # so once, 120 s into the step, which is too long for a test, so the test feeds the lines.

@@ -48,6 +48,7 @@ class RunChecks:
             if plan.checks.hang_after > 0 else None
         self._keys = {t.key for t in plan.tasks}
         self._diagnosing = threading.Lock()
+        self._starts: dict[tuple[str, float], float] = {}   # (task, attempt's wall start): monotonic
         self.diagnoses = 0
 
     def adopt(self, plan: Plan) -> None:
@@ -104,7 +105,11 @@ class RunChecks:
         # other than 0) is not silent while another prints
         latest = max((mux.last_output(p.key) or 0.0 for p in scripts), default=0.0) if self.jax else 0.0
         for p in scripts:     # a ps that runs the script (classic mode) serves silently: normal
-            started = now - max(0.0, time.time() - p.attempt_started)
+            # the attempt's start on the monotonic clock, reckoned once: reckoned again each tick
+            # it moved by the two clocks' read apart, and a task that never printed looked like
+            # a new silence every tick (its warning then came twice a second, not once a minute)
+            started = self._starts.setdefault((p.key, p.attempt_started),
+                                              now - max(0.0, time.time() - p.attempt_started))
             since = max(mux.last_output(p.key) or started, latest)
             self.watchdog.silent(p.task.key, since, now, started)
         due = self.watchdog.due(now, running)
