@@ -204,7 +204,9 @@ class ClusterLock:
             pid, command = holder_of(holder)
             raise LockedError(
                 f"cluster {self.label or repr(self.name)} is busy: {holder}",
-                hint="wait for it to finish, or stop it with Ctrl-C / `tfcluster down`",
+                # not `tfcluster down`: it takes this lock too, and would be refused the same way
+                hint="wait for it to finish, or stop it: Ctrl-C in its terminal"
+                     + (f", or `kill {pid}` (SIGTERM: it stops everything it started, as on Ctrl-C)" if pid else ""),
                 holder_pid=pid, holder_command=command,
             ) from None
         os.ftruncate(fd, 0)
