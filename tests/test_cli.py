@@ -3,10 +3,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
-from tests.helpers import GPU_LAB, LOCAL, tfc, tfcluster
+import psutil
+import pytest
+
+from tests.helpers import GPU_LAB, LOCAL, read_until, start_tfcluster, tfc, tfcluster, wait_for
 
 
 def test_version_and_help_exit_0_and_help_has_an_example_per_command():
@@ -272,6 +276,40 @@ def test_exec_counts_a_signal_as_a_failure_ends_stdin_and_runs_a_repeated_host_o
     assert cat.returncode == 0 and cat.stdout == "", (cat.returncode, cat.stderr)
     once = tfc("exec", str(spec), "--hosts", "a,a", "--", "echo", "hi")
     assert once.returncode == 0 and once.stdout.count("hi") == 1, once.stderr    # was a traceback
+
+
+@pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGTERM])
+def test_exec_interrupted_stops_the_command_it_started(tmp_path, home, how):
+    """Ctrl-C (the terminal's group gets SIGINT) or a SIGTERM while `exec` runs a long command:
+    exit 130 or 143, and the command is gone too, not left running without its launcher (a
+    command with no terminal is sent no signal when its channel closes)."""
+    marker = f"{tmp_path}/exec-marker-{how}"     # the command's $0: its process is found by it
+    proc = start_tfcluster("exec", LOCAL, "--", "sh", "-c", "echo started; sleep 1000; :", marker,
+                           home=home, cwd=tmp_path)
+    try:
+        read_until(proc, r"local │ started", timeout=30)
+        wait_for(lambda: _running(marker), timeout=10, what="the command running")
+        started = [psutil.Process(pid) for pid in _running(marker)]
+        started += [child for p in started for child in p.children(recursive=True)]   # its sleep too
+        if how == signal.SIGINT:
+            os.killpg(proc.pid, how)
+        else:
+            proc.send_signal(how)
+        proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 128 + how
+    assert len(started) == 2, started
+    wait_for(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in started),
+             timeout=10, what="the command and its child stopped with exec")
+
+
+def _running(marker: str) -> list[int]:
+    """The command exec runs (the launcher and the wrapper have the marker among their words too)."""
+    command = ["sh", "-c", "echo started; sleep 1000; :", marker]
+    return [p.pid for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == command]
 
 
 def test_render_to_a_directory_prints_a_next_step_that_works_from_here(tmp_path):

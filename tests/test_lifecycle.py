@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.helpers import (
@@ -238,6 +240,35 @@ def test_exec_prefixes_output_per_host_and_returns_the_worst_exit_code(tmp_path,
                        'test "$(hostname -I 2>/dev/null; echo)" && exit 3', home=home, cwd=cwd)
     assert result.returncode == 3
     assert "h2" not in result.stdout
+
+
+def test_exec_interrupted_stops_the_command_on_every_ssh_host(tmp_path, home, ssh_home, sshd, cwd):
+    """Ctrl-C while `exec` runs a long command over SSH: exit 130, and on each host the command
+    and its child are gone (sshd sends a command without a terminal no signal when its channel
+    closes: the wrapper's watcher sees its stdin end and stops the command's group)."""
+    marker = f"{tmp_path}/ssh-exec-marker"
+    command = ["sh", "-c", "echo started; sleep 1000; :", marker]
+    spec = ssh_spec(tmp_path, sshd, name="execint")
+    proc = start_tfcluster("exec", str(spec), "--", *command, home=home, cwd=cwd)
+
+    def running() -> list[psutil.Process]:
+        return [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == command]
+
+    try:
+        seen: set[str] = set()
+        while len(seen) < 3:      # the hosts answer in any order
+            seen.add(read_until(proc, r"(h2|h3|h4) │ started", timeout=60)[-1].split()[0])
+        wait_for(lambda: len(running()) == 3, timeout=10, what="the command running on the three hosts")
+        started = running()
+        started += [child for p in started for child in p.children(recursive=True)]
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.communicate(timeout=30)
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 130
+    assert len(started) == 6, started
+    wait_for(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in started),
+             timeout=10, what="the command and its child stopped on every host")
 
 
 def test_env_values_arrive_byte_for_byte_and_run_nothing(tmp_path, home, ssh_home, sshd, cwd):

@@ -1,8 +1,8 @@
 """`tfcluster exec`: one command on many hosts, output prefixed per host.
 
 The command runs as plain words through each host's agent (no shim, no Python
-needed there, so `exec` can install what the hosts lack); stderr is merged into
-stdout on the host so lines keep their order.
+needed there, so `exec` can install what the hosts lack), under a small sh that
+merges its stderr into stdout and stops it when exec is interrupted.
 """
 from __future__ import annotations
 
@@ -12,6 +12,18 @@ from tfcluster.errors import ExitCode, TfclusterError
 from tfcluster.launch.cluster.session import Session
 
 EXEC_FANOUT = 64
+# The command runs in the background of a small sh, stderr merged into stdout on the host (lines
+# keep their order), stdin /dev/null (as `ssh -n`: a command that reads it sees its end, not a
+# pipe held open for ever), in a process group of its own where `setsid` is there. A watcher
+# holds the channel's own stdin: its end (exec interrupted, or the launcher gone: ssh closes
+# the channel) TERMs that group, which without a terminal would otherwise run on orphaned.
+# A command killed by a signal is reported as killed by it.
+_WRAP = ('exec 3<&0 </dev/null; '
+         'if command -v setsid >/dev/null 2>&1; then setsid "$@" 3<&- 2>&1 & else "$@" 3<&- 2>&1 & fi; c=$!; '
+         '(cat <&3 >/dev/null 2>&1; kill -TERM -"$c" 2>/dev/null || kill -TERM "$c") >/dev/null 2>&1 & w=$!; '
+         'exec 3<&-; '
+         'wait "$c"; rc=$?; kill "$w" 2>/dev/null; '
+         'if [ "$rc" -gt 128 ]; then kill -"$((rc - 128))" $$; fi; exit "$rc"')
 
 
 @dataclass(frozen=True)
@@ -22,9 +34,7 @@ class ExecOutcome:
 
 def exec_on_hosts(session: Session, argv: list[str], mux) -> ExecOutcome:
     """Run argv on each of the session's hosts in parallel, feeding `mux` per host."""
-    # stderr merged on the host; stdin is /dev/null (as `ssh -n`): nothing is forwarded, and
-    # a command that reads it must see its end, not wait forever; argv stays quoted
-    wrapped = ["sh", "-c", 'exec "$@" 2>&1 </dev/null', "sh", *argv]
+    wrapped = ["sh", "-c", _WRAP, "sh", *argv]       # argv stays word for word
 
     def run_one(name: str) -> int:
         try:
