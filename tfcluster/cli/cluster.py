@@ -171,8 +171,8 @@ def exec_(
 ) -> int:
     """Run a command on every host in parallel, output prefixed by host.
 
-    Exit code is the worst of the hosts'. The command is passed as words (no shell);
-    use `sh -c '...'` for pipes.
+    Exit code is the worst of the hosts'. The command's words reach it as they are
+    (no shell reads them); use `sh -c '...'` for pipes. Ctrl-C stops it on every host.
 
     Example:  tfcluster exec lab.yaml --hosts gpu0,gpu1 -- nvidia-smi -L
     """
