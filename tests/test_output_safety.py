@@ -307,6 +307,26 @@ def test_logs_of_lab_are_never_those_of_lab_x(tmp_path):
     assert other.returncode == 2 and "no run 'lab-x-20260101-000000-abcd'" in other.stderr
 
 
+def test_a_server_log_the_summary_names_is_shown_when_asked_for_and_only_then(tmp_path):
+    """A task that runs a script and a server keeps the server's output in worker-1.server.log,
+    which the summary names (`last lines of worker:1.server`): `logs SPEC worker:1.server`
+    shows it; `logs SPEC` shows the scripts' logs alone, as before."""
+    runs = tmp_path / "runs"
+    _run(runs, "lab-20251231-235959-00ff", {"worker-0.log": "script 0\n", "worker-1.log": "script 1\n",
+                                             "worker-1.server.log": "server 1 said\n", "ps-0.log": "ps\n"})
+    spec = tmp_path / "lab.yaml"
+    spec.write_text("name: lab\nhosts: [{name: a, address: 10.0.0.1}]\n"
+                    "jobs: {ps: {count: 1, hosts: [a], port: 2222}, worker: {count: 2, hosts: [a], port: 2300}}\n")
+    server = tfc("logs", str(spec), "worker:1.server", cwd=str(tmp_path))
+    assert server.returncode == 0, server.stderr
+    assert server.stdout.splitlines() == ["worker:1.server │ server 1 said"]
+    every = tfc("logs", str(spec), cwd=str(tmp_path))
+    assert "server 1 said" not in every.stdout and "worker:1 │ script 1" in every.stdout
+    bad = tfc("logs", str(spec), "worker:0.server", cwd=str(tmp_path))
+    assert bad.returncode == 2 and "has no log for worker:0.server (has: ps:0, worker:0, worker:1, " \
+        "worker:1.server)" in bad.stderr, bad.stderr
+
+
 def test_logs_show_only_task_logs_whatever_else_the_run_dir_holds(tmp_path):
     runs = tmp_path / "runs"
     _run(runs, "lab-20251231-235959-00ff", {"worker-0.log": "ok\n", f"{CLEAR}evil-0.log": "x\n",
