@@ -32,8 +32,9 @@ def train(
 
     Brings up the servers the mode needs (or reuses a cluster that is `up`), ships the
     script, runs it on each task, saves logs under runs/<run id>/ and prints a summary.
-    Exit code follows the chief (all workers in mirrored/classic mode). Ctrl-C stops
-    everything in order (exit 130).
+    Succeeds once the chief does (every worker in mirrored, classic and keras-jax
+    mode); a script that fails ends the run (exit 5). Ctrl-C stops everything in
+    order (exit 130).
 
     Example:  tfcluster train sample_clusters/local.yaml -- --steps 500
     """
