@@ -258,9 +258,15 @@ def test_exec_interrupted_stops_the_command_on_every_ssh_host(tmp_path, home, ss
         seen: set[str] = set()
         while len(seen) < 3:      # the hosts answer in any order
             seen.add(read_until(proc, r"(h2|h3|h4) │ started", timeout=60)[-1].split()[0])
-        wait_for(lambda: len(running()) == 3, timeout=10, what="the command running on the three hosts")
+        def settled() -> bool:      # three commands, each with its sleep exec'd (a fork has their words)
+            try:
+                return len(running()) == 3 and all([c.name() for c in p.children()] == ["sleep"] for p in running())
+            except psutil.Error:
+                return False
+
+        wait_for(settled, timeout=10, what="the command running on the three hosts, their sleeps too")
         started = running()
-        started += [child for p in started for child in p.children(recursive=True)]
+        started += [child for p in started for child in p.children()]
         os.killpg(proc.pid, signal.SIGINT)
         proc.communicate(timeout=30)
     finally:
