@@ -47,10 +47,10 @@ if TYPE_CHECKING:
 
 # A drain needs, before the deadline: the scripts' stop with their last save (a few seconds;
 # KILL after train.stop_grace), the chief's newest checkpoint copied back (a 2 s sync's copy is
-# small), the servers' stop (2 s); the new tasks then start on the spare whether or not the host is still
-# there. That is at most about 10 s; twice that is kept, for a loaded host. On the 2-core test
-# machine, loaded, a notice 30 s ahead had the chief stepping again 22.8 s after it, restart
-# on the spare included (docs/hostloss.md, "When a host warns").
+# small), the servers' stop (2 s); the new tasks then start on the spare whether or not the
+# host is still there. That is at most about 10 s; twice that is kept, for a loaded host. On
+# the 2-core test machine, loaded, a notice 30 s ahead had the chief stepping again 22.8 s
+# after it, restart on the spare included (docs/hostloss.md, "When a host warns").
 MOVE_BUDGET = 20.0
 # A notice further ahead than this waits until this long before its deadline: moving at once
 # would gain nothing, and a withdrawn event then costs nothing.
