@@ -235,18 +235,17 @@ def slurm_ranks(plan) -> dict:
     from tfcluster.engines.slurm import rank_table, shape
 
     nodes, per_node, gpus = shape(plan)
-    ranks = [{"rank": rank, "node": node, "local": local, "task": None if task == "-" else task,
-              "host": host, "gpus": [] if shown == "-" else [int(g) for g in shown.split(",")]}
-             for rank, node, local, task, host, shown in rank_table(plan)]
+    keys = ("rank", "node", "local", "task", "host", "gpus")
+    ranks = [dict(zip(keys, (*row[:5], list(row[5])))) for row in rank_table(plan)]
     return {"nodes": nodes, "tasks_per_node": per_node, "gpus_per_node": gpus, "ranks": ranks}
 
 
 def print_ranks(plan) -> None:
     """`plan --to slurm`: which Slurm rank plays which task."""
-    from tfcluster.engines.slurm import rank_table, shape
+    from tfcluster.engines.slurm import rank_cells, rank_table, shape
 
     nodes, per_node, gpus = shape(plan)
     title = (f"render --to slurm: {nodes} node(s) x {per_node} task(s)"
              + (f", {gpus} GPU(s) per node" if gpus else "") + "; node i plays the i-th host")
     ui.table(title, ("rank", "node", "local", "task", "spec host", "GPUs"),
-             [tuple(map(str, row)) for row in rank_table(plan)])
+             [rank_cells(row) for row in rank_table(plan)])

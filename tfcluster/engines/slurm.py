@@ -58,19 +58,26 @@ def shape(plan: Plan) -> tuple[int, int, int]:
     return len(hosts), per_node, gpus
 
 
-def rank_table(plan: Plan) -> list[tuple[int, int, int, str, str, str]]:
-    """(rank, node, local id, task, spec host, GPUs) for every Slurm task, idle ones as "-"."""
+def rank_table(plan: Plan) -> list[tuple[int, int, int, str | None, str, tuple[int, ...]]]:
+    """(rank, node, local id, task, spec host, GPUs) for every Slurm task; an idle one's task
+    is None and its GPUs ()."""
     _, per_node, _ = shape(plan)
     rows = []
     for node, (host, tasks) in enumerate(layout(plan)):
         for local in range(per_node):
             if local < len(tasks):
                 job, index, gpus = tasks[local]
-                task, shown = f"{job}:{index}", ",".join(map(str, gpus)) or "-"
+                task, used = f"{job}:{index}", tuple(gpus)
             else:
-                task, shown = "-", "-"
-            rows.append((node * per_node + local, node, local, task, host, shown))
+                task, used = None, ()
+            rows.append((node * per_node + local, node, local, task, host, used))
     return rows
+
+
+def rank_cells(row) -> tuple[str, ...]:
+    """A rank_table row as words: an idle task and no GPUs as "-"."""
+    rank, node, local, task, host, gpus = row
+    return str(rank), str(node), str(local), task or "-", host, ",".join(map(str, gpus)) or "-"
 
 
 def _bundle(plan: Plan) -> bytes:
@@ -112,7 +119,8 @@ def render_slurm(plan: Plan) -> Rendered:
         f"# Submit: sbatch {plan.name}.sbatch    Output: {plan.name}-<job id>.out",
         "#",
         "# rank  node  local  task          spec host      GPUs (of the node's)",
-        *(f"# {r:>4}  {n:>4}  {lo:>5}  {t:<12}  {h:<13}  {g}" for r, n, lo, t, h, g in rank_table(plan)),
+        *(f"# {r:>4}  {n:>4}  {lo:>5}  {t:<12}  {h:<13}  {g}"
+          for r, n, lo, t, h, g in map(rank_cells, rank_table(plan))),
         "#",
         f"#SBATCH --job-name={plan.name}",
         f"#SBATCH --nodes={nodes}",

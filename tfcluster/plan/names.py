@@ -123,12 +123,18 @@ def log_file(mux_key: str) -> str:
     return mux_key.replace(":", "-") + ".log"
 
 
-def key_of_log(filename: str) -> str | None:
-    """The task key a script's log file belongs to; None for anything else (servers too)."""
-    if not filename.endswith(".log") or filename.endswith(".server.log"):
+def key_of_log(filename: str, servers: bool = False) -> str | None:
+    """The task key a script's log file belongs to; None for anything else. `servers`: a
+    task's server log beside its script's too, as its LogMux key (`worker:1.server`)."""
+    if not filename.endswith(".log"):
         return None
-    job, sep, index = filename[:-4].rpartition("-")
-    return task_key(job, int(index)) if sep and job and index.isdigit() else None
+    stem, server = filename[:-4], filename.endswith(".server.log")
+    if server and not servers:
+        return None
+    job, sep, index = stem.removesuffix(".server").rpartition("-")
+    if not (sep and job and index.isdigit()):
+        return None
+    return task_key(job, int(index)) + (".server" if server else "")
 
 
 def mux_key(key: str, role: str, task_runs_both: bool) -> str:

@@ -27,10 +27,15 @@ def layout_tasks(spec: Spec) -> tuple[Slot, ...]:
     hosts = {h.name: h for h in spec.hosts}
     order = {name: i for i, name in enumerate(JOB_NAMES)}
     every = spec.train.mode == "keras-jax"
-    # keras-jax takes no other job: those are refused by name (check_jobs), not by GPU count
     placed = [p for job in sorted(spec.jobs, key=lambda j: order[j.name])
-              for p in _place(job, hosts, all_gpus=every and not job.gpus_set and job.name == "worker")]
+              for p in _place(job, hosts, all_gpus=_takes_all(job, every))]
     return tuple(_assign_gpus(spec.path, placed, hosts, every))
+
+
+def _takes_all(job: Job, jax: bool) -> bool:
+    """Mode keras-jax, no `gpus:` written: each worker takes every GPU of its host (JAX's one
+    process per host). It takes no other job: those are refused by name, not by GPU count."""
+    return jax and not job.gpus_set and job.name == "worker"
 
 
 def _assign_gpus(path: str, placed: list[tuple[Job, int, str, int, int]],
@@ -42,7 +47,7 @@ def _assign_gpus(path: str, placed: list[tuple[Job, int, str, int, int]],
     for job, index, host, port, k in placed:
         start = used.get(host, 0)
         if start + k > hosts[host].gpus:
-            taken = jax and not job.gpus_set and job.name == "worker"
+            taken = _takes_all(job, jax)
             raise spec_error(path, job.line, sub_field("jobs", job.name),
                              f"host {host} has {hosts[host].gpus} GPUs but its tasks need {need[host]}"
                              + (" (mode keras-jax gives each process every GPU of its host)" if taken else ""),

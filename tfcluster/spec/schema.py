@@ -68,6 +68,7 @@ from tfcluster.spec.yamltree import (
     parse_duration,
     sub_field,
     suggest,
+    unknown,
 )
 
 _TOP_KEYS = ("name", "python", "workdir", "env", "secret_env", "public_env", "ssh", "hosts", "jobs",
@@ -228,9 +229,7 @@ def _parse_jobs(node: yaml.Node, hosts: dict[str, Host]) -> tuple[Job, ...]:
     found = fields_of(node, "jobs", AnyKey())
     for key, (key_node, _) in found.items():
         if key not in JOB_NAMES:
-            problem = suggest(key, JOB_NAMES, "job")
-            raise BadValue(line_of(key_node), sub_field("jobs", key), problem,
-                           hint=f"jobs are {', '.join(JOB_NAMES)}" if "did you mean" in problem else None)
+            raise unknown(line_of(key_node), sub_field("jobs", key), key, JOB_NAMES, "job", "jobs are ")
     jobs = [_parse_job(name, *found[name], hosts) for name in JOB_NAMES if name in found]
     total = sum(task_count(job, hosts) for job in jobs)
     if total > MAX_TASKS:

@@ -64,18 +64,29 @@ def sub_field(field: str, key: str | int) -> str:
     return f"{field}.{key}" if field else key
 
 
+def _closest(word: str, choices: Sequence[str]) -> str | None:
+    close = difflib.get_close_matches(word, list(choices), n=1)
+    return close[0] if close else None
+
+
 def did_you_mean(word: str, choices: Iterable[str]) -> str:
     """`; did you mean 'x'?` for the closest choice, or nothing."""
-    close = difflib.get_close_matches(word, list(choices), n=1)
-    return f"; did you mean {close[0]!r}?" if close else ""
+    close = _closest(word, list(choices))
+    return f"; did you mean {close!r}?" if close else ""
 
 
 def suggest(word: str, choices: Iterable[str], what: str) -> str:
-    choices = list(choices)
-    close = difflib.get_close_matches(word, choices, n=1)
-    if close:
-        return f"unknown {what} {word!r}; did you mean {close[0]!r}?"
-    return f"unknown {what} {word!r}; expected one of: {', '.join(choices)}"
+    return unknown(0, "", word, list(choices), what, "").problem
+
+
+def unknown(line: int, field: str, word: str, choices: Sequence[str], what: str, listed: str) -> BadValue:
+    """`word` is none of `choices`: the closest one suggested, with the whole list as the hint
+    (`listed` names it); with none close, the list in the error itself, said once."""
+    close = _closest(word, choices)
+    if close is None:
+        return BadValue(line, field, f"unknown {what} {word!r}; expected one of: {', '.join(choices)}")
+    return BadValue(line, field, f"unknown {what} {word!r}; did you mean {close!r}?",
+                    hint=f"{listed}{', '.join(choices)}")
 
 
 # --------------------------------------------------------------------------- reading
@@ -234,9 +245,7 @@ def fields_of(node: yaml.Node, field: str, allowed: Sequence[str] | AnyKey,
             first = line_of(found[key][0])
             raise BadValue(line_of(key_node), sub_field(field, key), f"duplicate key (first on line {first})")
         if key not in allowed:
-            problem = suggest(key, allowed, "key")
-            raise BadValue(line_of(key_node), sub_field(field, key), problem,     # the list once
-                           hint=f"allowed keys here: {', '.join(allowed)}" if "did you mean" in problem else None)
+            raise unknown(line_of(key_node), sub_field(field, key), key, allowed, "key", "allowed keys here: ")
         found[key] = (key_node, value)
     for key in required:
         if key not in found:
@@ -321,9 +330,7 @@ def as_bool(node: yaml.Node, field: str) -> bool:
 def as_choice(node: yaml.Node, field: str, choices: Sequence[str], what: str) -> str:
     value = as_str(node, field)
     if value not in choices:
-        problem = suggest(value, choices, what)
-        raise BadValue(line_of(node), field, problem,
-                       hint=f"one of: {', '.join(choices)}" if "did you mean" in problem else None)
+        raise unknown(line_of(node), field, value, choices, what, "one of: ")
     return value
 
 

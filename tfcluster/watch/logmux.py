@@ -49,7 +49,7 @@ from tfcluster.watch.logscan import (
     tf_python_echo,
     utf8_split,
 )
-from tfcluster.watch.metrics import keras_bar, keras_line
+from tfcluster.watch.kerasbar import keras_bar, keras_line
 
 NOTE_MARK = "[tfcluster] "
 HISTORY = 100                 # recent display lines kept per task (tail, summary)

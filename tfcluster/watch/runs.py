@@ -123,16 +123,13 @@ def task_logs(directory: str, run: str, task: str | None = None) -> list[str]:
     """The task keys with a saved log in the run (only `task` when given: a task's server
     beside its script, `worker:1.server`, too, as the summary names it)."""
     # only task logs: another file's name would land in every line's prefix
-    names = os.listdir(directory)
-    keys = sorted(k for k in map(key_of_log, names) if k is not None and k.split(":")[0] in JOB_NAMES)
-    if task is not None:
-        servers = sorted(f"{k}.server" for k in (key_of_log(n[:-len(".server.log")] + ".log")
-                                                  for n in names if n.endswith(".server.log"))
-                         if k is not None and k.split(":")[0] in JOB_NAMES)
-        if task not in keys + servers:
-            raise UsageError(f"run {run} has no log for {task} (has: {', '.join(keys + servers)})")
-        keys = [task]
-    return keys
+    every = sorted(k for k in (key_of_log(n, servers=True) for n in os.listdir(directory))
+                   if k is not None and k.split(":")[0] in JOB_NAMES)
+    if task is None:
+        return [k for k in every if not k.endswith(".server")]
+    if task not in every:
+        raise UsageError(f"run {run} has no log for {task} (has: {', '.join(every)})")
+    return [task]
 
 
 def read_manifest(directory: str, warn=None) -> dict:

@@ -164,8 +164,7 @@ def _error(failures: list[Failure], plan: Plan) -> PreflightError:
 
 
 def _hint(f: Failure, plan: Plan) -> str:
-    owner = plan.task(f.task).host
-    address = f.target.rpartition(":")[0].strip("[]")
+    owner, address = plan.task(f.task).host, plan.task(f.task).address
     off = "or set train.checks.reachability: false to skip this check"
     if f.reason.startswith("name does not resolve"):
         return (f"{address} must resolve on every host, as the tasks dial it (an ~/.ssh/config "
