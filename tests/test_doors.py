@@ -402,14 +402,10 @@ def test_tensorboard_url_is_never_printed_for_another_users_server_on_its_port(o
         "print('trained', flush=True)\n")
     spec = local_spec(tmp_path, python=sys.executable, name="m2",
                       train="{mode: mirrored, script: train.py, tensorboard: " + str(tmp_path / "tb") + "}")
-    impostor = tmp_path / "impostor.py"
-    impostor.write_text(IMPOSTOR)
-    impostor.chmod(0o644)
-    os.chmod(tmp_path, 0o755)        # B reads its script; pytest's tmp tree is root's alone
-    for parent in tmp_path.parents:
-        if str(parent).startswith("/tmp/pytest-of-"):
-            os.chmod(parent, os.stat(parent).st_mode | 0o005)
-    b = other_user.popen([shutil.which("python3", path="/usr/bin:/bin") or "python3", str(impostor), "180"], stdout=subprocess.PIPE, text=True)
+    # B's script goes on its command line: pytest's tmp tree is root's alone, and another
+    # pytest starting on this machine closes it again (0700) whatever a test opened.
+    b = other_user.popen([shutil.which("python3", path="/usr/bin:/bin") or "python3", "-c", IMPOSTOR, "180"],
+                         stdout=subprocess.PIPE, text=True)
     proc = start_tfcluster("train", str(spec), home=home, cwd=tmp_path)
     try:
         assert b.stdout.readline().startswith("bound"), "the impostor never saw TensorBoard's command line"
