@@ -97,6 +97,27 @@ def test_ssh_hosts_carry_transport_options_and_ship_to_the_cluster_bin_dir():
     assert plan.command(plan.task("worker:0"), "server") == ("python3", "~/.tfcluster/loopback/bin/tfserver.py")
 
 
+def test_plan_says_which_hosts_are_this_machine_and_how_the_others_are_reached(tmp_path):
+    """A host at localhost is run without SSH, any other over SSH: the text says which, with
+    the login, port, jump host and host-key policy each group is reached with."""
+    from tfcluster.ui.views import reached
+    spec = tmp_path / "mixed.yaml"
+    spec.write_text(
+        "name: mixed\nssh: {user: ubuntu, jump_host: 'jump@bastion:2200'}\n"
+        "hosts:\n  - {name: me, address: localhost}\n"
+        "  - {name: a, address: 127.0.0.2}\n  - {name: b, address: 127.0.0.3, ssh: {port: 2222, host_key_policy: accept-new}}\n"
+        "jobs:\n  ps: {count: 1, hosts: [me], port: 2222}\n  chief: {count: 1, hosts: [a], port: 2300}\n"
+        "  worker: {count: 1, hosts: [b], port: 2400}\n"
+        "train: {mode: between-graph, script: template:between_graph}\n")
+    plan = build_plan(load_spec(str(spec)), files=())
+
+    assert reached(plan) == ("me is this machine (no SSH); "
+                             "a over SSH (as ubuntu, through jump@bastion:2200, unknown host keys refused); "
+                             "b over SSH (as ubuntu, port 2222, through jump@bastion:2200, unknown host keys: accept-new)")
+    assert reached(sample("loopback_ssh.yaml")).endswith(
+        "over SSH (as ~/.ssh/config names, else as you, port 2222, unknown host keys refused)")
+
+
 def test_loopback_sample_gives_each_host_its_own_port():
     plan = sample("loopback_ssh.yaml")
     assert [(t.key, t.host, t.target, t.is_chief, t.runs_server, t.runs_script) for t in plan.tasks] == [

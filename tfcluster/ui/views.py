@@ -36,6 +36,7 @@ def print_plan(ui, plan: Plan, *, commands: bool = False) -> None:
              f"{len(plan.hosts)} host(s)", ["task", "host", "address", "GPUs", "role"], rows)
     cluster = {job: list(addrs) for job, addrs in plan.cluster}
     ui.text("cluster spec: " + json.dumps(cluster))
+    ui.text("reached: " + reached(plan))
     if plan.mode == "keras-jax" and plan.tasks:
         ui.text(f"JAX coordinator: {plan.tasks[0].target} (process 0); {len(plan.tasks)} processes, "
                 f"started and restarted together")
@@ -54,6 +55,25 @@ def print_plan(ui, plan: Plan, *, commands: bool = False) -> None:
                 ui.text(f"  script env: {name}={shell_word(value)}  (a client: its server owns the GPU)")
         for name, value in redact_env(t.env, plan.secret_env, plan.public_env).items():
             ui.text(f"  {name}={shell_word(value)}")
+
+
+def reached(plan: Plan) -> str:
+    """How tfcluster gets to each host: this machine's own processes, or SSH with whose login,
+    through which jump host, and what it does with a host key it has not seen."""
+    local = [h.name for h in plan.all_hosts if h.local]
+    parts = [f"{', '.join(local)} {'is' if len(local) == 1 else 'are'} this machine (no SSH)"] if local else []
+    groups: dict[tuple, list[str]] = {}
+    for h in plan.all_hosts:
+        if not h.local:
+            o = h.ssh
+            groups.setdefault((o.user, o.port, o.jump_host, o.host_key_policy), []).append(h.name)
+    for (user, port, jump, policy_), names in groups.items():
+        how = [f"as {user}" if user else "as ~/.ssh/config names, else as you",
+               *([f"port {port}"] if port else []),
+               *([f"through {mask_userinfo(jump)}"] if jump else []),
+               "unknown host keys refused" if policy_ == "reject" else f"unknown host keys: {policy_}"]
+        parts.append(f"{', '.join(names)} over SSH ({', '.join(how)})")
+    return "; ".join(parts)
 
 
 def _argv(words) -> str:
