@@ -117,6 +117,18 @@ def test_down_and_drain_take_durations_as_up_and_train_do(tmp_path, home):
     assert bad.returncode == 2 and "hint: see `tfcluster down --help`" in bad.stderr, bad.stderr
 
 
+def test_a_hint_names_the_command_with_the_spec_it_was_given_quoted_for_a_shell(tmp_path, home):
+    """`up` of a mode without servers points at `train` with this very spec, a path with a
+    space quoted so the line pastes."""
+    spec = tmp_path / "my lab.yaml"
+    spec.write_text("name: m\nhosts: [{name: local, address: localhost}]\n"
+                    "jobs: {worker: {count: 1, hosts: [local], port: 22230}}\n"
+                    "train: {mode: mirrored, script: template:mirrored}\n")
+    up = tfcluster("up", str(spec), home=home, cwd=tmp_path)
+    assert up.returncode == 0, up.stderr
+    assert f"nothing to start (`tfcluster train '{spec}'` starts the scripts)" in up.stdout + up.stderr
+
+
 def test_unknown_command_and_unknown_option_exit_2_without_traceback():
     for args in (["frobnicate"], ["plan", LOCAL, "--jsno"]):
         result = tfc(*args)

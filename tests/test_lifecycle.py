@@ -145,7 +145,7 @@ def test_status_says_when_the_spec_changed_since_up(tmp_path, home, cwd):
         assert (f"local: worker:0 runs on port {ports[1]}, not the spec's 127.0.0.1:{new_port} "
                 "(the spec changed since these were started)") in shown.stderr
         assert ("local: worker:1 of cluster 'edited' runs but the spec has no such task there "
-                "(the spec changed since these were started); `tfcluster down` stops it") in shown.stderr
+                f"(the spec changed since these were started); `tfcluster down {spec}` stops it") in shown.stderr
     finally:
         down = tfcluster("down", str(spec), home=home, cwd=cwd)
     assert down.returncode == 0, down.stderr

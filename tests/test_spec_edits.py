@@ -25,7 +25,7 @@ from tfcluster.host.shim_ports import listeners
 from tfcluster.launch.cluster import state
 from tfcluster.launch.cluster.servers import start_detached
 from tfcluster.launch.cluster.session import Session, server_tasks
-from tfcluster.plan import build_plan
+from tfcluster.plan import Plan, build_plan
 from tfcluster.spec import load_spec
 from tfcluster.ui import UI
 
@@ -99,7 +99,7 @@ def test_down_and_status_cover_hosts_the_spec_left_without_tasks_or_dropped(tmp_
                         ("worker:1", "h2", "running", False)]
         shown = tfcluster("status", str(no_task), home=home, cwd=cwd)
         assert ("h2: worker:1 of cluster 'moved' runs but the spec has no such task there (the spec "
-                "changed since these were started); `tfcluster down` stops it") in shown.stderr, shown.stderr
+                f"changed since these were started); `tfcluster down {no_task}` stops it") in shown.stderr, shown.stderr
         state_path(home, spec).unlink()
         down = tfcluster("down", str(no_task), home=home, cwd=cwd)
         assert down.returncode == 0, down.stderr
@@ -158,10 +158,10 @@ def test_up_and_train_refuse_a_running_server_on_another_port_than_the_spec_says
             refused = tfcluster(command, str(spec), home=home, cwd=cwd)
             assert refused.returncode == 4, (command, refused.stderr)
             assert line in refused.stderr, (command, refused.stderr)
-            assert "hint: run `tfcluster down SPEC`" in refused.stderr and "then `tfcluster up SPEC`" in refused.stderr
+            assert f"hint: run `tfcluster down {spec}`" in refused.stderr and f"then `tfcluster up {spec}`" in refused.stderr
             assert tasks_running() == ["ps:0", "worker:0", "worker:1"]
         status = tfcluster("status", str(spec), home=home, cwd=cwd)
-        assert "`tfcluster down` stops it (by its tag), then `tfcluster up` starts it" in status.stderr
+        assert f"`tfcluster down {spec}` stops it (by its tag), then `tfcluster up {spec}` starts it" in status.stderr
         # what status and the hint say works
         assert tfcluster("down", str(spec), home=home, cwd=cwd).returncode == 0
         assert tfcluster("up", str(spec), home=home, cwd=cwd).returncode == 0
@@ -208,10 +208,12 @@ def test_status_warnings_agree_with_how_many_tasks_they_name(tasks, verb, pronou
     err = StringIO()
     rows = [TaskRow(t, "h", "h:1", "running", pid=7 + i, pid_file=False, in_spec=False)
             for i, t in enumerate(tasks)]
-    print_status(UI(StringIO(), err, color=False), types.SimpleNamespace(name="x"), rows)
+    plan = types.SimpleNamespace(name="x", spec_path="my lab.yaml")
+    plan.again = lambda verb, *words: Plan.again(plan, verb, *words)
+    print_status(UI(StringIO(), err, color=False), plan, rows)
     named = ", ".join(tasks)
     assert f"h: {named} of cluster 'x' {verb} but the spec has no such task there" in err.getvalue()
-    assert f"`tfcluster down` stops {pronoun}\n" in err.getvalue()
+    assert f"`tfcluster down 'my lab.yaml'` stops {pronoun}\n" in err.getvalue()
     assert f"h: {named} of cluster 'x' {verb} with no pid file" in err.getvalue()
 
 
@@ -252,7 +254,7 @@ def test_train_refuses_a_running_cluster_with_servers_the_spec_dropped(tmp_path,
         assert train.returncode == 1, train.stderr
         assert ("tfcluster: error: cluster 'fewer' runs 1 server(s) the spec no longer has: worker:1"
                 in train.stderr), train.stderr
-        assert "hint: run `tfcluster down SPEC` (it stops every server of the cluster)" in train.stderr
+        assert f"hint: run `tfcluster down {fewer}` (it stops every server of the cluster)" in train.stderr
         assert "partly up" not in train.stderr
         assert tasks_running() == ["ps:0", "worker:0", "worker:1"]     # nothing started or stopped
         down = tfcluster("down", str(fewer), home=home, cwd=cwd)      # what the hint says works

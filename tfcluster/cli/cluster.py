@@ -157,7 +157,7 @@ def status(
         print_status(ui, p, rows)
         print_watched(ui, watched)
         for host, answer in draining.items():
-            ui.warn(f"{host}: draining ({answer.get('line')}); `tfcluster drain` waits for the move")
+            ui.warn(f"{host}: draining ({answer.get('line')}); {p.again('drain', host)} waits for the move")
     if unreachable:
         raise lifecycle.unreachable_error(unreachable)
     return ExitCode.OK

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from tfcluster.host import HOST_DIR
 from tfcluster.plan.names import task_key
+from tfcluster.safetext import shell_word
 from tfcluster.spec import Checks, Progress, Restart, Spec, has_userinfo, is_secret
 from tfcluster.spec.addresses import host_port, machine_of
 from tfcluster.spec.model import STOP_GRACE
@@ -169,6 +170,11 @@ class Plan:
     def spec_path(self) -> str:
         """The spec's path as the command line gave it, for the commands a hint prints."""
         return self.source.spec.path if self.source is not None else "SPEC"
+
+    def again(self, verb: str, *words: str) -> str:
+        """`tfcluster VERB SPEC WORDS...` with this spec's path, as a hint prints it (each word
+        quoted for a shell)."""
+        return "`" + " ".join(["tfcluster", verb, *map(shell_word, (self.spec_path, *words))]) + "`"
 
     def probes(self) -> str:
         """What the start-up probe reports in a script process ("" : no probe): the

@@ -208,16 +208,16 @@ def print_status(ui, plan: Plan, rows) -> None:
     for r in rows:
         if r.started_port is not None:
             ui.warn(f"{r.host}: {r.task} runs on port {r.started_port}, not the spec's {r.address} "
-                    f"({changed}); `tfcluster down` stops it (by its tag), then `tfcluster up` starts "
+                    f"({changed}); {plan.again('down')} stops it (by its tag), then {plan.again('up')} starts "
                     f"it as the spec says")
     for host in dict.fromkeys(r.host for r in rows if not r.in_spec):
         tasks = [r.task for r in rows if r.host == host and not r.in_spec]
         ui.warn(f"{host}: {', '.join(tasks)} of cluster {plan.name!r} {_runs(tasks)} but the spec has no "
-                f"such task there ({changed}); `tfcluster down` stops {_them(tasks)}")
+                f"such task there ({changed}); {plan.again('down')} stops {_them(tasks)}")
     for host in dict.fromkeys(r.host for r in rows if r.pid_file is False):
         tasks = [r.task for r in rows if r.host == host and r.pid_file is False]
         ui.warn(f"{host}: {', '.join(tasks)} of cluster {plan.name!r} {_runs(tasks)} with no pid file "
-                f"(the cluster's directory there was removed or replaced); `tfcluster down` stops {_them(tasks)}")
+                f"(the cluster's directory there was removed or replaced); {plan.again('down')} stops {_them(tasks)}")
 
 
 def watched_json(plan: Plan, published: dict[str, dict]) -> dict[str, dict]:

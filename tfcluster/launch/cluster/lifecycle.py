@@ -24,7 +24,7 @@ def up(plan: Plan, ui, timeout: float = READY_TIMEOUT, allow_skew: bool = False)
     servers = server_tasks(plan)
     if not servers:
         ui.info(f"mode {plan.mode!r} runs no tfcluster servers: nothing to start "
-                f"(`tfcluster train` starts the scripts)")
+                f"({plan.again('train')} starts the scripts)")
         return ExitCode.OK
     with state.lock(plan, "up"), Session(plan, ui) as session:
         plan = deadhosts.around_dead_hosts(session, ui)      # a host down already: its spare
@@ -42,7 +42,7 @@ def up(plan: Plan, ui, timeout: float = READY_TIMEOUT, allow_skew: bool = False)
         done = False
         try:
             live, busy = session.survey(servers)
-            check_started_ports(servers, live)
+            check_started_ports(plan, servers, live)
             missing = [t for t in servers if t.key not in live]
             if not missing:
                 ui.ok(f"cluster {plan.name!r} is already up ({len(servers)} servers); nothing started")
@@ -175,7 +175,7 @@ def _warn_spare(ui, plan: Plan, unreachable: dict, recorded: dict) -> dict:
     for h in left:
         if h in moved:
             ui.warn(f"{h}: not reached ({unreachable[h]}); `up` started its tasks on {moved[h]}, so it is "
-                    f"left out (`tfcluster down` once it is back stops anything of the cluster left there)")
+                    f"left out ({plan.again('down')} once it is back stops anything of the cluster left there)")
         else:
             ui.warn(f"{h}: not reached ({unreachable[h]}); the spec gives it no task and the local "
                     f"state has no server started there, so it is left out")
@@ -199,10 +199,10 @@ def _down_hint(plan: Plan, unreachable: dict, survivors: list, dropped: dict, bu
                      f"{', '.join(f'host {h}' for h in dropped)}); if those servers are gone for good, "
                      f"remove {state.state_file(state.key(plan))}")
     if unreachable:
-        hints.append("run `tfcluster down` again once the hosts are reachable")
+        hints.append(f"run {plan.again('down')} again once the hosts are reachable")
     elif survivors:
         hints.append("a process that outlives SIGKILL is stuck in the kernel (e.g. on a hung mount); "
-                     "run `tfcluster down` again later")
+                     f"run {plan.again('down')} again later")
     if hints:
         return "; ".join(hints)
     for host, port, holder in busy:

@@ -11,7 +11,7 @@ from tfcluster.diagnose import keras, strategy, versions
 from tfcluster.errors import PreflightError
 from tfcluster.launch.agent.fence import idle_spare
 from tfcluster.launch.cluster.session import Session, by_host, raise_first
-from tfcluster.plan import TaskPlan, names
+from tfcluster.plan import Plan, TaskPlan, names
 from tfcluster.safetext import shell_join
 from tfcluster.ui.views import version_table
 
@@ -114,7 +114,7 @@ def _check_gloo_addresses(session: Session, tasks: list[TaskPlan]) -> None:
                  f"(e.g. `{host.address} {name}`), ahead of any loopback line for it")
 
 
-def check_started_ports(servers: list[TaskPlan], live: dict) -> None:
+def check_started_ports(plan: Plan, servers: list[TaskPlan], live: dict) -> None:
     """A live server (task key -> TaskStatus) whose pid file records another port than the
     spec's: the spec changed since `up`, and reusing it would leave the spec's port closed."""
     for task in servers:
@@ -123,8 +123,8 @@ def check_started_ports(servers: list[TaskPlan], live: dict) -> None:
             raise PreflightError(
                 f"host {task.host}: {task.key} runs on port {st.port}, not the spec's {task.port} "
                 f"(the spec changed since it was started)",
-                hint="run `tfcluster down SPEC` (it stops the cluster's servers by their tag, whatever "
-                     "their port), then `tfcluster up SPEC`")
+                hint=f"run {plan.again('down')} (it stops the cluster's servers by their tag, whatever "
+                     f"their port), then {plan.again('up')}")
 
 
 def check_versions(session: Session, *, allow_skew: bool, report: bool = False) -> None:

@@ -116,16 +116,16 @@ def _prepare_servers(run: Run) -> tuple[list[TaskPlan], set[str]]:
     if gone:       # their TF servers were started with a cluster that has them: not this spec's
         raise TfclusterError(
             f"cluster {run.plan.name!r} runs {len(gone)} server(s) the spec no longer has: {', '.join(gone)}",
-            hint="run `tfcluster down SPEC` (it stops every server of the cluster), then `tfcluster up SPEC` "
-                 "or `tfcluster train SPEC`")
-    check_started_ports(servers, live)
+            hint=f"run {run.plan.again('down')} (it stops every server of the cluster), then "
+                 f"{run.plan.again('up')} or {run.plan.again('train')}")
+    check_started_ports(run.plan, servers, live)
     if live and len(live) == len(servers):
         run.ui.info(f"Using the running cluster ({len(live)} servers from `tfcluster up`)")
         return [], set(live)
     if live:
         raise TfclusterError(
             f"cluster {run.plan.name!r} is partly up ({len(live)} of {len(servers)} servers running)",
-            hint="run `tfcluster up SPEC` to start the missing servers, or `tfcluster down SPEC`")
+            hint=f"run {run.plan.again('up')} to start the missing servers, or {run.plan.again('down')}")
     preflight(run.session, servers, busy=busy)
     return servers, set()
 
