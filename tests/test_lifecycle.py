@@ -122,6 +122,37 @@ def test_status_finds_running_tasks_whose_host_directory_was_removed(tmp_path, h
 
 
 @pytest.mark.tf
+def test_status_during_a_train_without_up_shows_each_servers_own_pid_and_uptime(tmp_path, home, cwd):
+    """A worker runs a TF server and a script, both tagged as the task: its row's port is the
+    server's, so its pid and uptime are the server's too, not the script's."""
+    flag = tmp_path / "flag"
+    script = tmp_path / "wait.py"
+    script.write_text("import os, time\nd = time.monotonic() + 200\n"
+                      f"while not os.path.exists({str(flag)!r}) and time.monotonic() < d:\n    time.sleep(0.05)\n"
+                      "print('waited', flush=True)\n")
+    spec = local_spec(tmp_path, name="during", script=str(script), workers=1)
+    train = start_tfcluster("train", str(spec), home=home, cwd=cwd)
+    try:
+        assert wait_for(lambda: any(t.endswith(":worker:0:script") for t in tagged_processes().values()),
+                        timeout=120), "the worker's script never started"
+        status = tfcluster("status", str(spec), "--json", home=home, cwd=cwd)
+        assert status.returncode == 0, status.stderr
+        rows = {r["task"]: r for r in json.loads(status.stdout)["tasks"]}
+        tags = tagged_processes()
+        for key, job in (("ps:0", "ps"), ("worker:0", "worker")):
+            row = rows[key]
+            assert row["status"] == "running" and row["port_open"], row
+            assert tags[row["pid"]].endswith(f":{job}:0:server"), (row, tags)
+        flag.touch()
+        out, _ = train.communicate(timeout=120)
+        assert train.returncode == 0, out[-2000:]
+    finally:
+        flag.touch()
+        kill_group(train)
+    assert wait_for(lambda: not tagged_processes(), timeout=30)
+
+
+@pytest.mark.tf
 def test_status_says_when_the_spec_changed_since_up(tmp_path, home, cwd):
     """The spec edited while the cluster runs (same name): a server moved to another port
     and a worker removed. `status` matched the old processes to the new tasks by key and

@@ -292,9 +292,10 @@ def _host_rows(session: Session, host: str, surveys: dict) -> list[TaskRow]:
     found = surveys[host]
     rows = []
     for task in tasks:
-        # a task's own pid file first; a process found by its tag alone only without one
+        # a task's own pid file first; a process found by its tag alone only without one; its
+        # server before its script (the row's port is the server's, so its pid and uptime are too)
         mine = sorted((s for s in found.statuses if s.alive and not s.warm and _is_task(s.tag, task)),
-                      key=lambda s: s.unrecorded)
+                      key=lambda s: (s.unrecorded, _role(s.tag) != "server"))
         st = mine[0] if mine else None
         moved = st.port if st and st.port not in (None, task.port) else None
         rows.append(TaskRow(task.key, task.host, task.target, "running" if st else "stopped",
@@ -320,6 +321,11 @@ def _sees(surveys: dict, host: str, st) -> bool:
 
 def _uptime(st) -> float | None:
     return round(st.uptime_s, 1) if st and st.uptime_s is not None else None
+
+
+def _role(tag_text: str) -> str | None:
+    tag = names.Tag.parse(tag_text)
+    return tag.role if tag else None
 
 
 def _is_task(tag_text: str, task: TaskPlan) -> bool:
