@@ -76,6 +76,25 @@ def test_a_one_epoch_fit_is_told_from_evaluate_by_its_size_or_its_val_metrics():
     assert (s.step, s.fit, s.epoch, s.loss, s.metrics) == (70, 3, 1, 0.6, {"val_loss": 0.65})
 
 
+def test_an_evaluate_the_probe_brackets_is_no_fit_though_its_bars_are_a_fits_size():
+    """`evaluate` on the fit's own dataset prints the bars a `fit(epochs=1)` would; the probe's
+    lines around it say which it is, and a one-epoch fit after it still counts."""
+    t = metrics.Tracker()
+    for line in (b"Epoch 1/2", b"20/20 - 1s - 9ms/step - loss: 0.9", b"Epoch 2/2", b"20/20 - 1s - 9ms/step - loss: 0.8",
+                 b"tfcluster-keras: evaluate",
+                 b"20/20 - 0s - 3ms/step - loss: 0.5",          # the same size as the fit's epochs
+                 b"tfcluster-keras: evaluate done",
+                 b"20/20 - 1s - 9ms/step - loss: 0.7"):         # fit(epochs=1): a fit again
+        t.feed("w", line)
+    s = t.state("w")
+    assert (s.step, s.fit, s.loss) == (60, 2, 0.7)
+    t = metrics.Tracker()
+    for line in (b"Epoch 2/2", b"20/20 - 1s - 9ms/step - loss: 0.8", b"tfcluster-keras: evaluate",
+                 b"20/20 - 0s - 3ms/step - loss: 0.5"):
+        t.feed("w", line)
+    assert (t.state("w").step, t.state("w").fit, t.state("w").loss) == (40, 1, 0.8)   # not evaluate's
+
+
 def test_a_restarted_attempt_counts_its_fits_afresh():
     t = metrics.Tracker()
     t.feed_block("worker:0", sample("keras3-fits-v2.txt"))
@@ -130,8 +149,12 @@ def batch_end(batch, logs):
     ends.append(time.time())
 timed = keras.callbacks.LambdaCallback(on_train_batch_end=batch_end)
 model.fit(x, y, batch_size=16, epochs=2, verbose=2, callbacks=[timed])      # Epoch 1/2, 2/2
+print("evaluating", flush=True)
+model.evaluate(x, y, batch_size=16, verbose=2)                               # 20/20, as fit's epochs
+print("evaluated", flush=True)
 model.fit(x, y, batch_size=16, epochs=1, verbose=2, callbacks=[timed])      # no Epoch line
 model.fit(x, y, batch_size=16, epochs=3, verbose=2, callbacks=[timed])
+model.evaluate(x, y, batch_size=16)
 print(f"measured {len(ends)} steps at {(len(ends) - 1) / (ends[-1] - ends[0]):.3f} steps/s", flush=True)
 """
 
@@ -159,7 +182,8 @@ def test_three_fits_give_runs_the_last_fits_step_and_epoch_a_right_rate_and_a_pl
     run = only_run(tmp_path / "runs")
     series = run_series(str(run), read_manifest(str(run)))["worker:0"]
     assert [step for step, _ in series.loss] == [20, 40, 60, 80, 100, 120]     # one point an epoch
-    ends = [float(m) for m in re.findall(r"20/20 - .* loss: ([0-9.]+)", result.stdout)]
+    fits = re.sub(r"evaluating\n.*?evaluated\n", "", result.stdout, flags=re.S)    # evaluate's own 20/20 line
+    ends = [float(m) for m in re.findall(r"20/20 - .* loss: ([0-9.]+)", fits)]
     assert [loss for _, loss in series.loss] == ends
     steps = [step for step, _ in series.rate]
     assert steps == sorted(steps) and steps[-1] == 120 and all(r > 0 for _, r in series.rate)

@@ -72,7 +72,7 @@ def two_runs(tmp_path_factory):
 def test_metrics_reads_the_templates_lines_and_the_target_from_the_arguments():
     t = metrics.Tracker()
     # the prefilter: one `in` each for any other line (the last: a restart's note, metrics.RESTART_NOTE)
-    assert t.markers == (b"tep", b"oss", b"Epoch ", b"; restarting (")
+    assert t.markers == (b"tep", b"oss", b"Epoch ", b"; restarting (", b"tfcluster-keras: ")
     assert t.parse(b"step=120 loss=0.250000") == (120, 0.25)
     assert t.parse(b"tfcluster-result: global_step=300 loss=0.012000") == (300, 0.012)
     assert t.parse(b"Step: 7, Loss: 1e-3") == (7, 0.001)
@@ -108,7 +108,7 @@ def test_custom_patterns_and_their_prefilter():
     class P:
         step, loss, target = r"iter (\d+)", r"xent=([0-9.]+)", 9
     t = metrics.Tracker(P())
-    assert t.markers == (b"iter ", b"xent=", b"Epoch ", b"; restarting (", b"/step", b"ETA: ")   # Keras' bars need their own
+    assert t.markers == (b"iter ", b"xent=", b"Epoch ", b"; restarting (", b"tfcluster-keras: ", b"/step", b"ETA: ")  # Keras' bars need their own
     assert t.parse(b"iter 5 xent=0.5 step=99") == (5, 0.5)
     assert metrics.target_of(P(), ["--steps", "1"]) == 9
 

@@ -83,6 +83,10 @@ class KerasFit:
         self.skipped = k - 1 if self.fits == 1 else 0
         self.first, self.epoch, self.epochs = k, k, n
 
+    def end_pass(self) -> None:
+        """The bars so far are over (an `evaluate` ended): the next is a new pass."""
+        self.passing, self.pass_batch, self.pass_total = False, 0, None
+
     def bar(self, batch: int, total: int | None, loss: bool, val: bool, whole: bool = False) -> int | None:
         """The global step of this bar; None: no step of a fit. `whole`: a `verbose=2` line,
         a pass of its own (unless an `Epoch` line just began one)."""

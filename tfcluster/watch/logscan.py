@@ -84,7 +84,8 @@ def cut_echo(echo: bytes, block: bytes) -> bytes | None:
 
 
 # Lines tfcluster's start-up probe writes for tfcluster itself: saved, never shown live.
-PROBE_MARKS = (b"tfcluster-placement: ", b"tfcluster-not-ready: ", b"tfcluster-strategy: ")
+KERAS_CALL_MARK = b"tfcluster-keras: "      # `evaluate` or `predict` begins (`... done`: ends)
+PROBE_MARKS = (b"tfcluster-placement: ", b"tfcluster-not-ready: ", b"tfcluster-strategy: ", KERAS_CALL_MARK)
 
 
 # Bytes by how often they occur in log text, most often first: a marker is looked for only

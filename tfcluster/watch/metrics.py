@@ -36,7 +36,7 @@ from tfcluster.watch.kerasbar import (
     keras_line,
     keras_metrics,
 )
-from tfcluster.watch.logscan import PROBE_MARKS
+from tfcluster.watch.logscan import KERAS_CALL_MARK, PROBE_MARKS
 
 # `step=3`, `Step: 3`, `global_step=3`; not `last_step=300` (a target) nor `steps=300`
 DEFAULT_STEP = r"(?:global_|\b)[Ss]tep\s*[=:]\s*(\d+)\b"
@@ -154,6 +154,7 @@ class Tracker:
         self.targets = targets or {}
         self.tasks: dict[str, TaskProgress] = {}
         self.fits: dict[str, KerasFit] = {}
+        self.aside: set[str] = set()     # tasks inside a Keras `evaluate` or `predict`
 
     @property
     def markers(self) -> tuple[bytes, ...]:
@@ -161,7 +162,7 @@ class Tracker:
         marker that holds another is left out (the other finds its lines). Every Keras bar
         of `fit` says `loss: `, which the default loss pattern's literal finds: only a
         custom loss pattern needs the bars' own markers."""
-        found = (self.step.literal, self.loss.literal, KERAS_EPOCH_MARK, RESTART_NOTE[1])
+        found = (self.step.literal, self.loss.literal, KERAS_EPOCH_MARK, RESTART_NOTE[1], KERAS_CALL_MARK)
         found += KERAS_BAR_MARKS if self.custom_loss else ()
         return tuple(m for i, m in enumerate(found)
                      if m not in found[:i] and not any(o and o != m and o in m for o in found))
@@ -184,6 +185,8 @@ class Tracker:
         """What `key`'s line says, one Reading per `\\r` update that says something (the
         state of `key`'s Keras fit moves on)."""
         if _PROBE in line and any(m in line for m in PROBE_MARKS):   # tfcluster's own (`global_step:0`)
+            if line.startswith(KERAS_CALL_MARK):
+                self._keras_call(key, line[len(KERAS_CALL_MARK):].strip())
             return []
         if line.startswith(RESTART_NOTE[0]) and RESTART_NOTE[1] in line:
             self.restarted(key)
@@ -221,6 +224,8 @@ class Tracker:
         bar = keras_bar(line)
         if bar is None:
             return None
+        if key in self.aside:            # an `evaluate` or `predict` the probe said began
+            return Reading()
         metrics = keras_metrics(line)
         loss = metrics.pop("loss", None)
         if fit is None:
@@ -236,10 +241,22 @@ class Tracker:
         return Reading(step=step, loss=loss if end else None, epoch=(fit.epoch, fit.epochs), target=fit.target,
                        metrics=metrics if end else None, fit=fit.fits, epoch_end=end)
 
+    def _keras_call(self, key: str, what: bytes) -> None:
+        """The probe's word that `key`'s script began an `evaluate` or `predict` (its bars
+        are no steps), or ended it (the next pass is judged afresh)."""
+        if what.endswith(b" done"):
+            self.aside.discard(key)
+            fit = self.fits.get(key)
+            if fit is not None:
+                fit.end_pass()
+        else:
+            self.aside.add(key)
+
     def restarted(self, key: str) -> None:
         """`key`'s next attempt begins: its fits count from nothing again (its step goes
         back to where the new attempt says it is)."""
         self.fits.pop(key, None)
+        self.aside.discard(key)
 
     def feed(self, key: str, line: bytes | str, now: float | None = None) -> Reading | None:
         """One line of `key`; what it said (the last update's step and loss), or None when

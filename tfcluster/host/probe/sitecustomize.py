@@ -11,7 +11,9 @@ to stderr (the task's log), which the launcher compares across workers. It also 
 when `SessionManager` finds the model not ready (variables not initialised), a wait that
 TensorFlow logs only at INFO level. In a TF2 mode (a TF_CONFIG, no TF1 probe asked for) it
 reports the strategy the script builds, `tfcluster-strategy: {"task", "class", "replicas"}`,
-which the launcher compares with the mode (diagnose/strategy.py).
+which the launcher compares with the mode (diagnose/strategy.py). Around a Keras `evaluate` or
+`predict` it writes `tfcluster-keras: evaluate` and `tfcluster-keras: evaluate done`: their
+bars are no steps of a fit (watch/metrics.py).
 
 With TFCLUSTER_STDOUT_FLUSH=<seconds> (tfcluster's default for scripts: 0.01) it makes the
 script's stdout block-buffered with a thread that flushes it that often, instead of the
@@ -212,12 +214,57 @@ def _tf_fit_started(model, *_):
     _say_once("fit-default" if any(_strategies) else "default", 1)
 
 
+# Keras' `evaluate` and `predict` print the bars `fit` prints, often of the same size (the same
+# dataset): the launcher counts a pass of bars between these two lines as no step of a fit
+# (watch/metrics.py). One called inside `fit` (its validation) prints no bars and says nothing.
+_KERAS_MARK = "tfcluster-keras: "
+_keras_calls = []    # the Keras calls under way, outermost first
+
+
+def _keras_call(owner, name):
+    original = getattr(owner, name, None) if owner is not None else None
+    if original is None or getattr(original, "_tfcluster_call", False):
+        return
+    import functools
+
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        said = name != "fit" and not _keras_calls
+        _keras_calls.append(name)
+        if said:
+            _keras_line(name)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _keras_calls.pop()
+            if said:
+                _keras_line(name + " done")
+
+    wrapper._tfcluster_call = True
+    setattr(owner, name, wrapper)
+
+
+def _keras_line(text):
+    try:
+        sys.stdout.flush()      # the bars before it reach the log first
+    except Exception:  # noqa: BLE001
+        pass
+    _emit(_KERAS_MARK + text)
+
+
+def _keras_calls_of(cls):
+    for name in ("fit", "evaluate", "predict"):
+        _keras_call(cls, name)
+
+
 def _patch_tf_keras_training(module):        # tf_keras (train.keras: legacy)
     _first_call(getattr(module, "Model", None), "fit", _tf_fit_started, before=True)
+    _keras_calls_of(getattr(module, "Model", None))
 
 
 def _patch_keras_tf_trainer(module):         # Keras 3 on TensorFlow
     _first_call(getattr(module, "TensorFlowTrainer", None), "fit", _tf_fit_started, before=True)
+    _keras_calls_of(getattr(module, "TensorFlowTrainer", None))
 
 
 def _patch_xla_bridge(module):
@@ -226,6 +273,7 @@ def _patch_xla_bridge(module):
 
 def _patch_jax_trainer(module):
     _first_call(getattr(module, "JAXTrainer", None), "fit", _keras_fit_started, before=True)
+    _keras_calls_of(getattr(module, "JAXTrainer", None))
 
 
 _TARGETS = {
