@@ -113,6 +113,20 @@ def test_custom_patterns_and_their_prefilter():
     assert metrics.target_of(P(), ["--steps", "1"]) == 9
 
 
+def test_a_custom_patterns_group_that_takes_the_sentences_stop_along_keeps_both_numbers():
+    """The custom-loop tutorial's `Epoch: 2, accuracy: 0.1, train_loss: 2.304688.`: the loss
+    group takes the full stop; a group that is no number at all loses that value, not the other."""
+    class P:
+        step, loss, target = r"Epoch: (\d+),", r"train_loss: ([0-9.]+)", 2
+    t = metrics.Tracker(P())
+    said = t.feed("w", b"Epoch: 2, accuracy: 0.1, train_loss: 2.304688.")
+    assert (said.step, said.loss) == (2, 2.304688) and t.state("w").step == 2
+
+    class Q:
+        step, loss, target = r"Epoch: (\d+),", r"train_loss: (\S+)", 2
+    assert metrics.Tracker(Q()).parse(b"Epoch: 3, train_loss: n/a") == (3, None)
+
+
 def test_rates_span_a_second_and_restart_after_a_step_goes_back():
     samples = [(0.0, 0), (0.5, 10), (1.0, 20), (2.0, 40), (3.0, 5), (4.0, 25), (20.0, 345)]
     assert rates(samples, span=1.0) == [(20, 20.0), (40, 20.0), (25, 20.0), (345, 20.0)]

@@ -137,6 +137,20 @@ class Pattern:
         return match.group(1) if match else None
 
 
+def _number(text: bytes | None, kind):
+    """A pattern's group as a number; None when it is none. A custom pattern's group often
+    takes the sentence's punctuation along (`([0-9.]+)` on `train_loss: 2.30.`): that goes."""
+    if text is None:
+        return None
+    try:
+        return kind(text)
+    except ValueError:
+        try:
+            return kind(text.rstrip(b".,;:"))
+        except ValueError:
+            return None
+
+
 class Tracker:
     """Per-task progress from fed lines. `progress`: anything with `step`, `loss` (regex
     strings or None for the defaults) and `target` (int or None), e.g. Plan.progress.
@@ -175,11 +189,7 @@ class Tracker:
         return self._patterns(line)
 
     def _patterns(self, line: bytes) -> tuple[int | None, float | None]:
-        step, loss = self.step.find(line), self.loss.find(line)
-        try:
-            return (None if step is None else int(step)), (None if loss is None else float(loss))
-        except ValueError:      # a custom pattern's group that is not a number
-            return None, None
+        return _number(self.step.find(line), int), _number(self.loss.find(line), float)
 
     def read(self, key: str, line: bytes) -> list[Reading]:
         """What `key`'s line says, one Reading per `\\r` update that says something (the
