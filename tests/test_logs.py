@@ -154,10 +154,17 @@ def test_markup_like_text_is_printed_verbatim():
     assert out.getvalue().endswith(f" │ {text}\n".encode())
 
 
-def test_ansi_sequences_from_the_task_pass_through():
-    m, out = mux()
-    m.feed("ps:0", b"\x1b[31mred\x1b[0m\tTAB\x07\n")
-    assert lines_of(out, "ps:0") == ["\x1b[31mred\x1b[0m\tTAB\x07"]
+def test_a_tasks_terminal_sequences_reach_a_terminal_and_stay_out_of_a_file_and_the_tail():
+    """Keras 3 colours its bars even into a pipe: a terminal (colour on) gets them, a file or a
+    pipe (colour off) the text alone; the tail the summary and the diagnoses read is text."""
+    line = b"\x1b[1m8/8\x1b[0m \x1b[32m\xe2\x94\x81\x1b[0m\x1b[37m\x1b[0m 1s - loss: 0.5\tTAB\x07\n"
+    m, out = mux(color=True)
+    m.feed("ps:0", line)
+    assert out.getvalue().endswith(b" \xe2\x94\x82 " + line)
+    m, out = mux(color=False)
+    m.feed("ps:0", line)
+    assert lines_of(out, "ps:0") == ["8/8 \u2501 1s - loss: 0.5\tTAB\x07"]
+    assert m.tail("ps:0") == ["8/8 \u2501 1s - loss: 0.5\tTAB\x07"]
 
 
 def test_prefixes_are_aligned_to_the_longest_key():
@@ -317,7 +324,11 @@ def model_lines(text: str, collapse: bool) -> list[str]:
     result += [s for s in tail.split("\r") if s]
     # the start-up probe's lines are tfcluster's own: saved, never shown (hypothesis draws
     # literals from the code under test, so it does produce them)
-    return [s for s in result if not any(m.decode() in s for m in PROBE_MARKS)]
+    # a file or a pipe (colour off) gets no terminal sequences
+    return [CSI.sub("", s) for s in result if not any(m.decode() in s for m in PROBE_MARKS)]
+
+
+CSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]")
 
 
 def is_subsequence(small: list[str], big: list[str]) -> bool:

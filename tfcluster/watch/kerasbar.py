@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import re
 
+from tfcluster.watch.logscan import CSI
+
 # a number as Python and Keras print it (metrics' loss pattern reads it too)
 NUMBER = rb"([-+]?(?:(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?|nan|inf))"
 # Keras' progress, as Keras 3 and tf_keras print it to a pipe (tests/data/keras_progress/):
@@ -13,7 +15,6 @@ NUMBER = rb"([-+]?(?:(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?|nan|inf))"
 # the line. Every bar names its time per step (`22ms/step`) or, in tf_keras, its `ETA: `.
 KERAS_EPOCH_MARK = b"Epoch "
 KERAS_BAR_MARKS = (b"/step", b"ETA: ")
-_ANSI = re.compile(rb"\x1b\[[0-9;]*[A-Za-z]")
 KERAS_EPOCH = re.compile(rb"\s*Epoch (\d+)/(\d+)\s*\Z")
 _KERAS_BAR = re.compile(rb"\s*(\d+)/(\d+|Unknown) ")
 KERAS_WHOLE = re.compile(rb"\s*\d+/\d+ - ")     # verbose=2: an epoch (or evaluate) in one line
@@ -117,7 +118,7 @@ def keras_line(line: bytes) -> bytes | None:
         return None
     if b"\b" in line:
         line = line.replace(b"\b", b"")
-    return _ANSI.sub(b"", line) if b"\x1b" in line else line
+    return CSI.sub(b"", line) if b"\x1b" in line else line
 
 
 def keras_bar(line: bytes) -> tuple[int, int | None] | None:

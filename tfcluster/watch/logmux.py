@@ -33,6 +33,7 @@ from tfcluster.localfs import LINE_CAP, NOFOLLOW, private_dir
 from tfcluster.plan.names import log_file
 from tfcluster.safetext import escape
 from tfcluster.watch.logscan import (
+    CSI,
     PROBE,
     PROBE_MARKS,
     PROBE_OR_NOISE,
@@ -189,13 +190,14 @@ class LogMux:
     # -- queries ---------------------------------------------------------------
 
     def tail(self, key: str, n: int = 20) -> list[str]:
-        """The last `n` (at most HISTORY) lines shown for `key`, hidden or not."""
+        """The last `n` (at most HISTORY) lines shown for `key`, hidden or not, as text: a
+        terminal's colours and cursor moves taken out."""
         if n <= 0:
             return []
         t = self._tasks[key]
         with t.lock:
             recent = list(t.ring)[-n:]
-        return [line.decode("utf-8", "replace") for line in recent]
+        return [(CSI.sub(b"", line) if b"\x1b" in line else line).decode("utf-8", "replace") for line in recent]
 
     def last_output(self, key: str) -> float | None:
         """time.monotonic() when `key` last wrote anything (None: never)."""
@@ -377,6 +379,8 @@ class LogMux:
         recent = last_lines(block, HISTORY)
         t.ring.extend(_clipped(recent) if len(block) > RING_LINE else recent)
         if t.show:
+            if not self._color and b"\x1b" in block:   # a file or a pipe: text, not a terminal's codes
+                block = CSI.sub(b"", block)
             body = block.replace(b"\n", t.sep)
             if len(body) < JOIN_BELOW:       # one write: whole lines, never torn by another writer
                 self._write(t.prefix + body + b"\n")

@@ -83,6 +83,11 @@ def cut_echo(echo: bytes, block: bytes) -> bytes | None:
     return None if end < 0 else block[end + 1:]
 
 
+# A terminal's control sequence (ESC [ ... final byte): Keras 3's bars colour their text with
+# them even into a pipe. Taken out where the text is read or shown as text, not a terminal's.
+CSI = re.compile(rb"\x1b\[[0-?]*[ -/]*[@-~]")
+
+
 # Lines tfcluster's start-up probe writes for tfcluster itself: saved, never shown live.
 KERAS_CALL_MARK = b"tfcluster-keras: "      # `evaluate` or `predict` begins (`... done`: ends)
 PROBE_MARKS = (b"tfcluster-placement: ", b"tfcluster-not-ready: ", b"tfcluster-strategy: ", KERAS_CALL_MARK)
