@@ -336,14 +336,19 @@ def test_progress_log_records_each_step_line_from_many_threads_and_hands_out_cop
     assert log.tracker.state("worker:0").step == 200
 
 
-@pytest.mark.parametrize("mode,why", [("mirrored", True), ("keras-jax", False)])
-def test_the_keras_loss_note_gives_tf_keras_mwms_sum_as_its_why_only_in_mode_mirrored(tmp_path, mode, why):
+@pytest.mark.parametrize("mode,keras,workers,why", [("mirrored", "legacy", 2, True), ("mirrored", "legacy", 1, False),
+                                                   ("mirrored", "auto", 2, False), ("keras-jax", "auto", 2, False)])
+def test_the_keras_loss_note_gives_tf_keras_mwms_sum_as_its_why_only_where_tf_keras_runs_it(tmp_path, mode, keras,
+                                                                                           workers, why):
+    """tf_keras under MultiWorkerMirroredStrategy (mode mirrored, two workers or more) sums the
+    bars' loss over the workers; Keras 3 and one worker do not."""
     from tfcluster.plan import build_plan
     from tfcluster.spec import load_spec
     from tfcluster.watch.runs import ProgressLog
 
-    spec = spec_for(tmp_path)
-    spec.write_text(spec.read_text().replace("mode: mirrored", f"mode: {mode}"))
+    (tmp_path / "steps.py").write_text(STEPS)
+    spec = local_spec(tmp_path, mode=mode, script="steps.py", ps=0, workers=workers, name="w",
+                      extra=f"  keras: {keras}\n")
     log = ProgressLog(build_plan(load_spec(str(spec))), str(tmp_path))
     assert log.loss_note() is None                              # no Keras epoch seen yet
     log.on_line("worker:0", b"Epoch 1/3")

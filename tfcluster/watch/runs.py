@@ -234,7 +234,9 @@ class ProgressLog:
         self._save_failed = save_failed     # (path, OSError): a write failed (a full disk)
         targets = {t.key: target_of(plan.progress, t.argv[1:]) for t in plan.tasks if t.runs_script}
         self.tracker = Tracker(plan.progress, targets=targets)
-        self._mode = plan.mode
+        # where tf_keras's bars sum the loss over the workers (the loss note says why it is read
+        # at each epoch's end): MultiWorkerMirroredStrategy, in mode mirrored with two or more
+        self._sums = plan.mode == "mirrored" and plan.legacy_keras and len(targets) > 1
         # the summary's last loss line: a line the run's loss pattern finds, as shown (str)
         self._loss_line = re.compile(self.tracker.loss.regex.pattern.decode())
         self._lock = threading.Lock()
@@ -310,7 +312,7 @@ class ProgressLog:
             keras = any(t.epoch is not None for t in self.tracker.tasks.values())
         if not keras or self.tracker.custom_loss:
             return None
-        return KERAS_LOSS_NOTE + (MWMS_SUMS if self._mode == "mirrored" else "")
+        return KERAS_LOSS_NOTE + (MWMS_SUMS if self._sums else "")
 
     def close(self) -> None:
         with self._lock:
