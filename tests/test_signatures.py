@@ -32,6 +32,14 @@ def test_a_fix_may_depend_on_the_mode():
     assert sg.diagnose("classic", PORT).fix == port.fix != port.fix_for("mirrored")
 
 
+def test_the_parameter_server_tutorials_legacy_optimizer_is_told_to_take_tf_keras_first():
+    """Under ParameterServerStrategy the tutorial's model.fit fails on Keras 3 after the optimizer
+    too: its hint leads with `train.keras: legacy`, not the optimizer's swap."""
+    line = b"ImportError: `keras.optimizers.legacy` is not supported in Keras 3.\n"
+    assert sg.diagnose("coordinator", line).fix.startswith("set `train.keras: legacy`")
+    assert sg.diagnose("mirrored", line).fix.startswith("use the optimizer of the same name")
+
+
 def test_a_signature_that_needs_more_of_the_tail_does_not_match_without_it():
     line = b"ValueError: To use this dataset, you need to pass this dataset to ClusterCoordinator.create_per_worker_dataset.\n"
     assert sg.diagnose("coordinator", line).name == "pss-dataset"       # not from Keras 3's fit

@@ -66,7 +66,11 @@ SIGNATURES = (
     Signature(
         "keras3-legacy-optimizer", (b"`keras.optimizers.legacy` is not supported in Keras 3",),
         "Keras 3 has no tf.keras.optimizers.legacy",
-        f"use the optimizer of the same name in tf.keras.optimizers, or {_LEGACY}"),
+        f"use the optimizer of the same name in tf.keras.optimizers, or {_LEGACY}",
+        # the parameter-server tutorial's model.fit: Keras 3 cannot run it whatever its optimizer
+        fixes={"coordinator": f"{_LEGACY}: Keras 3's model.fit cannot run under ParameterServerStrategy "
+                              f"whatever the optimizer (in a ClusterCoordinator loop, the optimizer of the "
+                              f"same name in tf.keras.optimizers does)"}),
     # Mode keras-jax (Keras 3 and JAX over many processes). The backend's own first:
     # keras3-missing-api would take its AttributeError for a Keras 2 API.
     Signature(
