@@ -192,6 +192,40 @@ def test_plan_lists_what_ships_and_train_refuses_before_connecting(tree):
     assert "Traceback" not in train.stderr
 
 
+def test_a_module_the_script_imports_from_beside_it_unshipped_is_said_before_and_its_failure_named(tmp_path, home):
+    """The multi-worker tutorial's `import mnist_setup` (and a package beside it), with no
+    train.files: plan and train warn before anything runs, naming each import's line, and the
+    failed import's hint is the files: line that fixes it; shipped, it trains."""
+    from tests.helpers import tfcluster
+    from tests.tf_launch import free_ports
+
+    (tmp_path / "main.py").write_text("import os\nimport mnist_setup\nfrom helpers.x import y\nimport json\n"
+                                      "print('ok', mnist_setup.N, y, flush=True)\n")
+    (tmp_path / "mnist_setup.py").write_text("N = 3\n")
+    (tmp_path / "helpers").mkdir()
+    (tmp_path / "helpers" / "__init__.py").write_text("")
+    (tmp_path / "helpers" / "x.py").write_text("y = 1\n")
+    spec = tmp_path / "s.yaml"
+    head = ("name: unship\nhosts: [{name: local, address: localhost}]\n"
+            f"jobs: {{worker: {{count: 1, hosts: [local], port: {free_ports(1)[0]}}}}}\n")
+    spec.write_text(head + "train: {mode: mirrored, script: main.py}\n")
+    said = ("main.py:2 imports mnist_setup (" + str(tmp_path / "mnist_setup.py") + "); main.py:3 imports helpers ("
+            + str(tmp_path / "helpers") + "), which train.files does not ship: a host imports it only where it "
+            "is installed; to ship it, add it to train.files (files: [mnist_setup.py, helpers])")
+
+    plan = tfcluster("plan", str(spec), home=home, cwd=tmp_path)
+    train = tfcluster("train", str(spec), home=home, cwd=tmp_path, timeout=120)
+
+    assert plan.returncode == 0 and f"tfcluster: warning: {said}" in plan.stderr, plan.stderr
+    assert train.returncode == 5 and f"tfcluster: warning: {said}" in train.stderr, train.stderr[-2000:]
+    assert train.stderr.rstrip().endswith(f"hint: mnist_setup.py is here ({tmp_path / 'mnist_setup.py'}) but was "
+                                          "not shipped: add it to train.files (files: [mnist_setup.py])")
+    spec.write_text(head + "train: {mode: mirrored, script: main.py, files: [mnist_setup.py, helpers]}\n")
+    shipped = tfcluster("train", str(spec), home=home, cwd=tmp_path, timeout=120)
+    assert shipped.returncode == 0 and "worker:0 │ ok 3 1" in shipped.stdout, shipped.stderr[-2000:]
+    assert "does not ship" not in shipped.stderr
+
+
 # ------------------------------------------------------------------ part 7: secrets
 
 @pytest.mark.parametrize("name", ["DB_PASS", "MYSQL_PWD", "MY_PASSWORD", "PASSWD", "GH_AUTH",

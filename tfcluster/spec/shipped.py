@@ -189,6 +189,20 @@ class ScriptScan:
     strategies: tuple[tuple[str, str], ...] = ()    # (class, where) of each strategy built
     keras2_only: tuple[tuple[str, str], ...] = ()   # (what fails under Keras 3, where)
     joins: bool = False        # a JAX process joining the others, in any file
+    # (module, the file beside the script or the spec it would be, where it is imported) for
+    # each module a shipped file imports that sits here but is not shipped: on the hosts the
+    # import fails (the tutorials' `import mnist_setup`)
+    unshipped: tuple[tuple[str, str, str], ...] = ()
+
+    def unshipped_line(self) -> str | None:
+        """The warning for `unshipped`, or None."""
+        if not self.unshipped:
+            return None
+        shown = "; ".join(f"{where} imports {module} ({path})" for module, path, where in self.unshipped[:3])
+        more = f" (and {len(self.unshipped) - 3} more)" if len(self.unshipped) > 3 else ""
+        listed = ", ".join(dict.fromkeys(os.path.basename(p) for _, p, _ in self.unshipped))
+        return (f"{shown}{more}, which train.files does not ship: a host imports it only where it is "
+                f"installed; to ship it, add it to train.files (files: [{listed}])")
 
 
 def scan_scripts(spec: Spec) -> ScriptScan | None:
@@ -203,9 +217,10 @@ def scan_scripts(spec: Spec) -> ScriptScan | None:
     except OSError:
         return None
     try:
-        helpers = [(real, dest) for real, dest, _ in ship_list(spec)[1:] if dest.endswith(".py")]
+        shipped = ship_list(spec)
     except BadValue:
-        helpers = []
+        shipped = ()
+    helpers = [(real, dest) for real, dest, _ in shipped[1:] if dest.endswith(".py")]
     for real, dest in helpers[:SCAN_FILES - 1]:
         try:
             with open(real, "rb") as f:
@@ -224,8 +239,48 @@ def scan_scripts(spec: Spec) -> ScriptScan | None:
             keras2 += [(what, f"{name}:{number}") for regex, what in _KERAS2_ONLY if regex.search(code)]
             joins = joins or _JOINS.search(code) is not None
         keras2 += [(what, f"{name}:{number}") for what, number in tf_ops_on_keras_inputs(text)]
+    unshipped = _unshipped(spec, texts, {dest for _, dest, _ in shipped}) if shipped else ()
     return ScriptScan(fits=fit_at is not None and named, fit_at=fit_at, strategies=tuple(strategies),
-                      keras2_only=tuple(sorted(keras2, key=lambda k: _where_key(k[1]))), joins=joins)
+                      keras2_only=tuple(sorted(keras2, key=lambda k: _where_key(k[1]))), joins=joins,
+                      unshipped=unshipped)
+
+
+def _unshipped(spec: Spec, texts: list[tuple[str, bytes]], dests: set[str]) -> tuple[tuple[str, str, str], ...]:
+    """The modules the shipped Python files import by a top-level name that is a file or a
+    package here, beside the script or the spec, and is not in the run directory: the script
+    runs there, its directory first on sys.path, so only what is shipped there imports."""
+    own = spec.train.script_source is not None and not spec.train.script_source.startswith("template:")
+    if not own:
+        return ()
+    places = list(dict.fromkeys([os.path.dirname(os.path.realpath(spec.train.script)),
+                                 os.path.realpath(spec.base_dir)]))
+    found: dict[str, tuple[str, str, str]] = {}
+    for name, text in texts:
+        for module, number in _imports(text):
+            if module in found or f"{module}.py" in dests or f"{module}/__init__.py" in dests:
+                continue
+            for place in places:
+                path = next((p for p in (os.path.join(place, f"{module}.py"), os.path.join(place, module))
+                             if os.path.isfile(p) or os.path.isfile(os.path.join(p, "__init__.py"))), None)
+                if path is not None:
+                    found[module] = (module, path, f"{name}:{number}")
+                    break
+    return tuple(found.values())
+
+
+def _imports(text: bytes) -> list[tuple[str, int]]:
+    """(top-level module, line) of each absolute import in a file; none when it does not parse."""
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return []
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(alias.name.split(".")[0], node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.append((node.module.split(".")[0], node.lineno))
+    return sorted(out, key=lambda m: m[1])
 
 
 def _where_key(where: str) -> tuple[str, int]:

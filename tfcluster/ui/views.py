@@ -137,6 +137,9 @@ def print_files(ui, plan: Plan, most: int) -> None:
     """What a run ships (the first `most` files), or why train would refuse to."""
     if plan.files_problem:
         ui.warn(f"train would refuse this spec: {plan.files_problem}")
+    unshipped = plan.script_scan.unshipped_line() if plan.script_scan else None
+    if unshipped:
+        ui.warn(unshipped)
     if not plan.files:
         return
     total = sum(nbytes for _, _, nbytes in plan.files)

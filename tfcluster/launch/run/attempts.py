@@ -259,5 +259,15 @@ def on_failure(run: Run, proc: Supervised, rc: int) -> None:
                         details=f"{proc.key}: {found.what}\n  {found.line}\n  its whole log: {log}")
     # the last lines, with the exception line however far up its message's help text put it
     tail = "\n".join(signatures.failure_excerpt(run.mux.tail(proc.key, 100), ended))
-    raise TaskError(failed, hint=policy.restart_hint(restart, proc.restarts, rc),
+    raise TaskError(failed, hint=_unshipped_hint(run.plan, ended) or policy.restart_hint(restart, proc.restarts, rc),
                     details=f"last lines of {proc.key}:\n{tail}" if tail else None)
+
+
+def _unshipped_hint(plan, ended: bytes) -> str | None:
+    """The fix for a script that failed importing a module that sits beside it here but was
+    not shipped (spec.shipped.ScriptScan.unshipped)."""
+    for module, path, _where in plan.script_scan.unshipped if plan.script_scan else ():
+        if f"No module named '{module}'".encode() in ended:
+            return (f"{os.path.basename(path)} is here ({path}) but was not shipped: "
+                    f"add it to train.files (files: [{os.path.basename(path)}])")
+    return None

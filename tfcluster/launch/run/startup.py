@@ -73,6 +73,9 @@ def begin(run: Run, holder: Holder) -> None:
     plan, ui, session = run.plan, run.ui, run.session
     try:
         check_versions(session, allow_skew=run.options.allow_skew)
+        unshipped = plan.script_scan.unshipped_line() if plan.script_scan else None
+        if unshipped:
+            ui.warn(unshipped)
         servers, live = _prepare_servers(run)
         # In classic mode the scripts build their own servers, in keras-jax mode process 0 serves
         # JAX's coordinator on its port: their ports must be free too.
