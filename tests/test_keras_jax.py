@@ -182,6 +182,24 @@ def test_processes_that_each_train_their_own_copy_are_stopped_with_the_fix(tmp_p
     assert not tagged_processes()
 
 
+@pytest.mark.tf
+@pytest.mark.timeout(240)
+def test_a_script_that_fails_just_after_showing_a_mismatch_is_a_failure_with_its_own_error(tmp_path, home):
+    """keras-io's 2023 distribution guide begins `jax.devices("gpu")`, before joining: that starts
+    JAX's backend (a mismatch: the process never joined) and then raises on a CPU host. The run
+    ends as the failure it is, exit 5, its own error shown, the mismatch said beside it."""
+    (tmp_path / "guide.py").write_text('import jax\nimport keras\nprint("devices", flush=True)\n'
+                                       'devices = jax.devices("gpu")\n')
+    spec = local_processes(tmp_path, "kjguide", jax_python(), "guide.py", 2)
+    result = tfcluster("train", str(spec), home=home, cwd=tmp_path, timeout=200)
+    out = result.stdout + result.stderr
+    assert result.returncode == 5, out[-4000:]
+    assert re.search(r"tfcluster: error: worker:[01] on me failed with exit code 1", result.stderr), out[-3000:]
+    assert "RuntimeError: Unknown backend" in result.stderr, result.stderr[-3000:]
+    assert re.search(r"tfcluster: warning: strategy mismatch: worker:[01] ran JAX without joining", result.stderr)
+    assert not tagged_processes()
+
+
 @pytest.mark.timeout(120)
 def test_plan_check_says_which_ports_the_table_will_close(tmp_path, home):
     """No TensorFlow server runs in this mode: the table closes its task ports (JAX's

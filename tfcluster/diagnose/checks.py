@@ -24,6 +24,10 @@ from tfcluster.plan import Plan
 from tfcluster.plan.names import log_file
 
 PORT_CHECK_TIMEOUT = 3.0
+# seconds a strategy mismatch waits before it ends the run: a script that reported one often
+# fails on its own a moment later (keras-io's `jax.devices("gpu")` on a CPU host starts JAX's
+# backend, so reports it never joined, and then raises), and its own error is the one to fix first
+MISMATCH_GRACE = 3.0
 # (from_host, [(address, port)], timeout) -> {"address:port": None | why not}
 Connect = Callable[[str, list, float], dict]
 
@@ -49,6 +53,7 @@ class RunChecks:
         self._keys = {t.key for t in plan.tasks}
         self._diagnosing = threading.Lock()
         self._starts: dict[tuple[str, float], float] = {}   # (task, attempt's wall start): monotonic
+        self._mismatch_at: float | None = None     # when a strategy mismatch was first seen
         self.diagnoses = 0
 
     def adopt(self, plan: Plan) -> None:
@@ -93,12 +98,22 @@ class RunChecks:
             message, hint = self.strategy.mismatch
             raise InconsistentError(message, hint=hint)
 
+    def pending(self) -> tuple[str, str] | None:
+        """A strategy mismatch seen and not yet raised (its grace runs): (message, hint)."""
+        return self.strategy.mismatch if self.strategy is not None else None
+
     def tick(self, procs, mux) -> None:
-        """Raise on a placement or strategy mismatch; start a diagnosis of any wait that is due."""
-        self.verdict()
+        """Raise on a placement mismatch, or a strategy mismatch once its grace is over; start a
+        diagnosis of any wait that is due."""
+        now = time.monotonic()
+        if self.pending() is not None and self._mismatch_at is None:
+            self._mismatch_at = now
+        if self._mismatch_at is None or now - self._mismatch_at >= MISMATCH_GRACE:
+            self.verdict()
+        elif self.placement is not None and self.placement.mismatch is not None:
+            raise InconsistentError(self.placement.mismatch.message(), hint=pl.FIX)
         if self.watchdog is None:
             return
-        now = time.monotonic()
         running = {p.task.key for p in procs if p.role == "script" and p.exit_code is None and p.handle}
         scripts = [p for p in procs if p.role == "script" and p.task.key in running and p.task.job != "ps"]
         # JAX processes advance together: one that prints nothing (the template's processes

@@ -250,6 +250,9 @@ def on_failure(run: Run, proc: Supervised, rc: int) -> None:
         start(run, proc)
         return
     refuse(proc)
+    pending = run.checks.pending()      # a strategy mismatch in its grace: said with the failure
+    if pending is not None:
+        run.ui.warn(f"{pending[0]} ({pending[1]})")
     failed = f"{what} failed with exit code {rc}"
     log = os.path.join(run.options.runs_dir, run.run_id, log_file(proc.key))
     ended = signatures.last_attempt(signatures.read_tail(log))
