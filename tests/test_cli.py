@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,6 +23,10 @@ def test_version_and_help_exit_0_and_help_has_an_example_per_command():
         sub = tfc(command, "--help")
         assert sub.returncode == 0, sub.stderr
         assert "Example:" in sub.stdout, command
+        if command != "init":     # every command of a spec says what SPEC is
+            assert re.search(r"\n  SPEC +Cluster spec \(YAML\), e\.g\. sample_clusters/local\.yaml", sub.stdout), command
+    # an argument's own words (click 8.5 dropped typer's: pyproject's click bound)
+    assert "[MODE]  between-graph | classic | coordinator | mirrored | keras-jax" in tfc("init", "--help").stdout
 
 
 def test_plan_json_is_one_parseable_document_with_redacted_secrets():
