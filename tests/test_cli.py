@@ -219,6 +219,23 @@ def test_script_flag_without_double_dash_gets_a_hint():
     assert "tfcluster train SPEC -- --steps 100" in result.stderr
 
 
+def test_a_word_after_the_spec_without_dashes_is_refused_not_handed_to_the_script(tmp_path, home):
+    """`tfcluster train lab.yaml train.py`, as one types `python train.py`: refused, exit 2,
+    nothing started; the words after `--` (and only those) are the script's."""
+    stray = tfcluster("train", LOCAL, "train.py", home=home, cwd=tmp_path)
+    assert stray.returncode == 2, stray.stderr
+    assert stray.stderr.splitlines() == [
+        "tfcluster: error: train: unexpected 'train.py' after the spec; the script's arguments go after `--`",
+        "hint: `tfcluster train SPEC -- train.py` passes them to the script (replacing train.args); "
+        "`--script FILE` runs another script"]
+    before = tfcluster("train", LOCAL, "foo", "--dry-run", "--", "--steps", "5", home=home, cwd=tmp_path)
+    assert before.returncode == 2 and "unexpected 'foo'" in before.stderr, before.stderr
+    dashed = tfcluster("train", LOCAL, "--dry-run", "--", "--steps", "5", "--", "x", home=home, cwd=tmp_path)
+    assert dashed.returncode == 0, dashed.stderr
+    assert "between_graph.py --steps 5 -- x  (in " in dashed.stdout
+    assert list(home.iterdir()) == [] and not (tmp_path / "runs").exists()
+
+
 def _spec_with_script(tmp_path, args: str = "[]") -> tuple[str, str]:
     script = tmp_path / "train.py"
     script.write_text("print('hi')\n")

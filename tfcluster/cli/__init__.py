@@ -16,6 +16,7 @@ import typer
 
 # each registers its commands on app, in the order --help lists them
 from tfcluster.cli import cluster, train, render, runs  # noqa: F401, I001
+from tfcluster.cli import app as app_module
 from tfcluster.cli.app import StoppedWatching, app, ui
 from tfcluster.errors import ExitCode, Terminated, TfclusterError
 
@@ -42,6 +43,7 @@ def _usage_hint(exc, argv: list[str]) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    app_module.argv[:] = argv
     ui.debug = "--debug" in argv
     terminate_like_ctrl_c()
     try:

@@ -31,6 +31,8 @@ app = typer.Typer(help=HELP, no_args_is_help=True, add_completion=True,
                   context_settings={"help_option_names": ["-h", "--help"]})
 
 ui = UI()
+# the command line as main() got it: `train` tells the words after `--` from stray ones
+argv: list[str] = []
 
 SpecArg = typer.Argument(..., help="Cluster spec (YAML), e.g. sample_clusters/local.yaml",
                          metavar="SPEC")

@@ -5,6 +5,7 @@ from typing import List, Optional
 
 import typer
 
+from tfcluster.cli import app as app_module
 from tfcluster.cli.app import SKEW_HELP, SpecArg, app, seconds, ui
 from tfcluster.errors import ExitCode, UsageError
 
@@ -47,6 +48,7 @@ def train(
     )
     from tfcluster.spec.shipped import scan_scripts
 
+    _only_after_dashes(args or [])
     spec = with_train_overrides(load_spec(spec_path), script=script, args=args, timeout=timeout,
                                 tensorboard=tensorboard)
     if not spec.train.script:
@@ -63,6 +65,19 @@ def train(
     options = runstate.Options(show=tuple(task or ()), quiet=quiet, runs_dir=runs_dir, grace=p.stop_grace,
                                verbose=verbose, allow_skew=allow_skew)
     return supervisor.train(p, ui, options)
+
+
+def _only_after_dashes(args: list[str]) -> None:
+    """The script's arguments are the words after `--`: a word before it beside SPEC (`train
+    lab.yaml train.py`, as one types `python train.py`) would replace train.args unseen."""
+    words = app_module.argv
+    after = words[words.index("--") + 1:] if "--" in words else []
+    stray = args[:len(args) - len(after)] if args[len(args) - len(after):] == after else args
+    if stray:
+        shown = " ".join(stray)
+        raise UsageError(f"train: unexpected {shown!r} after the spec; the script's arguments go after `--`",
+                         hint=f"`tfcluster train SPEC -- {shown}` passes them to the script (replacing "
+                              f"train.args); `--script FILE` runs another script")
 
 
 @app.command()
