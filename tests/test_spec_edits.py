@@ -243,7 +243,7 @@ def test_a_port_taken_before_readiness_by_this_cluster_under_another_workdir_nam
     assert tasks_running() == []
 
 
-def test_train_refuses_a_running_cluster_with_servers_the_spec_dropped(tmp_path, home, cwd):
+def test_train_and_up_refuse_a_running_cluster_with_servers_the_spec_dropped(tmp_path, home, cwd):
     p = free_ports(3)
     spec = local_spec(tmp_path, "fewer", p, "~/w")
     fewer = write(tmp_path / "fewer-edited.yaml",
@@ -257,6 +257,10 @@ def test_train_refuses_a_running_cluster_with_servers_the_spec_dropped(tmp_path,
         assert f"hint: run `tfcluster down {fewer}` (it stops every server of the cluster)" in train.stderr
         assert "partly up" not in train.stderr
         assert tasks_running() == ["ps:0", "worker:0", "worker:1"]     # nothing started or stopped
+        up = tfcluster("up", str(fewer), home=home, cwd=cwd)          # not "already up"
+        assert up.returncode == 1 and "already up" not in up.stderr, up.stderr
+        assert "runs 1 server(s) the spec no longer has: worker:1" in up.stderr, up.stderr
+        assert tasks_running() == ["ps:0", "worker:0", "worker:1"]
         down = tfcluster("down", str(fewer), home=home, cwd=cwd)      # what the hint says works
         assert down.returncode == 0, down.stderr
         assert tasks_running() == []

@@ -8,7 +8,7 @@ from __future__ import annotations
 import ipaddress
 
 from tfcluster.diagnose import keras, strategy, versions
-from tfcluster.errors import PreflightError
+from tfcluster.errors import PreflightError, TfclusterError
 from tfcluster.launch.agent.fence import idle_spare
 from tfcluster.launch.cluster.session import Session, by_host, raise_first
 from tfcluster.plan import Plan, TaskPlan, names
@@ -115,8 +115,15 @@ def _check_gloo_addresses(session: Session, tasks: list[TaskPlan]) -> None:
 
 
 def check_started_ports(plan: Plan, servers: list[TaskPlan], live: dict) -> None:
-    """A live server (task key -> TaskStatus) whose pid file records another port than the
-    spec's: the spec changed since `up`, and reusing it would leave the spec's port closed."""
+    """A live server (task key -> TaskStatus) the spec no longer has, or whose pid file records
+    another port than the spec's: the spec changed since `up`, and reusing the cluster would
+    leave a server of no task running, or the spec's port closed."""
+    gone = sorted(set(live) - {t.key for t in servers})
+    if gone:       # their TF servers were started with a cluster that has them: not this spec's
+        raise TfclusterError(
+            f"cluster {plan.name!r} runs {len(gone)} server(s) the spec no longer has: {', '.join(gone)}",
+            hint=f"run {plan.again('down')} (it stops every server of the cluster), then "
+                 f"{plan.again('up')} or {plan.again('train')}")
     for task in servers:
         st = live.get(task.key)
         if st is not None and st.port is not None and st.port != task.port:

@@ -115,12 +115,6 @@ def _prepare_servers(run: Run) -> tuple[list[TaskPlan], set[str]]:
         return [], set()
     live, busy = run.session.survey(servers)
     run.reuses_up = bool(live)
-    gone = sorted(set(live) - {t.key for t in servers})
-    if gone:       # their TF servers were started with a cluster that has them: not this spec's
-        raise TfclusterError(
-            f"cluster {run.plan.name!r} runs {len(gone)} server(s) the spec no longer has: {', '.join(gone)}",
-            hint=f"run {run.plan.again('down')} (it stops every server of the cluster), then "
-                 f"{run.plan.again('up')} or {run.plan.again('train')}")
     check_started_ports(run.plan, servers, live)
     if live and len(live) == len(servers):
         run.ui.info(f"Using the running cluster ({len(live)} servers from `tfcluster up`)")
