@@ -275,6 +275,16 @@ REJECTIONS = [
 ]
 
 
+def test_an_unquoted_ipv6_address_inside_braces_gets_the_quoting_as_its_hint(tmp_path):
+    path = tmp_path / "v6.yaml"
+    path.write_text("name: t\nhosts:\n  - {name: a, address: ::1}\n")
+    bad = error(str(path))
+    assert str(bad) == f"{path}:3: yaml: did not find expected node content (while parsing a flow node)"
+    assert bad.hint == "quote an IPv6 address: address: '::1'"
+    path.write_text("name: t\nhosts: [a\n")          # another syntax error: no such hint
+    assert error(str(path)).hint is None
+
+
 @pytest.mark.parametrize("text,expected", [c[1:] for c in REJECTIONS], ids=[c[0] for c in REJECTIONS])
 def test_rejects_with_exact_message(tmp_path, text, expected):
     (tmp_path / "sub").mkdir()

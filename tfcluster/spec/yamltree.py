@@ -128,7 +128,13 @@ def _yaml_problem(exc: yaml.YAMLError, text: str) -> BadValue:
     if mark and mark.line < len(lines) and "\t" in lines[mark.line][:mark.column + 1]:
         return BadValue(mark.line + 1, "yaml", f"a tab character; YAML indents with spaces only ({problem})",
                     hint="replace the tabs on that line with spaces")
+    if mark and mark.line < len(lines) and _BARE_IPV6.search(lines[mark.line]):
+        # inside `{...}` a colon ends a key: `address: ::1` there is no value YAML can read
+        return BadValue(mark.line + 1, "yaml", problem, hint="quote an IPv6 address: address: '::1'")
     return BadValue(mark.line + 1 if mark else 1, "yaml", problem)
+
+
+_BARE_IPV6 = re.compile(r"""(?<!['"\w])[0-9A-Fa-f]*::[0-9A-Fa-f:.]*(?!['"])""")
 
 
 def compose(text: str) -> yaml.Node:
