@@ -99,6 +99,12 @@ def test_a_file_this_machine_refuses_is_one_line_not_a_traceback(tmp_path):
     assert result.returncode == 1 and result.stderr == "tfcluster: error: No space left on device\n", result.stderr
 
 
+def test_plan_allow_skew_without_check_is_refused_not_ignored():
+    refused = tfc("plan", LOCAL, "--allow-skew")
+    assert refused.returncode == 2 and refused.stdout == "", refused.stdout
+    assert "plan --allow-skew: only --check compares the hosts' versions" in refused.stderr
+
+
 def test_plan_to_slurm_checks_the_engine_first_and_its_json_holds_the_ranks():
     bad = tfc("plan", LOCAL, "--to", "tfjob")
     assert bad.returncode == 2 and bad.stdout == "", bad.stdout   # refused before any plan is printed

@@ -13,6 +13,7 @@ import typer
 
 from tfcluster.cli.app import SKEW_HELP, SpecArg, StoppedWatching, app, load, plan_of, seconds, ui
 from tfcluster.errors import ExitCode, UsageError
+from tfcluster.safetext import shell_word
 
 
 @app.command()
@@ -36,6 +37,9 @@ def plan(
 
     if to is not None and to != "slurm":
         raise UsageError(f"plan --to {to!r}: only slurm has a rank mapping to show")
+    if allow_skew and not check:
+        raise UsageError("plan --allow-skew: only --check compares the hosts' versions",
+                         hint=f"`tfcluster plan {shell_word(spec_path)} --check --allow-skew`")
     spec, p = load(spec_path, preview=True)
     if json_:
         ui.json({**plan_json(p), **({"slurm": slurm_ranks(p)} if to else {})})
