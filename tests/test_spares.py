@@ -365,6 +365,33 @@ def test_the_moves_up_saved_are_applied_and_said_once_each(many):
     assert placed_by_up(many, said, UpState()) is many and len(said.lines) == 2     # nothing saved
 
 
+def test_the_running_trains_moves_are_applied_only_while_that_train_holds_the_lock(many, home):
+    """What `status` and `drain` plan with while a `train` runs: the moves it published, with its
+    pid, as long as the lock file names that live process as a `train`; nothing otherwise."""
+    import os
+    import subprocess
+
+    from tfcluster.launch.cluster import state
+
+    directory = Path(state.state_dir(state.key(many)))
+    state.publish_moves(many.moved("a", "z"))          # as the train does: this process's pid
+    lock = directory / "lock"
+    said = SaidUi()
+    for holder in ("", state.HOLDER.format(pid=os.getpid(), command="up")):   # no train holds it
+        lock.write_text(holder)
+        assert state.placed_by_train(many, said) is None
+    lock.write_text(state.HOLDER.format(pid=os.getpid(), command="train"))
+    assert state.placed_by_train(many, said) == many.moved("a", "z")
+    assert said.lines == ["info ps:0 runs on spare z (moved there by the running train: a was lost or drained)"]
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(30)
+    assert oct(os.stat(directory / state.MOVES).st_mode & 0o777) == "0o600"
+    # a train that died holding it (SIGKILL leaves its lock file's words and its moves)
+    (directory / state.MOVES).write_text(json.dumps({"pid": gone.pid, "moves": [["a", "z"]]}))
+    lock.write_text(state.HOLDER.format(pid=gone.pid, command="train"))
+    assert state.placed_by_train(many, said) is None and len(said.lines) == 1
+
+
 @pytest.mark.parametrize("edit, why", [
     (lambda t: t.replace("  - {name: s, address: 10.0.0.5, gpus: 2, spare: true}\n", ""),
      "the spec no longer lists s"),

@@ -118,13 +118,16 @@ def drain(
     """
     from tfcluster.launch.run import drains
 
+    from tfcluster.launch.cluster import state
+
     p = plan_of(spec_path)
     names = [h.name for h in p.all_hosts]
     if host not in names:
         raise UsageError(f"{spec_path}: no host named {host!r} (hosts: {', '.join(names)})")
+    p = state.placed_by_train(p, ui) or p          # a spare the running train moved tasks to holds them
     if host in p.spares:
-        raise UsageError(f"{spec_path}: {host} is a spare: it holds tasks only after a move, and none "
-                         f"to drain before one")
+        raise UsageError(f"{spec_path}: {host} is a spare holding no task (no move put any there): "
+                         f"nothing to drain")
     if deadline is not None and deadline <= 0:
         raise UsageError(f"--deadline {deadline:g}: must be more than 0 seconds")
     return drains.request(p, host, wait, ui, deadline)
@@ -148,9 +151,10 @@ def status(
     from tfcluster.launch.run import drains, notices
     from tfcluster.ui.views import print_status, print_watched, status_json, watched_json
 
-    p = state.placed_by_up(plan_of(spec_path), ui)      # where `up` put a down host's tasks
-    if watch:
-        return watch_status(p, interval, json_)
+    spec_plan = plan_of(spec_path)      # where a running train moved tasks, else where `up` put a down host's
+    p = state.placed_by_train(spec_plan, ui) or state.placed_by_up(spec_plan, ui)
+    if watch:      # each refresh plans with the running train's moves as they are then
+        return watch_status(lambda: state.placed_by_train(spec_plan, ui, say=False) or p, interval, json_)
     rows, unreachable = lifecycle.status(p, ui)
     draining = {h: a for h, a in drains.answers(p).items() if a.get("state") == drains.DRAINING}
     watched = watched_json(p, notices.published(p))
@@ -206,7 +210,7 @@ def _select_hosts(path: str, known: list[str], hosts: str | None) -> list[str]:
     return names
 
 
-def watch_status(plan, interval: float, json_: bool) -> int:
+def watch_status(placed, interval: float, json_: bool) -> int:
     """`status --watch`: the status table again every `interval` seconds until Ctrl-C
     (exit 130, quietly). A terminal is cleared before each table; anything else gets each
     table after the last, a blank line between (JSON: one document per line)."""
@@ -218,6 +222,7 @@ def watch_status(plan, interval: float, json_: bool) -> int:
     tty = ui.stdout.isatty()
     try:
         for n in range(1_000_000_000):
+            plan = placed()
             rows, unreachable = lifecycle.status(plan, ui)
             if json_:
                 ui.json(status_json(plan, rows))

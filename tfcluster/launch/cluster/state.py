@@ -4,7 +4,8 @@ State lives in `$XDG_STATE_HOME/tfcluster/<key>/` (default
 `~/.local/state/tfcluster`), written atomically and readable only by the owner.
 It is a convenience: `down` works without it by asking the hosts' pid files. One part
 of it is more: where `up` started a down host's tasks instead (a spare), which every
-command plans with until `down` (placed_by_up).
+command plans with until `down` (placed_by_up), and, while a `train` runs, where it moved
+tasks since it started (moves.json, placed_by_train), which `status` and `drain` plan with.
 """
 from __future__ import annotations
 
@@ -160,6 +161,65 @@ def _move_problem(plan: Plan, lost: str, spare: str) -> str | None:
         return f"the spec gives {lost} no task any more"
     problem = plan.spare_problem(spare, lost)
     return f"{spare} cannot take them ({problem})" if problem else None
+
+
+MOVES = "moves.json"     # the running train's moves: its pid and (lost, spare) in order
+
+
+def publish_moves(plan: Plan) -> None:
+    """The train's side, after each move (and at its start, for a host down then): every move
+    of its plan, with this process's pid, for the commands that look while it runs."""
+    doc = {"pid": os.getpid(), "moves": [[lost, spare] for lost, spare in plan.moves]}
+    write_private(os.path.join(state_dir(key(plan)), MOVES), json.dumps(doc).encode())
+
+
+def train_moves(plan: Plan) -> list[tuple[str, str]] | None:
+    """The moves of the `train` of this cluster running now, as it published them; None when
+    no train runs (the lock file names no live `train`) or the file is not that train's."""
+    directory = state_dir(key(plan))
+    try:
+        with os.fdopen(os.open(os.path.join(directory, "lock"), os.O_RDONLY | NOFOLLOW), "rb") as f:
+            pid, command = holder_of(f.read(200).decode(errors="replace"))
+        with os.fdopen(os.open(os.path.join(directory, MOVES), os.O_RDONLY | NOFOLLOW), "rb") as f:
+            doc = json.loads(f.read(1 << 20))
+    except (OSError, ValueError):
+        return None
+    if command != "train" or pid is None or doc.get("pid") != pid or not _alive(pid):
+        return None      # the lock names no train (it ended: its file is emptied), or another one
+    moves = doc.get("moves")
+    if not isinstance(moves, list):
+        return None
+    return [(m[0], m[1]) for m in moves if isinstance(m, list) and len(m) == 2 and all(isinstance(x, str) for x in m)]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def placed_by_train(plan: Plan, ui, say: bool = True) -> Plan | None:
+    """`plan` (the spec's) with the running train's moves applied, each said once (`say`); None
+    when no train of the cluster runs, or it has moved nothing (placed_by_up then says where
+    things are)."""
+    moves = train_moves(plan)
+    if not moves:
+        return None
+    for lost, spare in moves:
+        try:
+            moved = plan.moved(lost, spare)
+        except ValueError:
+            continue            # the spec changed under the running train: its placement stands
+        keys = [t.key for t in plan.tasks_on(lost)]
+        if say:
+            ui.info(f"{', '.join(keys)} {'runs' if len(keys) == 1 else 'run'} on spare {spare} "
+                    f"(moved there by the running train: {lost} was lost or drained)")
+        plan = moved
+    return plan
 
 
 def clear(name: str) -> None:

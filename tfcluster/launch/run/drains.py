@@ -111,10 +111,10 @@ def _answer(plan, host: str, how: str, line: str) -> None:
 
 
 def clear(plan) -> None:
-    """A new train starts with no drain asked or answered (train's side, under its lock)."""
+    """A new train starts with no drain asked or answered, and no move (train's side, under its lock)."""
     directory = state.state_dir(state.key(plan))
     for name in os.listdir(directory):
-        if name.startswith(REQUEST) or name in (ANSWERS, "notices.json"):   # notices.STATE_FILE
+        if name.startswith(REQUEST) or name in (ANSWERS, "notices.json", state.MOVES):   # notices.STATE_FILE
             try:
                 os.unlink(os.path.join(directory, name))
             except FileNotFoundError:

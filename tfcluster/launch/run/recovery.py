@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from tfcluster.errors import ConnectError, TfclusterError
 from tfcluster.launch.agent import fence
+from tfcluster.launch.cluster import state
 from tfcluster.launch.cluster.hostloss import REOPEN_GRACE
 from tfcluster.launch.cluster.servers import Started, Watch, check_ready, wait_ready
 from tfcluster.launch.cluster.session import Background
@@ -104,6 +105,7 @@ def _adopt(run: Run, lost: str, spare: str) -> None:
     plan = run.plan.moved(lost, spare)
     run.plan = plan
     run.session.adopt(plan)
+    state.publish_moves(plan)       # `status` and `drain` plan with it while the run goes on
     if run.checks is not None:
         run.checks.adopt(plan)      # the watchdog names and dials where the tasks are now
     for p in run.procs:

@@ -66,6 +66,8 @@ def train(plan: Plan, ui: UI, options: Options) -> int:
         run = Run(plan, ui, options, run_id, session, mux, events, checks=checks, progress=progress,
                   files=files)
         drains.clear(plan)              # a drain asked of an earlier run is not this one's
+        if plan.moves:                  # a host down at the start: its tasks run on a spare
+            state.publish_moves(plan)
         run.notices = Notices()
         run.notices.start(run)          # each watched host's notices, from now (Azure answers slowly)
         run.standbys = Standbys()       # warm spares' standbys, made before a break (standbys.py)
