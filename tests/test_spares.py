@@ -314,6 +314,23 @@ def test_plan_command_shows_the_spares_what_they_take_the_loss_policy_and_the_ch
                                    "max_bytes": 16 << 30}
 
 
+def test_plans_loss_lines_follow_what_the_spares_can_take_and_whether_a_checkpoint_is_kept(tmp_path):
+    """A spare too small for a host's tasks is no spare for that host's loss, and a restart
+    without train.checkpoint is from whatever the script keeps itself: the lines say so."""
+    path = write(tmp_path, "name: pg\nhosts:\n  - {name: h1, address: 10.0.0.1, gpus: 4}\n"
+                           "  - {name: h2, address: 10.0.0.2, gpus: 4}\n"
+                           "  - {name: h5, address: 10.0.0.5, gpus: 2, spare: true}\n"
+                           "jobs:\n  ps: {count: 1, hosts: [h1], port: 2222}\n"
+                           "  worker: {per_gpu: true, hosts: [h2], port: 2300}\n"
+                           "train: {script: 'template:between_graph'}\n")
+    shown = tfcluster("plan", path, home=tmp_path, cwd=tmp_path, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    assert ("  holding a ps: every task starts again on the new cluster, from the script's own checkpoint "
+            "if it keeps one (no train.checkpoint) (a ps held the variables)\n"
+            "  holding the chief: the run ends, naming the host (no spare can take h2's tasks: h5 needs 4 "
+            "GPUs, has 2)\n") in shown.stdout, shown.stdout
+
+
 # --------------------------------------------------------------------------- plan --check
 
 @pytest.mark.ssh

@@ -90,15 +90,26 @@ WHAT_A_LOSS_DOES = {
 
 
 def host_loss_lines(plan: Plan) -> list[str]:
-    """What losing a host does to this run, per kind of task it held (policy.on_host_loss)."""
-    kinds = {}
+    """What losing a host does to this run, per kind of task it held (policy.on_host_loss):
+    a spare counts where one can take every task of each host holding that kind (its GPUs,
+    its ports), and a restart is from the checkpoint only where the run keeps one."""
+    kinds: dict[str, tuple[policy.LostTask, set[str]]] = {}
     for t in plan.tasks:
         kind = "the chief" if t.is_chief and t.runs_script else ("a ps" if t.job == "ps" else f"a {t.job}")
-        kinds.setdefault(kind, policy.LostTask(t.job, t.is_chief and t.runs_script))
+        kinds.setdefault(kind, (policy.LostTask(t.job, t.is_chief and t.runs_script), set()))[1].add(t.host)
     lines = []
-    for kind, task in kinds.items():
-        action, why = policy.on_host_loss(plan.mode, plan.on_host_loss, [task], bool(plan.spares))
-        lines.append(f"  holding {kind}: {WHAT_A_LOSS_DOES[action]} ({why})")
+    for kind, (task, hosts) in kinds.items():
+        spare = all(any(plan.spare_problem(s, h) is None for s in plan.spares) for h in hosts)
+        action, why = policy.on_host_loss(plan.mode, plan.on_host_loss, [task], spare)
+        if action == policy.FAIL and plan.spares and not spare and plan.on_host_loss != policy.FAIL:
+            host = next(h for h in sorted(hosts) if all(plan.spare_problem(s, h) for s in plan.spares))
+            why = "no spare can take {}'s tasks: {}".format(
+                host, "; ".join(f"{s} {plan.spare_problem(s, host)}" for s in plan.spares))
+        what = WHAT_A_LOSS_DOES[action]
+        if action == policy.RESTART and plan.checkpoint is None:
+            what = ("every task starts again on the new cluster, from the script's own checkpoint if it "
+                    "keeps one (no train.checkpoint)")
+        lines.append(f"  holding {kind}: {what} ({why})")
     return lines
 
 
