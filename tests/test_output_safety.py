@@ -290,6 +290,20 @@ def _run(runs: Path, run_id: str, logs: dict[str, str]) -> None:
         (runs / run_id / name).write_text(text)
 
 
+def test_runs_of_one_second_are_in_the_order_they_started_not_of_their_random_part(tmp_path):
+    """An id holds the second its run started; runs of one second (a sweep's) are ordered by
+    their manifests, so `runs` lists them oldest first and `logs` picks the latest."""
+    import json
+
+    runs = tmp_path / "runs"
+    for run_id, started in (("lab-20260101-000000-ff00", 10.2), ("lab-20260101-000000-00ff", 10.7),
+                            ("lab-20260101-000001-aaaa", 11.1), ("lab-20251231-235959-ffff", 9.0)):
+        _run(runs, run_id, {})
+        (runs / run_id / "manifest.json").write_text(json.dumps({"started": started}))
+    assert run_dirs(str(runs), "lab") == ["lab-20251231-235959-ffff", "lab-20260101-000000-ff00",
+                                          "lab-20260101-000000-00ff", "lab-20260101-000001-aaaa"]
+
+
 def test_logs_of_lab_are_never_those_of_lab_x(tmp_path):
     runs = tmp_path / "runs"
     _run(runs, "lab-x-20260101-000000-abcd", {"worker-0.log": "from lab-x\n"})

@@ -101,9 +101,23 @@ def run_dirs(runs_dir: str, name: str) -> list[str]:
     except OSError as e:     # a file, or another user's directory
         raise UsageError(f"runs directory {runs_dir}: cannot list it: {e.strerror}",
                          hint="--runs-dir names the directory `train` saved the runs in") from None
-    runs = [e for e in entries if is_run_of(name, e)
-            and os.path.lexists(os.path.join(runs_dir, e, "manifest.json"))]
-    return sorted(runs)
+    runs = sorted(e for e in entries if is_run_of(name, e)
+                  and os.path.lexists(os.path.join(runs_dir, e, "manifest.json")))
+    return _by_start(runs_dir, runs)
+
+
+def _by_start(runs_dir: str, runs: list[str]) -> list[str]:
+    """Run ids (sorted) in the order they started: an id holds the second, and its last part is
+    random, so runs of one second are put in order by their manifests' `started`."""
+    second = {r: r[:-5] for r in runs}
+    tied = {s for s, n in collections.Counter(second.values()).items() if n > 1}
+    if not tied:
+        return runs
+
+    def started(run: str) -> float:
+        value = read_manifest(os.path.join(runs_dir, run)).get("started")
+        return value if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
+    return sorted(runs, key=lambda r: (second[r], started(r) if second[r] in tied else 0.0, r))
 
 
 def pick_run(runs_dir: str, name: str, run: str | None) -> str:
