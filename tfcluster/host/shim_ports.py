@@ -174,7 +174,20 @@ def describe(pid: int) -> str:
     # another user chose these bytes: no newline or escape sequence reaches a terminal; long
     # enough for a server's `<workdir>/<name>/bin/tfserver.py` (names.server_workdir)
     text = " ".join("".join(c if c.isprintable() else " " for c in " ".join(words)).split())
-    return "pid %d (%s)" % (pid, text[:HOLDER_TEXT]) if text else "pid %d" % pid
+    said = "pid %d (%s)" % (pid, text[:HOLDER_TEXT]) if text else "pid %d" % pid
+    return said + _of_cluster(pid)
+
+
+def _of_cluster(pid: int) -> str:
+    """`, task ps:0 of tfcluster cluster 'lab'` for a process of ours a tfcluster started (its
+    tag: cluster[@instance]:run:job:index:role), "" for any other. Another user's environment
+    is not readable, so it is never named this way."""
+    parts = (procs.tag_of(pid) or "").split(":")
+    if len(parts) != 5 or not parts[3].isdigit():
+        return ""
+    cluster = "".join(c for c in parts[0].partition("@")[0] if c.isprintable())[:64]
+    job = "".join(c for c in parts[2] if c.isprintable())[:32]
+    return ", task %s:%s of tfcluster cluster %r" % (job, parts[3], cluster)
 
 
 def describe_holder(inodes: dict[str, int]) -> str:

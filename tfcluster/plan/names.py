@@ -96,6 +96,17 @@ def other_workdir(holder: str, cluster: str) -> str | None:
             f"run `tfcluster down` with the spec that has that workdir")
 
 
+def other_cluster(holder: str, cluster: str) -> str | None:
+    """The hint's words for a port held by a task of another tfcluster cluster of ours (the
+    holder's text names it from the process's tag, shim_ports.describe; a renamed spec's old
+    cluster is one), or None."""
+    found = re.search(r", task (\S+) of tfcluster cluster '([^']*)'$", holder or "")
+    if found is None or found.group(2) == cluster:
+        return None
+    return (f"{found.group(1)} of tfcluster cluster {found.group(2)!r}: `tfcluster down` with that "
+            f"cluster's spec stops it")
+
+
 def new_run_id(prefix: str, now: float | None = None, token: str | None = None) -> str:
     """`<prefix>-YYYYmmdd-HHMMSS-<4 hex>`: sorts by start time; the token keeps two runs
     started in the same second apart."""

@@ -206,7 +206,7 @@ def _down_hint(plan: Plan, unreachable: dict, survivors: list, dropped: dict, bu
     if hints:
         return "; ".join(hints)
     for host, port, holder in busy:
-        other = names.other_workdir(holder, plan.name)
+        other = names.other_workdir(holder, plan.name) or names.other_cluster(holder, plan.name)
         if other:
             return f"{host}:{port} is held by {other}"
     return ("nothing tagged as this cluster's runs any more; down leaves the holders named alone "

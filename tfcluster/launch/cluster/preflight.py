@@ -268,5 +268,9 @@ def _check_ports_free(session: Session, tasks: list[TaskPlan], busy=None) -> Non
 
 def _busy_hint(cluster: str, holder: str) -> str:
     other = names.other_workdir(holder, cluster)
-    return (f"it looks like {other}" if other else
-            "stop whatever holds it (`tfcluster down` if it is an old cluster), or change the port in the spec")
+    if other:
+        return f"it looks like {other}"
+    another = names.other_cluster(holder, cluster)      # a renamed spec's old cluster, or another one
+    if another:
+        return f"it is {another}, or change the port in this spec"
+    return "stop whatever holds it (`tfcluster down` if it is an old cluster), or change the port in the spec"
