@@ -5,6 +5,7 @@ mode. On loopback hosts a dead host's address still reached the spare's new serv
 could pass there and fail between machines; here it cannot."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -280,6 +281,16 @@ def test_drain_moves_the_chief_at_its_checkpoint_losing_no_step(tmp_path, home, 
         assert drain.returncode == 0, drain.stdout + drain.stderr
         assert re.search(rf"h4: moved: .* h4 drained: {chief} moved to h5, every task restarted",
                          drain.stdout + drain.stderr), drain.stdout + drain.stderr
+        if mode != "between-graph":
+            return
+        # while the run goes on, status and drain plan with its move: the chief is on h5, and
+        # h5, a spare holding it now, is drained as any host (no spare left: the run says so)
+        shown = tfcluster("status", str(spec), "--json", home=home, cwd=cwd)
+        rows = {r["task"]: r for r in json.loads(shown.stdout)["tasks"]}
+        assert (rows[chief]["host"], rows[chief]["status"]) == ("h5", "running"), shown.stdout + shown.stderr
+        assert f"{chief} runs on spare h5 (moved there by the running train: h4 was lost or drained)" in shown.stderr
+        again = tfcluster("drain", str(spec), "h5", "--wait", "60", home=home, cwd=cwd)
+        assert again.returncode == 1 and "h5: failed:" in again.stdout + again.stderr, again.stdout + again.stderr
 
     rc, rest = killed_mid_run(spec, home, cwd, rf"{chief} .*step=[1-9]\d\d", fault, None, timeout=300)
     assert rc == 0, rest[-4000:]

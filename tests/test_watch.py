@@ -141,6 +141,7 @@ def test_rates_span_a_second_and_restart_after_a_step_goes_back():
     ("{step: 'iter ('}", "train.progress.step", "invalid regular expression"),
     ("{loss: 'loss=[0-9.]+'}", "train.progress.loss", "has 0 capturing groups"),
     ("{loss: '(a)(b)'}", "train.progress.loss", "has 2 capturing groups"),
+    ("{step: '(s)(\\d+)'}", "train.progress.step", "'(s)(\\d+)' has 2 capturing groups"),   # as written
     ("{target: lots}", "train.progress.target", "must be a decimal integer"),
     ("{stepp: 'x(1)'}", "train.progress.stepp", "did you mean 'step'"),
 ])

@@ -34,7 +34,7 @@ def render(
     \b
     Example:
       tfcluster render lab.yaml --to tfjob --image tensorflow/tensorflow:2.15.0-gpu -o k8s/
-      kubectl apply -f k8s/lab-tfjob.yaml
+      kubectl apply --server-side -f k8s/lab-tfjob.yaml
       tfcluster render lab.yaml --to slurm -o jobs/ && cd jobs && sbatch lab.sbatch
       tfcluster plan lab.yaml --to slurm            # which Slurm rank plays which task
     """

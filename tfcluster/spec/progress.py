@@ -26,10 +26,10 @@ def _pattern(node: yaml.Node, field: str) -> str:
     try:
         regex = re.compile(value.encode("utf-8"))   # lines are matched as bytes
     except re.error as exc:
-        raise BadValue(line_of(node), field, f"invalid regular expression {value!r}: {exc}",
+        raise BadValue(line_of(node), field, f"invalid regular expression '{value}': {exc}",
                    hint="e.g. 'iter (\\d+)': Python's re syntax, one capturing group") from None
     if regex.groups != 1:
-        raise BadValue(line_of(node), field, f"{value!r} has {regex.groups} capturing groups; it needs "
+        raise BadValue(line_of(node), field, f"'{value}' has {regex.groups} capturing groups; it needs "
                                        f"exactly one, around the number",
                    hint="write (?:...) for a group that is not the number")
     return value
