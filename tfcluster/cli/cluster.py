@@ -125,7 +125,7 @@ def drain(
     if host not in names:
         raise UsageError(f"{spec_path}: no host named {host!r} (hosts: {', '.join(names)})")
     p = state.placed_by_train(p, ui) or p          # a spare the running train moved tasks to holds them
-    if host in p.spares:
+    if host in p.spares and not p.tasks_on(host):
         raise UsageError(f"{spec_path}: {host} is a spare holding no task (no move put any there): "
                          f"nothing to drain")
     if deadline is not None and deadline <= 0:
