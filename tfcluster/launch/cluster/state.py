@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from tfcluster.errors import LockedError, PreflightError
 from tfcluster.localfs import NOFOLLOW, private_dir, write_private  # noqa: F401 - also imported from here
+from tfcluster.watch.runs import pid_exists
 
 if TYPE_CHECKING:
     from tfcluster.plan import Plan
@@ -184,22 +185,12 @@ def train_moves(plan: Plan) -> list[tuple[str, str]] | None:
             doc = json.loads(f.read(1 << 20))
     except (OSError, ValueError):
         return None
-    if command != "train" or pid is None or doc.get("pid") != pid or not _alive(pid):
+    if command != "train" or pid is None or doc.get("pid") != pid or not pid_exists(pid):
         return None      # the lock names no train (it ended: its file is emptied), or another one
     moves = doc.get("moves")
     if not isinstance(moves, list):
         return None
     return [(m[0], m[1]) for m in moves if isinstance(m, list) and len(m) == 2 and all(isinstance(x, str) for x in m)]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def placed_by_train(plan: Plan, ui, say: bool = True) -> Plan | None:
