@@ -221,6 +221,21 @@ def test_a_port_held_by_the_cluster_a_renamed_spec_had_names_that_cluster(tmp_pa
 
 # -- wording -------------------------------------------------------------------------------
 
+def test_a_holder_of_another_cluster_is_named_by_its_tag_and_one_of_this_name_as_anothers():
+    """What the port's holder says of its tag (shim_ports.describe) makes the hint: another
+    cluster's task, or this name's started by another HOME or workdir (a tag of another
+    instance); a holder without a tag gets none."""
+    from tfcluster.plan.names import other_cluster
+
+    holder = "pid 7 (python /opt/tfcluster/host/tfserver.py), task ps:0 of tfcluster cluster '{}'"
+    assert other_cluster(holder.format("old"), "new") == (
+        "ps:0 of tfcluster cluster 'old': `tfcluster down` with that cluster's spec stops it")
+    assert other_cluster(holder.format("lab"), "lab").startswith(
+        "ps:0 of another cluster named 'lab', started with another workdir or HOME")
+    assert other_cluster("pid 7 (nc -l 2222)", "lab") is None
+
+
+
 @pytest.mark.parametrize("tasks, verb, pronoun", [(["worker:1"], "runs", "it"),
                                                   (["worker:1", "worker:2"], "run", "them")])
 def test_status_warnings_agree_with_how_many_tasks_they_name(tasks, verb, pronoun):

@@ -99,12 +99,16 @@ def other_workdir(holder: str, cluster: str) -> str | None:
 def other_cluster(holder: str, cluster: str) -> str | None:
     """The hint's words for a port held by a task of another tfcluster cluster of ours (the
     holder's text names it from the process's tag, shim_ports.describe; a renamed spec's old
-    cluster is one), or None."""
+    cluster is one, and so is one of this name another HOME or workdir started), or None. Only
+    asked of a holder that is not this cluster's own."""
     found = re.search(r", task (\S+) of tfcluster cluster '([^']*)'$", holder or "")
-    if found is None or found.group(2) == cluster:
+    if found is None:
         return None
-    return (f"{found.group(1)} of tfcluster cluster {found.group(2)!r}: `tfcluster down` with that "
-            f"cluster's spec stops it")
+    task, name = found.groups()
+    if name == cluster:     # not this one's: its tag's instance (workdir, HOME) is another
+        return (f"{task} of another cluster named {name!r}, started with another workdir or HOME: "
+                f"`tfcluster down` with the spec and HOME that started it stops it")
+    return f"{task} of tfcluster cluster {name!r}: `tfcluster down` with that cluster's spec stops it"
 
 
 def new_run_id(prefix: str, now: float | None = None, token: str | None = None) -> str:
