@@ -7,6 +7,7 @@ import importlib.util
 import os
 import re
 import signal
+import stat
 import sys
 import threading
 import time
@@ -136,6 +137,13 @@ def test_local_run_serves_tensorboard_and_stops_it_with_the_run(tmp_path, home, 
         logdir, port, pid = serve_and_fetch(proc, "local")
         assert logdir == str(tmp_path / "tb-worker0")           # the chief's placeholders
         assert port in listeners(pid)                          # a local chief: no forwarding
+        # its info file in the run's private directory, never in /tmp/.tensorboard-info (0777,
+        # not sticky: another user's link planted there would have root's TensorBoard write
+        # through it)
+        tmpdir = psutil.Process(pid).environ()["TMPDIR"]
+        assert stat.S_IMODE(os.stat(tmpdir).st_mode) == 0o700 and "/runs/tbl-" in tmpdir, tmpdir
+        assert wait_for(lambda: os.path.exists(f"{tmpdir}/.tensorboard-info/pid-{pid}.info"), timeout=30)
+        assert not os.path.lexists(f"/tmp/.tensorboard-info/pid-{pid}.info")
         out = end_run(proc, flag, how)
     finally:
         flag.touch()

@@ -116,6 +116,8 @@ def spawn(req: dict) -> tuple[subprocess.Popen, str, int]:
     fs.private_dir(cwd)
     fs.private_dir(os.path.dirname(pidfile))
     env = task_env(req)
+    if req.get("private_tmp"):      # the task's temporary files in its own private directory
+        env["TMPDIR"] = os.path.abspath(cwd)
     log_fd = open_private(log)
     offset = os.fstat(log_fd).st_size
     cgroup.join(req.get("cluster_dir"))   # the task is born in its cluster's cgroup (the fence's match)

@@ -57,9 +57,11 @@ def start(session, plan: Plan, run_id: str, ui, save_dir: str, heartbeat: float)
                     f"{task.host}; training goes on")
             return None
         port = min(free)
+        # TMPDIR private: TensorBoard writes /tmp/.tensorboard-info/pid-N.info, in a directory
+        # it makes 0777 without the sticky bit, following a link another user planted there
         launch = session.launch_for(task, run_id, names.TENSORBOARD,
                                     command(host.python, plan.tensorboard, port),
-                                    {"CUDA_VISIBLE_DEVICES": ""})
+                                    {"CUDA_VISIBLE_DEVICES": ""}, private_tmp=True)
         handle = agent.start_attached(launch, heartbeat_timeout=heartbeat, grace=STOP_GRACE)
     except (KeyboardInterrupt, Terminated):
         raise                   # the run's stop sweep stops whatever was started

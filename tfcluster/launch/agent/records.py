@@ -36,6 +36,9 @@ class TaskLaunch:
     log: str
     pidfile: str
     no_proxy: tuple[str, ...] = ()      # kept off any proxy the host's environment sets
+    # its TMPDIR the run directory (private): TensorBoard's info files, which it writes into a
+    # shared /tmp directory it makes world-writable, following a link planted there
+    private_tmp: bool = False
 
 
 @dataclass(frozen=True)
@@ -106,4 +109,6 @@ def start_request(t: TaskLaunch, cluster_dir: str, port: int | None = None) -> d
     A server's `port` goes into its pid file: `status` tells when the spec moved it since."""
     request = {"tag": t.tag, "argv": list(t.argv), "env": dict(t.env), "cwd": t.cwd, "log": t.log,
                "pidfile": t.pidfile, "no_proxy": list(t.no_proxy), "cluster_dir": cluster_dir}
+    if t.private_tmp:
+        request["private_tmp"] = True
     return request if port is None else dict(request, port=port)

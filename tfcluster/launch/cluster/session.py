@@ -247,7 +247,7 @@ class Session:
     # -- naming what a run starts -------------------------------------------------------
 
     def launch_for(self, task: TaskPlan, run_id: str, role: str, argv,
-                   extra_env: dict[str, str] | None = None) -> TaskLaunch:
+                   extra_env: dict[str, str] | None = None, private_tmp: bool = False) -> TaskLaunch:
         tag = names.Tag(self.plan.name, run_id, task.job, task.index, role)
         env = dict(task.env)
         if role == "script":
@@ -260,7 +260,7 @@ class Session:
         env.update(extra_env or {})
         return TaskLaunch(tag=str(tag), argv=tuple(argv), env=env, cwd=self.paths.rundir(run_id),
                           log=self.paths.log(run_id, task.key, role), pidfile=self.paths.pidfile(tag),
-                          no_proxy=self.no_proxy)
+                          no_proxy=self.no_proxy, private_tmp=private_tmp)
 
     def survey(self, tasks: list[TaskPlan]) -> tuple[dict[str, object], dict]:
         """One round trip per host: live servers of this cluster (task key -> TaskStatus) and
