@@ -89,3 +89,29 @@ def test_urls_without_a_password_run_and_a_user_is_masked_where_shown(tmp_path, 
     manifest = json.loads(manifests[0].read_text())
     text = json.dumps(manifest)
     assert "git@" not in text and "ssh://***@git.lab/exp.git" in text, text[:500]
+
+
+@pytest.mark.parametrize("logdir, problem", [
+    ("gs://alice:pw9pw9pw9@bucket/tb", "holds the password of a URL (gs://***@bucket/tb); TensorBoard's --logdir is "
+                                       "visible in `ps` on the chief's host, and in plans and manifests"),
+    ("/data/tb-hunter2hunter2", "contains the value of secret env DB_PASSWORD; TensorBoard's --logdir is visible "
+                                "in `ps` on the chief's host"),
+])
+def test_tensorboards_logdir_is_held_to_the_rule_script_arguments_are(tmp_path, home, logdir, problem):
+    """train.tensorboard and --tensorboard go on TensorBoard's command line, where every user of
+    the chief's host sees them in `ps`, and into plans and the manifest: refused as an argument
+    would be, before anything is shown or started."""
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    spec = tmp_path / "tb.yaml"
+    spec.write_text("name: tb\nhosts: [{name: local, address: 127.0.0.1}]\n"
+                    "jobs: {worker: {tasks: ['local:23998']}}\nenv: {DB_PASSWORD: hunter2hunter2}\n"
+                    f"train:\n  mode: mirrored\n  script: train.py\n  tensorboard: {json.dumps(logdir)}\n")
+    for command in (["plan", "--json"], ["train"]):
+        refused = tfcluster(*command, str(spec), home=home, cwd=tmp_path)
+        assert refused.returncode == 2 and refused.stdout == "", refused.stdout
+        assert refused.stderr.startswith(f"tfcluster: error: {spec}:8: train.tensorboard: {problem}\n"), refused.stderr
+        assert "pw9pw9pw9" not in refused.stderr and "hunter2hunter2" not in refused.stderr
+    spec.write_text(spec.read_text().replace(json.dumps(logdir), "/data/tb"))
+    given = tfcluster("train", str(spec), "--dry-run", "--tensorboard", logdir, home=home, cwd=tmp_path)
+    assert given.returncode == 2 and given.stderr.startswith(f"tfcluster: error: --tensorboard: {problem}\n")
+    assert not (tmp_path / "runs").exists()

@@ -49,6 +49,27 @@ def check_args(spec: Spec) -> None:
             raise BadValue(*_arg_field(spec, i), *url_problem(url))
 
 
+def check_tensorboard(spec: Spec) -> None:
+    """train.tensorboard (or --tensorboard) goes on TensorBoard's command line, visible in `ps`
+    on the chief's host as an argument is: no secret env value, no URL's password."""
+    logdir = spec.train.tensorboard
+    if logdir is None:
+        return
+    line, field = (spec.train.tensorboard_line, "train.tensorboard") if spec.train.tensorboard_line \
+        else (0, "--tensorboard")
+    name = secret_in(logdir, spec.secrets())
+    if name:
+        raise BadValue(line, field, f"contains the value of secret env {name}; TensorBoard's --logdir is "
+                                    "visible in `ps` on the chief's host",
+                       hint=f"if {name} is not secret, list it in public_env")
+    url = url_password(logdir)
+    if url:
+        raise BadValue(line, field, f"holds the password of a URL ({url}); TensorBoard's --logdir is visible "
+                                    "in `ps` on the chief's host, and in plans and manifests",
+                       hint="give TensorBoard the storage's credentials through env: (AWS_SECRET_ACCESS_KEY, "
+                            "GOOGLE_APPLICATION_CREDENTIALS, ...), not in the URL")
+
+
 def _values(spec: Spec, slots: tuple[Slot, ...]) -> dict[str, int]:
     """The length of every placeholder's value, the longest any task gets."""
     addresses = {h.name: h.address for h in spec.hosts}

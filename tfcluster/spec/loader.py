@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from tfcluster.errors import SpecError, UsageError
 from tfcluster.spec.layout import check_conflicts, check_loopback_mix, check_mode, layout_tasks
-from tfcluster.spec.limits import check_args, check_plan_size
+from tfcluster.spec.limits import check_args, check_plan_size, check_tensorboard
 from tfcluster.spec.model import Spec
 from tfcluster.spec.schema import build, check_placeholders
 from tfcluster.spec.shipped import Shipped, ship_list
@@ -25,6 +25,7 @@ def load_spec(path: str) -> Spec:
         data = read_text(path)
         spec, lines = build(path, compose(decode(data)))
         check_args(spec)
+        check_tensorboard(spec)
     except BadValue as bad:
         raise spec_error(path, bad.line, bad.field, bad.problem, bad.hint) from None
     spec = replace(spec, digest=hashlib.sha256(data).hexdigest())
@@ -101,9 +102,15 @@ def with_train_overrides(spec: Spec, *, script: str | None = None, args: list[st
             raise UsageError(one_line(f"--tensorboard {tensorboard!r}: {bad.problem}"),
                              hint=bad.hint) from None
         changes["tensorboard"] = tensorboard
+        changes["tensorboard_line"] = 0
     if not changes:
         return spec
     spec = replace(spec, train=replace(spec.train, **changes))
+    if tensorboard is not None:
+        try:
+            check_tensorboard(spec)
+        except BadValue as bad:
+            raise UsageError(one_line(f"{bad.field}: {bad.problem}"), hint=bad.hint) from None
     if args:
         try:
             check_args(spec)

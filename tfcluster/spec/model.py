@@ -189,6 +189,7 @@ class Train:
     stop_grace: float = STOP_GRACE    # seconds
     checks: Checks = field(default_factory=Checks)
     tensorboard: str | None = None    # LOGDIR (unexpanded placeholders) for TensorBoard on the chief
+    tensorboard_line: int = 0         # (0: from the command line)
     image: str | None = None          # container image for `render --to tfjob`
     progress: Progress = field(default_factory=Progress)
     keras: str = "auto"               # KERAS_CHOICES

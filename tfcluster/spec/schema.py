@@ -364,6 +364,7 @@ def _parse_train(node: yaml.Node, base_dir: str) -> Train:
         stop_grace=_stop_grace(value["stop_grace"]) if "stop_grace" in f else STOP_GRACE,
         checks=_checks(value["checks"]) if "checks" in f else Checks(),
         tensorboard=_tensorboard(value["tensorboard"]) if "tensorboard" in f else None,
+        tensorboard_line=line_of(value["tensorboard"]) if "tensorboard" in f else 0,
         image=_image(value["image"]) if "image" in f else None,
         progress=parse_progress(value["progress"]) if "progress" in f else Progress(),
         keras=as_choice(value["keras"], "train.keras", KERAS_CHOICES, "keras") if "keras" in f else "auto",
