@@ -265,12 +265,13 @@ def test_a_launcher_gone_before_an_install_is_answered_leaves_no_table(clusters,
 # whose hosts are the bed's namespaces, each with nftables of its own.
 @pytest.mark.alone
 @pytest.mark.timeout(120)
-def test_a_killed_clusters_table_is_swept_by_the_next_install_and_a_refusal_names_it(clusters):
+def test_a_killed_clusters_table_is_swept_by_the_next_install_and_a_refusal_names_it(clusters, other_user):
     """A cluster whose servers were killed without `down` leaves its table, which refuses
     everyone else on its ports. A refused reach names it; a root shim's next fence install
     deletes it (older than the grace, nothing of its cluster left), but never the table of a
-    cluster that still has a process (in its cgroup or carrying its tag)."""
-    port, other_port, busy_port = free_ports(3)
+    cluster that still has a process (in its cgroup or carrying its tag), and another user who
+    copies a dead cluster's tag into a process of theirs does not keep its table."""
+    port, other_port, busy_port, pin_port = free_ports(4)
     stale_dir, running_dir, next_dir = (clusters.make(n) for n in ("fencestale", "fencerun", "fencenext"))
     answer = install(stale_dir, "fencestale", port)
     assert answer["closed"] is True and answer["match"] == "cgroup", answer
@@ -293,6 +294,16 @@ def test_a_killed_clusters_table_is_swept_by_the_next_install_and_a_refusal_name
                                            stdout=subprocess.PIPE, text=True,
                                            env={**os.environ, proto.TAG_VAR: tag}))
     assert clusters.procs[-1].stdout.readline().startswith("up ")
+    # a killed cluster's old table, its tag carried by another user's process (the tag is no secret)
+    pin_dir = clusters.make("fencepin")
+    pinned = shim_fence.table_name(pin_dir, "fencepin:")
+    subprocess.run([NFT, "-f", "-"], input=shim_rules.script(pinned, 0, [pin_port], [], [], made=old),
+                   text=True, check=True, timeout=10)
+    pin_tag = shim_procs.qualify("fencepin:up-1:ps:0:server", pin_dir)
+    clusters.procs.append(other_user.popen(["/usr/bin/python3", "-S", "-c", "print('up and tagged', flush=True)\n"
+                                            "import time; time.sleep(110)"], stdout=subprocess.PIPE, text=True,
+                                           env=other_user.env(**{proto.TAG_VAR: pin_tag})))
+    assert clusters.procs[-1].stdout.readline().startswith("up ")
     # the next cluster on the stale one's port: its reach is refused, naming the table
     listener = subprocess.Popen([sys.executable, "-S", "-c", LISTEN, str(port)], stdout=subprocess.PIPE, text=True)
     clusters.procs.append(listener)
@@ -302,8 +313,8 @@ def test_a_killed_clusters_table_is_swept_by_the_next_install_and_a_refusal_name
     assert reason.startswith("connection refused; ") and f"{stale} on this host holds port {port}" in reason, reason
 
     swept = install(next_dir, "fencenext", other_port)
-    assert stale in swept["swept"] and running not in swept["swept"], swept
-    assert stale not in tables() and running in tables()
+    assert stale in swept["swept"] and pinned in swept["swept"] and running not in swept["swept"], swept
+    assert stale not in tables() and pinned not in tables() and running in tables()
     assert not os.path.exists(shim_cgroup.path_of(stale_dir))       # its empty cgroup went too
     assert connect(port) == "connected"                               # the port is free of it
     shim(proto.STOP, {"tag_prefix": "fencenext:", "cluster_dir": next_dir, "piddir": os.path.join(next_dir, "pids")})

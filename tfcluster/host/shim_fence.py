@@ -196,25 +196,35 @@ def _instance(table: str) -> str | None:
     return tail if len(table) > len(PREFIX) + 13 and table[-13] == "_" and re.fullmatch(r"[0-9a-f]{12}", tail) else None
 
 
-def _made(tool: dict, table: str) -> float | None:
-    """When a table was made, from the comment install() gives it; None without one (a
-    table of another tfcluster version, or not ours)."""
+def _made(tool: dict, table: str) -> tuple[float | None, int | None]:
+    """When a table was made and for whose cluster (uid), from the comment install() gives it;
+    None for each without one (a table of another tfcluster version, or not ours)."""
     rc, said = _run_out(tool["nft"] + ["list", "table", "inet", table])
-    return rules.made_at(said) if rc == 0 else None
+    return (rules.made_at(said), rules.made_by(said)) if rc == 0 else (None, None)
 
 
-def _runs(instance: str) -> bool:
-    """Whether anything of the cluster `instance` runs on this host, whoever's it is: a
-    process in its cgroup, or one carrying its tag (root reads every process's tag)."""
+def _runs(instance: str, uid: int | None = None) -> bool:
+    """Whether anything of the cluster `instance` runs on this host: a process in its cgroup
+    (only its owner and root can put one there), or one carrying its tag (root reads every
+    process's tag) of the uid the table fences for (any, unknown): another user who copies the
+    tag into a process of theirs does not keep a dead cluster's table, refusing everyone at its
+    ports, alive."""
     mount = cgroup.mount_point()
     if mount and cgroup.populated(os.path.join(mount, cgroup.PARENT, instance)):
         return True
     mark = "@%s:" % instance
     for pid in procs.all_pids():
         tag = procs.tag_of(pid) if pid > 1 else None
-        if tag is not None and mark in tag and procs.is_alive(pid):
+        if tag is not None and mark in tag and procs.is_alive(pid) and (uid is None or _uid(pid) == uid):
             return True
     return False
+
+
+def _uid(pid: int) -> int | None:
+    try:
+        return os.stat("/proc/%d" % pid).st_uid
+    except OSError:
+        return None
 
 
 def sweep(keep: str | None = None, tool: dict | None = None) -> list:
@@ -235,10 +245,10 @@ def sweep(keep: str | None = None, tool: dict | None = None) -> list:
             return gone
         for table in tables:
             instance = _instance(table)
-            if table == keep or instance is None or _runs(instance):
+            if table == keep or instance is None:
                 continue
-            made = _made(tool, table)
-            if made is None or time.time() - made < SWEEP_GRACE or _runs(instance):
+            made, uid = _made(tool, table)
+            if made is None or time.time() - made < SWEEP_GRACE or _runs(instance, uid):
                 continue
             if _delete(tool, table)[0] == 0:
                 gone.append(table)

@@ -16,7 +16,7 @@ import time
 MARK = 0x20000000
 # the comment every table carries: when it was made, and by whom (shim_fence.sweep reads it)
 MADE = 'comment "tfcluster made %d uid %d"'
-_MADE_READ = re.compile(re.escape(MADE).replace("%d", r"(\d+)", 1).replace("%d", r"\d+"))   # made_at
+_MADE_READ = re.compile(re.escape(MADE).replace("%d", r"(\d+)"))   # made_at, made_by
 
 
 def addresses(names) -> tuple[set, set]:
@@ -170,6 +170,12 @@ def made_at(listing: str) -> float | None:
     table of another tfcluster version, or not ours)."""
     found = _MADE_READ.search(listing)
     return float(found.group(1)) if found else None
+
+
+def made_by(listing: str) -> int | None:
+    """The uid whose cluster a table fences, from its comment; None without one."""
+    found = _MADE_READ.search(listing)
+    return int(found.group(2)) if found else None
 
 
 def ports_of(rule: dict) -> set:
