@@ -78,3 +78,36 @@ def test_up_with_a_host_down_keeps_its_tasks_on_the_spare_for_status_train_and_d
     assert "h4: not reached" in down.stderr, down.stderr
     assert not state_path(home, spec).exists()
     wait_for(lambda: not tagged_processes(), timeout=60, what="no task left running")
+
+
+@pytest.mark.timeout(420)
+def test_up_again_after_a_host_died_under_its_servers_refuses_to_start_one_on_the_spare_beside_them(
+        tmp_path, home, ssh_home, bed):
+    """The cluster is up; h4 dies. A second `up` would start worker:1's server on the spare
+    beside ps:0 and worker:0, which were started with h4's address in their cluster spec and
+    would dial it for ever: refused, exit 3, nothing started, with the way out; `down` then
+    `up` starts every server with the spare's address, and `status` finds them there."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    spec = spec_of(tmp_path, bed, "bupd")
+    try:
+        assert tfcluster("up", str(spec), home=home, cwd=cwd).returncode == 0
+        bed.kill("h4")
+        again = tfcluster("up", str(spec), home=home, cwd=cwd)
+        assert again.returncode == 3, again.stderr[-3000:]
+        assert ("tfcluster: error: h4 is down, and its servers would start on h5 beside ps:0, worker:0, which run "
+                "with h4's address in their cluster spec") in again.stderr, again.stderr
+        assert f"hint: run `tfcluster down {spec}`" in again.stderr, again.stderr
+        tags = tagged_processes()
+        assert not any(":worker:1:" in tags.get(p, "") for p in bed.hosts["h5"].pids()), "started on the spare"
+        down = tfcluster("down", str(spec), home=home, cwd=cwd)
+        assert down.returncode == 1 and "unreachable: h4 (" in down.stderr, down.stderr    # documented: exit 1
+        fresh = tfcluster("up", str(spec), home=home, cwd=cwd)
+        assert fresh.returncode == 0 and "worker:1 start on spare h5 instead" in fresh.stderr, fresh.stderr
+        status = tfcluster("status", str(spec), "--json", home=home, cwd=cwd)
+        rows = {r["task"]: (r["host"], r["status"]) for r in json.loads(status.stdout)["tasks"]}
+        assert rows == {"ps:0": ("h2", "running"), "worker:0": ("h3", "running"), "worker:1": ("h5", "running")}, rows
+    finally:
+        down = tfcluster("down", str(spec), home=home, cwd=cwd)
+    assert not state_path(home, spec).exists()
+    wait_for(lambda: not tagged_processes(), timeout=60, what="no task left running")

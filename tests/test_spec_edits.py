@@ -210,7 +210,7 @@ def test_a_port_held_by_the_cluster_a_renamed_spec_had_names_that_cluster(tmp_pa
                 "it, or change the port in this spec") in up.stderr, up.stderr
         down = tfcluster("down", str(renamed), home=home, cwd=cwd)
         assert down.returncode == 1, down.stderr
-        assert f"is held by ps:0 of tfcluster cluster 'old': `tfcluster down` with that cluster's spec" \
+        assert "is held by ps:0 of tfcluster cluster 'old': `tfcluster down` with that cluster's spec" \
             in down.stderr, down.stderr
         assert tasks_running() == ["ps:0", "worker:0", "worker:1"]
     finally:
