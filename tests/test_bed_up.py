@@ -111,3 +111,23 @@ def test_up_again_after_a_host_died_under_its_servers_refuses_to_start_one_on_th
         down = tfcluster("down", str(spec), home=home, cwd=cwd)
     assert not state_path(home, spec).exists()
     wait_for(lambda: not tagged_processes(), timeout=60, what="no task left running")
+
+
+@pytest.mark.timeout(240)
+def test_hosts_of_one_image_on_their_own_network_each_take_the_same_port(tmp_path, home, ssh_home, bed):
+    """The README's layout, a worker per host on one port. The bed's hosts share one machine id
+    (one root filesystem, as VMs cloned from one image do) but each has its own network, so its
+    own ports: preflight takes them as the separate machines they are."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    h2, h3, h4 = (bed.add(n) for n in ("h2", "h3", "h4"))
+    assert h3.run(["cat", "/etc/machine-id"]).stdout == h4.run(["cat", "/etc/machine-id"]).stdout
+    spec = tmp_path / "same.yaml"
+    spec.write_text(f"name: same\npython: {sys.executable}\nworkdir: {tmp_path / 'remote'}\n"
+                    f"ssh: {{connect_timeout: 5}}\nhosts:\n  - {h2.spec()}\n  - {h3.spec()}\n  - {h4.spec()}\n"
+                    f"jobs:\n  ps: {{tasks: ['h2:{PORTS[0]}']}}\n"
+                    f"  worker: {{tasks: ['h3:{PORTS[1]}', 'h4:{PORTS[1]}']}}\n"
+                    "train:\n  mode: between-graph\n  script: template:between_graph\n")
+    check = tfcluster("plan", str(spec), "--check", home=home, cwd=cwd)
+    assert check.returncode == 0, check.stderr[-3000:]
+    assert "same machine" not in check.stderr

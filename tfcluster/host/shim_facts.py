@@ -239,13 +239,28 @@ def _on_path(command: str) -> bool:
 
 
 def machine_id() -> str:
+    """What tells two hosts of a spec apart as machines whose ports and processes are their
+    own: the machine id, the boot id (hosts cloned from one image share a machine id, not a
+    boot) and the network namespace (one kernel's namespaces each have their own ports). Two
+    names of one machine give the same; "" when none can be read."""
+    machine = ""
     for path in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
         try:
             with open(path) as f:
-                return f.read().strip()
+                machine = f.read().strip()
+            break
         except OSError:
             continue
-    return ""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    try:
+        net = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        net = 0
+    return "%s:%s:%d" % (machine, boot, net) if machine or boot else ""
 
 
 def hostname_address() -> list:

@@ -246,7 +246,7 @@ def _check_same_machine_ports(infos: dict, tasks: list[TaskPlan]) -> None:
         other = seen.setdefault((machine, task.port), task)
         if other is not task and other.host != task.host:
             raise PreflightError(
-                f"hosts {other.host} and {task.host} are the same machine (machine-id) and "
+                f"hosts {other.host} and {task.host} are the same machine (machine id, boot and network namespace) and "
                 f"{other.key} and {task.key} both use port {task.port}; a TF server binds every interface",
                 hint="give the tasks different ports")
 
