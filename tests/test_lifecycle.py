@@ -252,6 +252,10 @@ def test_unknown_host_key_is_rejected_unless_accept_new(tmp_path, home, ssh_home
     result = tfcluster("exec", str(spec), "--", "true", home=home, cwd=cwd)
     assert result.returncode == 3
     assert "unknown host key" in result.stderr and "ssh-keyscan" in result.stderr
+    checked = tfcluster("plan", str(spec), "--check", home=home, cwd=cwd)     # every host's key, one line
+    assert checked.returncode == 3 and "unknown host key" in checked.stderr, checked.stderr
+    assert (f"hint: run `ssh-keyscan -p {sshd.port} 127.0.0.2 127.0.0.3 127.0.0.4 >> ~/.ssh/known_hosts` after "
+            "checking the fingerprints (3 hosts)") in checked.stderr, checked.stderr
     spec = ssh_spec(tmp_path, sshd, name="keys2", ssh_extra="  host_key_policy: accept-new\n")
     result = tfcluster("exec", str(spec), "--", "true", home=home, cwd=cwd)
     assert result.returncode == 0, result.stderr

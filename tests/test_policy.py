@@ -212,3 +212,17 @@ def test_a_lost_host_that_cannot_be_recovered_says_why():
     assert policy.on_host_loss("between-graph", "spare", [PS], False)[1] == "no spare host left to take a ps task"
     assert policy.on_host_loss("coordinator", "spare", [CHIEF], True)[1] == \
         "the chief is gone"
+
+
+def test_a_moves_line_says_what_happened_an_interrupted_one_no_restart_it_never_made():
+    """The summary's `moved:` line: a move the run ended during (Ctrl-C, a failure) before its
+    tasks started on the spare says so, not "every task restarted from ..."."""
+    from tfcluster.launch.run.moves import Move
+
+    move = Move("h4", "lost: connection dropped", policy.RESTART, "a ps dials each worker", ("worker:1",),
+                at=0.0, step_at=120, spare="h5")
+    assert move.line().endswith("h4 lost: connection dropped: moving worker:1 to h5; the run ended before "
+                                "they started there")
+    move.done_at, move.checkpoint, move.resumed = 1.0, "model.ckpt-100", 100
+    assert move.line().endswith("worker:1 moved to h5, every task restarted from model.ckpt-100; resumed at "
+                                "step 100, 20 step(s) lost")

@@ -273,7 +273,7 @@ def _connect_all(todo: list, results: dict, timeout: float) -> None:
 
 
 def _timed_out(timeout: float) -> str:
-    return "timed out after %gs" % timeout
+    return "timed out after %gs" % round(timeout, 1)
 
 
 def _reason(code: int) -> str:

@@ -174,10 +174,12 @@ class HostKeyPolicy:
         if ep.policy != "accept-new":
             kh = shell_path(ep.known_hosts[0])
             scan = f"ssh-keyscan -p {ep.port} {shlex.quote(ep.address)} >> {kh}"
-            raise ep.error(f"unknown host key ({key.get_name()} {fingerprint(blob)})",
-                           hint=f"run `{scan}` after checking the fingerprint, "
-                                "or set ssh.host_key_policy: accept-new",
-                           cause=Cause.HOST_KEY)
+            error = ep.error(f"unknown host key ({key.get_name()} {fingerprint(blob)})",
+                             hint=f"run `{scan}` after checking the fingerprint, "
+                                  "or set ssh.host_key_policy: accept-new",
+                             cause=Cause.HOST_KEY)
+            error.scan = (ep.port, ep.address, kh)
+            raise error
         append(os.path.expanduser(ep.known_hosts[0]), ep.key_name, key.get_name(), blob,
                hashed=ep.hash_known_hosts)
 

@@ -65,7 +65,7 @@ def _tcp(ep: Endpoint) -> socket.socket:
     except ConnectionRefusedError:
         raise ep.error("connection refused (is sshd running on that port?)", cause=Cause.REFUSED) from None
     except (socket.timeout, TimeoutError):
-        raise ep.error(f"unreachable: connect timed out after {ep.timeout:g}s", cause=Cause.TIMEOUT) from None
+        raise ep.error(f"unreachable: connect timed out after {round(ep.timeout, 1):g}s", cause=Cause.TIMEOUT) from None
     except OSError as e:
         if e.errno in UNREACHABLE_ERRNOS:
             raise ep.error(f"unreachable: {os.strerror(e.errno).lower()}", cause=Cause.UNREACHABLE) from None

@@ -36,7 +36,7 @@ def print_plan(ui, plan: Plan, *, commands: bool = False) -> None:
              f"{len(plan.hosts)} host(s)", ["task", "host", "address", "GPUs", "role"], rows)
     cluster = {job: list(addrs) for job, addrs in plan.cluster}
     ui.text("cluster spec: " + json.dumps(cluster))
-    ui.text("reached: " + reached(plan))
+    ui.text("how each host is reached: " + reached(plan))
     if plan.mode == "keras-jax" and plan.tasks:
         ui.text(f"JAX coordinator: {plan.tasks[0].target} (process 0); {len(plan.tasks)} processes, "
                 f"started and restarted together")

@@ -8,6 +8,7 @@ never as a host failure. The caller's cleanup then sweeps by tag.
 """
 from __future__ import annotations
 
+import shlex
 import threading
 from typing import Callable, Iterable, TypeVar
 
@@ -113,7 +114,19 @@ def raise_first(results: dict, what: str) -> None:
         others = ", ".join(str(k) for k, _ in failures[1:])
         exc.message = f"{exc.message} (also failed: {others})"
         exc.args = (exc.message,)
+        scans = [e.scan for _, e in failures if getattr(e, "scan", None)]
+        if len(scans) > 1:      # every unknown key in one line per port, not the first host's alone
+            exc.hint = _scan_hint(scans)
     raise exc
+
+
+def _scan_hint(scans: list[tuple[int, str, str]]) -> str:
+    grouped: dict[tuple[int, str], list[str]] = {}
+    for port, address, known in scans:
+        grouped.setdefault((port, known), []).append(shlex.quote(address))
+    lines = [f"`ssh-keyscan -p {port} {' '.join(addresses)} >> {known}`" for (port, known), addresses in grouped.items()]
+    return (f"run {' and '.join(lines)} after checking the fingerprints ({len(scans)} hosts), "
+            "or set ssh.host_key_policy: accept-new")
 
 
 def by_host(items, host=lambda t: t.host) -> dict[str, list]:

@@ -43,6 +43,8 @@ class Move:
         what = ", ".join(self.tasks)
         if self.action == policy.SHRINK:
             head = f"{when} {self.host} {self.why}: went on without {what}"
+        elif self.done_at is None:      # stopped (Ctrl-C, a failure) before the tasks started there
+            return f"{when} {self.host} {self.why}: moving {what} to {self.spare}; the run ended before they started there"
         else:
             head = f"{when} {self.host} {self.why}: {what} moved to {self.spare}"
             if self.action == policy.RESTART:
