@@ -210,10 +210,11 @@ def status_json(plan: Plan, rows) -> dict:
 def print_status(ui, plan: Plan, rows) -> None:
     table_rows = [
         (r.task, r.host, r.address, r.status if r.in_spec else "running, not in spec", str(r.pid or "-"),
-         duration(r.uptime_s), {True: "open", False: "closed", None: "?"}[r.port_open])
+         duration(r.uptime_s), {True: "yes", False: "no", None: "?"}[r.port_open])
         for r in rows
     ]
-    ui.table(f"cluster {plan.name!r}", ["task", "host", "address", "status", "pid", "uptime", "port"],
+    # "listening", not "open": with the fence up, a port that listens is closed to everyone else
+    ui.table(f"cluster {plan.name!r}", ["task", "host", "address", "status", "pid", "uptime", "listening"],
              table_rows)
     planned = [r for r in rows if r.in_spec]
     running = sum(1 for r in planned if r.status == "running")
