@@ -198,7 +198,8 @@ def test_a_port_held_by_this_cluster_under_another_workdir_names_that_workdir(tm
 
 def test_a_port_held_by_the_cluster_a_renamed_spec_had_names_that_cluster(tmp_path, home, cwd):
     """`name:` edited while the cluster runs: `up` of the new name finds its ports held by the old
-    one's servers (their tag says whose), and `down` of the new name says whose they are."""
+    one's servers, and their tag says whose (down's report reads the same holder text: the
+    wording test below)."""
     p = free_ports(3)
     spec = local_spec(tmp_path, "old", p, "~/w1")
     renamed = write(tmp_path / "renamed.yaml", spec.read_text().replace("name: old", "name: new"))
@@ -208,10 +209,6 @@ def test_a_port_held_by_the_cluster_a_renamed_spec_had_names_that_cluster(tmp_pa
         assert up.returncode == 4 and f"port {p[0]} for ps:0 is already in use" in up.stderr, up.stderr
         assert ("hint: it is ps:0 of tfcluster cluster 'old': `tfcluster down` with that cluster's spec stops "
                 "it, or change the port in this spec") in up.stderr, up.stderr
-        down = tfcluster("down", str(renamed), home=home, cwd=cwd)
-        assert down.returncode == 1, down.stderr
-        assert "is held by ps:0 of tfcluster cluster 'old': `tfcluster down` with that cluster's spec" \
-            in down.stderr, down.stderr
         assert tasks_running() == ["ps:0", "worker:0", "worker:1"]
     finally:
         down = tfcluster("down", str(spec), home=home, cwd=cwd)
