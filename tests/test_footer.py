@@ -48,9 +48,9 @@ train:
 """
 
 
-def write_spec(tmp_path) -> str:
+def write_spec(tmp_path, name: str = "foot", port: int = 22840) -> str:
     (tmp_path / "slow.py").write_text(SCRIPT)
-    (tmp_path / "spec.yaml").write_text(SPEC)
+    (tmp_path / "spec.yaml").write_text(SPEC.replace("name: foot", f"name: {name}").replace("22840", str(port)))
     return str(tmp_path / "spec.yaml")
 
 
@@ -75,12 +75,20 @@ def test_footer_appears_updates_shows_the_restart_and_leaves_the_summary(tmp_pat
 
 def test_no_footer_without_a_terminal_or_with_quiet(tmp_path):
     spec = write_spec(tmp_path)
-    rc, data = run_in_pty(["train", spec, "--quiet"], tmp_path)
-    assert rc == 0 and b"steps/s \xc2\xb7" not in data and b"\x1b[J" not in data
-    piped = subprocess.run([sys.executable, "-m", "tfcluster", "train", spec], cwd=tmp_path,
-                           capture_output=True, timeout=90)
-    assert piped.returncode == 0, piped.stderr[-2000:]
-    assert b"\x1b[J" not in piped.stdout + piped.stderr and b"worker:0 \xe2\x94\x82 step=30" in piped.stdout
+    (tmp_path / "piped").mkdir()
+    other = write_spec(tmp_path / "piped", name="footpiped", port=22850)   # a cluster of its own: both at once
+    piped = subprocess.Popen([sys.executable, "-m", "tfcluster", "train", other], cwd=tmp_path / "piped",
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        rc, data = run_in_pty(["train", spec, "--quiet"], tmp_path)
+        out, err = piped.communicate(timeout=90)
+    finally:
+        if piped.poll() is None:
+            piped.kill()
+            piped.wait(10)
+    assert rc == 0 and b"steps/s \xc2\xb7" not in data and b"\x1b[J" not in data, data[-2000:]
+    assert piped.returncode == 0, err[-2000:]
+    assert b"\x1b[J" not in out + err and b"worker:0 \xe2\x94\x82 step=30" in out
 
 
 # -- the progress line's rate, from explicit times (no sleeps) ---------------------------
