@@ -72,11 +72,11 @@ class ConnectError(TfclusterError):
 
     exit_code = ExitCode.CONNECT
 
-    def __init__(self, message: str, *, cause: Cause = Cause.OTHER,
-                 scan: tuple[int, str, str] | None = None, **kwargs) -> None:
+    def __init__(self, message: str, *, cause: Cause = Cause.OTHER, **kwargs) -> None:
         super().__init__(message, **kwargs)
         self.cause = cause
-        self.scan = scan    # an unknown host key: (port, address, known_hosts) ssh-keyscan records it with
+        # an unknown host key: (port, address, known_hosts) ssh-keyscan records it with
+        self.scan: tuple[int, str, str] | None = None
 
 
 class PreflightError(TfclusterError):

@@ -152,9 +152,10 @@ def status(
     from tfcluster.ui.views import print_status, print_watched, status_json, watched_json
 
     spec_plan = plan_of(spec_path)      # where a running train moved tasks, else where `up` put a down host's
-    p = state.placed_by_train(spec_plan, ui) or state.placed_by_up(spec_plan, ui)
+    by_up = state.placed_by_up(spec_plan, ui)
+    p = state.placed_by_train(spec_plan, ui) or by_up
     if watch:      # each refresh plans with the running train's moves as they are then
-        return watch_status(lambda: state.placed_by_train(spec_plan, ui, say=False) or p, interval, json_)
+        return watch_status(lambda: state.placed_by_train(spec_plan, ui, say=False) or by_up, interval, json_)
     rows, unreachable = lifecycle.status(p, ui)
     draining = {h: a for h, a in drains.answers(p).items() if a.get("state") == drains.DRAINING}
     watched = watched_json(p, notices.published(p))

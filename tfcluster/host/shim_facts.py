@@ -243,24 +243,32 @@ def machine_id() -> str:
     own: the machine id, the boot id (hosts cloned from one image share a machine id, not a
     boot) and the network namespace (one kernel's namespaces each have their own ports). Two
     names of one machine give the same; "" when none can be read."""
-    machine = ""
-    for path in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
-        try:
-            with open(path) as f:
-                machine = f.read().strip()
-            break
-        except OSError:
-            continue
+    machine = machine_file()
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
     except OSError:
         boot = ""
+    return "%s:%s:%d" % (machine, boot, net_namespace()) if machine or boot else ""
+
+
+def machine_file() -> str:
+    """The machine id systemd or D-Bus wrote ("" where neither did)."""
+    for path in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
+        try:
+            with open(path) as f:
+                return f.read().strip()
+        except OSError:
+            continue
+    return ""
+
+
+def net_namespace() -> int:
+    """This process's network namespace (its inode; 0 where /proc does not say)."""
     try:
-        net = os.stat("/proc/self/ns/net").st_ino
+        return os.stat("/proc/self/ns/net").st_ino
     except OSError:
-        net = 0
-    return "%s:%s:%d" % (machine, boot, net) if machine or boot else ""
+        return 0
 
 
 def hostname_address() -> list:

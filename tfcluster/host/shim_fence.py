@@ -38,12 +38,14 @@ import time
 
 if __package__:
     from . import shim_cgroup as cgroup
+    from . import shim_facts as facts
     from . import shim_fs as fs
     from . import shim_ports as ports
     from . import shim_procs as procs
     from . import shim_rules as rules
 else:  # shipped: the shim's directory is first on sys.path
     import shim_cgroup as cgroup
+    import shim_facts as facts
     import shim_fs as fs
     import shim_ports as ports
     import shim_procs as procs
@@ -309,19 +311,7 @@ def _mark_path(cluster_dir: str) -> str:
 
 
 def _host_key() -> str:
-    machine = ""
-    for path in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
-        try:
-            with open(path) as f:
-                machine = f.read().strip()
-            break
-        except OSError:
-            continue
-    try:
-        net = os.stat("/proc/self/ns/net").st_ino
-    except OSError:
-        net = 0
-    return hashlib.sha256(("%s:%d" % (machine, net)).encode()).hexdigest()[:12]
+    return hashlib.sha256(("%s:%d" % (facts.machine_file(), facts.net_namespace())).encode()).hexdigest()[:12]
 
 
 def _read_mark(cluster_dir: str) -> dict | None:

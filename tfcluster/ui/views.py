@@ -99,12 +99,12 @@ def host_loss_lines(plan: Plan) -> list[str]:
         kinds.setdefault(kind, (policy.LostTask(t.job, t.is_chief and t.runs_script), set()))[1].add(t.host)
     lines = []
     for kind, (task, hosts) in kinds.items():
-        spare = all(any(plan.spare_problem(s, h) is None for s in plan.spares) for h in hosts)
-        action, why = policy.on_host_loss(plan.mode, plan.on_host_loss, [task], spare)
-        if action == policy.FAIL and plan.spares and not spare and plan.on_host_loss != policy.FAIL:
-            host = next(h for h in sorted(hosts) if all(plan.spare_problem(s, h) for s in plan.spares))
-            why = "no spare can take {}'s tasks: {}".format(
-                host, "; ".join(f"{s} {plan.spare_problem(s, host)}" for s in plan.spares))
+        problems = {h: {s: plan.spare_problem(s, h) for s in plan.spares} for h in sorted(hosts)}
+        uncovered = [h for h, by_spare in problems.items() if None not in by_spare.values()]
+        action, why = policy.on_host_loss(plan.mode, plan.on_host_loss, [task], not uncovered)
+        if action == policy.FAIL and plan.spares and uncovered and plan.on_host_loss != policy.FAIL:
+            why = f"no spare can take {uncovered[0]}'s tasks: " + "; ".join(
+                f"{s} {problem}" for s, problem in problems[uncovered[0]].items())
         what = WHAT_A_LOSS_DOES[action]
         if action == policy.RESTART and plan.checkpoint is None:
             what = ("every task starts again on the new cluster, from the script's own checkpoint if it "

@@ -215,7 +215,7 @@ def run_state(doc: dict) -> str:
     if not isinstance(pid, int):
         return "running?"           # written before runs recorded their pid
     recorded = doc.get("pid_start")      # None where /proc was not there to read it
-    alive = _start_ticks(pid) == recorded if recorded is not None else pid_exists(pid)
+    alive = _start_ticks(pid) == recorded if recorded is not None else _pid_exists(pid)
     return "running" if alive else "died"
 
 
@@ -228,7 +228,7 @@ def _start_ticks(pid: int) -> int | None:
         return None
 
 
-def pid_exists(pid: int) -> bool:
+def _pid_exists(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

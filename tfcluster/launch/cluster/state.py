@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from tfcluster.errors import LockedError, PreflightError
 from tfcluster.localfs import NOFOLLOW, private_dir, write_private  # noqa: F401 - also imported from here
-from tfcluster.watch.runs import pid_exists
+from tfcluster.host.shim_procs import is_alive
 
 if TYPE_CHECKING:
     from tfcluster.plan import Plan
@@ -185,7 +185,7 @@ def train_moves(plan: Plan) -> list[tuple[str, str]] | None:
             doc = json.loads(f.read(1 << 20))
     except (OSError, ValueError):
         return None
-    if command != "train" or pid is None or doc.get("pid") != pid or not pid_exists(pid):
+    if command != "train" or pid is None or doc.get("pid") != pid or not is_alive(pid):
         return None      # the lock names no train (it ended: its file is emptied), or another one
     moves = doc.get("moves")
     if not isinstance(moves, list):
