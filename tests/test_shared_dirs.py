@@ -314,6 +314,13 @@ class AsUser(LocalTransport):
         return Result(done.returncode, done.stdout, done.stderr)
 
 
+def as_other_user(user, cluster: str) -> HostAgent:
+    """A host agent whose every command runs as `user`: never in this process (which
+    tfcluster does for a local host on its own interpreter, where that interpreter is one
+    the other user may run too), but through the bootstrap, as on a host they log in to."""
+    return HostAgent("lab", AsUser(user), python_for(user), cluster, in_process=False)
+
+
 @pytest.fixture
 def root_made():
     """A directory of /tmp made by root; its mode is the test's to set."""
@@ -325,7 +332,7 @@ def root_made():
 
 def test_a_world_writable_workdir_is_refused_for_another_user_too(other_user, root_made):
     root_made.chmod(0o777)
-    agent = HostAgent("lab", AsUser(other_user), python_for(other_user), f"{root_made}/lab")
+    agent = as_other_user(other_user, f"{root_made}/lab")
 
     with pytest.raises(PreflightError) as refused:
         agent.prepare()
@@ -338,7 +345,7 @@ def test_a_world_writable_workdir_is_refused_for_another_user_too(other_user, ro
 
 def test_a_directory_another_user_may_not_enter_is_refused_in_one_line(other_user, root_made):
     (root_made / "private").mkdir(mode=0o700)            # root's, under a 0755 directory
-    agent = HostAgent("lab", AsUser(other_user), python_for(other_user), f"{root_made}/private/lab")
+    agent = as_other_user(other_user, f"{root_made}/private/lab")
 
     with pytest.raises(PreflightError) as refused:       # was a PermissionError traceback
         agent.prepare()
