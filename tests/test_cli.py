@@ -11,7 +11,7 @@ import sys
 import psutil
 import pytest
 
-from tests.helpers import GPU_LAB, LOCAL, read_until, start_tfcluster, tfc, tfcluster, wait_for
+from tests.helpers import GPU_LAB, LOCAL, local_spec, read_until, start_tfcluster, tfc, tfcluster, wait_for
 
 
 def test_version_and_help_exit_0_and_help_has_an_example_per_command():
@@ -120,11 +120,13 @@ def test_plan_to_slurm_checks_the_engine_first_and_its_json_holds_the_ranks():
 
 
 def test_down_and_drain_take_durations_as_up_and_train_do(tmp_path, home):
-    down = tfcluster("down", LOCAL, "--grace", "2s", home=home, cwd=tmp_path)
+    # free ports, not the sample's: a cluster the person running the tests has up holds those
+    spec = str(local_spec(tmp_path, name="local"))
+    down = tfcluster("down", spec, "--grace", "2s", home=home, cwd=tmp_path)
     assert down.returncode == 0, down.stderr
-    drain = tfcluster("drain", LOCAL, "local", "--wait", "1m", home=home, cwd=tmp_path)
+    drain = tfcluster("drain", spec, "local", "--wait", "1m", home=home, cwd=tmp_path)
     assert drain.returncode == 1 and "no `tfcluster train` of cluster 'local' is running" in drain.stderr, drain.stderr
-    bad = tfcluster("down", LOCAL, "--grace", "soon", home=home, cwd=tmp_path)
+    bad = tfcluster("down", spec, "--grace", "soon", home=home, cwd=tmp_path)
     assert bad.returncode == 2 and "hint: see `tfcluster down --help`" in bad.stderr, bad.stderr
 
 
