@@ -13,7 +13,7 @@ import sys
 
 from _common import TFCLUSTER, Bench, alternate, parser, report, timed_run, write_spec
 
-TARGET = 5.0                      # issue 12 (was 8x)
+TARGET = 5.0
 
 
 def main(argv=None) -> int:

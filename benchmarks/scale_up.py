@@ -154,7 +154,7 @@ def _size(b, a, n, addrs, ports, sshd, pywrap, standin, pdsh_env, reps) -> dict:
         hand_rep()
         try:
             tfc_rep()
-        except RuntimeError as e:   # seen at 64 hosts sharing one workdir: see README, issue 12
+        except RuntimeError as e:   # seen at 64 hosts sharing one workdir: see README
             print(f"  note: warm-up failed, retried once: {str(e).splitlines()[-1][:200]}", flush=True)
             subprocess.run(TFCLUSTER + ["down", str(spec)], env=b.env(), cwd=b.cwd, capture_output=True,
                            timeout=600)

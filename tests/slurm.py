@@ -1,4 +1,4 @@
-"""A real one-node Slurm cluster (Debian's slurm-wlm + MUNGE) for the Slurm tests (issue 11),
+"""A real one-node Slurm cluster (Debian's slurm-wlm + MUNGE) for the Slurm tests,
 loaded as a pytest plugin by conftest.
 
 `slurm_cluster` (session scope) starts munged, slurmctld and slurmd as root, each from its

@@ -1,4 +1,4 @@
-"""The proxy guard (issue 9, item 4): gRPC between TF tasks through a dead proxy hangs, for
+"""The proxy guard: gRPC between TF tasks through a dead proxy hangs, for
 real; the guard's no_proxy ends it; `plan --check` shows what the tasks get."""
 from __future__ import annotations
 

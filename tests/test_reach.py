@@ -1,4 +1,4 @@
-"""Reachability (issue 9, item 3): the shim's `reach` against real loopback sockets, the
+"""Reachability: the shim's `reach` against real loopback sockets, the
 check failing for real over SSH on hosts whose addresses only ssh understands, and the
 spec refusing a cluster that mixes loopback with other addresses."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Shared lab machines (issue 10): `down` stops only the caller's processes of the caller's
+"""Shared lab machines: `down` stops only the caller's processes of the caller's
 cluster, forged pid records kill nothing, and readiness means our own listening socket.
 
 Real processes, a real second Unix user (`tfcother`, tests/users.py), the real shim; the

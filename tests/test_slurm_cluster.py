@@ -1,4 +1,4 @@
-"""What a one-node Slurm really does with the batch scripts issue 11 renders (tests/slurm.py):
+"""What a one-node Slurm really does with the batch scripts `render --to slurm` writes (tests/slurm.py):
 4 tasks on one node with two srun steps in sequence, per-task environment, exit codes of
 failed tasks, where output lands. Each test leaves no job or job process behind.
 """

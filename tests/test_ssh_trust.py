@@ -1,4 +1,4 @@
-"""SSH as the user's ssh(1) would (issue 10): ProxyCommand, the global known_hosts,
+"""SSH as the user's ssh(1) would: ProxyCommand, the global known_hosts,
 @revoked, HashKnownHosts and IdentitiesOnly, against the real loopback sshds
 (tests/sshd.py), a real `ssh -W` proxy and a real ssh-agent."""
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 tfcluster runs scripts with PYTHONUNBUFFERED=1 (their children too) and, through the start-up
 probe, swaps the script's own stdout for a buffered one that a thread flushes every
-TFCLUSTER_STDOUT_FLUSH seconds: one `write` per 64 KiB instead of per line (issue 12, log
-streaming). Real interpreters with the probe on PYTHONPATH, stdout to a real file; then the same
+TFCLUSTER_STDOUT_FLUSH seconds: one `write` per 64 KiB instead of per line (the log
+streaming's cost). Real interpreters with the probe on PYTHONPATH, stdout to a real file; then the same
 through `tfcluster train` on a local host.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""How many remote executions `train` costs per host (issue 12), counted over real SSH
+"""How many remote executions `train` costs per host, counted over real SSH
 (tests/sshd.py): the spec's `python:` is a wrapper that notes each interpreter start with
 the address it was reached at, then execs the real interpreter. No mocks."""
 from __future__ import annotations

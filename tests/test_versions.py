@@ -1,4 +1,4 @@
-"""Version skew across hosts (issue 9, item 5): the pure comparison, the shim's `info`
+"""Version skew across hosts: the pure comparison, the shim's `info`
 (TF's CUDA/cuDNN build read without importing TF, the driver from nvidia-smi), and the
 CLI failing for real on three SSH hosts where host b's interpreter sees another
 TensorFlow (a fake one first on its path) or is another Python minor version."""

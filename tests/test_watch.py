@@ -1,4 +1,4 @@
-"""Watching runs (issue 13): step/loss parsing, `runs`, `plot`, `logs -f`, `status --watch`,
+"""Watching runs: step/loss parsing, `runs`, `plot`, `logs -f`, `status --watch`,
 the summary's step and steps/s, and which failures get the restart hint.
 
 The end-to-end runs use mirrored mode with a script that prints `step=N loss=X` lines
