@@ -392,7 +392,24 @@ def test_timeout_options_take_the_durations_the_spec_takes(tmp_path):
         bad = tfc(command, LOCAL, "--dry-run", "--timeout", "10x", cwd=str(tmp_path))
         assert bad.returncode == 2 and "Traceback" not in bad.stderr
         assert bad.stderr.splitlines()[0] == ("tfcluster: error: Invalid value for '--timeout': '10x': must be "
-                                              "a positive number of seconds or a duration like 90s, 30m, 2h")
+                                              "a positive number of seconds or a duration like 90s, 30m, 2h "
+                                              "(at most 8784h, a year)")
+    # past a year every timer tfcluster sets overflows (a traceback before the bound)
+    assert seconds("8784h") == 8784 * 3600.0
+    huge = tfc("train", LOCAL, "--dry-run", "--timeout", "99999999999h", cwd=str(tmp_path))
+    assert huge.returncode == 2 and "Traceback" not in huge.stderr
+    assert "'99999999999h': must be a positive number" in huge.stderr.splitlines()[0], huge.stderr
+
+
+def test_status_watch_interval_is_a_duration_with_a_floor(tmp_path, home):
+    """`--interval 2s` as every other time option takes it; one too short (a busy loop of
+    round trips) or too long (time.sleep overflowed: a traceback) is a usage error."""
+    for interval, said in (("1e308", "'1e308': must be a positive number"),
+                           ("99999999999h", "'99999999999h': must be a positive number"),
+                           ("0.01", "--interval 0.01s: must be at least 0.2s")):
+        bad = tfcluster("status", LOCAL, "--watch", "--interval", interval, home=home, cwd=tmp_path)
+        assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
+        assert said in bad.stderr.splitlines()[0], bad.stderr
 
 
 def test_a_signal_that_python_wraps_while_a_class_is_made_is_still_a_clean_stop():

@@ -34,7 +34,7 @@ jobs:
 BASE = HOSTS + JOBS          # lines 1-8; anything appended starts on line 9
 NO_SPARE = BASE.replace(", spare: true", "")
 
-SYNC_PROBLEM = "10: train.checkpoint.sync: must be a positive number of seconds or a duration like 90s, 30m, 2h, or off; got "
+SYNC_PROBLEM = "10: train.checkpoint.sync: must be a positive number of seconds or a duration like 90s, 30m, 2h (at most 8784h, a year), or off; got "
 
 # (id, yaml text, "LINE: field: problem" after "FILE:")
 REJECTIONS = [

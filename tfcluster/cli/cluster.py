@@ -5,7 +5,6 @@ them, so `--help` and `plan` stay instant.
 """
 from __future__ import annotations
 
-import math
 import time
 from typing import List, Optional
 
@@ -14,6 +13,8 @@ import typer
 from tfcluster.cli.app import SKEW_HELP, SpecArg, StoppedWatching, app, load, plan_of, seconds, ui
 from tfcluster.errors import ExitCode, UsageError
 from tfcluster.safetext import shell_word
+
+MIN_INTERVAL = 0.2      # status --watch: seconds between refreshes at least
 
 
 @app.command()
@@ -138,7 +139,8 @@ def status(
     spec_path: str = SpecArg,
     json_: bool = typer.Option(False, "--json", help="Machine-readable output."),
     watch: bool = typer.Option(False, "--watch", "-w", help="Refresh until Ctrl-C (exit 130)."),
-    interval: float = typer.Option(2.0, "--interval", help="Seconds between refreshes with --watch."),
+    interval: float = typer.Option(2.0, "--interval", parser=seconds, metavar="DURATION",
+                                   help="Time between refreshes with --watch: seconds, or 2s, 1m (at least 0.2s)."),
 ) -> int:
     """Each task: running or stopped, pid, uptime, port open.
 
@@ -218,8 +220,9 @@ def watch_status(placed, interval: float, json_: bool) -> int:
     from tfcluster.launch.cluster import lifecycle
     from tfcluster.ui.views import print_status, status_json
 
-    if not 0 < interval < math.inf:
-        raise UsageError("--interval must be a positive number of seconds")
+    if interval < MIN_INTERVAL:     # a shorter one is a busy loop of SSH round trips
+        raise UsageError(f"--interval {interval:g}s: must be at least {MIN_INTERVAL:g}s",
+                         hint="see `tfcluster status --help`")
     tty = ui.stdout.isatty()
     try:
         for n in range(1_000_000_000):

@@ -309,15 +309,20 @@ def as_int(node: yaml.Node, field: str, lo: int, hi: int) -> int:
     return value
 
 
-DURATION_WORDS = "a positive number of seconds or a duration like 90s, 30m, 2h"
+# A year: longer than any run or wait anyone means, and far inside what the timers take
+# (a sleep or socket timeout past about 292 years, threading's wait past 9.2e9 s, overflow).
+MAX_DURATION = 8784 * 3600.0
+DURATION_WORDS = "a positive number of seconds or a duration like 90s, 30m, 2h (at most 8784h, a year)"
 
 
 def parse_duration(text: str) -> float | None:
-    """Seconds from `90`, `90s`, `1.5m`, `2h`; None for anything else or not positive."""
+    """Seconds from `90`, `90s`, `1.5m`, `2h`; None for anything else, not positive or over
+    MAX_DURATION."""
     match = _DURATION_RE.fullmatch(text) if len(text) <= 15 else None
     if not match or float(match.group(1)) <= 0:
         return None
-    return float(match.group(1)) * _UNITS[match.group(2)]
+    seconds = float(match.group(1)) * _UNITS[match.group(2)]
+    return seconds if seconds <= MAX_DURATION else None
 
 
 def as_duration(node: yaml.Node, field: str) -> float:
