@@ -303,6 +303,24 @@ def test_run_summary_keeps_the_start_of_a_long_line_and_marks_the_cut():
     assert "x" * 100 not in text and "succeeded — logs in runs/r1/" in text
 
 
+def test_a_ctrl_c_of_exec_is_said_interrupted_and_stops_the_command(tmp_path, home):
+    spec = local_spec(tmp_path, name="exint")
+    pid_file = tmp_path / "command.pid"
+    proc = start_tfcluster("exec", str(spec), "--", "sh", "-c", f"echo $$ > {pid_file}; echo started; exec sleep 60",
+                           home=home, cwd=tmp_path)
+    try:
+        read_until(proc, r"started", timeout=30)
+        command = int(pid_file.read_text())
+        os.killpg(proc.pid, signal.SIGINT)
+        out = proc.communicate(timeout=30)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130 and "tfcluster: error: interrupted" in out and "Traceback" not in out, out
+    wait_for(lambda: not psutil.pid_exists(command) or psutil.Process(command).status() == psutil.STATUS_ZOMBIE,
+             timeout=10, what="the command stopped")
+
+
 def test_exec_counts_a_signal_as_a_failure_ends_stdin_and_runs_a_repeated_host_once(tmp_path):
     spec = tmp_path / "ex.yaml"
     spec.write_text("name: exsig\nhosts:\n  - {name: a, address: localhost}\n  - {name: b, address: 127.0.0.1}\n"
@@ -312,7 +330,13 @@ def test_exec_counts_a_signal_as_a_failure_ends_stdin_and_runs_a_repeated_host_o
     killed = tfc("exec", str(spec), "--", "sh", "-c", f"if mkdir {lock}; then kill -9 $$; fi; echo fine",
                  cwd=str(tmp_path))
     assert killed.returncode == 137, (killed.returncode, killed.stderr)    # was 0
-    assert "killed by signal 9 (exit code 137)" in killed.stderr and killed.stdout.count("fine") == 1
+    assert "exit code 137 (128 + SIGKILL: the command was killed by that signal, or exited with this code)" \
+        in killed.stderr and killed.stdout.count("fine") == 1, killed.stderr
+    # a command's own `exit 130` is its status, not a Ctrl-C of tfcluster's (was "killed by signal
+    # 2" and "error: interrupted")
+    own = tfc("exec", str(spec), "--hosts", "a", "--", "sh", "-c", "exit 130", cwd=str(tmp_path))
+    assert own.returncode == 130 and "interrupted" not in own.stderr, own.stderr
+    assert "host a: exit code 130 (128 + SIGINT: " in own.stderr, own.stderr
     # a command reading stdin sees its end (it waited forever on a pipe held open)
     cat = tfc("exec", str(spec), "--hosts", "a", "--", "cat", timeout=60)
     assert cat.returncode == 0 and cat.stdout == "", (cat.returncode, cat.stderr)

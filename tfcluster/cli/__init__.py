@@ -48,7 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     terminate_like_ctrl_c()
     try:
         rc = app(args=argv, prog_name="tfcluster", standalone_mode=False)
-        if rc == ExitCode.INTERRUPTED:      # typer turned a KeyboardInterrupt into a plain 130
+        # typer turns a KeyboardInterrupt into a plain 130, which a command may also return
+        # as its own outcome (`exec` whose command exited 130): only a Ctrl-C is "interrupted"
+        if rc == ExitCode.INTERRUPTED and _ctrl_c.is_set():
             ui.error("interrupted")
         return int(rc or 0)
     except StoppedWatching:
@@ -142,14 +144,23 @@ def run() -> None:
     exit_now(rc)
 
 
+_ctrl_c = threading.Event()      # a Ctrl-C reached this process (main says "interrupted")
+
+
 def terminate_like_ctrl_c() -> None:
     """SIGTERM (from `timeout`, a scheduler, systemd) stops a run as Ctrl-C does, so the
     tasks are stopped in order and the run's manifest and summary are still written (main)."""
     def handler(signum, frame) -> None:
         raise Terminated()
 
+    def ctrl_c(signum, frame) -> None:
+        _ctrl_c.set()
+        raise KeyboardInterrupt
+
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, handler)
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            signal.signal(signal.SIGINT, ctrl_c)
 
 
 def exit_now(rc: int) -> None:

@@ -6,6 +6,7 @@ merges its stderr into stdout and stops it when exec is interrupted.
 """
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass
 
 from tfcluster.errors import ExitCode, TfclusterError
@@ -17,13 +18,13 @@ EXEC_FANOUT = 64
 # pipe held open for ever), in a process group of its own where `setsid` is there. A watcher
 # holds the channel's own stdin: its end (exec interrupted, or the launcher gone: ssh closes
 # the channel) TERMs that group, which without a terminal would otherwise run on orphaned.
-# A command killed by a signal is reported as killed by it.
+# The status is the shell's: 128+N for a command killed by signal N, which a command's own
+# `exit 130` gives too (sh cannot tell them apart), so it is said as both.
 _WRAP = ('exec 3<&0 </dev/null; '
          'if command -v setsid >/dev/null 2>&1; then setsid "$@" 3<&- 2>&1 & else "$@" 3<&- 2>&1 & fi; c=$!; '
          '(cat <&3 >/dev/null 2>&1; kill -TERM -"$c" 2>/dev/null || kill -TERM "$c") >/dev/null 2>&1 & w=$!; '
          'exec 3<&-; '
-         'wait "$c"; rc=$?; kill "$w" 2>/dev/null; '
-         'if [ "$rc" -gt 128 ]; then kill -"$((rc - 128))" $$; fi; exit "$rc"')
+         'wait "$c"; rc=$?; kill "$w" 2>/dev/null; exit "$rc"')
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,9 @@ def exit_code_of(outcome: ExecOutcome, ui) -> int:
             ui.warn(f"host {host}: ended without an exit status (killed by a signal?): counted as 255")
         elif rc < 0:
             ui.warn(f"host {host}: killed by signal {-rc} (exit code {statuses[host]})")
+        elif 128 < rc < 128 + signal.NSIG:
+            ui.warn(f"host {host}: exit code {rc} (128 + {_signal_name(rc - 128)}: the command was "
+                    f"killed by that signal, or exited with this code)")
         elif rc:
             ui.warn(f"host {host}: exit code {rc}")
     if outcome.failures:
@@ -70,6 +74,13 @@ def exit_code_of(outcome: ExecOutcome, ui) -> int:
             message += f" (also failed: {', '.join(others)})"
         raise TfclusterError(message, hint=getattr(first, "hint", None), exit_code=ExitCode.CONNECT)
     return max(statuses.values(), default=0)
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def _status(rc: int) -> int:
