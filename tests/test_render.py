@@ -36,6 +36,8 @@ def test_gpu_lab_renders_one_node_per_host_with_the_largest_shape_and_no_secret(
     assert "export TF_CPP_MIN_LOG_LEVEL=2" in script                      # the spec's public env
     assert "sbatch lab.sbatch" in result.stderr
     assert "differ in shape" in result.stderr and "train.restart (on-failure)" in result.stderr
+    # the fence does not come with it: said, as for the other settings Slurm does not carry over
+    assert "tf_ports: auto does not carry over: Slurm closes no port" in result.stderr, result.stderr
     assert subprocess.run(["bash", "-n", str(tmp_path / "lab.sbatch")]).returncode == 0
 
     files = bundle_of(script)
@@ -145,3 +147,11 @@ def test_keras_jax_for_a_tfjob_is_one_line_naming_what_kubernetes_needs(tmp_path
                                     "for Kubernetes")
     assert "Indexed Job" in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_a_spec_with_its_ports_open_gets_no_word_of_the_fence_on_slurm(tmp_path):
+    spec = tmp_path / "open.yaml"
+    spec.write_text(open(LOCAL).read() + "tf_ports: open\n")
+    result = tfc("render", str(spec), "--to", "slurm", "-o", str(tmp_path / "out"))
+    assert result.returncode == 0, result.stderr
+    assert "tf_ports" not in result.stderr, result.stderr

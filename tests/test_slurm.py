@@ -44,6 +44,20 @@ sys.exit(0 if os.path.exists(sys.argv[1]) else 1)
 """
 
 
+# A stand-in that takes SIGUSR1 as the templates do (a checkpoint request: saves, goes on) and
+# holds until the release file; exits 3 if no request reached it.
+ASKED = """\
+import os, signal, sys, time
+asked = []
+signal.signal(signal.SIGUSR1, lambda *_: asked.append(print("checkpoint request", flush=True)))
+print("started", flush=True)
+deadline = time.monotonic() + 120
+while not os.path.exists(sys.argv[1]) and time.monotonic() < deadline:
+    time.sleep(0.1)
+sys.exit(0 if asked else 3)
+"""
+
+
 @pytest.fixture
 def cluster(slurm_cluster, tmp_path):
     """The session's Slurm; after the test no job is queued or running, no job process is
@@ -138,6 +152,28 @@ def test_two_jobs_on_one_node_take_different_ports(cluster, tmp_path):
     assert [(r["state"], r["exit_code"]) for r in results] == [("COMPLETED", "0:0")] * 2
     assert len(set(addresses)) == 4, addresses
     assert not any(a.endswith((":22230", ":22231")) for a in addresses)
+
+
+def test_a_checkpoint_request_to_the_batch_shell_reaches_the_tasks_and_the_job_goes_on(cluster, tmp_path):
+    """`scancel --batch --signal=USR1` (or a site's `--signal=B:USR1@...`): the batch shell,
+    whose default for SIGUSR1 is to die (and the job with it, FAILED), passes it on."""
+    release = tmp_path / "release"
+    jobs = "  worker: {count: 2, hosts: [local], port: 22230}"
+    script = render(spec_file(tmp_path, "mirrored", ASKED, [str(release)], jobs), tmp_path / "s")
+    job_id = cluster.submit(script, script.parent)
+
+    def said(words: str) -> int:
+        path = Path(cluster.job(job_id).get("StdOut", "/nonexistent"))
+        return path.read_text().count(f"│ {words}") if path.exists() else 0
+
+    wait_for(lambda: said("started") == 2, 60, interval=0.2, what="both tasks started")
+    cluster.run("scancel", "--batch", "--signal=USR1", job_id)
+    wait_for(lambda: said("checkpoint request") == 2, 30, interval=0.2, what="the request at both tasks")
+    release.write_text("")
+    result = cluster.wait(job_id, 60)
+    out = cluster.output_of(job_id)
+    assert (result["state"], result["exit_code"]) == ("COMPLETED", "0:0"), out[-3000:]
+    assert out.count("tfcluster: exited with code 0") == 2, out[-3000:]
 
 
 def test_a_missing_secret_stops_the_job_before_any_task(cluster, tmp_path):

@@ -161,7 +161,17 @@ def render_slurm(plan: Plan) -> Rendered:
         ' < "$work/bundle.tgz")"',
         "export TFCLUSTER_PORTS",
         "# step 2: the tasks; a ps stops once every worker has told it it is done",
-        'srun --input=all --kill-on-bad-exit=1 "$PYTHON" -c "$boot" run < "$work/bundle.tgz"',
+        'srun --input=all --kill-on-bad-exit=1 "$PYTHON" -c "$boot" run < "$work/bundle.tgz" &',
+        "step=$!",
+        "# SIGUSR1 to this shell (`scancel --batch --signal=USR1`, `--signal=B:USR1@...`) would end",
+        "# it, and the job with it: it is the tasks' checkpoint request, passed on to them",
+        "trap 'scancel --signal=USR1 \"$SLURM_JOB_ID\" || true' USR1",
+        "while :; do",
+        '  rc=0; wait "$step" || rc=$?',
+        "  # a trapped signal ends the wait early (128 + its number) while the step goes on",
+        '  if [ "$rc" -gt 128 ] && kill -0 "$step" 2>/dev/null; then continue; fi',
+        '  exit "$rc"',
+        "done",
         "",
     ]
     text = "\n".join(lines)
@@ -191,4 +201,8 @@ def _notes(plan: Plan, secret) -> tuple[str, ...]:
     if secret:
         notes.append(f"secret env {', '.join(secret)} is not in the script: set it in the "
                      "environment you run sbatch from")
+    if plan.tf_ports != "open":
+        notes.append(f"tf_ports: {plan.tf_ports} does not carry over: Slurm closes no port, so the "
+                     "tasks' TensorFlow ports are open to every user of the nodes; run on nodes "
+                     "given to you alone (sbatch --exclusive=user) or on a cluster you trust")
     return tuple(notes)
