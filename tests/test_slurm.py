@@ -132,6 +132,31 @@ def test_ps_stop_when_the_workers_are_done_and_a_failing_worker_fails_the_job(cl
     assert "Exited with exit code 3" in bad["output"]          # srun's own word on the task
 
 
+def test_a_server_that_fails_to_start_is_named_by_its_task_with_its_exit_code(cluster, tmp_path):
+    """A node's Python without TensorFlow: each task's TF server exits before listening; the
+    line says whose it is (it came unprefixed) and the task's code follows, as any task's."""
+    spec = tmp_path / "notf.yaml"
+    spec.write_text("name: notf\npython: /usr/bin/python3\nhosts: [{name: local, address: localhost}]\n"
+                    "jobs:\n  ps: {count: 1, hosts: [local], port: 22220}\n"
+                    "  worker: {count: 1, hosts: [local], port: 22230}\n"
+                    "train: {mode: between-graph, script: template:between_graph}\n")
+    env = dict(cluster.env)
+    cluster.env.pop("TFCLUSTER_PYTHON", None)
+    try:
+        result = submit(cluster, render(spec, tmp_path / "s"), 60)
+    finally:
+        cluster.env.clear()
+        cluster.env.update(env)
+    out = result["output"]
+    assert result["state"] == "FAILED", out[-3000:]
+    # the first to fail ends the job (--kill-on-bad-exit): the other may be stopped before its word
+    said = [task for task in ("ps:0     │ ", "worker:0 │ ")
+            if re.search(rf"^{re.escape(task)}tfcluster: its TF server exited with code \d+ before listening$",
+                         out, re.M) and f"{task}tfcluster: exited with code 2" in out]
+    assert said, out[-3000:]
+    assert not re.search(r"^tfcluster: ", out, re.M), out[-3000:]
+
+
 def test_two_jobs_on_one_node_take_different_ports(cluster, tmp_path):
     release = tmp_path / "release"
     jobs = "  worker: {count: 2, hosts: [local], port: 22230}"

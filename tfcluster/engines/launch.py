@@ -161,6 +161,9 @@ def run_task(cfg: dict, cluster: dict, job: str, index: int, address: str, port:
             return rc
         rc = server.wait() if server is not None else 0
         return rc
+    except Failed as e:       # said as this task's, then its exit code (end) as any task's
+        say(prefix, f"tfcluster: {e}")
+        return 2
     finally:
         stop([script, server], float(cfg.get("stop_grace", STOP_GRACE)))
         for p in (script, server):
