@@ -252,6 +252,11 @@ def test_reach_with_targets_in_the_request_connects_only(refused_port):
 
 # ------------------------------------------------------------------ mixed loopback (spec)
 
+def write_to(path, text: str):
+    path.write_text(text)
+    return path
+
+
 def test_plan_refuses_a_cluster_mixing_loopback_with_other_addresses(tmp_path, home):
     spec = tmp_path / "mix.yaml"
     spec.write_text("name: mix\nhosts:\n  - {name: gpu0, address: 10.1.0.11}\n"
@@ -267,6 +272,11 @@ def test_plan_refuses_a_cluster_mixing_loopback_with_other_addresses(tmp_path, h
         f"not me",
         "hint: give host me an address the other hosts reach (its hostname or IP), or put every "
         "task on loopback"]
+    # loopback in other words: IPv4-mapped, and a rooted name (which is also a valid address)
+    for address in ("'::ffff:127.0.0.1'", "localhost."):
+        other = spec.read_text().replace("address: localhost}", f"address: {address}}}")
+        mixed = tfcluster("plan", str(write_to(tmp_path / "mix2.yaml", other)), home=home, cwd=tmp_path, timeout=60)
+        assert mixed.returncode == 2 and "would dial" in mixed.stderr, (address, mixed.stderr)
     # A loopback host that runs no task mixes nothing.
     spec.write_text(spec.read_text().replace("hosts: [me]", "hosts: [gpu0]"))
     assert tfcluster("plan", str(spec), home=home, cwd=tmp_path, timeout=60).returncode == 0

@@ -158,6 +158,12 @@ REJECTIONS = [
      "3: hosts[0].address: not a valid hostname, IPv4 or IPv6 address: 'bad_host.example'"),
     ("addr-ipv4", "name: t\nhosts:\n  - {name: a, address: 10.1.0.300}\njobs: {}\n",
      "3: hosts[0].address: not a valid hostname, IPv4 or IPv6 address: '10.1.0.300'"),
+    ("addr-unspecified", "name: t\nhosts:\n  - {name: a, address: 0.0.0.0}\njobs: {}\n",
+     "3: hosts[0].address: is no host's address (it stands for every interface of a listening socket; "
+     "dialled, it is this machine): give the host's name or IP: '0.0.0.0'"),
+    ("addr-unspecified-v6", "name: t\nhosts:\n  - {name: a, address: '::'}\njobs: {}\n",
+     "3: hosts[0].address: is no host's address (it stands for every interface of a listening socket; "
+     "dialled, it is this machine): give the host's name or IP: '::'"),
     ("addr-user", "name: t\nhosts:\n  - {name: a, address: root@x}\njobs: {}\n",
      "3: hosts[0].address: not a valid hostname, IPv4 or IPv6 address: 'root@x'"),
     ("host-ssh-port", "name: t\nhosts:\n  - {name: a, address: x, ssh: {port: 0}}\njobs: {}\n",

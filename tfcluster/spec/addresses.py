@@ -36,6 +36,9 @@ def _address_problem(value: str) -> str | None:
     bad = sorted(set(value) & _SHELL_CHARS)
     if bad:
         return f"must not contain shell metacharacter {bad[0]!r}"
+    if _is_ip(value) and ipaddress.ip_address(value).is_unspecified:
+        return ("is no host's address (it stands for every interface of a listening socket; "
+                "dialled, it is this machine): give the host's name or IP")
     if _is_ip(value) or _is_hostname(value):
         return None
     return "not a valid hostname, IPv4 or IPv6 address"
@@ -50,7 +53,7 @@ def _is_ip(value: str) -> bool:
 
 
 def _is_hostname(value: str) -> bool:
-    labels = value.split(".")
+    labels = value[:-1].split(".") if value.endswith(".") else value.split(".")   # `lab.example.` is rooted
     if len(value) > 253 or not all(_LABEL_RE.fullmatch(label) for label in labels):
         return False
     return not all(label.isdigit() for label in labels)   # 10.1.0.300 is a broken IPv4
@@ -68,8 +71,10 @@ def machine_of(address: str) -> str:
     try:
         ip = ipaddress.ip_address(address)
     except ValueError:
-        return "loopback" if address.lower() == "localhost" else address.lower()
-    return "loopback" if ip.is_loopback else ip.compressed
+        name = address.lower().rstrip(".")
+        return "loopback" if name == "localhost" else name
+    mapped = getattr(ip, "ipv4_mapped", None)           # ::ffff:127.0.0.1 is 127.0.0.1
+    return "loopback" if ip.is_loopback or (mapped is not None and mapped.is_loopback) else ip.compressed
 
 
 def parse_jump_host(node: yaml.Node, field: str) -> str:
