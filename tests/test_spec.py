@@ -110,6 +110,7 @@ REJECTIONS = [
     ("ssh-exp", BASE + "ssh: {port: 1e3}\n", "8: ssh.port: must be a decimal integer, got '1e3'"),
     ("ssh-bool", BASE + "ssh: {port: true}\n", "8: ssh.port: must be a decimal integer, got 'true'"),
     ("ssh-quoted", BASE + 'ssh: {port: "22"}\n', "8: ssh.port: must be a decimal integer, got the quoted string '22' (write it without quotes)"),
+    ("ssh-quoted-word", BASE + 'ssh: {port: "two"}\n', "8: ssh.port: must be a decimal integer, got the quoted string 'two'"),
     ("ssh-range", BASE + "ssh: {port: 65536}\n", "8: ssh.port: must be an integer from 1 to 65535, got 65536"),
     ("ssh-huge", BASE + "ssh: {port: " + "9" * 5000 + "}\n",
      "8: ssh.port: must be an integer from 1 to 65535, got " + "9" * 20),

@@ -220,7 +220,9 @@ def kind_of(node: yaml.Node, typed: bool = False) -> str:
     if isinstance(node, yaml.SequenceNode):
         return "a list"
     if typed and isinstance(node, yaml.ScalarNode) and node.style in ("'", '"'):
-        return f"the quoted string {node.value!r} (write it without quotes)"
+        # the quotes are the mistake only where the words would do without them
+        bare = _DURATION_RE.fullmatch(node.value) or node.value.lower() in ("true", "false")
+        return f"the quoted string {node.value!r}" + (" (write it without quotes)" if bare else "")
     return "null" if is_null(node) else f"{node.value!r}"
 
 
