@@ -221,7 +221,7 @@ def kind_of(node: yaml.Node, typed: bool = False) -> str:
         return "a list"
     if typed and isinstance(node, yaml.ScalarNode) and node.style in ("'", '"'):
         # the quotes are the mistake only where the words would do without them
-        bare = _DURATION_RE.fullmatch(node.value) or node.value.lower() in ("true", "false")
+        bare = _DURATION_RE.fullmatch(node.value) or node.value.lower() in ("true", "false", "off")
         return f"the quoted string {node.value!r}" + (" (write it without quotes)" if bare else "")
     return "null" if is_null(node) else f"{node.value!r}"
 
