@@ -47,6 +47,60 @@ def test_a_closed_port_is_refused(dial):
     assert err.message == f"host gpu0 (127.0.0.2:{port}): connection refused (is sshd running on that port?)"
 
 
+def _serve(answer: bytes | None):
+    """A server on 127.0.0.1 that is no sshd: each connection gets `answer` after the first
+    bytes it sends (a web server's error to a line that is no request), or nothing, held open."""
+    import threading
+
+    server = socket.create_server(("127.0.0.1", 0))
+    held = []
+
+    def loop():
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            held.append(conn)
+            if answer is not None:
+                try:
+                    conn.settimeout(5)
+                    conn.recv(1024)
+                    conn.sendall(answer)
+                except OSError:
+                    pass
+                conn.close()
+
+    threading.Thread(target=loop, daemon=True).start()
+    return server, held
+
+
+def test_a_port_that_speaks_another_protocol_is_said_so_not_blamed_on_maxstartups(dial):
+    server, held = _serve(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+    port = server.getsockname()[1]
+    try:
+        err = dial("127.0.0.1", port)
+    finally:
+        server.close()
+    assert err.cause is Cause.HANDSHAKE, err.message
+    assert err.message == (f"host gpu0 (127.0.0.1:{port}): port {port} answers, but not as an SSH server "
+                           f"(it said 'HTTP/1.1 400 Bad Request')"), err.message
+    assert err.hint == "check the host's ssh.port (or Port in ~/.ssh/config)"
+
+
+def test_a_port_that_accepts_and_says_nothing_is_no_handshake_within_the_timeout(dial):
+    server, held = _serve(None)
+    port = server.getsockname()[1]
+    try:
+        err = dial("127.0.0.1", port, timeout=1.0)
+    finally:
+        server.close()
+        for conn in held:
+            conn.close()
+    assert err.cause is Cause.HANDSHAKE, err.message
+    assert err.message == f"host gpu0 (127.0.0.1:{port}): no SSH handshake within 1s", err.message
+
+
 def test_a_connect_nobody_answers_times_out(dial):
     """A full accept queue drops the SYNs beyond it, as a powered-off machine's address leaves
     them unanswered: the TCP connect times out, before any SSH is spoken."""

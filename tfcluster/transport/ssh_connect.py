@@ -144,10 +144,31 @@ def _handshake_retrying(ep: Endpoint, jump: Connection | None):
             pause = min(1.0, 0.2 * 2 ** attempt) + random.uniform(0, 0.2)
             attempt += 1
             if attempt > HANDSHAKE_RETRIES and time.monotonic() + pause > deadline:
+                said = None if jump or ep.proxy_command else _not_ssh(ep)
+                if said is not None:
+                    raise ep.error(f"port {ep.port} answers, but not as an SSH server (it said {said!r})",
+                                   "check the host's ssh.port (or Port in ~/.ssh/config)",
+                                   Cause.HANDSHAKE) from None
                 raise ep.error(f"connection dropped during the SSH handshake ({e})",
                                "the host's sshd may limit concurrent connections (MaxStartups)",
                                Cause.DROPPED) from None
             time.sleep(pause)
+
+
+def _not_ssh(ep: Endpoint) -> str | None:
+    """The first words of a server at the port that is not an sshd (an sshd greets every
+    connection with `SSH-2.0-...`; a web server answers a blank line with its error), or None
+    when it says nothing or is an sshd after all. Asked only once a handshake has failed."""
+    try:
+        with socket.create_connection((ep.address, ep.port), timeout=2) as s:
+            s.settimeout(2)
+            s.sendall(b"\r\n")
+            data = s.recv(256)
+    except OSError:
+        return None
+    if not data or b"SSH-" in data:
+        return None
+    return data.split(b"\n", 1)[0].decode("ascii", "replace").strip()[:60] or None
 
 
 def _open_sock(ep: Endpoint, jump: Connection | None):
@@ -287,7 +308,7 @@ def _map_handshake_error(ep: Endpoint, e: BaseException, elapsed: float) -> Base
                              f"authorised for {ep.user}, or ssh.user", cause=Cause.AUTH)
     if _is_dropped(e) and elapsed < ep.timeout * 0.9:
         return _Dropped(str(e) or type(e).__name__)
-    if isinstance(e, (socket.timeout, TimeoutError)) or "banner" in str(e):
+    if isinstance(e, (socket.timeout, TimeoutError)) or "banner" in str(e) or str(e) == "No existing session":
         via = f" through ProxyCommand `{ep.proxy_command}`" if ep.proxy_command else ""
         return ep.error(f"no SSH handshake within {ep.timeout:g}s{via}", cause=Cause.HANDSHAKE)
     if isinstance(e, (paramiko.SSHException, OSError, EOFError)):
