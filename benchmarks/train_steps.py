@@ -101,7 +101,7 @@ def main(argv=None) -> int:
         cluster = {"ps": [f"127.0.0.1:{ports[0]}"], "worker": [f"127.0.0.1:{x}" for x in ports[1:]]}
         spec = write_spec(b.tmp / "train.yaml", name="benchtrain", hosts=[("local", "127.0.0.1")],
                           jobs={"ps": [f"local:{ports[0]}"], "worker": [f"local:{x}" for x in ports[1:]]},
-                          train=f"train:\n  mode: between-graph\n  script: template:between_graph\n"
+                          train="train:\n  mode: between-graph\n  script: template:between_graph\n"
                           + (OFF if a.checks == "off" else ""),
                           env={**({"TF_CPP_MIN_LOG_LEVEL": a.tf_log_level} if a.tf_log_level else {}),
                                **({"TFCLUSTER_SERVER_IMPORT": "full"} if a.server_import == "full" else {})} or None)
@@ -139,6 +139,8 @@ def main(argv=None) -> int:
                     raise RuntimeError(f"hand scripts exited {rcs}:\n{''.join(st.tail)}")
             finally:
                 b.kill_tagged()
+                for server in servers:      # reaped, not left as zombies until the benchmark ends
+                    server.wait(30)
                 wait_ports_free(ports)
             rate, t_first = st.result()
             first["hand"].append(t_first)
