@@ -215,7 +215,8 @@ def test_init_copies_a_template_and_refuses_to_overwrite(tmp_path):
     assert "MultiWorkerMirroredStrategy" in written.read_text()
     again = tfc("init", "mirrored", cwd=str(tmp_path))
     assert again.returncode == 2 and "already exists" in again.stderr
-    assert tfc("init", "mirrorred", cwd=str(tmp_path)).returncode == 2
+    misspelt = tfc("init", "mirrorred", cwd=str(tmp_path))
+    assert misspelt.returncode == 2 and "did you mean 'mirrored'?" in misspelt.stderr, misspelt.stderr
     # the template's file name given for its mode: the mode it meant
     typo = tfc("init", "between_graph", cwd=str(tmp_path))
     assert typo.returncode == 2 and "unknown mode 'between_graph'; did you mean 'between-graph'?" in typo.stderr

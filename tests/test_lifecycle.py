@@ -365,6 +365,8 @@ def test_logs_shows_a_saved_run_prefixed_and_filters_by_task(tmp_path, home, cwd
     assert "worker:1 │ hello from worker 1" in one.stdout and "worker:0" not in one.stdout
     bad = tfcluster("logs", str(spec), "worker:7", home=home, cwd=cwd)
     assert bad.returncode == 2 and "has no log for worker:7" in bad.stderr
+    typo = tfcluster("logs", str(spec), "wroker:1", home=home, cwd=cwd)
+    assert typo.returncode == 2 and "did you mean 'worker:1'?" in typo.stderr, typo.stderr
 
 
 def test_plan_check_runs_live_preflight_and_starts_nothing(tmp_path, home, ssh_home, sshd, cwd):

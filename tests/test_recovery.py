@@ -371,6 +371,8 @@ def test_drain_refuses_a_host_the_spec_lacks_and_a_cluster_not_training(tmp_path
                     "  script: template:mirrored\n")
     bad = tfcluster("drain", str(spec), "zz", home=home, cwd=tmp_path)
     assert bad.returncode == 2 and "no host named 'zz' (hosts: a)" in bad.stderr, bad.stderr
+    close = tfcluster("drain", str(spec), "aa", home=home, cwd=tmp_path)
+    assert close.returncode == 2 and "no host named 'aa' (hosts: a); did you mean 'a'?" in close.stderr, close.stderr
     idle = tfcluster("drain", str(spec), "a", home=home, cwd=tmp_path)
     assert idle.returncode == 1 and "no `tfcluster train` of cluster 'dnone' is running" in idle.stderr, idle.stderr
 

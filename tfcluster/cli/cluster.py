@@ -124,7 +124,9 @@ def drain(
     p = plan_of(spec_path)
     names = [h.name for h in p.all_hosts]
     if host not in names:
-        raise UsageError(f"{spec_path}: no host named {host!r} (hosts: {', '.join(names)})")
+        from tfcluster.spec import did_you_mean
+        raise UsageError(f"{spec_path}: no host named {host!r} (hosts: {', '.join(names)})"
+                         + did_you_mean(host, names))
     p = state.placed_by_train(p, ui) or p          # a spare the running train moved tasks to holds them
     if host in p.spares and not p.tasks_on(host):
         raise UsageError(f"{spec_path}: {host} is a spare holding no task (no move put any there): "

@@ -5,6 +5,7 @@ One script per training mode. A spec names one as `train.script: template:NAME`,
 """
 from __future__ import annotations
 
+import difflib
 import importlib.resources
 import os
 from typing import Any
@@ -35,8 +36,9 @@ def copy_template(mode: str, dest: str | None) -> str:
     """Copy the template for `mode` to `dest` (default train_<mode>.py); returns the path written."""
     modes = [name.replace("_", "-") for name in template_names()]   # one template per mode
     if mode not in modes:
-        close = mode.replace("_", "-")      # the template's file name given for its mode
-        raise UsageError(f"unknown mode {mode!r}; " + (f"did you mean {close!r}?" if close in modes
+        # the template's file name given for its mode (between_graph), or a typo of one
+        close = difflib.get_close_matches(mode.replace("_", "-"), modes, n=1)
+        raise UsageError(f"unknown mode {mode!r}; " + (f"did you mean {close[0]!r}?" if close
                                                        else f"choose one of: {', '.join(modes)}"))
     name = mode.replace("-", "_") + ".py"
     dest = dest or f"train_{name}"

@@ -11,6 +11,7 @@ steps per second come from here."""
 from __future__ import annotations
 
 import collections
+import difflib
 import json
 import os
 import re
@@ -142,7 +143,9 @@ def task_logs(directory: str, run: str, task: str | None = None) -> list[str]:
     if task is None:
         return [k for k in every if not k.endswith(".server")]
     if task not in every:
-        raise UsageError(f"run {run} has no log for {task} (has: {', '.join(every)})")
+        close = difflib.get_close_matches(task, every, n=1)
+        raise UsageError(f"run {run} has no log for {task} (has: {', '.join(every) or 'none'})"
+                         + (f"; did you mean {close[0]!r}?" if close else ""))
     return [task]
 
 
