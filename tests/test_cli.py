@@ -222,6 +222,15 @@ def test_init_copies_a_template_and_refuses_to_overwrite(tmp_path):
     assert typo.returncode == 2 and "unknown mode 'between_graph'; did you mean 'between-graph'?" in typo.stderr
 
 
+def test_task_filter_is_checked_by_dry_run_too(tmp_path):
+    """`train --dry-run --task X` said nothing of a task the spec lacks; the run itself refused it."""
+    bad = tfc("train", LOCAL, "--dry-run", "--task", "wroker:1", cwd=str(tmp_path))
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
+    assert bad.stderr.splitlines()[0] == ("tfcluster: error: --task wroker:1: no such task (tasks: ps:0, "
+                                          "worker:0, worker:1); did you mean 'worker:1'?"), bad.stderr
+    assert tfc("train", LOCAL, "--dry-run", "--task", "worker:1", cwd=str(tmp_path)).returncode == 0
+
+
 def test_script_flag_without_double_dash_gets_a_hint():
     result = tfc("train", LOCAL, "--steps", "100")
     assert result.returncode == 2

@@ -57,6 +57,7 @@ def train(
     files = check_train_files(spec)
     text = scan_scripts(spec)       # the script and its helpers, for the Keras and strategy warnings
     p = build_plan(spec, files=files, script_fits=text.fits if text else None, script_scan=text)
+    supervisor.check_task_filter(p, tuple(task or ()))
     if dry_run:
         from tfcluster.ui.views import print_plan
 

@@ -44,7 +44,7 @@ AWAIT_DROP = 2.0            # a task's exit 255 waits this long for its host's c
 
 
 def train(plan: Plan, ui: UI, options: Options) -> int:
-    _check_task_filter(plan, options.show)
+    check_task_filter(plan, options.show)
     run_id = names.new_run_id(plan.name)
     with state.lock(plan, "train"), Session(plan, ui) as session:
         plan = deadhosts.around_dead_hosts(session, ui)      # a host down already: its spare
@@ -119,11 +119,16 @@ def train(plan: Plan, ui: UI, options: Options) -> int:
             _summary(run, outcome)
 
 
-def _check_task_filter(plan: Plan, show: tuple[str, ...]) -> None:
-    keys = {t.key for t in plan.tasks}
+def check_task_filter(plan: Plan, show: tuple[str, ...]) -> None:
+    """`--task KEY`s name tasks of the plan (also for `--dry-run`, which runs nothing)."""
+    import difflib
+
+    keys = sorted(t.key for t in plan.tasks)
     for key in show:
         if key not in keys:
-            raise UsageError(f"--task {key}: no such task (tasks: {', '.join(sorted(keys))})")
+            close = difflib.get_close_matches(key, keys, n=1)
+            raise UsageError(f"--task {key}: no such task (tasks: {', '.join(keys)})"
+                             + (f"; did you mean {close[0]!r}?" if close else ""))
 
 
 def _save_failed(events: queue.Queue):
