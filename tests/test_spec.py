@@ -244,6 +244,9 @@ REJECTIONS = [
      "  worker: {count: 1, hosts: [a], port: 2300}\n", "6: jobs.chief: at most 1 chief task, got 2"),
     # --- train
     ("mode-typo", BASE + "train: {mode: betwen-graph}\n", "8: train.mode: unknown mode 'betwen-graph'; did you mean 'between-graph'?"),
+    ("hang-after-negative", BASE + "train: {mode: between-graph, checks: {hang_after: -1}}\n",
+     "8: train.checks.hang_after: must be a positive number of seconds or a duration like 90s, 30m, 2h (at most "
+     "8784h, a year), or off; got '-1'"),
     ("train-unknown", BASE + "train: {scrpt: x.py}\n", "8: train.scrpt: unknown key 'scrpt'; did you mean 'script'?"),
     ("template-unknown", BASE + "train: {script: 'template:nope'}\n", "8: train.script: unknown template 'nope'; expected one of: {templates}"),
     ("files-not-list", BASE + "train: {files: sub}\n", "8: train.files: must be a list, got 'sub'"),

@@ -500,6 +500,9 @@ def _checks(node: yaml.Node) -> Checks:
              if k in f}
     if "hang_after" in f:
         hang = f["hang_after"][1]
+        if not _is_off(hang) and parse_duration(hang.value if isinstance(hang, yaml.ScalarNode) else "") is None:
+            raise BadValue(line_of(hang), "train.checks.hang_after",
+                           f"must be {DURATION_WORDS}, or off; got {kind_of(hang, typed=True)}")
         flags["hang_after"] = 0.0 if _is_off(hang) else as_duration(hang, "train.checks.hang_after")
     return Checks(**flags)
 
