@@ -215,6 +215,9 @@ def test_init_copies_a_template_and_refuses_to_overwrite(tmp_path):
     assert "MultiWorkerMirroredStrategy" in written.read_text()
     again = tfc("init", "mirrored", cwd=str(tmp_path))
     assert again.returncode == 2 and "already exists" in again.stderr
+    (tmp_path / "scripts").mkdir()
+    into = tfc("init", "mirrored", "scripts", cwd=str(tmp_path))       # a directory: the file goes in it
+    assert into.returncode == 0 and (tmp_path / "scripts" / "train_mirrored.py").is_file(), into.stderr
     misspelt = tfc("init", "mirrorred", cwd=str(tmp_path))
     assert misspelt.returncode == 2 and "did you mean 'mirrored'?" in misspelt.stderr, misspelt.stderr
     # the template's file name given for its mode: the mode it meant

@@ -84,7 +84,7 @@ def _only_after_dashes(args: list[str]) -> None:
 @app.command()
 def init(
     mode: str = typer.Argument("between-graph", help="between-graph | classic | coordinator | mirrored | keras-jax"),
-    dest: Optional[str] = typer.Argument(None, help="Where to write it (default: train_<mode>.py)."),
+    dest: Optional[str] = typer.Argument(None, help="Where to write it: a file, or a directory to write train_<mode>.py in (default: train_<mode>.py here)."),
 ) -> int:
     """Copy the training-script template for a mode into the current directory.
 

@@ -41,6 +41,8 @@ def copy_template(mode: str, dest: str | None) -> str:
         raise UsageError(f"unknown mode {mode!r}; " + (f"did you mean {close[0]!r}?" if close
                                                        else f"choose one of: {', '.join(modes)}"))
     name = mode.replace("-", "_") + ".py"
+    if dest and os.path.isdir(dest) and not os.path.islink(dest):
+        dest = os.path.join(dest, f"train_{name}")       # a directory: the default name in it
     dest = dest or f"train_{name}"
     data = templates_root().joinpath(name).read_bytes()
     # O_EXCL: never over an existing file, and (with O_NOFOLLOW) never through a link,
