@@ -347,6 +347,12 @@ def test_exec_counts_a_signal_as_a_failure_ends_stdin_and_runs_a_repeated_host_o
         in killed.stderr and killed.stdout.count("fine") == 1, killed.stderr
     # a command's own `exit 130` is its status, not a Ctrl-C of tfcluster's (was "killed by signal
     # 2" and "error: interrupted")
+    # a command the host lacks is said so in tfcluster's words (was setsid's "failed to execute")
+    missing = tfc("exec", str(spec), "--hosts", "a", "--", "no-such-command-xyz", cwd=str(tmp_path))
+    assert missing.returncode == 127, missing.stderr
+    assert "a │ tfcluster: command not found: no-such-command-xyz" in missing.stdout, missing.stdout
+    empty = tfc("exec", str(spec), "--", "", cwd=str(tmp_path))
+    assert empty.returncode == 2 and "exec: the command is an empty word" in empty.stderr, empty.stderr
     own = tfc("exec", str(spec), "--hosts", "a", "--", "sh", "-c", "exit 130", cwd=str(tmp_path))
     assert own.returncode == 130 and "interrupted" not in own.stderr, own.stderr
     assert "host a: exit code 130 (128 + SIGINT: " in own.stderr, own.stderr

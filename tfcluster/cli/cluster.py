@@ -193,6 +193,8 @@ def exec_(
     from tfcluster.launch.cluster.session import Session
     from tfcluster.watch.logmux import LogMux
 
+    if not command[0]:
+        raise UsageError("exec: the command is an empty word", hint="e.g. `tfcluster exec SPEC -- hostname`")
     spec, p = load(spec_path)
     names = _select_hosts(spec.path, [h.name for h in p.all_hosts], hosts)
     with Session(p, ui, names) as session:

@@ -21,6 +21,7 @@ EXEC_FANOUT = 64
 # The status is the shell's: 128+N for a command killed by signal N, which a command's own
 # `exit 130` gives too (sh cannot tell them apart), so it is said as both.
 _WRAP = ('exec 3<&0 </dev/null; '
+         'command -v "$1" >/dev/null 2>&1 || { echo "tfcluster: command not found: $1"; exit 127; }; '
          'if command -v setsid >/dev/null 2>&1; then setsid "$@" 3<&- 2>&1 & else "$@" 3<&- 2>&1 & fi; c=$!; '
          '(cat <&3 >/dev/null 2>&1; kill -TERM -"$c" 2>/dev/null || kill -TERM "$c") >/dev/null 2>&1 & w=$!; '
          'exec 3<&-; '
