@@ -124,3 +124,11 @@ class Terminated(BaseException):
     """SIGTERM, turned into the same orderly stop as Ctrl-C (tasks stopped, state kept).
 
     Not a KeyboardInterrupt: typer turns those into a silent exit 130."""
+
+
+def did_you_mean(word: str, choices) -> str:
+    """`; did you mean 'x'?` for the closest of `choices` to a word nothing matched, or ""."""
+    import difflib
+
+    close = difflib.get_close_matches(word, list(choices), n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""

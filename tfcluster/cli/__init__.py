@@ -20,6 +20,8 @@ from tfcluster.cli import app as app_module
 from tfcluster.cli.app import StoppedWatching, app, ui
 from tfcluster.errors import ExitCode, Terminated, TfclusterError
 
+_ctrl_c = threading.Event()      # a Ctrl-C reached this process (main says "interrupted")
+
 
 def _click(cls: str) -> tuple[type, ...]:
     """`cls` (ClickException, Abort) from whichever click typer uses (typer >= 0.2x vendors its own)."""
@@ -142,9 +144,6 @@ def run() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     exit_now(rc)
-
-
-_ctrl_c = threading.Event()      # a Ctrl-C reached this process (main says "interrupted")
 
 
 def terminate_like_ctrl_c() -> None:

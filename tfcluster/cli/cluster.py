@@ -11,7 +11,7 @@ from typing import List, Optional
 import typer
 
 from tfcluster.cli.app import SKEW_HELP, SpecArg, StoppedWatching, app, load, plan_of, seconds, ui
-from tfcluster.errors import ExitCode, UsageError
+from tfcluster.errors import ExitCode, UsageError, did_you_mean
 from tfcluster.safetext import shell_word
 
 MIN_INTERVAL = 0.2      # status --watch: seconds between refreshes at least
@@ -124,7 +124,6 @@ def drain(
     p = plan_of(spec_path)
     names = [h.name for h in p.all_hosts]
     if host not in names:
-        from tfcluster.spec import did_you_mean
         raise UsageError(f"{spec_path}: no host named {host!r} (hosts: {', '.join(names)})"
                          + did_you_mean(host, names))
     p = state.placed_by_train(p, ui) or p          # a spare the running train moved tasks to holds them
@@ -203,7 +202,6 @@ def exec_(
 
 
 def _select_hosts(path: str, known: list[str], hosts: str | None) -> list[str]:
-    from tfcluster.spec import did_you_mean
 
     if not hosts:
         return known

@@ -15,6 +15,7 @@ blow-ups), shipped (the files a run ships), loader (the entry points).
 """
 from __future__ import annotations
 
+from tfcluster.errors import did_you_mean
 from tfcluster.spec.layout import layout_tasks
 from tfcluster.spec.loader import check_train_files, load_spec, preview_train_files, with_train_overrides
 from tfcluster.spec.model import (
@@ -47,7 +48,7 @@ from tfcluster.spec.model import (
                                    mask_userinfo,
 )
 from tfcluster.spec.shipped import script_calls_fit
-from tfcluster.spec.yamltree import MAX_DEPTH, MAX_SPEC_BYTES, did_you_mean
+from tfcluster.spec.yamltree import MAX_DEPTH, MAX_SPEC_BYTES
 
 __all__ = [
     "HOST_KEY_POLICIES", "HOST_LOSS_POLICIES", "JAX_CPU_COLLECTIVES_ENV", "JOB_NAMES", "KERAS_BACKEND_ENV",

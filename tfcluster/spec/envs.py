@@ -9,13 +9,13 @@ import re
 
 import yaml
 
+from tfcluster.errors import did_you_mean
 from tfcluster.spec.model import MAX_ARG_BYTES, MAX_ENV_BYTES, MAX_ENV_ENTRIES, MIN_SECRET_CHARS, SECRET_MARKERS
 from tfcluster.spec.yamltree import (
     AnyKey,
     BadValue,
     as_list,
     as_str,
-    did_you_mean,
     fields_of,
     is_null,
     kind_of,

@@ -500,10 +500,7 @@ def _checks(node: yaml.Node) -> Checks:
              if k in f}
     if "hang_after" in f:
         hang = f["hang_after"][1]
-        if not _is_off(hang) and parse_duration(hang.value if isinstance(hang, yaml.ScalarNode) else "") is None:
-            raise BadValue(line_of(hang), "train.checks.hang_after",
-                           f"must be {DURATION_WORDS}, or off; got {kind_of(hang, typed=True)}")
-        flags["hang_after"] = 0.0 if _is_off(hang) else as_duration(hang, "train.checks.hang_after")
+        flags["hang_after"] = 0.0 if _is_off(hang) else _duration_or_off(hang, "train.checks.hang_after")
     return Checks(**flags)
 
 
@@ -519,7 +516,8 @@ def _checkpoint(node: yaml.Node) -> Checkpoint:
     if "sync" in f:
         sync_node = f["sync"][1]
         off = is_plain(sync_node) and sync_node.value.lower() in ("off", "false")
-        sync = None if off else _sync_duration(sync_node)
+        sync = None if off else _duration_or_off(sync_node, "train.checkpoint.sync",
+                                                 hint="off: the checkpoints are on a filesystem every host shares")
     return Checkpoint(
         dir=directory,
         keep=as_int(f["keep"][1], "train.checkpoint.keep", 1, MAX_CHECKPOINTS_KEPT) if "keep" in f else Checkpoint.keep,
@@ -543,12 +541,13 @@ def _size(node: yaml.Node, field: str, lo: int, hi: int) -> int:
     return value
 
 
-def _sync_duration(node: yaml.Node) -> float:
-    if parse_duration(node.value if isinstance(node, yaml.ScalarNode) else "") is None:
-        raise BadValue(line_of(node), "train.checkpoint.sync",
-                       f"must be {DURATION_WORDS}, or off; got {kind_of(node, typed=True)}",
-                       hint="off: the checkpoints are on a filesystem every host shares")
-    return as_duration(node, "train.checkpoint.sync")
+def _duration_or_off(node: yaml.Node, field: str, hint: str | None = None) -> float:
+    """A duration where `off` is the other answer (the caller took that one): the error says both."""
+    seconds = parse_duration(node.value if isinstance(node, yaml.ScalarNode) else "")
+    if seconds is None:
+        raise BadValue(line_of(node), field, f"must be {DURATION_WORDS}, or off; got {kind_of(node, typed=True)}",
+                       hint=hint)
+    return seconds
 
 
 def _is_off(node: yaml.Node) -> bool:

@@ -5,12 +5,11 @@ One script per training mode. A spec names one as `train.script: template:NAME`,
 """
 from __future__ import annotations
 
-import difflib
 import importlib.resources
 import os
 from typing import Any
 
-from tfcluster.errors import UsageError
+from tfcluster.errors import UsageError, did_you_mean
 
 
 def templates_root() -> Any:
@@ -37,9 +36,8 @@ def copy_template(mode: str, dest: str | None) -> str:
     modes = [name.replace("_", "-") for name in template_names()]   # one template per mode
     if mode not in modes:
         # the template's file name given for its mode (between_graph), or a typo of one
-        close = difflib.get_close_matches(mode.replace("_", "-"), modes, n=1)
-        raise UsageError(f"unknown mode {mode!r}; " + (f"did you mean {close[0]!r}?" if close
-                                                       else f"choose one of: {', '.join(modes)}"))
+        raise UsageError(f"unknown mode {mode!r}" + (did_you_mean(mode.replace("_", "-"), modes)
+                                                     or f"; choose one of: {', '.join(modes)}"))
     name = mode.replace("-", "_") + ".py"
     if dest and os.path.isdir(dest) and not os.path.islink(dest):
         dest = os.path.join(dest, f"train_{name}")       # a directory: the default name in it

@@ -69,12 +69,6 @@ def _closest(word: str, choices: Sequence[str]) -> str | None:
     return close[0] if close else None
 
 
-def did_you_mean(word: str, choices: Iterable[str]) -> str:
-    """`; did you mean 'x'?` for the closest choice, or nothing."""
-    close = _closest(word, list(choices))
-    return f"; did you mean {close!r}?" if close else ""
-
-
 def suggest(word: str, choices: Iterable[str], what: str) -> str:
     return unknown(0, "", word, list(choices), what, "").problem
 

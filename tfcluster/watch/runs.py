@@ -11,7 +11,6 @@ steps per second come from here."""
 from __future__ import annotations
 
 import collections
-import difflib
 import json
 import os
 import re
@@ -20,7 +19,7 @@ import threading
 import time
 from dataclasses import replace
 
-from tfcluster.errors import TfclusterError, UsageError
+from tfcluster.errors import TfclusterError, UsageError, did_you_mean
 from tfcluster.localfs import (
     NOFOLLOW,
     open_saved,
@@ -143,9 +142,8 @@ def task_logs(directory: str, run: str, task: str | None = None) -> list[str]:
     if task is None:
         return [k for k in every if not k.endswith(".server")]
     if task not in every:
-        close = difflib.get_close_matches(task, every, n=1)
         raise UsageError(f"run {run} has no log for {task} (has: {', '.join(every) or 'none'})"
-                         + (f"; did you mean {close[0]!r}?" if close else ""))
+                         + did_you_mean(task, every))
     return [task]
 
 

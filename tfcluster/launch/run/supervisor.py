@@ -19,7 +19,7 @@ import time
 from typing import TYPE_CHECKING
 
 from tfcluster.diagnose.checks import RunChecks
-from tfcluster.errors import DeadlineError, ExitCode, Terminated, TfclusterError, UsageError
+from tfcluster.errors import DeadlineError, ExitCode, Terminated, TfclusterError, UsageError, did_you_mean
 from tfcluster.launch.cluster import deadhosts, state
 from tfcluster.launch.cluster.reach import can_connect
 from tfcluster.launch.cluster.session import Session, server_tasks
@@ -121,14 +121,10 @@ def train(plan: Plan, ui: UI, options: Options) -> int:
 
 def check_task_filter(plan: Plan, show: tuple[str, ...]) -> None:
     """`--task KEY`s name tasks of the plan (also for `--dry-run`, which runs nothing)."""
-    import difflib
-
     keys = sorted(t.key for t in plan.tasks)
     for key in show:
         if key not in keys:
-            close = difflib.get_close_matches(key, keys, n=1)
-            raise UsageError(f"--task {key}: no such task (tasks: {', '.join(keys)})"
-                             + (f"; did you mean {close[0]!r}?" if close else ""))
+            raise UsageError(f"--task {key}: no such task (tasks: {', '.join(keys)})" + did_you_mean(key, keys))
 
 
 def _save_failed(events: queue.Queue):
