@@ -141,25 +141,14 @@ else
       "$PY" -m pytest -q -p no:cacheprovider -m "$quick" > "$quick_log" 2>&1 < /dev/null &
     quick_pid=$!
     quick_done() { wait "$quick_pid"; rc_quick=$?; echo "the quick tests, run beside them:"; cat "$quick_log"; rm -f "$quick_log"; }
-    # a Ctrl-C reaches the workers (this terminal's group), and the lanes beside through this
-    # The tests marked `waits` (a TF poll, a timeout, a host's silence or a set pace: most of
-    # their time spent waiting, under half a core used) run beside the workers too, one at a
-    # time in a lane of their own: in the workers' queue, two side by side left a core idle;
-    # here their waits cost the workers nothing.
-    waits_log=$(mktemp "${TMPDIR:-/tmp}/tfcluster-waits-tests.XXXXXX")
-    setsid "$PY" -m pytest -q -p no:cacheprovider -m "waits and not alone" --durations=10 \
-      > "$waits_log" 2>&1 < /dev/null &
-    waits_pid=$!
-    waits_done() { wait "$waits_pid"; rc_waits=$?; echo "the waiting tests, run beside them:"; cat "$waits_log"; rm -f "$waits_log"; }
-    trap 'kill -INT -- -"$quick_pid" -"$waits_pid" 2>/dev/null; quick_done; waits_done; exit 130' INT TERM
+    # a Ctrl-C reaches the workers (this terminal's group), and the quick lane through this
+    trap 'kill -INT -- -"$quick_pid" 2>/dev/null; quick_done; exit 130' INT TERM
     # --durations: where a run's time went, at its end (the place to look when CI slows)
-    "$PY" -m pytest -q -n "$workers" --dist loadgroup -m "not alone and not waits and (tf or ssh or slurm)" --durations=30
+    "$PY" -m pytest -q -n "$workers" --dist loadgroup -m "not alone and (tf or ssh or slurm)" --durations=30
     rc=$?
     quick_done
-    waits_done
     trap - INT TERM
     [ $rc -eq 0 ] && rc=$rc_quick
-    [ $rc -eq 0 ] && rc=$rc_waits
     "$PY" -m pytest -q -n 2 --dist loadgroup -m alone --durations=10
     rc_alone=$?
     [ $rc -eq 0 ] && rc=$rc_alone

@@ -50,10 +50,6 @@ def pytest_collection_modifyitems(config, items):
             # notices' (a module's own group: minutes of waiting out a deadline on the bed) beside
             # this one, the rest
             item.add_marker(pytest.mark.xdist_group("alone"))
-        if item.get_closest_marker("waits") is not None and item.get_closest_marker("xdist_group") is not None:
-            # the lane of waiting tests runs beside the workers: a group's tests must stay on one
-            raise pytest.UsageError(f"{item.nodeid}: a test marked `waits` runs beside the workers, "
-                                    "so it can be in no xdist_group (alone, Slurm, TensorBoard's port)")
     if hasattr(config, "workerinput"):    # a pytest-xdist worker (where `dist` reads "no")
         items[:] = _queue(items)
 

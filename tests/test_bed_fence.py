@@ -79,7 +79,6 @@ def test_a_second_user_is_refused_at_every_task_port_before_and_after_a_move(tmp
 @pytest.mark.parametrize("command,fault,spare", [("train", "port-taken", "true"), ("train", "host-refuses-login", "true"),
                                                  ("train", "port-taken", "warm"), ("up", "port-taken", "true"),
                                                  ("up", "host-refuses-login", "true")])
-@pytest.mark.waits
 def test_a_train_or_up_that_ends_before_its_servers_start_leaves_no_table_on_any_host(
         command, fault, spare, tmp_path, home, ssh_home, bed):
     """No shim of the run is left to take the table of the ps's host (it runs no script) or of

@@ -80,7 +80,6 @@ def test_up_with_a_host_down_keeps_its_tasks_on_the_spare_for_status_train_and_d
     wait_for(lambda: not tagged_processes(), timeout=60, what="no task left running")
 
 
-@pytest.mark.waits
 @pytest.mark.timeout(420)
 def test_up_again_after_a_host_died_under_its_servers_refuses_to_start_one_on_the_spare_beside_them(
         tmp_path, home, ssh_home, bed):

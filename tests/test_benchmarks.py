@@ -93,7 +93,6 @@ def test_scale_up_benchmark_runs_small_and_leaves_nothing_running():
     _smoke("scale_up.py", 240)
 
 
-@pytest.mark.waits
 @needs_sshd
 def test_host_loss_benchmark_runs_small_and_leaves_nothing_running():
     out = _smoke("host_loss.py", 120)

@@ -364,7 +364,6 @@ def test_the_same_script_with_the_check_off_is_not_stopped_by_it(work):
     assert manifest(only_run(tmp / "runs"))["checks"] == {"placement": "off"}
 
 
-@pytest.mark.waits
 @pytest.mark.tf
 @pytest.mark.timeout(300)
 def test_a_late_worker_gets_a_diagnosis_naming_it_its_host_and_its_closed_port_and_the_run_goes_on(work):

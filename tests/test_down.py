@@ -105,7 +105,6 @@ def test_down_is_one_exec_per_warm_host(tmp_path, home, ssh_home, verbose_sshd, 
     assert sessions == {a: ["command"] for a in ADDRESSES}, sessions
 
 
-@pytest.mark.waits
 def test_a_port_a_surviving_process_holds_is_reported_busy_and_state_kept(
         tmp_path, home, ssh_home, verbose_sshd, cwd):
     verbose_sshd.write_known_hosts(ssh_home / "known_hosts", mode="a")

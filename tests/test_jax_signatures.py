@@ -66,7 +66,6 @@ def ends_named(proc: subprocess.Popen, name: str, said: bytes = b"", timeout: fl
     assert (found.name if found else None) == name, out[-2000:]
 
 
-@pytest.mark.waits
 @pytest.mark.timeout(90)
 def test_a_coordinator_nobody_serves_is_named_as_unreachable_not_as_a_dead_peer(jax):
     """Process 1 starts and process 0 never does (its host down, its script failed first).
@@ -85,7 +84,6 @@ def test_a_process_restarted_alone_is_refused_as_a_new_incarnation(jax):
     ends_named(first, "jax-incarnation", b"different incarnation")
 
 
-@pytest.mark.waits
 @pytest.mark.timeout(120)
 def test_a_process_that_stops_answering_ends_the_others_at_the_heartbeat_timeout(jax):
     first = jax.start("0", "wait")
@@ -95,7 +93,6 @@ def test_a_process_that_stops_answering_ends_the_others_at_the_heartbeat_timeout
     ends_named(first, "jax-peer-died", b"stopped sending heartbeats")
 
 
-@pytest.mark.waits
 @pytest.mark.timeout(120)
 def test_a_peer_killed_mid_collective_ends_the_others(jax):
     first = jax.start("0", "allreduce")
@@ -106,7 +103,6 @@ def test_a_peer_killed_mid_collective_ends_the_others(jax):
     ends_named(first, "jax-peer-died")
 
 
-@pytest.mark.waits
 @pytest.mark.timeout(120)
 def test_a_barrier_the_other_process_never_reaches_times_out(jax):
     waiting = jax.start("0", "barrier")

@@ -241,7 +241,6 @@ def after_the_run(spec: Path, cwd: Path, home: Path, keys: list[str]) -> None:
     assert re.search(r"worker:0  steps \d+–60 · epoch 3/3", text) and "loss" in text, text
 
 
-@pytest.mark.waits
 @pytest.mark.tf
 @pytest.mark.timeout(300)
 def test_keras3_fit_in_a_terminal_has_a_footer_one_bar_line_per_epoch_runs_and_plot(tmp_path, home):
@@ -265,7 +264,6 @@ def test_keras3_fit_in_a_terminal_has_a_footer_one_bar_line_per_epoch_runs_and_p
     after_the_run(spec, tmp_path, home, ["worker:0"])
 
 
-@pytest.mark.waits
 @pytest.mark.tf
 @pytest.mark.timeout(300)
 def test_tf_keras_multi_worker_fit_folds_each_workers_bars_and_reads_the_step(tmp_path, home):

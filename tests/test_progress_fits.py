@@ -159,7 +159,6 @@ print(f"measured {len(ends)} steps at {(len(ends) - 1) / (ends[-1] - ends[0]):.3
 """
 
 
-@pytest.mark.waits
 @pytest.mark.tf
 @pytest.mark.timeout(300)
 def test_three_fits_give_runs_the_last_fits_step_and_epoch_a_right_rate_and_a_plot_without_sawtooth(tmp_path, home):

@@ -146,7 +146,6 @@ def test_train_with_a_dead_proxy_in_the_environment_succeeds_with_the_guard(tmp_
     assert not tagged_processes()
 
 
-@pytest.mark.waits
 @pytest.mark.tf
 def test_without_the_guard_the_same_run_hangs_until_its_timeout(tmp_path, home, dead_proxy):
     cwd = tmp_path / "cwd"

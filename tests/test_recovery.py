@@ -149,7 +149,6 @@ def test_the_ps_host_lost_and_then_the_spare_that_took_it_each_restart_the_run_o
     wait_for(lambda: not tagged_processes(), timeout=60, what="no task left running")
 
 
-@pytest.mark.waits
 @pytest.mark.timeout(420)
 def test_shrink_goes_on_without_a_lost_worker(tmp_path, home, ssh_home, bed):
     cwd = tmp_path / "cwd"

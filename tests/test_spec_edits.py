@@ -75,7 +75,6 @@ def two_machine_spec(tmp: Path, h1, h2, name: str, *, jobs: str, ports: list[int
         "train:\n  mode: between-graph\n  script: template:between_graph\n"))
 
 
-@pytest.mark.waits
 def test_down_and_status_cover_hosts_the_spec_left_without_tasks_or_dropped(tmp_path, home, ssh_home, bed, cwd):
     h1, h2 = bed.add("h1"), bed.add("h2")
     p = [25000, 25001, 25002]

@@ -158,7 +158,6 @@ def test_two_runs_on_one_up_cluster_are_isolated_and_servers_stay_up(work):
     assert down.returncode == 0, down.stderr
 
 
-@pytest.mark.waits
 def test_ps_killed_mid_run_is_restarted_and_training_resumes_from_checkpoint(work):
     tmp, home, cwd = work
     spec = local_spec(tmp, args=["--steps", "600", "--log_every", "20", "--model_dir", "{workdir}/ckpt"],
@@ -230,7 +229,6 @@ def test_summary_and_manifest_show_restarted_servers_and_scripts_counted_from_th
     assert runs[0]["restarts"] == sum(r[1] for r in rows.values()) == 3
 
 
-@pytest.mark.waits
 def test_sigkill_of_tfcluster_mid_run_takes_every_task_down(work):
     tmp, home, cwd = work
     spec = local_spec(tmp, args=["--steps", "100000", "--log_every", "20", "--min_step_time", "0.05"])
