@@ -218,6 +218,11 @@ def test_init_copies_a_template_and_refuses_to_overwrite(tmp_path):
     (tmp_path / "scripts").mkdir()
     into = tfc("init", "mirrored", "scripts", cwd=str(tmp_path))       # a directory: the file goes in it
     assert into.returncode == 0 and (tmp_path / "scripts" / "train_mirrored.py").is_file(), into.stderr
+    made = tfc("init", "classic", "new/", cwd=str(tmp_path))            # `new/`: a directory meant, made
+    assert made.returncode == 0 and (tmp_path / "new" / "train_classic.py").is_file(), made.stderr
+    deeper = tfc("init", "classic", "none/new/", cwd=str(tmp_path))     # only the last level is made
+    assert deeper.returncode == 2 and deeper.stderr.splitlines()[0] == (
+        "tfcluster: error: cannot make directory none/new/: No such file or directory"), deeper.stderr
     misspelt = tfc("init", "mirrorred", cwd=str(tmp_path))
     assert misspelt.returncode == 2 and "did you mean 'mirrored'?" in misspelt.stderr, misspelt.stderr
     # the template's file name given for its mode: the mode it meant
@@ -403,6 +408,16 @@ def _running(marker: str) -> list[int]:
     """The command exec runs (the launcher and the wrapper have the marker among their words too)."""
     command = ["sh", "-c", "echo started; sleep 1000; :", marker]
     return [p.pid for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == command]
+
+
+def test_render_to_a_file_is_a_bad_command_line_and_writes_nothing(tmp_path):
+    spec = tmp_path / "local.yaml"
+    spec.write_bytes(open(LOCAL, "rb").read())
+    result = tfc("render", str(spec), "--to", "slurm", "-o", str(spec))
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.rstrip().splitlines()[-1] == (f"tfcluster: error: -o {spec}: not a directory (render "
+                                                       f"writes its files into one: local.sbatch)"), result.stderr
+    assert spec.read_bytes() == open(LOCAL, "rb").read() and sorted(os.listdir(tmp_path)) == ["local.yaml"]
 
 
 def test_render_to_a_directory_prints_a_next_step_that_works_from_here(tmp_path):

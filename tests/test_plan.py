@@ -97,6 +97,26 @@ def test_ssh_hosts_carry_transport_options_and_ship_to_the_cluster_bin_dir():
     assert plan.command(plan.task("worker:0"), "server") == ("python3", "~/.tfcluster/loopback/bin/tfserver.py")
 
 
+def test_a_host_whose_gpus_no_task_takes_is_warned_of_by_plan(tmp_path):
+    """`gpus: 4` on a host, and a worker there with neither `gpus:` nor `per_gpu`: it runs with an
+    empty CUDA_VISIBLE_DEVICES, so on the CPU; plan says so (a ps there is meant for the CPU)."""
+    from tests.helpers import tfcluster
+    text = ("name: g\nhosts:\n  - {name: c, address: 10.0.0.1}\n  - {name: g0, address: 10.0.0.2, gpus: 4}\n"
+            "  - {name: g1, address: 10.0.0.3, gpus: 2}\n"
+            "jobs:\n  ps: {count: 1, hosts: [g1], port: 2222}\n  worker: {tasks: ['g0:2300', 'c:2300']JOB}\n"
+            "train: {mode: between-graph, script: template:between_graph}\n")
+    spec = tmp_path / "g.yaml"
+    spec.write_text(text.replace("JOB", ""))
+    plan = build_plan(load_spec(str(spec)), files=())
+    said = ("host g0 has `gpus: 4` but none of its tasks takes one: worker:0 runs on the CPU "
+            "(CUDA_VISIBLE_DEVICES=''); give the job `gpus: K` (K GPUs a task) or `per_gpu: true` (a task per GPU)")
+    assert plan.idle_gpus() == [said]       # g1 holds only the ps; c has no GPU
+    shown = tfcluster("plan", str(spec), home=tmp_path, cwd=tmp_path, timeout=60)
+    assert shown.returncode == 0 and f"tfcluster: warning: {said}" in shown.stderr, shown.stderr
+    spec.write_text(text.replace("JOB", ", gpus: 1").replace("address: 10.0.0.1}", "address: 10.0.0.1, gpus: 1}"))
+    assert build_plan(load_spec(str(spec)), files=()).idle_gpus() == []
+
+
 def test_plan_says_which_hosts_are_this_machine_and_how_the_others_are_reached(tmp_path):
     """A host at localhost is run without SSH, any other over SSH: the text says which, with
     the login, port, jump host and host-key policy each group is reached with."""

@@ -267,7 +267,7 @@ def test_plans_compare_without_their_spec_and_json_holds_no_spec(many, tmp_path)
     assert data["moves"] == [{"lost": "b", "to": "s"}]
     assert data["checkpoint"] is None
     assert data["spares"][0] == {"name": "z", "address": "10.0.0.9", "gpus": 0, "warm": False, "holds": [], "takes": ["a"],
-                                 "cannot_take": {"s": "needs 2 GPUs, has 0", "c": "needs 1 GPU, has 0"}}
+                                 "cannot_take": {"s": "has 0 GPUs, s's tasks need 2", "c": "has 0 GPUs, c's tasks need 1"}}
     assert data["spares"][1]["holds"] == ["worker:0", "worker:2"]
 
 
@@ -302,7 +302,7 @@ def test_plan_command_shows_the_spares_what_they_take_the_loss_policy_and_the_ch
     shown = tfcluster("plan", path, home=tmp_path, cwd=tmp_path, timeout=60)
     assert shown.returncode == 0, shown.stderr
     rows = {line.split()[0]: line for line in shown.stdout.splitlines() if re.match(r"[zst] ", line)}
-    assert rows["z"].split()[:4] == ["z", "10.0.0.9", "-", "a"] and "not b: needs 2 GPUs, has 0" in rows["z"]
+    assert rows["z"].split()[:4] == ["z", "10.0.0.9", "-", "a"] and "not b: has 0 GPUs, b's tasks need 2" in rows["z"]
     assert rows["s"].split()[:4] == ["s", "10.0.0.5", "2", "a,"] and rows["s"].rstrip().endswith("a, b, c")
     assert "on a lost host (train.on_host_loss: spare):\n  holding a ps: every task starts again on the new cluster, " \
            "from the checkpoint (a ps held the variables)\n" in shown.stdout
@@ -327,8 +327,8 @@ def test_plans_loss_lines_follow_what_the_spares_can_take_and_whether_a_checkpoi
     assert shown.returncode == 0, shown.stderr
     assert ("  holding a ps: every task starts again on the new cluster, from the script's own checkpoint "
             "if it keeps one (no train.checkpoint) (a ps held the variables)\n"
-            "  holding the chief: the run ends, naming the host (no spare can take h2's tasks: h5 needs 4 "
-            "GPUs, has 2)\n") in shown.stdout, shown.stdout
+            "  holding the chief: the run ends, naming the host (no spare can take h2's tasks: h5 has 2 "
+            "GPUs, h2's tasks need 4)\n") in shown.stdout, shown.stdout
 
 
 # --------------------------------------------------------------------------- plan --check
@@ -417,7 +417,7 @@ def test_the_running_trains_moves_are_applied_only_while_that_train_holds_the_lo
     (lambda t: t.replace("  - {name: c, address: 10.0.0.3, gpus: 1}\n", "").replace("count: 3, hosts: [b, c]", "count: 2, hosts: [b]"),
      "the spec no longer lists c"),
     (lambda t: t.replace("{name: s, address: 10.0.0.5, gpus: 2, spare: true}", "{name: s, address: 10.0.0.5, spare: true}"),
-     "s cannot take them (needs 1 GPU, has 0)"),
+     "s cannot take them (has 0 GPUs, c's tasks need 1)"),
 ])
 def test_a_saved_move_the_edited_spec_no_longer_allows_is_ignored_with_one_warning(tmp_path, edit, why):
     from tfcluster.launch.cluster.state import UpState, placed_by_up

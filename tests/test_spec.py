@@ -285,6 +285,20 @@ REJECTIONS = [
     ("keras-env-contradicts", BASE.replace("jobs:", "env: {TF_USE_LEGACY_KERAS: '0'}\njobs:")
      + "train:\n  keras: legacy\n",
      "10: train.keras: legacy sets TF_USE_LEGACY_KERAS=1, but env: sets it to '0'"),
+    ("task-on-ssh-default-port", HEAD + "jobs:\n  ps: {count: 1, hosts: [a], port: 22}\n",
+     "6: jobs.ps: ps:0 uses port 22 of a, SSH's default port, where tfcluster reaches the host: its TF "
+     "server could not listen there"),
+    ("task-on-the-specs-ssh-port", "ssh: {port: 2301}\n" + BASE,
+     "8: jobs.worker: worker:1 uses port 2301 of a, its `ssh.port`, where tfcluster reaches the host: its "
+     "TF server could not listen there"),
+    ("env-knob-server-import", BASE + "env: {TFCLUSTER_SERVER_IMPORT: fulll}\n",
+     "8: env.TFCLUSTER_SERVER_IMPORT: must be lean or full, got 'fulll'"),
+    ("env-knob-flush", BASE + "env: {TFCLUSTER_STDOUT_FLUSH: abc}\n",
+     "8: env.TFCLUSTER_STDOUT_FLUSH: must be seconds (a number, 0 or more), got 'abc'"),
+    ("env-knob-flush-negative", BASE + "env: {TFCLUSTER_STDOUT_FLUSH: '-1'}\n",
+     "8: env.TFCLUSTER_STDOUT_FLUSH: must be seconds (a number, 0 or more), got '-1'"),
+    ("env-knob-standby-import", BASE + "env: {TFCLUSTER_STANDBY_IMPORT: 'tensorflow keras'}\n",
+     "8: env.TFCLUSTER_STANDBY_IMPORT: must be module names, comma-separated, got 'tensorflow keras'"),
 ]
 
 
@@ -296,6 +310,24 @@ def test_an_unquoted_ipv6_address_inside_braces_gets_the_quoting_as_its_hint(tmp
     assert bad.hint == "quote an IPv6 address: address: '::1'"
     path.write_text("name: t\nhosts: [a\n")          # another syntax error: no such hint
     assert error(str(path)).hint is None
+
+
+@pytest.mark.parametrize("line,expected", [
+    ("  tensorboard: {workdir}/tb\n", "10: yaml: did not find expected key (while parsing a block mapping)"),
+    ("  args: ['--model_dir', {workdir}/ckpt]\n",
+     "10: yaml: did not find expected ',' or ']' (while parsing a flow sequence)"),
+    ("  args:\n    - --model_dir\n    - {workdir}\n", "12: train.args[1]: must be a string, got a mapping"),
+])
+def test_a_placeholder_left_unquoted_gets_the_quoting_as_its_hint(tmp_path, line, expected):
+    """`{workdir}` that starts a YAML value is a mapping: YAML's own error, or a mapping where a
+    string belongs, with the quoting as the hint."""
+    path = write(tmp_path, BASE + "train:\n  script: template:between_graph\n" + line)
+    bad = error(path)
+    assert str(bad) == f"{path}:{expected}"
+    assert bad.hint == "quote a value with a placeholder: YAML reads a bare {...} as a mapping: '{workdir}/tb'"
+    # a mapping that is no placeholder: no such hint
+    other = write(tmp_path, BASE + "train:\n  script: template:between_graph\n  args: [{a: 1}]\n", "o.yaml")
+    assert error(other).hint is None
 
 
 @pytest.mark.parametrize("text,expected", [c[1:] for c in REJECTIONS], ids=[c[0] for c in REJECTIONS])

@@ -58,6 +58,9 @@ def render(
         ui.stdout.flush()
         ui.info(f"next: save it and run `{rendered.apply}`")
         return ExitCode.OK
+    if os.path.lexists(output) and not os.path.isdir(output):
+        raise UsageError(f"-o {output}: not a directory (render writes its files into one: "
+                         f"{', '.join(name for name, _ in rendered.files)})")
     for name, text in rendered.files:
         path = os.path.join(output, name)
         write_output(path, text.encode("utf-8"), "render -o")

@@ -227,14 +227,29 @@ class Plan:
     def tasks_on(self, host: str) -> tuple[TaskPlan, ...]:
         return tuple(t for t in self.tasks if t.host == host)
 
+    def idle_gpus(self) -> list[str]:
+        """One line per host whose spec gives it GPUs (`gpus: N`) while none of its tasks that
+        could use one (chief, worker, evaluator: a ps stays on the CPU) takes any: they run
+        with an empty CUDA_VISIBLE_DEVICES, on the CPU, which nothing else would say."""
+        out = []
+        for host in self.all_hosts:
+            users = [t for t in self.tasks_on(host.name) if t.job != "ps"]
+            if host.gpus and users and not any(t.gpus for t in users):
+                keys = ", ".join(t.key for t in users[:3]) + (" …" if len(users) > 3 else "")
+                out.append(f"host {host.name} has `gpus: {host.gpus}` but none of its tasks takes one: "
+                           f"{keys} run{'s' if len(users) == 1 else ''} on the CPU (CUDA_VISIBLE_DEVICES=''); "
+                           f"give the job `gpus: K` (K GPUs a task) or `per_gpu: true` (a task per GPU)")
+        return out
+
     def spare_problem(self, spare: str, lost: str) -> str | None:
         """Why `spare` cannot take every task of `lost` (None: it can): too few GPUs for them
         beside what it holds already, or a port of theirs taken by a task on its machine."""
         moving = self.tasks_on(lost)
         host = self.host(spare)
-        need = sum(len(t.gpus) for t in moving) + sum(len(t.gpus) for t in self.tasks_on(spare))
-        if need > host.gpus:
-            return f"needs {need} GPU{'' if need == 1 else 's'}, has {host.gpus}"
+        need, held = sum(len(t.gpus) for t in moving), sum(len(t.gpus) for t in self.tasks_on(spare))
+        if need + held > host.gpus:
+            return (f"has {host.gpus} GPU{'' if host.gpus == 1 else 's'}, {lost}'s tasks need {need}"
+                    + (f" beside the {held} its own hold" if held else ""))
         machine = machine_of(host.address)
         taken = {t.port: t for t in self.tasks if t.host != lost and machine_of(t.address) == machine}
         clash = next((t for t in moving if t.port in taken), None)

@@ -44,6 +44,26 @@ def _reserved(name: str) -> str | None:
     return None
 
 
+def _knob_problem(name: str, value: str) -> tuple[str, str] | None:
+    """(problem, hint) where `value` is no value the knob `name` reads, else None: the host
+    would fall back in silence (a flush of 0, the lean import) or fail at the move (a standby's
+    import of a module name that cannot be one)."""
+    if name == "TFCLUSTER_STDOUT_FLUSH":
+        try:
+            if float(value) >= 0 and float(value) != float("inf"):
+                return None
+        except ValueError:
+            pass
+        return f"must be seconds (a number, 0 or more), got {value!r}", "e.g. 0.01 (the default); 0 turns the timed flush off"
+    if name == "TFCLUSTER_SERVER_IMPORT" and value not in ("lean", "full"):
+        return f"must be lean or full, got {value!r}", "lean (the default) imports only TensorFlow's runtime"
+    if name == "TFCLUSTER_STANDBY_IMPORT" and not all(
+            part and all(w.isidentifier() for w in part.split(".")) for part in value.split(",")):
+        return (f"must be module names, comma-separated, got {value!r}",
+                "e.g. tensorflow,keras (what a warm spare's standby imports before its task comes)")
+    return None
+
+
 def _size(text: str) -> int:
     return len(text.encode("utf-8", "surrogatepass"))
 
@@ -64,6 +84,9 @@ def parse_env(node: yaml.Node, line: int) -> tuple[tuple[str, str], ...]:
         if not isinstance(value, yaml.ScalarNode) or is_null(value):
             raise BadValue(line_of(value), sub_field("env", key), f"value must be a string, got {kind_of(value)}",
                        hint=f'quote it: {key}: "..."')
+        knob = _knob_problem(key, value.value)
+        if knob:
+            raise BadValue(line_of(value), sub_field("env", key), knob[0], hint=knob[1])
         if "\0" in value.value:
             raise BadValue(line_of(value), sub_field("env", key), "value must not contain NUL")
         size = _size(key) + 1 + _size(value.value)

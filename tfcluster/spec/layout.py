@@ -93,6 +93,14 @@ def check_conflicts(spec: Spec, slots: tuple[Slot, ...]) -> None:
     machines = {h.name: machine_of(h.address) for h in spec.hosts}   # once per host, not per task
     seen: dict[tuple[str, int], Slot] = {}
     for slot in slots:
+        host = hosts[slot.host]
+        if not host.local and slot.port == (host.ssh.port or 22):
+            job = spec.job(slot.job)
+            said = "its `ssh.port`" if host.ssh.port else "SSH's default port"
+            raise spec_error(spec.path, job.line if job else None, sub_field("jobs", slot.job),
+                             f"{slot.job}:{slot.index} uses port {slot.port} of {host.name}, {said}, where "
+                             f"tfcluster reaches the host: its TF server could not listen there",
+                             "give the job another port")
         key = (machines[slot.host], slot.port)
         first = seen.setdefault(key, slot)
         if first is not slot:

@@ -39,6 +39,11 @@ def copy_template(mode: str, dest: str | None) -> str:
         raise UsageError(f"unknown mode {mode!r}" + (did_you_mean(mode.replace("_", "-"), modes)
                                                      or f"; choose one of: {', '.join(modes)}"))
     name = mode.replace("-", "_") + ".py"
+    if dest and dest.endswith(("/", os.sep)) and not os.path.lexists(dest):
+        try:       # `newdir/`: a directory meant, so made (its parent must be there)
+            os.mkdir(dest)
+        except OSError as e:
+            raise UsageError(f"cannot make directory {dest}: {e.strerror}") from None
     if dest and os.path.isdir(dest) and not os.path.islink(dest):
         dest = os.path.join(dest, f"train_{name}")       # a directory: the default name in it
     dest = dest or f"train_{name}"

@@ -125,10 +125,15 @@ def _yaml_problem(exc: yaml.YAMLError, text: str) -> BadValue:
     if mark and mark.line < len(lines) and _BARE_IPV6.search(lines[mark.line]):
         # inside `{...}` a colon ends a key: `address: ::1` there is no value YAML can read
         return BadValue(mark.line + 1, "yaml", problem, hint="quote an IPv6 address: address: '::1'")
+    if mark and mark.line < len(lines) and _BARE_PLACEHOLDER.search(lines[mark.line]):
+        return BadValue(mark.line + 1, "yaml", problem, hint=PLACEHOLDER_HINT)
     return BadValue(mark.line + 1 if mark else 1, "yaml", problem)
 
 
 _BARE_IPV6 = re.compile(r"""(?<!['"\w])[0-9A-Fa-f]*::[0-9A-Fa-f:.]*(?!['"])""")
+# `{workdir}/tb` unquoted: YAML reads a `{` that starts a value as a mapping
+_BARE_PLACEHOLDER = re.compile(r"""(?:^|[\s,\[:])\{\w+\}""")
+PLACEHOLDER_HINT = "quote a value with a placeholder: YAML reads a bare {...} as a mapping: '{workdir}/tb'"
 
 
 def compose(text: str) -> yaml.Node:
@@ -264,7 +269,10 @@ def _key(node: yaml.Node, field: str) -> str:
 def as_str(node: yaml.Node, field: str) -> str:
     """The scalar's text as written: `no` stays "no" and `2` stays "2" (no YAML typing)."""
     if not isinstance(node, yaml.ScalarNode) or is_null(node):
-        raise BadValue(line_of(node), field, f"must be a string, got {kind_of(node)}")
+        placeholder = (isinstance(node, yaml.MappingNode) and len(node.value) == 1 and is_null(node.value[0][1])
+                       and isinstance(node.value[0][0], yaml.ScalarNode) and node.value[0][0].value.isidentifier())
+        raise BadValue(line_of(node), field, f"must be a string, got {kind_of(node)}",
+                       hint=PLACEHOLDER_HINT if placeholder else None)
     return node.value
 
 

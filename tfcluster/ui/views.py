@@ -40,6 +40,8 @@ def print_plan(ui, plan: Plan, *, commands: bool = False) -> None:
     if plan.mode == "keras-jax" and plan.tasks:
         ui.text(f"JAX coordinator: {plan.tasks[0].target} (process 0); {len(plan.tasks)} processes, "
                 f"started and restarted together")
+    for line in plan.idle_gpus():
+        ui.warn(line)
     print_host_loss(ui, plan)
     print_files(ui, plan, FILES_SHOWN if not commands else len(plan.files))
     if not commands:
