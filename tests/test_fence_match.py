@@ -259,6 +259,39 @@ def test_a_launcher_gone_before_an_install_is_answered_leaves_no_table(clusters,
     assert not os.path.exists(shim_cgroup.path_of(cluster_dir))
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("end", ["answer-unread", "eof-before-go", "go"])
+def test_an_up_conversation_keeps_a_spares_table_only_on_go(clusters, end):
+    """`up`'s conversation with a host where it starts nothing (a spare): the batch installs the
+    table before anything binds. The table stays only when GO comes (the `up` succeeded);
+    when the launcher went before it read the answer (Ctrl-C as the answer went out, the
+    pipe closed), or the conversation ends without GO (a failed check, a launcher killed after
+    reading), the shim takes it back: nothing of the cluster runs here."""
+    name = f"upkeep{end[:3]}"
+    cluster_dir = clusters.make(name)
+    port = free_ports(1)[0]
+    fence_req = {"mode": "install", "cluster_dir": cluster_dir, "tag_prefix": f"{name}:", "ports": [port],
+                 "targets": [["127.0.0.1", port]], "peers": ["127.0.0.1"]}
+    request = {"commands": {proto.FENCE: fence_req}, "starts": [], "warm": False, "timeout": 10}
+    table = shim_fence.table_name(cluster_dir, f"{name}:")
+    proc = subprocess.Popen([sys.executable, "-S", SHIM, proto.UP], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    clusters.procs.append(proc)
+    if end == "answer-unread":
+        proc.stdout.close()                 # the launcher gone: the answer's write fails (EPIPE)
+    proc.stdin.write(json.dumps(request).encode() + b"\n")
+    proc.stdin.flush()
+    if end != "answer-unread":
+        answer = json.loads(proc.stdout.readline())
+        assert "error" not in json.dumps(answer["answers"][proto.FENCE]) and table in tables(), answer
+    if end == "go":
+        proc.stdin.write(json.dumps({"go": []}).encode() + b"\n")
+    proc.stdin.close()
+    assert proc.wait(30) is not None
+    assert (table in tables()) == (end == "go"), (end, tables())
+    assert os.path.exists(shim_cgroup.path_of(cluster_dir)) == (end == "go")
+
+
 # Its stale table is old on purpose, and any root fence install sweeps old tables of clusters
 # with nothing left: another test's local cluster starting meanwhile (under -n 4, seen once in
 # three runs) swept it first. So it runs alone: the lane beside it runs the notices' tests,

@@ -55,6 +55,7 @@ def up(req: dict, answers: dict) -> None:
               for s in req.get("starts", [])}
     warm = {}               # key -> Popen, started with hold
     reach = talk.Reach(next((s["req"].get("cluster_dir") for s in starts.values()), None))
+    went = False
     try:
         if req.get("warm") and _may_warm(answers, starts.values()):
             for key, start in starts.items():
@@ -67,6 +68,7 @@ def up(req: dict, answers: dict) -> None:
                 continue
             if "go" not in msg:
                 return                # EOF, silence or an abort word: the finally stops the warm ones
+            went = True
             _launch(msg["go"], starts, warm, lines, float(req.get("timeout", 60)))
             return
     finally:
@@ -74,6 +76,11 @@ def up(req: dict, answers: dict) -> None:
         _stop(warm)
         for start in list(starts.values())[:1]:    # nothing of the cluster left here: no table
             fence.release_if_idle(start["req"]["cluster_dir"], start["req"]["tag"])
+        install = req.get("commands", {}).get(proto.FENCE)
+        if not went and not starts and isinstance(install, dict):
+            # no GO: the `up` failed, or its launcher went before it could learn of this
+            # install (Ctrl-C as the answer went out); a spare keeps its table only on GO
+            fence.release_if_idle(install["cluster_dir"], install["tag_prefix"])
 
 
 def _may_warm(answers: dict, starts) -> bool:

@@ -35,6 +35,7 @@ class UpExec:
         self.warm: tuple[str, ...] = ()
         self.done = False            # every server of go() decided: nothing left to stop there
         self.starts = False          # its request started servers (warm ones, maybe)
+        self.went = False            # GO sent: the shim keeps the table its batch put in
         self._lock = threading.Lock()
 
     def server_argv(self) -> tuple[str, ...]:
@@ -75,6 +76,7 @@ class UpExec:
         """Start these servers (warm ones get GO): (key, "started", pid), then (key, state,
         holder) as each is decided, as HostAgent.launch yields them."""
         self.proc.write(proto.json_line({"go": list(keys)}))
+        self.went = True
         pending = set(keys)
         while pending:
             try:
@@ -87,6 +89,17 @@ class UpExec:
                 pending.discard(key)
                 self.done = not pending
             yield key, state, value
+
+    def keep(self) -> None:
+        """`up` succeeded and starts nothing here (a spare, a host whose servers all run): GO
+        with no server, so the shim keeps the table its batch put in. A conversation that ends
+        without GO (a failed check, Ctrl-C, the launcher killed before it read the answer) has
+        its shim take that table back once nothing of the cluster runs there."""
+        with self._lock:
+            proc = self.proc
+        if proc is not None and not self.went:
+            proc.write(proto.json_line({"go": []}))
+            self.went = True
 
     def next_line(self) -> dict | None:
         """The next JSON line (non-JSON noise, such as a login banner, is skipped); None at EOF."""
@@ -127,10 +140,16 @@ def open_all(session, servers, run_id: str, timeout: float) -> dict[str, UpExec]
     return execs
 
 
-def close_all(session, execs: dict[str, UpExec], run_prefix: str) -> None:
-    """Close every conversation; where one did not end cleanly (its shim killed, so its warm
-    servers may live on until their import ends), stop this run's processes by tag."""
-    closed = session.parallel(lambda name: execs[name].close(), list(execs))
+def close_all(session, execs: dict[str, UpExec], run_prefix: str, keep: bool = False) -> None:
+    """Close every conversation (`keep`: the `up` succeeded, UpExec.keep first); where one did
+    not end cleanly (its shim killed, so its warm servers may live on until their import
+    ends), stop this run's processes by tag."""
+    def close(name: str) -> bool:
+        if keep:
+            execs[name].keep()
+        return execs[name].close()
+
+    closed = session.parallel(close, list(execs))
     unclean = [name for name, ok in closed.items() if ok is not True and execs[name].starts]
     if unclean:
         session.parallel(lambda name: session.agents[name].stop(run_prefix, proto.DEFAULT_GRACE), unclean)

@@ -59,8 +59,8 @@ def up(plan: Plan, ui, timeout: float = READY_TIMEOUT, allow_skew: bool = False)
             started = start_detached(session, missing, run_id, timeout, execs=execs)
             done = True
         finally:
-            upexec.close_all(session, execs, names.run_prefix(plan.name, run_id))
-            if not done:        # a failed `up`: no server's shim takes its spares' tables
+            upexec.close_all(session, execs, names.run_prefix(plan.name, run_id), keep=done)
+            if not done:        # a failed `up`: the spares' shims took theirs; those that had gone, here
                 session.take_tables(names.run_prefix(plan.name, run_id), _idle(session, plan))
         _record(plan, run_id, started, live)
         ui.ok(f"cluster {plan.name!r} is up: {len(servers)} servers in {time.monotonic() - t0:.1f}s")
