@@ -306,7 +306,7 @@ def test_rendered_jobs_carry_credentials_of_urls_as_secrets_not_in_the_file(engi
 
 def test_the_sbatch_script_holds_only_quoted_literals_and_escaped_text(shared, home, tmp_path):
     marker = tmp_path / "PWNED-sbatch-python"
-    python = f"$(touch${{IFS}}{marker})"
+    python = f"/$(touch${{IFS}}{marker})"     # absolute, as the spec requires of a path
     (tmp_path / "train.py").write_text("print('step=1 loss=0.5')\n")
     spec = local_spec(tmp_path, python=python, name="l2", train="{mode: mirrored, script: train.py}",
                       extra='env:\n  X: "\\e]52;c;aGk=\\a\\e[2J tab\\there \\u202e rtl"\n')

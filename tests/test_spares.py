@@ -57,6 +57,9 @@ REJECTIONS = [
     ("checkpoint-without-dir", BASE + "train:\n  checkpoint: {keep: 2}\n", "10: train.checkpoint.dir: missing required key"),
     ("checkpoint-empty-dir", BASE + "train:\n  checkpoint: {dir: ''}\n",
      "10: train.checkpoint.dir: must name a directory, got an empty string"),
+    ("checkpoint-relative-dir", BASE + "train:\n  checkpoint: {dir: ckpt}\n",
+     "10: train.checkpoint.dir: must be absolute, start with ~/ or {workdir}, got 'ckpt': relative to what the "
+     "script sees, its run's directory, it would be a new one each run (nothing to resume from)"),
     ("checkpoint-unknown-placeholder", BASE + "train:\n  checkpoint: {dir: '{rundir}/ckpt'}\n",
      ("10: train.checkpoint.dir: unknown placeholder {rundir}; known: job, index, ps_hosts, worker_hosts, "
       "chief_hosts, workdir, num_workers")),

@@ -285,6 +285,9 @@ REJECTIONS = [
     ("keras-env-contradicts", BASE.replace("jobs:", "env: {TF_USE_LEGACY_KERAS: '0'}\njobs:")
      + "train:\n  keras: legacy\n",
      "10: train.keras: legacy sets TF_USE_LEGACY_KERAS=1, but env: sets it to '0'"),
+    ("python-relative-path", "python: venv/bin/python\n" + BASE,
+     "1: python: must be a name on PATH, absolute, or start with ~/: 'venv/bin/python' would be looked for from "
+     "each process's own directory (a script's is its run's)"),
     ("task-on-ssh-default-port", HEAD + "jobs:\n  ps: {count: 1, hosts: [a], port: 22}\n",
      "6: jobs.ps: ps:0 uses port 22 of a, SSH's default port, where tfcluster reaches the host: its TF "
      "server could not listen there"),

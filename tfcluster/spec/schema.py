@@ -102,7 +102,7 @@ def build(path: str, root: yaml.Node) -> tuple[Spec, dict[str, int]]:
     spec = Spec(
         path=path,
         name=as_name(value["name"], "name"),
-        python=as_word(value["python"], "python") if "python" in f else Spec.python,
+        python=_python(value["python"]) if "python" in f else Spec.python,
         workdir=_workdir(value["workdir"]) if "workdir" in f else Spec.workdir,
         env=env,
         secret_env=secret,
@@ -116,6 +116,18 @@ def build(path: str, root: yaml.Node) -> tuple[Spec, dict[str, int]]:
     _check_jax_env(spec.train, value.get("env"))
     _check_host_loss(spec)
     return spec, {"jobs": line_of(f["jobs"][0]), "env": line_of(f["env"][0]) if "env" in f else 0}
+
+
+def _python(node: yaml.Node) -> str:
+    """A name PATH finds (`python3`), an absolute path, or one under `~/`: a relative path
+    would be found from where each process starts (the shim in the home, the script in its
+    run's directory), so the checks would pass and the tasks not start."""
+    value = as_word(node, "python")
+    if "/" in value and not (value.startswith("/") or value.startswith("~/")):
+        raise BadValue(line_of(node), "python", f"must be a name on PATH, absolute, or start with ~/: {value!r} "
+                       "would be looked for from each process's own directory (a script's is its run's)",
+                       hint=f"python: ~/{value.removeprefix('./')} (from the home) or an absolute path")
+    return value
 
 
 def _workdir(node: yaml.Node) -> str:
@@ -512,6 +524,13 @@ def _checkpoint(node: yaml.Node) -> Checkpoint:
     if not directory:
         raise BadValue(line_of(f["dir"][1]), "train.checkpoint.dir", "must name a directory, got an empty string")
     check_placeholders(directory, line_of(f["dir"][1]), "train.checkpoint.dir")
+    if not directory.startswith(("/", "~/", "{workdir}")) and directory != "~":
+        # the script's own cwd is its run's directory, new each run; the shims' is the home
+        raise BadValue(line_of(f["dir"][1]), "train.checkpoint.dir",
+                       f"must be absolute, start with ~/ or {{workdir}}, got {directory!r}: relative to what the "
+                       "script sees, its run's directory, it would be a new one each run (nothing to resume from)",
+                       hint=f"dir: '{{workdir}}/{directory}' (the same path in the script's --model_dir or "
+                            "checkpoint code)")
     sync: float | None = Checkpoint.sync
     if "sync" in f:
         sync_node = f["sync"][1]
