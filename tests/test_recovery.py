@@ -149,6 +149,34 @@ def test_the_ps_host_lost_and_then_the_spare_that_took_it_each_restart_the_run_o
     wait_for(lambda: not tagged_processes(), timeout=60, what="no task left running")
 
 
+@pytest.mark.timeout(480)
+def test_two_hosts_lost_at_once_move_in_one_restart_each_to_a_spare_of_its_own(tmp_path, home, ssh_home, bed):
+    """The ps's host and a worker's die together, with two spares: the first loss's restart
+    takes the second along (a restart that started worker:1 on its dead host failed, exit 3),
+    and the run reaches its target from the checkpoint."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    spec = bed_spec(tmp_path, bed, "rboth", PS_AND_TWO_WORKERS, steps=400, spares=("h5", "h6"))
+    proc = start_tfcluster("train", str(spec), home=home, cwd=cwd)
+    try:
+        read_until(proc, r"worker:1 .*step=[1-9]", timeout=200)
+        bed.kill("h2")
+        bed.kill("h4")
+        seen = read_until(proc, r"h[24]: moving \S+ to h[56] in the same restart as h[24]'s", timeout=120)
+        rest = proc.communicate(timeout=300)[0]
+    finally:
+        kill_group(proc)
+    out = "".join(seen) + rest
+    assert proc.returncode == 0, out[-4000:]
+    doc = manifest(only_run(cwd / "runs"))
+    assert sorted((m["host"], m["action"]) for m in doc["moves"]) == [("h2", "restart"), ("h4", "restart")], doc["moves"]
+    assert {m["to"] for m in doc["moves"]} == {"h5", "h6"} and all(m["resumed_step"] is not None for m in doc["moves"])
+    assert {doc["tasks"]["ps:0"]["host"], doc["tasks"]["worker:1"]["host"]} == {"h5", "h6"}
+    assert set(doc["hosts_lost"]) == {"h2", "h4"} and doc["progress"]["worker:1"]["step"] >= 350, doc["progress"]
+    assert out.count("every task restarting") == 1, out[-4000:]       # one restart, not two
+    wait_for(lambda: not tagged_processes(), timeout=60, what="no task left running")
+
+
 @pytest.mark.timeout(420)
 def test_shrink_goes_on_without_a_lost_worker(tmp_path, home, ssh_home, bed):
     cwd = tmp_path / "cwd"

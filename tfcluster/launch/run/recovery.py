@@ -142,8 +142,9 @@ def _restart_all(run: Run, move: Move) -> None:
     if sync is not None and chief is not None and chief.host not in run.session.pool.lost:
         sync.pull(chief.host)       # the newest, after the scripts' last save (a drain)
     _stop(run, attempts.in_wave(run, 1), keep)
-    # hosts warned meanwhile move in this restart too
+    # hosts warned meanwhile, and others lost with this one, move in this restart too
     riders = run.notices.ride_along(run, move) if run.notices is not None else []
+    riders += _lost_along(run, move, riders)
     for m in (move, *riders):
         _adopt(run, m.host, m.spare)
     if not keep or riders:        # while the checkpoint goes to the spare
@@ -167,8 +168,38 @@ def _restart_all(run: Run, move: Move) -> None:
         m.watch = _watched(run, [p for p in run.procs if p.task.host == m.spare])
     for m in riders:
         m.done_at = time.time()
-    if riders:
+    if riders and run.notices is not None:
         run.notices.settle(run, riders)
+
+
+def _lost_along(run: Run, move: Move, riders: list[Move]) -> list[Move]:
+    """Each other host lost and not yet dealt with (two at once, or one during the stop): its
+    tasks move in this same restart, to a spare of their own, where the policy restarts them;
+    else this restart would start them on a host that is gone. One that no spare can take is
+    left to its own turn (the restart then fails there, and on_host_loss decides)."""
+    pool, along = run.session.pool, []
+    for host in sorted(pool.lost, key=lambda h: pool.lost[h].at):
+        tasks = tuple(t.key for t in run.plan.tasks_on(host))
+        if host == move.host or host in pool.given_up or not tasks:
+            continue
+        taken = {move.spare, *(m.spare for m in (*riders, *along))}
+        spare = run.plan.spare_for(host, used=pool.unusable() | taken)
+        while spare is not None and (gone := _unreachable(run, spare)) is not None:
+            run.ui.warn(f"spare {spare} not usable: {gone}")
+            pool.set_aside(spare, gone)
+            spare = run.plan.spare_for(host, used=pool.unusable() | taken)
+        action, reason = policy.on_host_loss(run.plan.mode, run.plan.on_host_loss, lost_tasks(run, host),
+                                             spare is not None)
+        if action != policy.RESTART:
+            continue
+        pool.give_up(host)
+        lost = pool.lost[host]
+        rider = Move(host, f"{LOST}: {lost.how}" if lost.how else LOST, action, reason, tasks, time.time(),
+                     step_now(run), spare)
+        run.recovery.moves.append(rider)
+        along.append(rider)
+        run.ui.warn(f"{host}: moving {', '.join(tasks)} to {spare} in the same restart as {move.host}'s ({reason})")
+    return along
 
 
 def _stop(run: Run, procs: list[Supervised], keep_fence: frozenset[str] = frozenset()) -> None:
