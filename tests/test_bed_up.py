@@ -55,7 +55,7 @@ def test_up_with_a_host_down_keeps_its_tasks_on_the_spare_for_status_train_and_d
         assert rows["worker:1"]["host"] == "h5" and rows["worker:1"]["status"] == "running", rows
         assert all(r["status"] == "running" and r["in_spec"] for r in rows.values()), rows
         assert status.stderr.count(SAID) == 1, status.stderr
-        assert "h4: not reached" in status.stderr and "`up` started its tasks on h5" in status.stderr
+        assert "h4: not reached" in status.stderr and "its tasks were moved to h5" in status.stderr
 
         again = tfcluster("up", str(spec), home=home, cwd=cwd)      # h4 still down: the move stands
         assert again.returncode == 0 and "is already up" in again.stderr, again.stderr
@@ -85,7 +85,8 @@ def test_up_again_after_a_host_died_under_its_servers_refuses_to_start_one_on_th
         tmp_path, home, ssh_home, bed):
     """The cluster is up; h4 dies. A second `up` would start worker:1's server on the spare
     beside ps:0 and worker:0, which were started with h4's address in their cluster spec and
-    would dial it for ever: refused, exit 3, nothing started, with the way out; `down` then
+    would dial it for ever: refused, exit 3, nothing started, with the way out (a `train` too,
+    which said the cluster was partly up and sent the user to that `up`); `down` then
     `up` starts every server with the spare's address, and `status` finds them there."""
     cwd = tmp_path / "cwd"
     cwd.mkdir()
@@ -98,6 +99,10 @@ def test_up_again_after_a_host_died_under_its_servers_refuses_to_start_one_on_th
         assert ("tfcluster: error: h4 is down, and its servers would start on h5 beside ps:0, worker:0, which run "
                 "with h4's address in their cluster spec") in again.stderr, again.stderr
         assert f"hint: run `tfcluster down {spec}`" in again.stderr, again.stderr
+        train = tfcluster("train", str(spec), home=home, cwd=cwd)     # the same refusal, not "partly up"
+        assert train.returncode == 3 and "partly up" not in train.stderr, train.stderr[-3000:]
+        assert ("tfcluster: error: h4 is down, and its servers would start on h5 beside ps:0, worker:0"
+                in train.stderr), train.stderr[-3000:]
         tags = tagged_processes()
         assert not any(":worker:1:" in tags.get(p, "") for p in bed.hosts["h5"].pids()), "started on the spare"
         down = tfcluster("down", str(spec), home=home, cwd=cwd)
@@ -131,3 +136,34 @@ def test_hosts_of_one_image_on_their_own_network_each_take_the_same_port(tmp_pat
     check = tfcluster("plan", str(spec), "--check", home=home, cwd=cwd)
     assert check.returncode == 0, check.stderr[-3000:]
     assert "same machine" not in check.stderr
+
+
+@pytest.mark.timeout(420)
+def test_a_host_lost_while_up_starts_its_servers_is_said_as_a_loss_and_up_again_uses_the_spare(
+        tmp_path, home, ssh_home, bed):
+    """h4 dies as `up` says it starts the servers (warm: each binds on GO): its conversation
+    ends, and that is a lost host (exit 3, every server of that `up` stopped), not `up ended
+    early: no output` (exit 1); the `up` the hint gives then starts worker:1 on the spare."""
+    from tests.helpers import kill_group, read_until, start_tfcluster
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    spec = spec_of(tmp_path, bed, "bupk")
+    proc = start_tfcluster("up", str(spec), home=home, cwd=cwd)
+    try:
+        seen = read_until(proc, r"Starting \d+ server", timeout=200)
+        bed.kill("h4")
+        rest = proc.communicate(timeout=120)[0]
+    finally:
+        kill_group(proc)
+    out = "".join(seen) + rest
+    assert proc.returncode == 3, out[-3000:]
+    assert "error: host h4 was lost while its servers started (" in out and "ended early" not in out, out[-3000:]
+    assert "again: a host still down then has its servers started on a spare" in out, out[-3000:]
+    wait_for(lambda: not tagged_processes(), timeout=60, what="no server of that `up` left on any host")
+    up = tfcluster("up", str(spec), home=home, cwd=cwd)
+    try:
+        assert up.returncode == 0 and "worker:1 start on spare h5 instead" in up.stderr, up.stderr[-3000:]
+    finally:
+        down = tfcluster("down", str(spec), home=home, cwd=cwd)
+    assert down.returncode == 0, down.stderr
+    wait_for(lambda: not tagged_processes(), timeout=60, what="no task left running")

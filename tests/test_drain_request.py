@@ -102,3 +102,24 @@ def test_no_answer_within_wait_is_a_timeout_and_wait_0_only_asks(plan):
         ui.lines.clear()
         assert drains.request(plan, "a", 0, ui) == ExitCode.OK
         assert ui.lines == ["info asked the running train to drain a"]
+
+
+def test_a_train_that_ends_before_the_move_ends_the_wait_and_status_says_no_drain(plan, home, tmp_path):
+    """The train ended (done, Ctrl-C) with the drain asked and answered only `draining`: the
+    wait ends within a look or two at the lock (exit 1, said), not at --wait; and the answers
+    file, which outlives the train, is no drain under way for `status`."""
+    from tests.helpers import tfcluster
+    ui = SaidUi()
+    holding = state.lock(plan, "train")
+    holding.__enter__()
+    drains._answer(plan, "a", drains.DRAINING, "moving worker:0")
+    shown = tfcluster("status", plan.spec_path, home=home, cwd=tmp_path, timeout=60)
+    assert "a: draining (moving worker:0)" in shown.stderr, shown.stderr     # while the train runs
+    ended = threading.Timer(0.5, holding.__exit__, (None, None, None))
+    ended.start()
+    assert drains.request(plan, "a", 30, ui) == ExitCode.ERROR
+    ended.join()
+    assert ui.lines[-1] == "warn a: the train ended before it moved a's tasks; nothing of it runs now", ui.lines
+    assert drains.running(plan) is None and drains.answers(plan)["a"]["state"] == drains.DRAINING
+    shown = tfcluster("status", plan.spec_path, home=home, cwd=tmp_path, timeout=60)
+    assert shown.returncode == 0 and "draining" not in shown.stderr, shown.stderr

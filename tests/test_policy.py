@@ -209,7 +209,7 @@ def test_what_a_lost_host_does(mode, choice, lost, spare, action):
 def test_a_lost_host_that_cannot_be_recovered_says_why():
     assert policy.on_host_loss("classic", "shrink", [W], False)[1] == \
         "classic mode needs every worker to finish, so it cannot shrink"
-    assert policy.on_host_loss("between-graph", "spare", [PS], False)[1] == "no spare host left to take a ps task"
+    assert policy.on_host_loss("between-graph", "spare", [PS], False)[1] == "no spare host (or none left) can take a ps task"
     assert policy.on_host_loss("coordinator", "spare", [CHIEF], True)[1] == \
         "the chief is gone"
 

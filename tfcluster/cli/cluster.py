@@ -160,7 +160,8 @@ def status(
     if watch:      # each refresh plans with the running train's moves as they are then
         return watch_status(lambda: state.placed_by_train(spec_plan, ui, say=False) or by_up, interval, json_)
     rows, unreachable = lifecycle.status(p, ui)
-    draining = {h: a for h, a in drains.answers(p).items() if a.get("state") == drains.DRAINING}
+    draining = ({h: a for h, a in drains.answers(p).items() if a.get("state") == drains.DRAINING}
+                if drains.running(p) == "train" else {})    # a drain's answers outlive an ended train
     watched = watched_json(p, notices.published(p))
     if json_:
         ui.json({**status_json(p, rows), "draining": {h: a.get("line") for h, a in draining.items()},

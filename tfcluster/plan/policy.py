@@ -147,7 +147,7 @@ def on_host_loss(mode: str, choice: str, lost: Sequence[LostTask], spare: bool) 
         if choice == SHRINK and plain:
             return FAIL, f"{mode} mode needs every worker to finish, so it cannot shrink"
         what = "its workers" if plain else "a " + ("chief" if any(t.is_chief for t in lost) else "ps") + " task"
-        return FAIL, f"no spare host left to take {what}"
+        return FAIL, f"no spare host (or none left) can take {what}"
     return RESTART, restart_reason(mode, lost)
 
 

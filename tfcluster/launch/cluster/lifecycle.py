@@ -13,7 +13,7 @@ from tfcluster.errors import ConnectError, ExitCode, TfclusterError
 from tfcluster.host.shim_protocol import DEFAULT_GRACE, PORT_SETTLE
 from tfcluster.launch.agent import fence, upexec
 from tfcluster.launch.cluster import deadhosts, state
-from tfcluster.launch.cluster.preflight import check_started_ports, check_versions, preflight
+from tfcluster.launch.cluster.preflight import check_moved_beside_live, check_started_ports, check_versions, preflight
 from tfcluster.launch.cluster.reach import check_reachability
 from tfcluster.launch.cluster.servers import READY_TIMEOUT, Started, start_detached
 from tfcluster.launch.cluster.session import Session, server_tasks
@@ -43,7 +43,7 @@ def up(plan: Plan, ui, timeout: float = READY_TIMEOUT, allow_skew: bool = False)
         try:
             live, busy = session.survey(servers)
             check_started_ports(plan, servers, live)
-            _check_moved_beside_live(plan, live)
+            check_moved_beside_live(plan, live)
             missing = [t for t in servers if t.key not in live]
             if not missing:
                 ui.ok(f"cluster {plan.name!r} is already up ({len(servers)} servers); nothing started")
@@ -65,25 +65,6 @@ def up(plan: Plan, ui, timeout: float = READY_TIMEOUT, allow_skew: bool = False)
         _record(plan, run_id, started, live)
         ui.ok(f"cluster {plan.name!r} is up: {len(servers)} servers in {time.monotonic() - t0:.1f}s")
         return ExitCode.OK
-
-
-def _check_moved_beside_live(plan: Plan, live: dict) -> None:
-    """A host down now whose servers this `up` would start on a spare, while servers started
-    before it still run: those read the cluster's addresses once, at their start, and dial the
-    down host's (a ps pulls from each worker), so the moved server would never be reached."""
-    saved = state.load(state.key(plan))
-    before = set(saved.moves) if saved is not None else set()
-    new = [(lost, spare) for lost, spare in plan.moves if (lost, spare) not in before]
-    if not (new and live):
-        return
-    hosts = ", ".join(lost for lost, _ in new)
-    raise TfclusterError(
-        f"{hosts} is down, and its servers would start on {', '.join(s for _, s in new)} beside "
-        f"{', '.join(sorted(live))}, which run with {hosts}'s address in their cluster spec (a TF server "
-        f"reads it once, at its start): nothing started",
-        hint=f"run {plan.again('down')} (what it cannot reach is left for when the host is back), then "
-             f"{plan.again('up')} starts every server with the spare's address",
-        exit_code=ExitCode.CONNECT)
 
 
 def _idle(session: Session, plan: Plan) -> list[str]:
@@ -194,7 +175,7 @@ def _warn_spare(ui, plan: Plan, unreachable: dict, recorded: dict) -> dict:
     left = [h for h in unreachable if h not in plan.hosts and (h in moved or h not in recorded)]
     for h in left:
         if h in moved:
-            ui.warn(f"{h}: not reached ({unreachable[h]}); `up` started its tasks on {moved[h]}, so it is "
+            ui.warn(f"{h}: not reached ({unreachable[h]}); its tasks were moved to {moved[h]}, so it is "
                     f"left out ({plan.again('down')} once it is back stops anything of the cluster left there)")
         else:
             ui.warn(f"{h}: not reached ({unreachable[h]}); the spec gives it no task and the local "

@@ -8,8 +8,9 @@ from __future__ import annotations
 import ipaddress
 
 from tfcluster.diagnose import keras, strategy, versions
-from tfcluster.errors import PreflightError, TfclusterError
+from tfcluster.errors import ExitCode, PreflightError, TfclusterError
 from tfcluster.launch.agent.fence import idle_spare
+from tfcluster.launch.cluster import state
 from tfcluster.launch.cluster.session import Session, by_host, raise_first
 from tfcluster.plan import Plan, TaskPlan, names
 from tfcluster.safetext import shell_join
@@ -132,6 +133,25 @@ def check_started_ports(plan: Plan, servers: list[TaskPlan], live: dict) -> None
                 f"(the spec changed since it was started)",
                 hint=f"run {plan.again('down')} (it stops the cluster's servers by their tag, whatever "
                      f"their port), then {plan.again('up')}")
+
+
+def check_moved_beside_live(plan: Plan, live: dict) -> None:
+    """A host down now whose servers this `up` (or `train`) would start on a spare, while servers started
+    before it still run: those read the cluster's addresses once, at their start, and dial the
+    down host's (a ps pulls from each worker), so the moved server would never be reached."""
+    saved = state.load(state.key(plan))
+    before = set(saved.moves) if saved is not None else set()
+    new = [(lost, spare) for lost, spare in plan.moves if (lost, spare) not in before]
+    if not (new and live):
+        return
+    hosts = ", ".join(lost for lost, _ in new)
+    raise TfclusterError(
+        f"{hosts} is down, and its servers would start on {', '.join(s for _, s in new)} beside "
+        f"{', '.join(sorted(live))}, which run with {hosts}'s address in their cluster spec (a TF server "
+        f"reads it once, at its start): nothing started",
+        hint=f"run {plan.again('down')} (what it cannot reach is left for when the host is back), then "
+             f"{plan.again('up')} (or {plan.again('train')}) starts every server with the spare's address",
+        exit_code=ExitCode.CONNECT)
 
 
 def check_versions(session: Session, *, allow_skew: bool, report: bool = False) -> None:

@@ -12,8 +12,9 @@ import threading
 import time
 from dataclasses import dataclass
 
-from tfcluster.errors import DeadlineError, HostError, PreflightError, TfclusterError
+from tfcluster.errors import ConnectError, DeadlineError, HostError, PreflightError, TfclusterError
 from tfcluster.host.shim_protocol import DEFAULT_GRACE
+from tfcluster.launch.cluster.hostloss import REOPEN_GRACE
 from tfcluster.launch.cluster.session import Background, Session, by_host, raise_first
 from tfcluster.plan import TaskPlan, names
 
@@ -50,10 +51,28 @@ def start_detached(session: Session, tasks: list[TaskPlan], run_id: str,
 
     try:
         _raise_unready(session, _decide(session, grouped, [t.key for t in tasks], events), started, timeout)
+    except HostError as exc:
+        gone = _gone(session, list(grouped)) if execs else {}
+        session.stop_run(names.run_prefix(session.plan.name, run_id), DEFAULT_GRACE,
+                         [h for h in session.agents if h not in gone])
+        if gone:    # its conversation ended as its host went: a loss, said as one
+            host, why = next(iter(gone.items()))
+            raise ConnectError(f"host {host} was lost while its servers started ({why}); every server this "
+                               f"`up` started was stopped",
+                               hint=f"run {session.plan.again('up')} again: a host still down then has its "
+                                    f"servers started on a spare, where the spec has one") from None
+        raise exc
     except BaseException:
         session.stop_run(names.run_prefix(session.plan.name, run_id), DEFAULT_GRACE)
         raise
     return list(started.values())
+
+
+def _gone(session: Session, hosts: list[str]) -> dict[str, str]:
+    """The hosts among `hosts` whose connection dropped and will not re-open (REOPEN_GRACE):
+    host -> why."""
+    found = session.parallel(lambda h: session.agents[h].transport.reopen(REOPEN_GRACE), hosts)
+    return {h: why for h, why in found.items() if isinstance(why, str)}
 
 
 def wait_ready(session: Session, started: list[Started], timeout: float = READY_TIMEOUT) -> None:

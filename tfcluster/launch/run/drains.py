@@ -29,6 +29,7 @@ ASKED, DRAINING, MOVED, FAILED = "asked", "draining", "moved", "failed"
 SAVED = "saved"         # --deadline too short to move: the checkpoint copied, the tasks left
 SOURCE = "drain"        # a notice's source when `drain --deadline` asked (run/notices.py)
 ANSWER_POLL = 0.5       # seconds between `drain`'s looks at the answers
+RUNNING_POLL = 2.0      # and at whether the train still runs (a look takes the lock a moment when free)
 
 
 def request(plan, host: str, wait: float, ui, deadline: float | None = None) -> ExitCode:
@@ -47,7 +48,7 @@ def request(plan, host: str, wait: float, ui, deadline: float | None = None) -> 
     ui.info(f"asked the running train to drain {host}"
             + ("" if by is None else f" by {time.strftime('%H:%M:%S', time.localtime(by))} ({deadline:g}s)"))
     deadline = time.monotonic() + wait
-    said = None
+    said, look = None, time.monotonic() + RUNNING_POLL
     while time.monotonic() < deadline:
         answer = answers(plan).get(host, {})
         if answer.get("line") and answer.get("line") != said:
@@ -57,6 +58,13 @@ def request(plan, host: str, wait: float, ui, deadline: float | None = None) -> 
             return ExitCode.OK
         if answer.get("state") == FAILED:
             return ExitCode.ERROR
+        if time.monotonic() >= look:
+            look = time.monotonic() + RUNNING_POLL
+            if running(plan) != "train":     # it ended (done, Ctrl-C, failed) before the move
+                if answers(plan).get(host, {}).get("state") in (MOVED, SAVED):
+                    continue                 # its answer came as it ended: said above
+                ui.warn(f"{host}: the train ended before it moved {host}'s tasks; nothing of it runs now")
+                return ExitCode.ERROR
         time.sleep(ANSWER_POLL)
     if wait:
         ui.warn(f"{host}: not moved after {wait:g}s; the run goes on with the drain asked")

@@ -15,7 +15,12 @@ from __future__ import annotations
 from tfcluster.errors import TfclusterError
 from tfcluster.launch.agent.held import HeldStart, prepare_holding
 from tfcluster.launch.agent.records import HostInfo
-from tfcluster.launch.cluster.preflight import check_started_ports, check_versions, preflight
+from tfcluster.launch.cluster.preflight import (
+    check_moved_beside_live,
+    check_started_ports,
+    check_versions,
+    preflight,
+)
 from tfcluster.launch.cluster.reach import check_reachability
 from tfcluster.launch.cluster.servers import Started, wait_ready
 from tfcluster.launch.cluster.session import Background, Session, raise_first, server_tasks
@@ -119,6 +124,7 @@ def _prepare_servers(run: Run) -> tuple[list[TaskPlan], set[str]]:
     if live and len(live) == len(servers):
         run.ui.info(f"Using the running cluster ({len(live)} servers from `tfcluster up`)")
         return [], set(live)
+    check_moved_beside_live(run.plan, live)     # a host down under `up`'s servers: their spare's would not be dialled
     if live:
         raise TfclusterError(
             f"cluster {run.plan.name!r} is partly up ({len(live)} of {len(servers)} servers running)",
