@@ -51,7 +51,7 @@ def start_detached(session: Session, tasks: list[TaskPlan], run_id: str,
 
     try:
         _raise_unready(session, _decide(session, grouped, [t.key for t in tasks], events), started, timeout)
-    except HostError as exc:
+    except TfclusterError as exc:     # a host's conversation ended, or its GO could not be written
         gone = _gone(session, list(grouped)) if execs else {}
         session.stop_run(names.run_prefix(session.plan.name, run_id), DEFAULT_GRACE,
                          [h for h in session.agents if h not in gone])

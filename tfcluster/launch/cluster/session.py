@@ -90,6 +90,9 @@ class Background:
         except BaseException as exc:  # noqa: BLE001 - raised by result()
             self._out.append((False, exc))
 
+    def done(self) -> bool:
+        return bool(self._out)
+
     def result(self):
         self._thread.join()
         ok, value = self._out[0]

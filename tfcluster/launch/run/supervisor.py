@@ -27,6 +27,7 @@ from tfcluster.launch.cluster.shipping import collect_files
 from tfcluster.launch.run import attempts, drains, recovery
 from tfcluster.launch.run.notices import Notices
 from tfcluster.launch.run.runstate import Options, Run, Supervised
+from tfcluster.launch.run.sparewatch import SpareWatch
 from tfcluster.launch.run.startup import Holder, begin
 from tfcluster.launch.run.standbys import Standbys
 from tfcluster.localfs import private_dir
@@ -183,6 +184,7 @@ def _run(run: Run, holder: Holder) -> tuple[int, str]:
 def _supervise(run: Run) -> tuple[int, str]:
     deadline = time.monotonic() + run.plan.timeout if run.plan.timeout else None
     chief_done_at: float | None = None
+    spares = SpareWatch()
     while True:
         if policy.run_succeeded(run.plan.mode, _script_states(run)):
             return _judged(run, "succeeded")
@@ -198,6 +200,7 @@ def _supervise(run: Run) -> tuple[int, str]:
         drains.poll(run)
         run.notices.poll(run)       # a host about to go: drained before its deadline (notices.py)
         run.standbys.tick(run)      # warm spares' standbys, off the loop (standbys.py)
+        spares.tick(run)            # an idle spare that died: said now, not at the next loss
         if run.footer is not None:
             run.footer.refresh(run.procs)
         try:
