@@ -5,6 +5,7 @@ Which names are secret is model.is_secret (docs/design/spec-safety.md, "Spec saf
 """
 from __future__ import annotations
 
+import math
 import re
 
 import yaml
@@ -50,11 +51,12 @@ def _knob_problem(name: str, value: str) -> tuple[str, str] | None:
     import of a module name that cannot be one)."""
     if name == "TFCLUSTER_STDOUT_FLUSH":
         try:
-            if float(value) >= 0 and float(value) != float("inf"):
-                return None
+            seconds = float(value)
         except ValueError:
-            pass
-        return f"must be seconds (a number, 0 or more), got {value!r}", "e.g. 0.01 (the default); 0 turns the timed flush off"
+            seconds = -1.0
+        if not 0 <= seconds < math.inf:      # NaN too
+            return (f"must be seconds (a number, 0 or more), got {value!r}",
+                    "e.g. 0.01 (the default); 0 turns the timed flush off")
     if name == "TFCLUSTER_SERVER_IMPORT" and value not in ("lean", "full"):
         return f"must be lean or full, got {value!r}", "lean (the default) imports only TensorFlow's runtime"
     if name == "TFCLUSTER_STANDBY_IMPORT" and not all(

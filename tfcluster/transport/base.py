@@ -91,6 +91,11 @@ class Transport(abc.ABC):
         it could not be within `within` seconds. Nothing to re-open for a local host."""
         return None
 
+    def connected(self) -> bool:
+        """A connection is open and not ending now (no dial: what the transport knows). A
+        local host has nothing to drop."""
+        return True
+
     @abc.abstractmethod
     def connect(self) -> None:
         """Open (and authenticate) the connection; raises ConnectError naming the host."""

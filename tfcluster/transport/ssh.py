@@ -113,6 +113,9 @@ class SshTransport(Transport):
                 why = e.message
             time.sleep(min(REOPEN_PAUSE, max(0.0, deadline - time.monotonic())))
 
+    def connected(self) -> bool:
+        return any(c.active() and not c.ending() for c in self._conns)
+
     def _prune(self, ending: bool = False) -> None:
         """Drop the connections that died, closing what they hold (jump connections, a
         ProxyCommand); the caller holds self._lock. `ending`: also those whose transport

@@ -60,7 +60,8 @@ def up(plan: Plan, ui, timeout: float = READY_TIMEOUT, allow_skew: bool = False)
             done = True
         finally:
             upexec.close_all(session, execs, names.run_prefix(plan.name, run_id), keep=done)
-            if not done:        # a failed `up`: the spares' shims took theirs; those that had gone, here
+            if not done:        # a failed `up`: each spare's shim takes its table at EOF; this is the
+                                # launcher's own take, for a shim that was gone before it could
                 session.take_tables(names.run_prefix(plan.name, run_id), _idle(session, plan))
         _record(plan, run_id, started, live)
         ui.ok(f"cluster {plan.name!r} is up: {len(servers)} servers in {time.monotonic() - t0:.1f}s")

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 from tfcluster.errors import ConnectError, DeadlineError, HostError, PreflightError, TfclusterError
 from tfcluster.host.shim_protocol import DEFAULT_GRACE
-from tfcluster.launch.cluster.hostloss import REOPEN_GRACE
 from tfcluster.launch.cluster.session import Background, Session, by_host, raise_first
 from tfcluster.plan import TaskPlan, names
 
@@ -69,9 +68,8 @@ def start_detached(session: Session, tasks: list[TaskPlan], run_id: str,
 
 
 def _gone(session: Session, hosts: list[str]) -> dict[str, str]:
-    """The hosts among `hosts` whose connection dropped and will not re-open (REOPEN_GRACE):
-    host -> why."""
-    found = session.parallel(lambda h: session.agents[h].transport.reopen(REOPEN_GRACE), hosts)
+    """The hosts among `hosts` whose connection dropped and will not re-open: host -> why."""
+    found = session.parallel(session.unreachable, hosts)
     return {h: why for h, why in found.items() if isinstance(why, str)}
 
 

@@ -17,6 +17,7 @@ from tfcluster.errors import Terminated, TfclusterError
 from tfcluster.host.shim_protocol import FLUSH_VAR, PROBE_VAR
 from tfcluster.launch.agent import fence
 from tfcluster.launch.agent.agent import HostAgent, HostInfo, Survey, TaskLaunch
+from tfcluster.launch.cluster.hostloss import REOPEN_GRACE
 from tfcluster.launch.cluster.hostpool import HostPool
 from tfcluster.plan import HostPlan, Plan, TaskPlan, names
 
@@ -227,6 +228,12 @@ class Session:
             self.set_aside(fence.spare_problems(self.plan, self.fence_answers()))
             fence.report(self.plan, self.ui, self.fence_answers(), self.fence)
         return results
+
+    def unreachable(self, host: str) -> str | None:
+        """Why `host` cannot be reached now: its connection dropped and no new one opened within
+        REOPEN_GRACE; None when it can (or it was never opened)."""
+        agent = self.agents.get(host)
+        return None if agent is None else agent.transport.reopen(REOPEN_GRACE)
 
     def reached(self) -> list[str]:
         """The hosts an opening reached: those that answered (every one in `infos`), and those

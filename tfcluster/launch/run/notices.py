@@ -280,12 +280,7 @@ class Notices:
             tasks = tuple(t.key for t in run.plan.tasks_on(host))
             if host == move.host or host in pool.given_up or not tasks:
                 continue
-            taken = {move.spare, *(r.spare for r in riders)}
-            spare = run.plan.spare_for(host, used=pool.unusable() | taken)
-            while spare is not None and (gone := recovery._unreachable(run, spare)) is not None:
-                run.ui.warn(f"spare {spare} not usable: {gone}")
-                pool.set_aside(spare, gone)
-                spare = run.plan.spare_for(host, used=pool.unusable() | taken)
+            spare = recovery.reachable_spare(run, host, {move.spare, *(r.spare for r in riders)})
             action, reason = policy.on_host_loss(run.plan.mode, run.plan.on_host_loss,
                                                  recovery.lost_tasks(run, host), spare is not None)
             if action != policy.RESTART:

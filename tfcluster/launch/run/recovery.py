@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 from tfcluster.errors import ConnectError, TfclusterError
 from tfcluster.launch.agent import fence
 from tfcluster.launch.cluster import state
-from tfcluster.launch.cluster.hostloss import REOPEN_GRACE
 from tfcluster.launch.cluster.servers import Started, Watch, check_ready, wait_ready
 from tfcluster.launch.cluster.session import Background
 from tfcluster.launch.cluster.shipping import ship
@@ -58,11 +57,7 @@ def give_up(run: Run, host: str, kind: str, error: TfclusterError, detail: str =
     why = f"{kind}: {detail}" if detail else kind
     pool.give_up(host)
     tasks = tuple(t.key for t in run.plan.tasks_on(host))
-    spare = pool.spare_for(run.plan, host)
-    while spare is not None and (gone := _unreachable(run, spare)) is not None:
-        run.ui.warn(f"spare {spare} not usable: {gone}")
-        pool.set_aside(spare, gone)
-        spare = pool.spare_for(run.plan, host)
+    spare = reachable_spare(run, host)
     action, reason = policy.on_host_loss(run.plan.mode, run.plan.on_host_loss, lost_tasks(run, host),
                                          spare is not None)
     if action == policy.RESTART and not run.owns_servers and any(
@@ -93,11 +88,18 @@ def give_up(run: Run, host: str, kind: str, error: TfclusterError, detail: str =
     return move
 
 
-def _unreachable(run: Run, spare: str) -> str | None:
-    """Why `spare` cannot be reached now (its connection dropped and will not re-open), or
-    None: a spare dies quietly, holding no task whose channel would say so."""
-    agent = run.session.agents.get(spare)
-    return None if agent is None else agent.transport.reopen(REOPEN_GRACE)
+def reachable_spare(run: Run, host: str, taken: set[str] | frozenset[str] = frozenset()) -> str | None:
+    """The first spare that can take `host`'s tasks (none lost, set aside or in `taken`) and
+    answers now; each that does not is set aside, said once (a spare holds no task whose
+    channel would say it went: run/sparewatch.py looks between losses)."""
+    pool = run.session.pool
+    while (spare := run.plan.spare_for(host, used=pool.unusable() | set(taken))) is not None:
+        gone = run.session.unreachable(spare)
+        if gone is None:
+            return spare
+        run.ui.warn(f"spare {spare} not usable: {gone}")
+        pool.set_aside(spare, gone)
+    return None
 
 
 def _adopt(run: Run, lost: str, spare: str) -> None:
@@ -182,12 +184,7 @@ def _lost_along(run: Run, move: Move, riders: list[Move]) -> list[Move]:
         tasks = tuple(t.key for t in run.plan.tasks_on(host))
         if host == move.host or host in pool.given_up or not tasks:
             continue
-        taken = {move.spare, *(m.spare for m in (*riders, *along))}
-        spare = run.plan.spare_for(host, used=pool.unusable() | taken)
-        while spare is not None and (gone := _unreachable(run, spare)) is not None:
-            run.ui.warn(f"spare {spare} not usable: {gone}")
-            pool.set_aside(spare, gone)
-            spare = run.plan.spare_for(host, used=pool.unusable() | taken)
+        spare = reachable_spare(run, host, {move.spare, *(m.spare for m in (*riders, *along))})
         action, reason = policy.on_host_loss(run.plan.mode, run.plan.on_host_loss, lost_tasks(run, host),
                                              spare is not None)
         if action != policy.RESTART:

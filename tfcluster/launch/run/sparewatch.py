@@ -8,7 +8,6 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from tfcluster.launch.cluster.hostloss import REOPEN_GRACE
 from tfcluster.launch.cluster.session import Background
 
 if TYPE_CHECKING:
@@ -44,9 +43,5 @@ class SpareWatch:
             if spare in self._asking or run.plan.tasks_on(spare) or not pool.usable(spare):
                 continue
             agent = run.session.agents.get(spare)
-            transport = getattr(agent, "transport", None)
-            conns = getattr(transport, "connections", None)
-            if conns is None:        # this machine (no connection) or not opened
-                continue
-            if not any(c.active() and not c.ending() for c in conns):
-                self._asking[spare] = Background(transport.reopen, REOPEN_GRACE)
+            if agent is not None and not agent.transport.connected():
+                self._asking[spare] = Background(run.session.unreachable, spare)
