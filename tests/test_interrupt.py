@@ -85,6 +85,32 @@ def test_ctrl_c_exits_130_promptly_and_leaves_nothing(phase, transport, tmp_path
         kill_group(proc)
 
 
+def test_sigterm_stops_a_run_as_ctrl_c_does_and_a_second_one_at_once(tmp_path, home):
+    """SIGTERM to the launcher alone (as `timeout`, a scheduler or systemd send it): the same
+    ordered stop as Ctrl-C, told as SIGTERM's (a second one stops at once), exit 143."""
+    spec = local_spec(tmp_path, args=["--steps", "100000", "--log_every", "20", "--min_step_time", "0.05"],
+                      name="intrterm")
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    proc = start_tfcluster("train", str(spec), home=home, cwd=cwd)
+    try:
+        read_until(proc, r"worker:0 .*step=", timeout=150)
+        proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        read_until(proc, r"Stopping every task \(SIGTERM again to stop at once\)", timeout=PROMPT)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=PROMPT + 30)
+        assert proc.returncode == 143, out[-3000:]
+        assert "second SIGTERM: stopping everything now" in out, out[-3000:]
+        assert "tfcluster: error: terminated (SIGTERM)" in out, out[-3000:]
+        assert "Ctrl-C" not in out and "Traceback" not in out, out[-3000:]
+        assert time.monotonic() - t0 < PROMPT, "took too long to stop after SIGTERM"
+        wait_for(lambda: not tagged_processes(), timeout=10, what="every task gone after SIGTERM")
+        wait_for(lambda: not cluster_tables("intrterm"), timeout=5, what="the fence's table to go")
+    finally:
+        kill_group(proc)
+
+
 @pytest.mark.parametrize("delay", [0.0, 0.05, 0.15, 0.3, 0.6])
 def test_ctrl_c_at_varied_moments_of_starting_servers_leaves_nothing(delay, tmp_path, home):
     """The moment matters for races (a server spawned just as the stop sweep runs): the

@@ -177,10 +177,11 @@ def test_shrink_goes_on_without_a_lost_worker(tmp_path, home, ssh_home, bed):
 def test_no_spare_left_fails_as_before_naming_the_host(tmp_path, home, ssh_home, bed):
     """on_host_loss: spare, but the one spare dies first: that is said at once (it held no task
     whose channel would say it: the run found out only at the next loss), and when h4 goes the
-    run ends, exit 3, as without a spare."""
+    run ends, exit 3, as without a spare. The chief saved as it stopped: that save, newer than
+    the sync's last copy, is the one the launcher keeps."""
     cwd = tmp_path / "cwd"
     cwd.mkdir()
-    spec = bed_spec(tmp_path, bed, "rnone", PS_AND_TWO_WORKERS, steps=5000000, checkpoint=False)
+    spec = bed_spec(tmp_path, bed, "rnone", PS_AND_TWO_WORKERS, steps=5000000)
     proc = start_tfcluster("train", str(spec), home=home, cwd=cwd)
     try:
         read_until(proc, r"worker:1 .*step=", timeout=200)
@@ -196,6 +197,8 @@ def test_no_spare_left_fails_as_before_naming_the_host(tmp_path, home, ssh_home,
     assert re.search(r"tfcluster: error: h4 lost: .* \(worker:1\)", out), out[-3000:]
     assert "spare h5 not usable" not in out, out[-3000:]        # said once, when it went
     wait_for(lambda: not tagged_processes(), timeout=90, what="no task left running")
+    saved = re.search(r'^model_checkpoint_path: "[^"]*-(\d+)"', (tmp_path / "remote" / "rnone" / "ckpt" / "checkpoint").read_text(), re.M)
+    assert saved and pulled(cwd) and pulled(cwd)[-1] == int(saved[1]), (pulled(cwd), saved, out[-3000:])
 
 
 def pulled(cwd: Path) -> list[int]:

@@ -102,7 +102,10 @@ def train(plan: Plan, ui: UI, options: Options) -> int:
                 chief = run.plan.chief
                 if outcome[0] == ExitCode.OK and chief is not None:
                     sync.pull(chief.host)       # the run's last checkpoint, kept with its logs
-            _shutdown(run, interrupted=outcome[0] in (ExitCode.INTERRUPTED, ExitCode.TERMINATED))
+            stopped_by = {ExitCode.INTERRUPTED: "Ctrl-C", ExitCode.TERMINATED: "SIGTERM"}.get(outcome[0])
+            _shutdown(run, stopped_by=stopped_by)
+            if sync is not None and outcome[0] != ExitCode.OK and stopped_by is None:
+                _pull_last_save(run, sync)
             _unread_errors(run)
             mux.close()
             run.recovery.tick(run)      # a resumed step said just before the stop counts too
@@ -255,23 +258,24 @@ def _script_states(run: Run) -> list[policy.ScriptState]:
 
 # -- shutdown --------------------------------------------------------------------------------
 
-def _shutdown(run: Run, interrupted: bool = False) -> None:
-    """Scripts first (TERM, grace for a last checkpoint), then servers; a second Ctrl-C
-    drops everything at once (its handler is in place before the user is told so)."""
+def _shutdown(run: Run, stopped_by: str | None = None) -> None:
+    """Scripts first (TERM, grace for a last checkpoint), then servers; a second Ctrl-C or
+    SIGTERM drops everything at once (its handler is in place before the user is told so).
+    `stopped_by`: the signal that stopped the run ("Ctrl-C", "SIGTERM"), said as it stops."""
     signals = (signal.SIGINT, signal.SIGTERM)
     previous = {sig: signal.getsignal(sig) for sig in signals}
     fast = threading.Event()
 
     def second_ctrl_c(signum, frame) -> None:
         fast.set()
-        run.ui.warn("second Ctrl-C: stopping everything now")
+        run.ui.warn(f"second {'SIGTERM' if signum == signal.SIGTERM else 'Ctrl-C'}: stopping everything now")
 
     main_thread = threading.current_thread() is threading.main_thread()
     if main_thread:
         for sig in signals:
             signal.signal(sig, second_ctrl_c)
-    if interrupted:
-        run.ui.info("Stopping every task (Ctrl-C again to stop at once)…")
+    if stopped_by is not None:
+        run.ui.info(f"Stopping every task ({stopped_by} again to stop at once)…")
     try:
         for wave in policy.STOP_WAVES:
             _stop_wave(run, wave, fast)
@@ -288,6 +292,15 @@ def _shutdown(run: Run, interrupted: bool = False) -> None:
         if main_thread:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+
+def _pull_last_save(run: Run, sync) -> None:
+    """A run that failed: the chief saved as it stopped (TERM, then the grace), so its last
+    checkpoint is newer than the sync's last copy; pulled unless its host is lost, drained or
+    out of time. A Ctrl-C is not held up for it: the chief's own directory has that save."""
+    chief = run.plan.chief
+    if chief is not None and run.session.pool.usable(chief.host) and not run.session.pool.gone_by_now(chief.host):
+        sync.pull(chief.host)
 
 
 def _tables_left(plan: Plan, hosts: list[str], started: bool, owns_servers: bool,
