@@ -352,6 +352,10 @@ def _summary(run: Run, outcome: tuple[int, str]) -> None:
     """One row per script, then one per server that restarted or failed (named by its log's
     key: `ps:0`, `worker:1.server`); a server that only served is left out."""
     rows, steps = [], {}
+    # a move the run ended in the middle of: its tasks never started on the spare, so each
+    # row names the host they last ran on (the `moved:` line says where they were going)
+    left = {key: m.host for m in run.recovery.moves if m.done_at is None and m.action != policy.SHRINK
+            for key in m.tasks}
     shown = [p for p in run.procs if p.role == "script"]
     shown += [p for p in run.procs if p.role == "server" and (p.restarts or _failed(p))]
     for p in shown:
@@ -366,7 +370,7 @@ def _summary(run: Run, outcome: tuple[int, str]) -> None:
         code = "stopped" if policy.ended_by_stop(p.stopping, p.exit_code) else p.exit_code
         if p.host_lost:
             code = "lost"       # its host went, not the task (launch/cluster/hostloss.py)
-        rows.append((p.key, p.task.host, "-" if code is None else str(code),
+        rows.append((p.key, left.get(p.task.key, p.task.host), "-" if code is None else str(code),
                      str(p.restarts), f"{duration:.1f}s", last))
     checks = run.checks.summary() if run.checks and steps else {}    # said only once scripts ran
     for move in run.recovery.moves:
