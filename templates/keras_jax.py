@@ -236,6 +236,10 @@ class Saver(keras.callbacks.Callback):
 def main(argv=None) -> int:
     args = parse_args(argv)
     alone = not os.environ.get("KERAS_DISTRIBUTION_JOB_ADDRESSES")    # no job to join: run by hand
+    if alone and int(os.environ.get("TFCLUSTER_NUM_WORKERS") or 1) > 1:
+        sys.exit(f"{os.path.basename(__file__)}: {os.environ['TFCLUSTER_NUM_WORKERS']} workers and no JAX "
+                 f"coordinator to join: each would train its own copy. Keras 3's processes join only in "
+                 f"mode keras-jax: set train.mode: keras-jax")
     asked = Asked(alone)
     start_distribution(args.model_parallel, alone)
     me, n = jax.process_index(), jax.process_count()

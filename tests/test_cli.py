@@ -213,6 +213,7 @@ def test_init_copies_a_template_and_refuses_to_overwrite(tmp_path):
     assert result.returncode == 0, result.stderr
     written = tmp_path / "train_mirrored.py"
     assert "MultiWorkerMirroredStrategy" in written.read_text()
+    assert "next: in your spec, `train: {mode: mirrored, script: train_mirrored.py}`" in result.stdout + result.stderr
     again = tfc("init", "mirrored", cwd=str(tmp_path))
     assert again.returncode == 2 and "already exists" in again.stderr
     (tmp_path / "scripts").mkdir()

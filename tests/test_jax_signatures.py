@@ -11,11 +11,13 @@ seconds; the messages are those of the default timeouts (only the wait differs).
 """
 from __future__ import annotations
 
+import os
 import subprocess
 import textwrap
 
 import pytest
 
+from tests.helpers import jax_python
 from tests.jax_procs import Jax
 from tfcluster.diagnose import signatures
 
@@ -145,3 +147,40 @@ def test_a_mesh_shaped_for_another_device_count_is_named_with_the_counts(jax, tm
         found = signatures.diagnose("keras-jax", out[-8000:], "worker")
         assert found is not None and found.name == "keras-mesh-shape", out[-2000:]
         assert "shape=(8,)" in found.line and "devices.shape=(2,)" in found.line, found.line
+
+
+@pytest.mark.timeout(120)
+def test_a_per_process_array_put_on_every_processs_devices_is_named_with_the_fix(jax, tmp_path):
+    """keras-io's "Multi-GPU distributed training with JAX" puts each batch on a sharding of the
+    mesh with jax.device_put; over several processes, each with its own slice of the data, JAX
+    sees a value that should be the same everywhere and is not."""
+    script = tmp_path / "put.py"
+    script.write_text("import numpy as np\nimport jax\nimport keras\nkeras.distribution.initialize()\n"
+                      "from jax.sharding import Mesh, NamedSharding, PartitionSpec as P\n"
+                      "mesh = Mesh(np.array(jax.devices()), ('batch',))\n"
+                      "jax.device_put(np.full((2, 4), float(jax.process_index())), NamedSharding(mesh, P('batch')))\n")
+    for proc in [keras_process(jax, script, 0), keras_process(jax, script, 1)]:
+        out = ended(proc, 90)
+        found = signatures.diagnose("keras-jax", out[-8000:], "worker")
+        assert found is not None and found.name == "jax-device-put-differs", out[-2000:]
+        assert "make_array_from_process_local_data" in found.fix, found.fix
+
+
+@pytest.mark.timeout(60)
+def test_keras_distribution_under_a_tensorflow_mode_is_told_to_use_mode_keras_jax(tmp_path):
+    """keras-io's distribution guide sets KERAS_BACKEND=jax itself and calls initialize(): under
+    a TensorFlow mode no coordinator is named; with Keras' default backend, TensorFlow has no
+    initialize() at all. Either way the fix is the mode."""
+    script = tmp_path / "guide.py"
+    script.write_text("import os\nos.environ.setdefault('KERAS_BACKEND', 'jax')\nimport keras\n"
+                      "keras.distribution.initialize()\n")
+    for backend, name in (("jax", "jax-no-coordinator"), ("tensorflow", "keras-backend-not-jax")):
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "KERAS_", "JAX_"))}
+        done = subprocess.run([jax_python(), str(script)], capture_output=True, timeout=50,
+                              env={**env, "JAX_PLATFORMS": "cpu", "KERAS_BACKEND": backend})
+        assert done.returncode != 0, done.stdout[-2000:]
+        out = done.stdout + done.stderr
+        found = signatures.diagnose("mirrored", out[-8000:], "worker")
+        assert found is not None and found.name == name, out[-2000:]
+        assert found.fix.startswith("set `train.mode: keras-jax`"), found.fix
+    assert signatures.diagnose("keras-jax", out[-8000:], "worker").fix.startswith("remove the script's own KERAS_BACKEND")

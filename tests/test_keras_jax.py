@@ -261,6 +261,54 @@ def test_the_ports_jaxs_collectives_picked_are_closed_to_another_user_while_it_t
     gone_after_ctrl_c("kjfence")
 
 
+ONE_RAISES = ("import keras\nimport numpy as np\nimport jax\n"
+              "keras.distribution.initialize()\n"
+              "keras.distribution.set_distribution(keras.distribution.DataParallel("
+              "devices=keras.distribution.list_devices(), auto_shard_dataset=False))\n"
+              "me = jax.process_index()\n"
+              "x, y = np.zeros((64, 4), 'float32'), np.zeros((64, 1), 'float32')\n"
+              "model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])\n"
+              "model.compile(optimizer='sgd', loss='mse')\n"
+              "class Boom(keras.callbacks.Callback):\n"
+              "    def on_epoch_begin(self, epoch, logs=None):\n"
+              "        if epoch == 2 and me == 1:\n"
+              "            raise RuntimeError('a bug in process 1 only')\n"
+              "model.fit(x, y, batch_size=16, epochs=100000, verbose=2 if me == 0 else 0, callbacks=[Boom()])\n")
+
+
+@pytest.mark.tf
+@pytest.mark.timeout(240)
+def test_an_exception_in_one_process_fails_the_run_at_once_with_that_exception(tmp_path, home):
+    """keras-io's guides as a user writes them, with a bug that raises in one process only, in
+    the middle of a fit: the other waits for it inside a collective, and JAX's exit would have
+    it wait at a barrier for the other (300 s). The run ends as that process's failure, exit 5,
+    its exception shown: waited out, the barrier would outlast the run's own timeout (200 s,
+    exit 6)."""
+    (tmp_path / "boom.py").write_text(ONE_RAISES)
+    spec = local_processes(tmp_path, "kjboom", jax_python(), "boom.py", 2)
+    result = tfcluster("train", str(spec), home=home, cwd=tmp_path, timeout=230)
+    out = result.stdout + result.stderr
+    assert result.returncode == 5, out[-4000:]
+    assert "tfcluster: error: worker:1 on me failed with exit code 1" in result.stderr, out[-3000:]
+    assert "RuntimeError: a bug in process 1 only" in result.stderr, result.stderr[-3000:]
+    assert not tagged_processes()
+
+
+@pytest.mark.tf
+@pytest.mark.timeout(240)
+def test_the_template_under_a_tensorflow_mode_refuses_to_train_copies(tmp_path, home):
+    """The keras-jax template given to mode mirrored: no coordinator to join, so each worker
+    would train its own copy and the run would say it succeeded. It stops instead, naming the mode."""
+    spec = local_processes(tmp_path, "kjmirr", jax_python(), "template:keras_jax", 2)
+    spec.write_text(spec.read_text().replace("mode: keras-jax", "mode: mirrored"))
+    result = tfcluster("train", str(spec), home=home, cwd=tmp_path, timeout=200)
+    out = result.stdout + result.stderr
+    assert result.returncode == 5, out[-4000:]
+    assert "2 workers and no JAX coordinator to join: each would train its own copy" in result.stderr, out[-3000:]
+    assert "set train.mode: keras-jax" in result.stderr, out[-3000:]
+    assert "succeeded" not in out and not tagged_processes(), out[-3000:]
+
+
 def local_processes(tmp_path: Path, name: str, python: str, script: str, n: int) -> Path:
     """Mode keras-jax, `n` processes on this machine, run by `python`."""
     tasks = ", ".join(f"'me:{port}'" for port in free_ports(n))

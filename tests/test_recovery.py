@@ -199,6 +199,8 @@ def test_no_spare_left_fails_as_before_naming_the_host(tmp_path, home, ssh_home,
     wait_for(lambda: not tagged_processes(), timeout=90, what="no task left running")
     saved = re.search(r'^model_checkpoint_path: "[^"]*-(\d+)"', (tmp_path / "remote" / "rnone" / "ckpt" / "checkpoint").read_text(), re.M)
     assert saved and pulled(cwd) and pulled(cwd)[-1] == int(saved[1]), (pulled(cwd), saved, out[-3000:])
+    assert re.search(rf"checkpoint kept here: model\.ckpt-{saved[1]} \([0-9.]+ kB, runs/rnone-[-0-9a-f]+/checkpoints/"
+                     rf"model\.ckpt-{saved[1]}/\)", out), out[-3000:]
 
 
 def pulled(cwd: Path) -> list[int]:

@@ -248,6 +248,10 @@ REJECTIONS = [
      "8: train.checks.hang_after: must be a positive number of seconds or a duration like 90s, 30m, 2h (at most "
      "8784h, a year), or off; got '-1'"),
     ("train-unknown", BASE + "train: {scrpt: x.py}\n", "8: train.scrpt: unknown key 'scrpt'; did you mean 'script'?"),
+    # a key of the other level: where it belongs, not the closest name there
+    ("env-under-train", BASE + "train:\n  script: x.py\n  env: {A: '1'}\n",
+     "10: train.env: env belongs at the spec's top level, not under train"),
+    ("mode-at-top", BASE + "mode: mirrored\n", "8: mode: mode belongs under train:, not at the spec's top level"),
     ("template-unknown", BASE + "train: {script: 'template:nope'}\n", "8: train.script: unknown template 'nope'; expected one of: {templates}"),
     ("files-not-list", BASE + "train: {files: sub}\n", "8: train.files: must be a list, got 'sub'"),
     ("args-unknown", BASE + "train:\n  args: ['--a', 1, '--steps={steps}']\n",

@@ -226,6 +226,32 @@ def test_a_module_the_script_imports_from_beside_it_unshipped_is_said_before_and
     assert "does not ship" not in shipped.stderr
 
 
+def test_a_script_in_a_subdirectory_imports_the_modules_shipped_beside_it(tmp_path, home):
+    """TensorFlow's tutorial kept in a folder of its own: `script: tutorial/main.py` lands as
+    tutorial/main.py in the run directory and runs there as `python tutorial/main.py` does here,
+    so `import mnist_setup` finds tutorial/mnist_setup.py; unshipped, the entry to add is the
+    one relative to the spec."""
+    from tests.helpers import tfcluster
+    from tests.tf_launch import free_ports
+
+    (tmp_path / "tutorial").mkdir()
+    (tmp_path / "tutorial" / "main.py").write_text("import os\nimport mnist_setup\nprint('ok', mnist_setup.N, flush=True)\n")
+    (tmp_path / "tutorial" / "mnist_setup.py").write_text("N = 3\n")
+    spec = tmp_path / "s.yaml"
+    head = ("name: subdir\nhosts: [{name: local, address: localhost}]\n"
+            f"jobs: {{worker: {{count: 1, hosts: [local], port: {free_ports(1)[0]}}}}}\n")
+    spec.write_text(head + "train: {mode: mirrored, script: tutorial/main.py}\n")
+    plan = tfcluster("plan", str(spec), home=home, cwd=tmp_path)
+    assert plan.returncode == 0, plan.stderr
+    assert ("tutorial/main.py:2 imports mnist_setup (" + str(tmp_path / "tutorial" / "mnist_setup.py") + "), which "
+            "train.files does not ship") in plan.stderr, plan.stderr
+    assert "add it to train.files (files: [tutorial/mnist_setup.py])" in plan.stderr, plan.stderr
+    spec.write_text(head + "train: {mode: mirrored, script: tutorial/main.py, files: [tutorial/mnist_setup.py]}\n")
+    shipped = tfcluster("train", str(spec), home=home, cwd=tmp_path, timeout=120)
+    assert shipped.returncode == 0 and "worker:0 │ ok 3" in shipped.stdout, shipped.stdout[-2000:] + shipped.stderr[-2000:]
+    assert "does not ship" not in shipped.stderr
+
+
 # ------------------------------------------------------------------ part 7: secrets
 
 @pytest.mark.parametrize("name", ["DB_PASS", "MYSQL_PWD", "MY_PASSWORD", "PASSWD", "GH_AUTH",

@@ -73,8 +73,10 @@ def test_the_launchers_rooms_hold_with_type_hints_too():
 # The programs tfcluster runs, each the one place its process ends: the CLI; on a host, the
 # shim and a TF server; in another engine's job, engines/launch.py. bootstrap.py holds the
 # text of the program a host runs first (`python -S -c BOOTSTRAP`), not code of this process.
+# the probe runs inside a script's own process: it ends one whose script raised, as Python would
+# have, without JAX's shutdown barrier (host/probe/sitecustomize.py)
 ENTRY_POINTS = {"cli/__init__.py", "host/shim.py", "host/tfserver.py", "host/shim_standby.py", "engines/launch.py",
-                "launch/agent/bootstrap.py"}
+                "launch/agent/bootstrap.py", "host/probe/sitecustomize.py"}
 
 
 def _ends_the_process(node: ast.AST) -> bool:

@@ -77,6 +77,9 @@ def test_metrics_reads_the_templates_lines_and_the_target_from_the_arguments():
     assert t.parse(b"tfcluster-result: global_step=300 loss=0.012000") == (300, 0.012)
     assert t.parse(b"Step: 7, Loss: 1e-3") == (7, 0.001)
     assert t.parse(b"last_step=300 val_loss=2 steps=4") == (None, None)   # not this run's step/loss
+    for other in (b"Test loss: 2.3052", b"test loss=0.5", b"Validation loss: 1.5", b"eval loss: 3"):
+        assert t.parse(other) == (None, None), other        # an evaluation's, not training's
+    assert t.parse(b"epoch 2, train loss: 0.75") == (None, 0.75)
     assert metrics.target_of(None, ["--steps", "500"]) == 500
     assert metrics.target_of(None, ["--max_steps=80", "--steps", "x"]) == 80
     assert metrics.target_of(None, ["--lr", "3"]) is None

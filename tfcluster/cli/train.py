@@ -94,4 +94,6 @@ def init(
 
     path = copy_template(mode, dest)
     ui.ok(f"wrote {path}")
+    ui.info(f"next: in your spec, `train: {{mode: {mode}, script: {path}}}` (the path relative to the "
+            f"spec's directory), then `tfcluster plan SPEC` to see what runs where")
     return ExitCode.OK

@@ -75,11 +75,30 @@ SIGNATURES = (
     # keras3-missing-api would take its AttributeError for a Keras 2 API.
     Signature(
         "keras-backend-not-jax", (b"distribution_lib' has no attribute 'initialize'",),
-        "keras.distribution.initialize() ran on a Keras backend other than JAX: the script (or a "
-        "keras.json it reads) chose its backend before Keras was imported, and only JAX runs Keras 3 "
-        "on many processes",
-        "remove the script's own KERAS_BACKEND setting (`os.environ[\"KERAS_BACKEND\"] = ...` before "
-        "`import keras`): mode keras-jax sets KERAS_BACKEND=jax for every process"),
+        "keras.distribution.initialize() ran on a Keras backend other than JAX, and only JAX runs "
+        "Keras 3 on many processes",
+        "set `train.mode: keras-jax`: it runs Keras 3's distribution API, with KERAS_BACKEND=jax for "
+        "every process (TensorFlow's modes run TensorFlow's strategies)",
+        fixes={"keras-jax": "remove the script's own KERAS_BACKEND setting (`os.environ[\"KERAS_BACKEND\"] "
+                            "= ...` before `import keras`, or a keras.json it reads): mode keras-jax sets "
+                            "KERAS_BACKEND=jax for every process"}),
+    Signature(
+        # keras-io's guides set KERAS_BACKEND=jax themselves: under a TensorFlow mode nothing
+        # names a coordinator
+        "jax-no-coordinator", (b"coordinator_address should be defined",),
+        "keras.distribution.initialize() (or jax.distributed.initialize()) found no JAX coordinator "
+        "to join: tfcluster names one to every process (worker 0's address) only in mode keras-jax",
+        "set `train.mode: keras-jax` for a Keras 3 script on JAX (TensorFlow's modes run "
+        "TensorFlow's strategies)"),
+    Signature(
+        "jax-device-put-differs", (b"passed to device_put is not the same on each process",),
+        "a value put on a sharding over every process's devices differed between the processes: "
+        "JAX takes such a value to be the same in every process, and each passed its own (its "
+        "slice of the data, or weights from an initializer without a common seed)",
+        "make each process's slice of a batch one global array with "
+        "jax.make_array_from_process_local_data(sharding, local_batch) (Keras' fit does so under a "
+        "keras.distribution); for values meant to be equal, the same seed in every process "
+        "(keras.utils.set_random_seed(N) before building the model)"),
     Signature(
         "jax-device-count", (b"AssertionError",),
         "the JAX processes see different numbers of local devices, and JAX needs the same count "

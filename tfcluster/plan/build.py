@@ -4,7 +4,6 @@ environment and command, the placeholders filled. A pure function, as the packag
 from __future__ import annotations
 
 import json
-import os
 import sys
 from dataclasses import fields, replace
 
@@ -33,7 +32,7 @@ from tfcluster.spec import (
 )
 from tfcluster.spec.addresses import host_port
 from tfcluster.spec.model import JAX_PER_TASK_ENV
-from tfcluster.spec.shipped import ScriptScan
+from tfcluster.spec.shipped import ScriptScan, script_dest
 from tfcluster.transport.options import SshOptions
 
 
@@ -201,7 +200,7 @@ def _task_plan(spec: Spec, slot, address: str, cluster_json: str, chief: str, pl
     if slot.job in SCRIPT_JOBS[mode] and spec.train.script:
         values = {**placeholders, "job": slot.job, "index": str(slot.index)}
         args = tuple(a.format(**values) for a in spec.train.args)
-        argv = (os.path.basename(spec.train.script), *args)
+        argv = (script_dest(spec), *args)
     # A between-graph script is only a client of its task's server, which owns the GPU:
     # a client that touched the GPU would take nearly all of its memory by default.
     client_only = mode == "between-graph" and runs_server and argv and slot.gpus

@@ -79,6 +79,9 @@ _HOST_KEYS = ("name", "address", "gpus", "ssh", "spare", "preemptible", "metadat
 _JOB_KEYS = ("count", "per_gpu", "hosts", "port", "gpus", "tasks")
 _TRAIN_KEYS = ("mode", "script", "files", "allow_outside", "args", "restart", "timeout", "stop_grace", "checks",
                "tensorboard", "image", "progress", "keras", "on_host_loss", "checkpoint")
+# a top-level key written under train, or train's at the top: said where it belongs
+_TOP_HOMES = {k: "at the spec's top level" for k in _TOP_KEYS if k not in ("name", "ssh", "hosts", "train")}
+_TRAIN_HOMES = {k: "under train:" for k in _TRAIN_KEYS}
 _CHECK_KEYS = ("placement", "reachability", "proxy_guard", "hang_after")
 _CHECKPOINT_KEYS = ("dir", "keep", "sync", "max_bytes")
 # train.checkpoint.max_bytes: bytes, or a number with a unit (decimal kB..TB, binary KiB..TiB)
@@ -92,7 +95,7 @@ MAX_CHECKPOINTS_KEPT = 1_000
 def build(path: str, root: yaml.Node) -> tuple[Spec, dict[str, int]]:
     """The spec, and the lines of its `jobs:` key (where a missing job is reported) and its
     `env:` key (0 without one)."""
-    f = fields_of(root, "", _TOP_KEYS, required=("name", "hosts", "jobs"))
+    f = fields_of(root, "", _TOP_KEYS, required=("name", "hosts", "jobs"), homes=_TRAIN_HOMES)
     value = {k: v for k, (_, v) in f.items()}
     ssh = _parse_ssh(value["ssh"], "ssh") if "ssh" in f else {}
     hosts = _parse_hosts(value["hosts"], ssh)
@@ -358,7 +361,7 @@ def _parse_train(node: yaml.Node, base_dir: str) -> Train:
     exist is check_train_files' business, so commands that never ship them (down, status,
     logs) still work once a script has moved. Fields are read in file-schema order so the
     first problem reported stays the same."""
-    f = fields_of(node, "train", _TRAIN_KEYS)
+    f = fields_of(node, "train", _TRAIN_KEYS, homes=_TOP_HOMES)
     value = {k: v for k, (_, v) in f.items()}
     mode = as_choice(value["mode"], "train.mode", MODES, "mode") if "mode" in f else MODES[0]
     source = as_path(value["script"], "train.script") if "script" in f else None

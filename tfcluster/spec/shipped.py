@@ -131,6 +131,19 @@ def _dest(base: str, full: str) -> str:
     return os.path.basename(path)
 
 
+def script_dest(spec: Spec) -> str:
+    """Where train.script lands in the run directory, and so what each task runs there: as
+    every shipped file, its path relative to the spec's directory (`tutorial/main.py` runs
+    with `tutorial/` first on sys.path, as `python tutorial/main.py` does here, so the modules
+    shipped beside it import); a template, a `--script` or an `allow_outside` script under
+    its own name."""
+    source = spec.train.script_source
+    if source is None or source.startswith("template:"):
+        return os.path.basename(spec.train.script)
+    base = os.path.abspath(spec.base_dir)
+    return _dest(base, os.path.join(base, source))
+
+
 def ship_list(spec: Spec) -> Shipped:
     """Every file a run ships, script first: (realpath, path in the run dir, bytes)."""
     train, files = spec.train, _Files(spec)
@@ -144,8 +157,7 @@ def ship_list(spec: Spec) -> Shipped:
             raise BadValue(train.script_line, "train.script", f"{what}: {full}",
                        hint="script paths are relative to the spec's directory")
         real = files.resolve(full, train.script_line, "train.script") if own else os.path.realpath(full)
-        files.add(real, os.path.basename(train.script), os.stat(real).st_size, train.script_line,
-                  "train.script")
+        files.add(real, script_dest(spec), os.stat(real).st_size, train.script_line, "train.script")
     for i, (value, line) in enumerate(zip(train.files, train.files_lines)):
         field, full = sub_field("train.files", i), os.path.join(base, value)
         if not os.path.exists(full):
@@ -193,6 +205,12 @@ class ScriptScan:
     # each module a shipped file imports that sits here but is not shipped: on the hosts the
     # import fails (the tutorials' `import mnist_setup`)
     unshipped: tuple[tuple[str, str, str], ...] = ()
+    base: str = ""             # the spec's directory, which train.files entries are relative to
+
+    def entry(self, path: str) -> str:
+        """The train.files entry that ships `path`, a module's file or package found here."""
+        inside = self.base and os.path.commonpath([self.base, path]) == self.base
+        return os.path.relpath(path, self.base) if inside else os.path.basename(path)
 
     def unshipped_line(self) -> str | None:
         """The warning for `unshipped`, or None."""
@@ -200,7 +218,7 @@ class ScriptScan:
             return None
         shown = "; ".join(f"{where} imports {module} ({path})" for module, path, where in self.unshipped[:3])
         more = f" (and {len(self.unshipped) - 3} more)" if len(self.unshipped) > 3 else ""
-        listed = ", ".join(dict.fromkeys(os.path.basename(p) for _, p, _ in self.unshipped))
+        listed = ", ".join(dict.fromkeys(self.entry(p) for _, p, _ in self.unshipped))
         return (f"{shown}{more}, which train.files does not ship: a host imports it only where it is "
                 f"installed; to ship it, add it to train.files (files: [{listed}])")
 
@@ -213,7 +231,7 @@ def scan_scripts(spec: Spec) -> ScriptScan | None:
         return None
     try:
         with open(spec.train.script, "rb") as f:
-            texts = [(os.path.basename(spec.train.script), f.read(SCAN_BYTES))]
+            texts = [(script_dest(spec), f.read(SCAN_BYTES))]
     except OSError:
         return None
     try:
@@ -242,7 +260,7 @@ def scan_scripts(spec: Spec) -> ScriptScan | None:
     unshipped = _unshipped(spec, texts, {dest for _, dest, _ in shipped}) if shipped else ()
     return ScriptScan(fits=fit_at is not None and named, fit_at=fit_at, strategies=tuple(strategies),
                       keras2_only=tuple(sorted(keras2, key=lambda k: _where_key(k[1]))), joins=joins,
-                      unshipped=unshipped)
+                      unshipped=unshipped, base=os.path.realpath(spec.base_dir))
 
 
 def _unshipped(spec: Spec, texts: list[tuple[str, bytes]], dests: set[str]) -> tuple[tuple[str, str, str], ...]:
@@ -254,10 +272,12 @@ def _unshipped(spec: Spec, texts: list[tuple[str, bytes]], dests: set[str]) -> t
         return ()
     places = list(dict.fromkeys([os.path.dirname(os.path.realpath(spec.train.script)),
                                  os.path.realpath(spec.base_dir)]))
+    first = os.path.dirname(script_dest(spec))      # sys.path[0] there, under the run directory
     found: dict[str, tuple[str, str, str]] = {}
     for name, text in texts:
         for module, number in _imports(text):
-            if module in found or f"{module}.py" in dests or f"{module}/__init__.py" in dests:
+            at = os.path.join(first, module)
+            if module in found or f"{at}.py" in dests or f"{at}/__init__.py" in dests:
                 continue
             for place in places:
                 path = next((p for p in (os.path.join(place, f"{module}.py"), os.path.join(place, module))

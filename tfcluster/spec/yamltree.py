@@ -10,7 +10,7 @@ import difflib
 import os
 import re
 import stat
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import yaml
 
@@ -241,8 +241,11 @@ class AnyKey:
 
 
 def fields_of(node: yaml.Node, field: str, allowed: Sequence[str] | AnyKey,
-            required: Sequence[str] = ()) -> dict[str, tuple[yaml.Node, yaml.Node]]:
-    """key -> (key node, value node), refusing duplicates, unknown and missing keys."""
+            required: Sequence[str] = (), homes: Mapping[str, str] | None = None
+            ) -> dict[str, tuple[yaml.Node, yaml.Node]]:
+    """key -> (key node, value node), refusing duplicates, unknown and missing keys. `homes`:
+    keys of another level, by where they belong (`env` -> "at the spec's top level"), said
+    for one written at this level instead of the closest name."""
     if not isinstance(node, yaml.MappingNode):
         raise BadValue(line_of(node), field or "spec", f"must be a mapping, got {kind_of(node)}")
     found: dict[str, tuple[yaml.Node, yaml.Node]] = {}
@@ -251,6 +254,10 @@ def fields_of(node: yaml.Node, field: str, allowed: Sequence[str] | AnyKey,
         if key in found:  # YAML itself would silently keep the last one
             first = line_of(found[key][0])
             raise BadValue(line_of(key_node), sub_field(field, key), f"duplicate key (first on line {first})")
+        if key not in allowed and homes and key in homes:
+            raise BadValue(line_of(key_node), sub_field(field, key), f"{key} belongs {homes[key]}, not "
+                           + (f"under {field}" if field else "at the spec's top level"),
+                           hint=f"allowed keys here: {', '.join(allowed)}")
         if key not in allowed:
             raise unknown(line_of(key_node), sub_field(field, key), key, allowed, "key", "allowed keys here: ")
         found[key] = (key_node, value)

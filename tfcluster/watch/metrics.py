@@ -40,8 +40,10 @@ from tfcluster.watch.logscan import KERAS_CALL_MARK, PROBE_MARKS
 
 # `step=3`, `Step: 3`, `global_step=3`; not `last_step=300` (a target) nor `steps=300`
 DEFAULT_STEP = r"(?:global_|\b)[Ss]tep\s*[=:]\s*(\d+)\b"
-# `loss=0.25`, `Loss: 1e-3`; not `val_loss=` (another quantity)
-DEFAULT_LOSS = r"\b[Ll]oss\s*[=:]\s*" + NUMBER.decode()
+# `loss=0.25`, `Loss: 1e-3`; not `val_loss=` nor keras-io's `Test loss: 2.30` after `evaluate`
+# (other quantities)
+DEFAULT_LOSS = (r"(?<![Tt]est )(?<![Vv]al )(?<![Ee]val )(?<![Vv]alidation )\b[Ll]oss\s*[=:]\s*"
+                + NUMBER.decode())
 # script arguments that name the final step: `--steps 300`, `--max_steps=300`
 TARGET_FLAGS = ("--steps", "--max_steps", "--train_steps", "--num_steps", "--last_step",
                 "--total_steps", "--num_train_steps")

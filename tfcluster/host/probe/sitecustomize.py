@@ -276,6 +276,31 @@ def _patch_jax_trainer(module):
     _keras_calls_of(getattr(module, "JAXTrainer", None))
 
 
+def _patch_jax_distributed(module):
+    """An exception that ends a joined JAX process (its traceback printed: Python sets
+    sys.last_value before the exit handlers run): JAX's shutdown at exit would wait at a
+    barrier for the other processes, which wait for this one inside a collective, until its
+    shutdown_timeout_seconds (300 s by default). The process ends there instead, exit 1 as
+    Python's would, and the run stops or restarts the others at once."""
+    cls = getattr(module, "State", None)
+    original = getattr(cls, "shutdown", None)
+    if original is None or getattr(original, "_tfcluster", False):
+        return
+
+    def shutdown(self):
+        if getattr(sys, "last_value", None) is not None and getattr(self, "client", None) is not None:
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except Exception:  # noqa: BLE001
+                    pass
+            os._exit(1)
+        return original(self)
+
+    shutdown._tfcluster = True
+    cls.shutdown = shutdown
+
+
 _TARGETS = {
     "tensorflow.python.client.session": _patch_session,
     "tensorflow.python.training.session_manager": _patch_session_manager,
@@ -283,6 +308,7 @@ _TARGETS = {
     "tf_keras.src.engine.training": _patch_tf_keras_training,
     "keras.src.backend.tensorflow.trainer": _patch_keras_tf_trainer,
     "jax._src.xla_bridge": _patch_xla_bridge,
+    "jax._src.distributed": _patch_jax_distributed,
     "keras.src.backend.jax.trainer": _patch_jax_trainer,
 }
 
@@ -440,7 +466,7 @@ if not _WANTED.isdisjoint(("placement", "waits")) or not os.environ.get("TF_CONF
     del _TARGETS["tensorflow.python.distribute.distribute_lib"]
     del _TARGETS["tf_keras.src.engine.training"], _TARGETS["keras.src.backend.tensorflow.trainer"]
 if "jax" not in _WANTED:
-    del _TARGETS["jax._src.xla_bridge"], _TARGETS["keras.src.backend.jax.trainer"]
+    del _TARGETS["jax._src.xla_bridge"], _TARGETS["jax._src.distributed"], _TARGETS["keras.src.backend.jax.trainer"]
 if _TARGETS:
     sys.meta_path.insert(0, _AfterImport)
 _unprobe_children()

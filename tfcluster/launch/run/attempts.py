@@ -272,5 +272,5 @@ def _unshipped_hint(plan, ended: bytes) -> str | None:
     for module, path, _where in plan.script_scan.unshipped if plan.script_scan else ():
         if f"No module named '{module}'".encode() in ended:
             return (f"{os.path.basename(path)} is here ({path}) but was not shipped: "
-                    f"add it to train.files (files: [{os.path.basename(path)}])")
+                    f"add it to train.files (files: [{plan.script_scan.entry(path)}])")
     return None

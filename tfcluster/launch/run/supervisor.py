@@ -32,6 +32,7 @@ from tfcluster.launch.run.startup import Holder, begin
 from tfcluster.launch.run.standbys import Standbys
 from tfcluster.localfs import private_dir
 from tfcluster.plan import Plan, names, policy
+from tfcluster.ui.units import size
 from tfcluster.ui.views import print_summary
 from tfcluster.watch import footer
 from tfcluster.watch.runs import Manifest, ProgressLog
@@ -381,6 +382,9 @@ def _summary(run: Run, outcome: tuple[int, str]) -> None:
         run.ui.info(f"notice: {notice.summary()}")
     for line in run.standbys.said if run.standbys is not None else ():
         run.ui.info(f"standby: {line}")
+    kept = run.recovery.checkpoints.kept() if run.recovery.checkpoints is not None else []
+    if kept:
+        run.ui.info(f"checkpoint kept here: {kept[-1].name} ({size(kept[-1].bytes)}, {kept[-1].path}/)")
     print_summary(run.ui, run.run_id, rows, outcome, os.path.join(run.options.runs_dir, run.run_id), checks,
                   steps)
 
