@@ -36,6 +36,7 @@ class Signature:
     also: tuple[bytes, ...] = ()
     jobs: tuple[str, ...] = ()
     fixes: dict[str, str] = field(default_factory=dict)   # mode -> its own fix
+    consequence: bool = False                   # this task failed because another did first
 
     def fix_for(self, mode: str) -> str:
         return self.fixes.get(mode, self.fix)
@@ -133,7 +134,7 @@ SIGNATURES = (
         "this process could not reach JAX's coordinator (process 0, worker 0's address and port) "
         "in time, or some processes never joined",
         "look at worker:0's log (process 0 serves the coordinator: did it start, or fail first?); "
-        "`tfcluster plan --check SPEC` dials worker 0's port from every host"),
+        "`tfcluster plan --check SPEC` dials worker 0's port from every host", consequence=True),
     Signature(
         "jax-peer-died", (b"heartbeat timeout. This indicates that the remote task has failed",
                           b"stopped sending heartbeats",
@@ -142,7 +143,7 @@ SIGNATURES = (
         "another JAX process died or stopped answering (its connection closed mid-collective, or "
         "JAX's coordination service missed its heartbeats), and JAX ends every process with it",
         "the first failure is in another process's log (`tfcluster logs`); with train.restart "
-        "{policy: on-failure} mode keras-jax restarts every process from the checkpoint"),
+        "{policy: on-failure} mode keras-jax restarts every process from the checkpoint", consequence=True),
     Signature(
         "jax-barrier", (b"Barrier timed out",),
         "the JAX processes are out of step: one reached a barrier (a checkpoint, a collective) "
@@ -226,6 +227,7 @@ class Diagnosis:
     what: str
     fix: str
     line: str          # the line that matched, on one line, clipped
+    consequence: bool = False   # of another task's failure (Signature.consequence)
 
 
 def diagnose(mode: str, tail: bytes, job: str = "", signatures=SIGNATURES) -> Diagnosis | None:
@@ -244,7 +246,7 @@ def diagnose(mode: str, tail: bytes, job: str = "", signatures=SIGNATURES) -> Di
     start = tail.rfind(b"\n", 0, at) + 1
     end = tail.find(b"\n", at)
     line = tail[start:] if end < 0 else tail[start:end]
-    return Diagnosis(sig.name, sig.what, sig.fix_for(mode), clip(line.decode("utf-8", "replace")))
+    return Diagnosis(sig.name, sig.what, sig.fix_for(mode), clip(line.decode("utf-8", "replace")), sig.consequence)
 
 
 # The exception line of a failed task: the line Python prints after the frames of its last

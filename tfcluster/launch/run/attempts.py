@@ -266,6 +266,19 @@ def on_failure(run: Run, proc: Supervised, rc: int) -> None:
                     details=f"last lines of {proc.key}:\n{tail}" if tail else None)
 
 
+def diagnosis(run: Run, proc: Supervised) -> signatures.Diagnosis | None:
+    """What `proc`'s last attempt ended with, from its saved log, if it is a known failure."""
+    log = os.path.join(run.options.runs_dir, run.run_id, log_file(proc.key))
+    return signatures.diagnose(run.plan.mode, signatures.last_attempt(signatures.read_tail(log)), proc.task.job)
+
+
+def a_consequence(run: Run, proc: Supervised) -> bool:
+    """`proc` failed because another task did first (a JAX peer's connection closed under its
+    collective): the other's failure is the one to name."""
+    found = diagnosis(run, proc)
+    return found is not None and found.consequence
+
+
 def _unshipped_hint(plan, ended: bytes) -> str | None:
     """The fix for a script that failed importing a module that sits beside it here but was
     not shipped (spec.shipped.ScriptScan.unshipped)."""

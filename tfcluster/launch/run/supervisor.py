@@ -237,7 +237,45 @@ def _supervise(run: Run) -> tuple[int, str]:
             attempts.refuse(proc)
             recovery.after_loss(run, lost)      # raises when the run cannot go on
             continue
+        proc, rc = _cause(run, proc, rc)
         attempts.on_failure(run, proc, rc)
+
+
+def _cause(run: Run, proc: Supervised, rc: int) -> tuple[Supervised, int]:
+    """The failure to act on: `proc`'s, unless its log says another task failed first (a JAX
+    process whose peer raised sees the peer's connection close within milliseconds, and its
+    exit can be read first). Then the exits of the next CAUSE_GRACE seconds are read, and a
+    script failure among them that is no consequence itself is the cause; the events it passes
+    over are handled as usual after."""
+    if proc.role != "script" or not attempts.a_consequence(run, proc):
+        return proc, rc
+    passed: list = []
+    end = time.monotonic() + CAUSE_GRACE
+    try:
+        while (left := end - time.monotonic()) > 0:
+            try:
+                event = run.events.get(timeout=left)
+            except queue.Empty:
+                break
+            if not isinstance(event, tuple):
+                passed.append(event)
+                continue
+            other, attempt, other_rc = event
+            if (attempt != other.attempt or other.stopping or other.role != "script" or other_rc == 0
+                    or other is proc):
+                passed.append(event)
+                continue
+            if not attempts.a_consequence(run, other):
+                other.exit_code, other.ended = other_rc, time.time()
+                return other, other_rc
+            passed.append(event)        # another consequence: handled as usual after
+    finally:
+        for event in passed:
+            run.events.put(event)
+    return proc, rc
+
+
+CAUSE_GRACE = 3.0     # seconds a consequence's failure waits for its cause's exit (_cause)
 
 
 def _judged(run: Run, outcome: str) -> tuple[int, str]:
