@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 
 SERVER_STOP_GRACE = 2.0     # servers hold no state worth waiting for
 AWAIT_DROP = 2.0            # a task's exit 255 waits this long for its host's channels to end
+CAUSE_GRACE = 3.0           # a consequence's failure waits this long for its cause's exit (_cause)
 
 
 def train(plan: Plan, ui: UI, options: Options) -> int:
@@ -273,9 +274,6 @@ def _cause(run: Run, proc: Supervised, rc: int) -> tuple[Supervised, int]:
         for event in passed:
             run.events.put(event)
     return proc, rc
-
-
-CAUSE_GRACE = 3.0     # seconds a consequence's failure waits for its cause's exit (_cause)
 
 
 def _judged(run: Run, outcome: str) -> tuple[int, str]:
