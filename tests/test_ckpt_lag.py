@@ -36,6 +36,8 @@ def test_a_move_says_what_its_restore_costs():
     assert ckptlag.restore_cost(None, 500) == (
         "restoring from step 0 (no checkpoint kept here): the run was at step 500, 500 step(s) will be done again")
     assert ckptlag.restore_cost("ckpt-7", None) is None
+    # saved as the tasks stopped, after the last step a script printed: nothing is lost
+    assert ckptlag.restore_cost("model.ckpt-34", 4) == "restoring from model.ckpt-34 (step 34): the newest step, none will be done again"
     assert ckptlag.restore_cost("best", 40) == "restoring best (its step unknown); the run was at step 40"
 
 

@@ -73,7 +73,9 @@ def restore_cost(checkpoint: str | None, step_at: int | None) -> str | None:
     if at is None:
         return f"restoring {checkpoint} (its step unknown); the run was at step {step_at:,}"
     source = f"from {checkpoint} (step {at:,})" if checkpoint else "from step 0 (no checkpoint kept here)"
-    return f"restoring {source}: the run was at step {step_at:,}, {max(0, step_at - at):,} step(s) will be done again"
+    if at >= step_at:       # saved as its tasks stopped, after the last step a script printed
+        return f"restoring {source}: the newest step, none will be done again"
+    return f"restoring {source}: the run was at step {step_at:,}, {step_at - at:,} step(s) will be done again"
 
 
 class LagWatch:
