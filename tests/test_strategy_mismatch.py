@@ -171,7 +171,28 @@ def test_the_probe_reports_a_fit_outside_the_strategys_scope(tmp_path, legacy):
                           capture_output=True, text=True, timeout=100)
     assert done.returncode == 0 and "trained" in done.stdout, done.stderr[-3000:]
     reports = [st.parse(line.encode()) for line in done.stderr.splitlines() if line.startswith("tfcluster-strategy: ")]
-    assert [(r.task, r.cls) for r in reports] == [("worker:0", "CollectiveAllReduceStrategy"), ("worker:0", "fit-default")]
+    # MultiWorkerMirroredStrategy said as its constructor begins (0 replicas: not known yet), then built
+    assert [(r.task, r.cls, r.replicas) for r in reports] == [
+        ("worker:0", "CollectiveAllReduceStrategy", 0), ("worker:0", "CollectiveAllReduceStrategy", 1),
+        ("worker:0", "fit-default", 1)]
+
+
+@pytest.mark.tf
+@pytest.mark.timeout(180)
+def test_multi_worker_mirrored_in_coordinator_mode_is_stopped_though_its_constructor_never_returns(tmp_path, home):
+    """TensorFlow's multi-worker Keras tutorial given to coordinator mode: its chief's
+    MultiWorkerMirroredStrategy() waits for every task of the cluster to join it, and the ps
+    and workers are tfcluster's servers, which never do. Said as the constructor begins, the
+    mismatch stops the run (exit 8) instead of a silence the hang watchdog can only guess at."""
+    (tmp_path / "train.py").write_text(MWMS + "print('built', flush=True)\n")
+    spec = local_spec(tmp_path, mode="coordinator", script="train.py", ps=1, workers=1, chief=1)
+    r = tfcluster("train", str(spec), home=home, cwd=tmp_path, timeout=160)
+    assert r.returncode == 8, r.stdout[-2000:] + r.stderr[-3000:]
+    error = next(line for line in r.stderr.splitlines() if line.startswith("tfcluster: error: "))
+    assert error == ("tfcluster: error: strategy mismatch: chief:0 builds MultiWorkerMirroredStrategy: the ps and "
+                     "worker servers wait for a ParameterServerStrategy coordinator, and the chief trains alone"), error
+    assert "built" not in r.stdout
+    wait_for(lambda: not tagged_processes(), 15, what="nothing of the run left")
 
 
 @pytest.mark.tf

@@ -186,6 +186,8 @@ class StrategyCheck:
                 replicas = f"{report.replicas} replica{'s' if report.replicas != 1 else ''}"
                 ran = self.mode == "keras-jax" or report.cls == FIT_DEFAULT     # not a strategy it built
                 self.mismatch = (f"strategy mismatch: {report.task} ran {what}" if ran
+                                 # 0: said as its constructor began (one that waits for its peers)
+                                 else f"strategy mismatch: {report.task} builds {what}" if not report.replicas
                                  else f"strategy mismatch: {report.task} built {what} ({replicas} in sync)",
                                  f"{fix}; {OFF}")
             return self.mismatch

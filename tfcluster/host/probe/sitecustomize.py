@@ -127,6 +127,24 @@ def _patch_strategy(module):
     _after_init(getattr(module, "StrategyBase", None), _strategy_built)
 
 
+# MultiWorkerMirroredStrategy's constructor joins every task of TF_CONFIG's cluster before it
+# returns: in a mode whose tasks run tfcluster's servers (the ps and workers of coordinator
+# mode) it never does. So its start is reported as it begins, with 0 replicas (not known yet).
+def _patch_collective_strategy(module):
+    cls = getattr(module, "CollectiveAllReduceStrategy", None)
+    original = getattr(cls, "__init__", None) if cls is not None else None
+    if original is None or getattr(original, "_tfcluster", False):
+        return
+
+    def __init__(self, *args, **kwargs):
+        if type(self) is cls:
+            _emit(_strategy_line(cls.__name__, 0))
+        original(self, *args, **kwargs)
+
+    __init__._tfcluster = True
+    cls.__init__ = __init__
+
+
 def _strategy_built(strategy):
     name = type(strategy).__name__
     if name.startswith("_DefaultDistributionStrategy"):
@@ -305,6 +323,7 @@ _TARGETS = {
     "tensorflow.python.client.session": _patch_session,
     "tensorflow.python.training.session_manager": _patch_session_manager,
     "tensorflow.python.distribute.distribute_lib": _patch_strategy,
+    "tensorflow.python.distribute.collective_all_reduce_strategy": _patch_collective_strategy,
     "tf_keras.src.engine.training": _patch_tf_keras_training,
     "keras.src.backend.tensorflow.trainer": _patch_keras_tf_trainer,
     "jax._src.xla_bridge": _patch_xla_bridge,
@@ -464,6 +483,7 @@ if "waits" not in _WANTED:
 if not _WANTED.isdisjoint(("placement", "waits")) or not os.environ.get("TF_CONFIG"):
     # a TF1-style mode (the probes it asks for) or no cluster: no TF2 strategy to judge
     del _TARGETS["tensorflow.python.distribute.distribute_lib"]
+    del _TARGETS["tensorflow.python.distribute.collective_all_reduce_strategy"]
     del _TARGETS["tf_keras.src.engine.training"], _TARGETS["keras.src.backend.tensorflow.trainer"]
 if "jax" not in _WANTED:
     del _TARGETS["jax._src.xla_bridge"], _TARGETS["jax._src.distributed"], _TARGETS["keras.src.backend.jax.trainer"]
