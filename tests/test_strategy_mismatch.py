@@ -120,6 +120,52 @@ def test_a_custom_loop_without_fit_is_warned_of_what_only_keras_2_has(tmp_path):
 
 # -- while it runs: the probe's reports ---------------------------------------------------------
 
+def test_a_tf2_strategy_in_a_tf1_mode_is_warned_with_the_mode_it_needs(tmp_path):
+    plan = plan_of(tmp_path, MWMS, mode="between-graph", ps=1)
+    assert st.tf1_mode_warning(plan) == (
+        "train.py:2: between-graph mode: the script builds MultiWorkerMirroredStrategy, which starts each "
+        "worker's server itself from TF_CONFIG; set train.mode: mirrored (workers only, no ps job)")
+    pss = plan_of(tmp_path, "import tensorflow as tf\ns = tf.distribute.ParameterServerStrategy(r)\n", mode="classic",
+                  ps=1)
+    assert "set train.mode: coordinator (chief, ps and worker jobs)" in st.tf1_mode_warning(pss)
+    assert st.tf1_mode_warning(plan_of(tmp_path, MWMS)) is None          # mirrored: fits
+
+
+TUTORIAL_CELL = ("import json, os\nos.environ['TF_CONFIG'] = json.dumps({'cluster': {'worker': ['localhost:12345', "
+                 "'localhost:23456']}, 'task': {'type': 'worker', 'index': 0}})\n")
+
+
+@pytest.mark.parametrize("line, said", [
+    ("os.environ['TF_CONFIG'] = text\n", True),
+    ("os.environ.update({'TF_CONFIG': text})\n", True),
+    ("os.putenv('TF_CONFIG', text)\n", True),
+    ("os.environ.setdefault('TF_CONFIG', text)\n", False),      # tfcluster's stays
+    ("if os.environ['TF_CONFIG'] == text: pass\n", False),
+    ("# os.environ['TF_CONFIG'] = text\n", False),
+])
+def test_a_script_that_sets_tf_config_itself_is_warned(tmp_path, line, said):
+    plan = plan_of(tmp_path, "import os\ntext = '{}'\n" + line + MWMS)
+    warned = st.tf_config_warning(plan)
+    assert (warned is not None) == said, warned
+    if said:
+        assert warned.startswith("train.py:3: the script sets TF_CONFIG itself, over the one tfcluster gives each task")
+
+
+@pytest.mark.tf
+@pytest.mark.timeout(180)
+def test_the_tutorials_own_tf_config_is_named_before_the_run_and_as_the_failures_fix(tmp_path, home):
+    """The multi-worker tutorial's notebook cell pasted into the script: every task takes its
+    localhost ports and task 0; one cannot bind, and the fix is to delete that line, not a port."""
+    (tmp_path / "train.py").write_text(TUTORIAL_CELL + MWMS + "print('built', flush=True)\n")
+    spec = local_spec(tmp_path, mode="mirrored", script="train.py", workers=2, ps=0)
+    r = tfcluster("train", str(spec), home=home, cwd=tmp_path, timeout=160)
+    assert r.returncode == 5, r.stdout[-2000:] + r.stderr[-3000:]
+    said = "train.py:2: the script sets TF_CONFIG itself, over the one tfcluster gives each task"
+    assert f"tfcluster: warning: {said}" in r.stderr, r.stderr[-3000:]
+    assert f"hint: {said}" in r.stderr, r.stderr[-3000:]
+    wait_for(lambda: not tagged_processes(), 15, what="nothing of the run left")
+
+
 def test_reports_are_judged_per_mode_and_only_for_the_judged_tasks():
     check = st.StrategyCheck("mirrored", ["worker:0", "worker:1"], 2)
     assert check.add(st.parse(b'tfcluster-strategy: {"task":"evaluator:0","class":"MirroredStrategy","replicas":1}')) is None

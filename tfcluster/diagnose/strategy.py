@@ -145,6 +145,32 @@ def static_warning(plan) -> str | None:
     return None
 
 
+def tf1_mode_warning(plan) -> str | None:
+    """Between-graph and classic modes run TF1-style clients (tfcluster's servers, or the
+    script's own): a script that builds a TF2 multi-worker strategy wants another mode."""
+    scan = getattr(plan, "script_scan", None)
+    if scan is None or plan.mode not in ("between-graph", "classic"):
+        return None
+    for name, where in scan.strategies:
+        if shown(name) == MULTI_WORKER:
+            return (f"{where}: {plan.mode} mode: the script builds {MULTI_WORKER}, which starts each "
+                    f"worker's server itself from TF_CONFIG; set train.mode: mirrored (workers only, no ps job)")
+        if shown(name) == PARAMETER_SERVER:
+            return (f"{where}: {plan.mode} mode: the script builds {PARAMETER_SERVER}, whose chief "
+                    f"coordinates the ps and workers; set train.mode: coordinator (chief, ps and worker jobs)")
+    return None
+
+
+def tf_config_warning(plan) -> str | None:
+    """A script that sets TF_CONFIG itself replaces the one tfcluster gives each task."""
+    scan = getattr(plan, "script_scan", None)
+    if scan is None or scan.sets_tf_config is None or plan.mode == "keras-jax":
+        return None
+    return (f"{scan.sets_tf_config}: the script sets TF_CONFIG itself, over the one tfcluster gives each "
+            f"task (its cluster's addresses and its own task): every task would get that line's cluster "
+            f"and task instead; delete the line (TensorFlow's tutorials set it for a run by hand)")
+
+
 # -- while it runs: what each task reports ---------------------------------------------------
 
 @dataclass(frozen=True)

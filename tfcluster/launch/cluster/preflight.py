@@ -182,7 +182,8 @@ def check_versions(session: Session, *, allow_skew: bool, report: bool = False) 
     if session.plan.legacy_keras:
         check_tf_keras(session, list(infos))
     for warning in (keras.fit_warning(session.plan, infos), keras.keras2_warning(session.plan, infos),
-                    strategy.static_warning(session.plan), *unused_gpus(session.plan, infos),
+                    strategy.static_warning(session.plan), strategy.tf1_mode_warning(session.plan),
+                    strategy.tf_config_warning(session.plan), *unused_gpus(session.plan, infos),
                     *session.plan.idle_gpus()):
         if warning:
             session.ui.warn(warning)

@@ -16,7 +16,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from tfcluster.diagnose import signatures
+from tfcluster.diagnose import signatures, strategy
 from tfcluster.errors import TaskError
 from tfcluster.host.shim_protocol import RESTART_VAR
 from tfcluster.launch.cluster.session import raise_first
@@ -258,7 +258,7 @@ def on_failure(run: Run, proc: Supervised, rc: int) -> None:
     ended = signatures.last_attempt(signatures.read_tail(log))
     found = signatures.diagnose(run.plan.mode, ended, proc.task.job)
     if found is not None:     # what happened and the fix, not the lines before (a tensor dump)
-        raise TaskError(failed, hint=found.fix,
+        raise TaskError(failed, hint=_port_fix(run.plan, found) or found.fix,
                         details=f"{proc.key}: {found.what}\n  {found.line}\n  its whole log: {log}")
     # the last lines, with the exception line however far up its message's help text put it
     tail = "\n".join(signatures.failure_excerpt(run.mux.tail(proc.key, 100), ended))
@@ -277,6 +277,14 @@ def a_consequence(run: Run, proc: Supervised) -> bool:
     collective): the other's failure is the one to name."""
     found = diagnosis(run, proc)
     return found is not None and found.consequence
+
+
+def _port_fix(plan, found: signatures.Diagnosis) -> str | None:
+    """A server that could not bind because of what the script's text does (its own TF_CONFIG,
+    a strategy of another mode that starts its own server): that, not the mode's usual fix."""
+    if found.name != "port-bound":
+        return None
+    return strategy.tf_config_warning(plan) or strategy.tf1_mode_warning(plan)
 
 
 def _unshipped_hint(plan, ended: bytes) -> str | None:
