@@ -41,7 +41,9 @@ W = "worker"
     ("between-graph", [ScriptState(W, True, 0), ScriptState(W, False, 1)], True),
     ("between-graph", [ScriptState(W, True, None), ScriptState(W, False, 0)], False),
     ("between-graph", [ScriptState(W, True, 1), ScriptState(W, False, 0)], False),
-    ("coordinator", [ScriptState("chief", True, 0), ScriptState("evaluator", False, None)], True),
+    # an evaluator evaluates the chief's last checkpoint after the chief ends (PEER_GRACE bounds it)
+    ("coordinator", [ScriptState("chief", True, 0), ScriptState("evaluator", False, None)], False),
+    ("coordinator", [ScriptState("chief", True, 0), ScriptState("evaluator", False, 0)], True),
     # mirrored / classic: every chief and worker must succeed; ps and evaluators do not count
     ("mirrored", [ScriptState(W, True, 0), ScriptState(W, False, 0)], True),
     ("mirrored", [ScriptState(W, True, 0), ScriptState(W, False, 2)], False),

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from tests.helpers import (
+    free_ports,
     kill_group,
     kill_tagged_once_seen,
     local_spec,
@@ -273,3 +274,36 @@ def test_sigterm_stops_the_run_in_order_writes_the_manifest_and_exits_143(work):
     doc = manifest(only_run(cwd / "runs"))
     assert doc["outcome"] == "terminated" and doc["exit_code"] == 143
     wait_for(lambda: not tagged_processes(), timeout=15, what="every task gone after SIGTERM")
+
+
+# The chief ends at once (its last checkpoint written); the evaluator, as SidecarEvaluator with
+# max_evaluations does, evaluates that checkpoint after it, then ends.
+EVALUATES_LAST = """\
+import os, pathlib, sys, time
+if os.environ["TFCLUSTER_JOB"] == "chief":
+    pathlib.Path("ckpt-final").write_text("3")
+    print("chief: saved ckpt-final", flush=True)
+    sys.exit(0)
+deadline = time.monotonic() + 60
+while not pathlib.Path("ckpt-final").exists() and time.monotonic() < deadline:
+    time.sleep(0.1)
+time.sleep(2)                                   # the evaluation itself
+print("evaluator: evaluated ckpt-final", flush=True)
+"""
+
+
+def test_an_evaluator_evaluates_the_chiefs_last_checkpoint_before_the_run_ends(tmp_path, home):
+    """Coordinator mode with TensorFlow's SidecarEvaluator pattern: the evaluator is not stopped
+    the moment the chief succeeds; it has the peers' grace to evaluate the last checkpoint."""
+    (tmp_path / "train.py").write_text(EVALUATES_LAST)
+    ports = free_ports(4)
+    spec = tmp_path / "ev.yaml"
+    spec.write_text("name: ev\nhosts:\n  - {name: local, address: 127.0.0.1}\njobs:\n"
+                    f"  chief: {{tasks: ['local:{ports[0]}']}}\n  ps: {{tasks: ['local:{ports[1]}']}}\n"
+                    f"  worker: {{tasks: ['local:{ports[2]}']}}\n  evaluator: {{tasks: ['local:{ports[3]}']}}\n"
+                    "train:\n  mode: coordinator\n  script: train.py\n")
+    r = tfcluster("train", str(spec), home=home, cwd=tmp_path, timeout=120)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "evaluator:0 │ evaluator: evaluated ckpt-final" in r.stdout, r.stdout[-2000:]
+    assert re.search(r"^\s*evaluator:0\s+local\s+0\s", r.stderr + r.stdout, re.M), r.stderr[-2000:]
+    assert "stragglers" not in r.stderr + r.stdout

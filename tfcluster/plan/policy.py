@@ -35,7 +35,7 @@ def stop_wave(role: str, job: str) -> int:
 
 
 STOP_WAVES = (0, 1)
-PEER_GRACE = 60.0        # how long other workers may take to finish after the chief succeeded
+PEER_GRACE = 60.0        # how long other workers and evaluators may take to finish after the chief succeeded
 
 
 @dataclass(frozen=True)
@@ -69,16 +69,17 @@ def ended_by_stop(stopping: bool, rc: int | None) -> bool:
 
 
 def run_succeeded(mode: str, scripts: Sequence[ScriptState]) -> bool:
-    """between-graph / coordinator: the chief exited 0 and every other training script
-    has ended (or PEER_GRACE runs out, which the supervisor times); mirrored / classic:
-    every chief and worker exited 0."""
+    """between-graph / coordinator: the chief exited 0 and every other training script and
+    evaluator has ended (or PEER_GRACE runs out, which the supervisor times: an evaluator
+    evaluates the chief's last checkpoint after the chief ends); mirrored / classic: every
+    chief and worker exited 0."""
     training = [s for s in scripts if s.job in TRAINING_JOBS]
     if mode not in CHIEF_ENDS_RUN:
         return bool(training) and all(s.exit_code == 0 for s in training)
     chiefs = [s for s in scripts if s.is_chief]
     if not chiefs or chiefs[0].exit_code != 0:
         return False
-    return all(s.exit_code is not None for s in training)
+    return all(s.exit_code is not None for s in scripts if s.job in (*TRAINING_JOBS, "evaluator"))
 
 
 def starts_peer_grace(mode: str, is_chief: bool, rc: int) -> bool:

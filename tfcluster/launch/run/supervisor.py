@@ -197,8 +197,12 @@ def _supervise(run: Run) -> tuple[int, str]:
             raise DeadlineError(f"run {run.run_id} hit its timeout ({run.plan.timeout:.0f}s); "
                                 f"stopped every task")
         if chief_done_at and time.monotonic() - chief_done_at > policy.PEER_GRACE:
-            run.ui.warn(f"workers still running {policy.PEER_GRACE:.0f}s after the chief finished; "
-                        f"stopping them")
+            running = [p.key for p in run.procs if p.role == "script" and p.exit_code is None]
+            run.ui.warn(f"{', '.join(running) or 'scripts'} still running {policy.PEER_GRACE:.0f}s after the "
+                        f"chief finished; stopping {'it' if len(running) == 1 else 'them'}"
+                        + (" (an evaluator that ends after the last checkpoint ends the run sooner: "
+                           "tf.keras.utils.SidecarEvaluator(max_evaluations=N) or its own loop's end)"
+                           if any(k.startswith("evaluator:") for k in running) else ""))
             return _judged(run, "succeeded (stragglers stopped)")
         run.checks.tick(run.procs, run.mux)
         run.recovery.tick(run)
