@@ -144,6 +144,19 @@ def test_silence_is_reported_only_past_the_repeat_interval_and_not_while_a_known
     assert [w.kind for w in quiet.due(100.0, {"worker:0"})] == ["session"]
 
 
+def test_a_script_that_prints_once_a_long_epoch_is_silent_by_habit_until_twice_its_longest_gap():
+    """Keras' verbose=2 line once a 65 s epoch: the first silence of 60 s is said (nothing is
+    known of its habit yet); after it printed at 65 s, the next is said only past 130 s."""
+    dog = wd.Watchdog(hang_after=20)
+    dog.silent("worker:0", since=0.0, now=61.0)
+    assert [w.kind for w in dog.due(61.0, {"worker:0"})] == ["silent"]
+    dog.silent("worker:0", since=65.0, now=66.0)          # it printed at 65 s
+    dog.silent("worker:0", since=65.0, now=65.0 + 129.0)
+    assert dog.due(65.0 + 129.0, {"worker:0"}) == []
+    dog.silent("worker:0", since=65.0, now=65.0 + 131.0)
+    assert [w.kind for w in dog.due(65.0 + 131.0, {"worker:0"})] == ["silent"]
+
+
 def test_a_quiet_watchdog_says_what_it_watched_not_that_nothing_hung(tmp_path):
     """It sees TF's session waits only: a script stuck before its session is no such wait."""
     from tfcluster.diagnose.checks import RunChecks

@@ -76,6 +76,9 @@ class Watchdog:
     coordinator: str | None = None     # keras-jax mode: process 0's task key (None: not JAX)
     _jax: dict[str, tuple[str, float]] = field(default_factory=dict)   # key -> (phase, when seen)
     _waits: dict[tuple[str, str], Wait] = field(default_factory=dict)
+    # key -> the longest silence it has broken itself: a script that prints once a long epoch
+    # is silent that long by habit, and only twice that is news
+    _gaps: dict[str, float] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
@@ -114,6 +117,8 @@ class Watchdog:
                 del self._waits[(key, "runstep")]      # it wrote since: the step went on
             wait = self._waits.get((key, "silent"))
             phase, target = self._jax_phase(key, started)
+            if wait is not None and since > wait.start:        # it printed: a silence it broke
+                self._gaps[key] = max(self._gaps.get(key, 0.0), since - wait.start)
             if wait is None or wait.start != since or wait.detail != phase:
                 self._waits[(key, "silent")] = Wait(key, "silent", target, phase, since, now)
             else:
@@ -136,7 +141,7 @@ class Watchdog:
             return self.hang_after
         jax = {"jax-init": JAX_INIT_TIMEOUT + _JAX_GRACE, "jax-run": JAX_HEARTBEAT_TIMEOUT + _JAX_GRACE,
                "jax-shutdown": JAX_SHUTDOWN_TIMEOUT + _JAX_GRACE}.get(wait.detail, 0.0)
-        return max(self.repeat, jax)
+        return max(self.repeat, jax, 2 * self._gaps.get(wait.waiter, 0.0))
 
     def due(self, now: float, running: set[str]) -> list[Wait]:
         """Waits of running tasks that have lasted hang_after and are still going, not
