@@ -45,6 +45,8 @@ def test_plan_commands_shows_exact_command_and_redacts_secrets():
     assert "script:  /opt/venv/bin/python between_graph.py --steps 2000 --model_dir ~/.tfcluster/lab/ckpt " in result.stdout
     assert "WANDB_API_KEY='***'" in result.stdout
     assert "set-me" not in result.stdout
+    # what only a run knows is named, not left out
+    assert "  and at run time: TFCLUSTER_RUN_ID=<run id>, TFCLUSTER_RESTART=<restarts before>" in result.stdout
     # pasted into a shell, the line runs the argv the host's shim runs: `~/` words expanded
     # to that home (shim_tasks), the rest word for word
     line = next(x for x in result.stdout.splitlines() if x.startswith("  script:  "))

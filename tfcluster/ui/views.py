@@ -55,6 +55,9 @@ def print_plan(ui, plan: Plan, *, commands: bool = False) -> None:
             ui.text(f"  script:  {_argv([mask_userinfo(a) for a in plan.command(t)])}  (in {plan.cluster_dir}/runs/<run id>)")
             for name, value in t.script_env:
                 ui.text(f"  script env: {name}={shell_word(value)}  (a client: its server owns the GPU)")
+            ui.text("  and at run time: TFCLUSTER_RUN_ID=<run id>, TFCLUSTER_RESTART=<restarts before>, "
+                    "TFCLUSTER_STDOUT_FLUSH=0.01 (unless env: sets it), PYTHONPATH with tfcluster's start-up "
+                    "probe first", style="dim")
         for name, value in redact_env(t.env, plan.secret_env, plan.public_env).items():
             ui.text(f"  {name}={shell_word(value)}")
 
