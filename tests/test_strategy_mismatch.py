@@ -131,6 +131,21 @@ def test_a_tf2_strategy_in_a_tf1_mode_is_warned_with_the_mode_it_needs(tmp_path)
     assert st.tf1_mode_warning(plan_of(tmp_path, MWMS)) is None          # mirrored: fits
 
 
+@pytest.mark.tf
+@pytest.mark.timeout(180)
+def test_the_multi_worker_tutorial_in_between_graph_mode_fails_with_the_mode_it_needs(tmp_path, home):
+    """Its MultiWorkerMirroredStrategy starts the worker's server on the port tfcluster's own
+    server holds: the failure's fix is the mode, not the old-style trainer's `classic`."""
+    (tmp_path / "train.py").write_text(MWMS + "print('built', flush=True)\n")
+    spec = local_spec(tmp_path, mode="between-graph", script="train.py", ps=1, workers=1)
+    r = tfcluster("train", str(spec), home=home, cwd=tmp_path, timeout=160)
+    assert r.returncode == 5, r.stdout[-2000:] + r.stderr[-3000:]
+    said = ("train.py:2: between-graph mode: the script builds MultiWorkerMirroredStrategy, which starts each "
+            "worker's server itself from TF_CONFIG; set train.mode: mirrored (workers only, no ps job)")
+    assert f"tfcluster: warning: {said}" in r.stderr and f"hint: {said}" in r.stderr, r.stderr[-3000:]
+    wait_for(lambda: not tagged_processes(), 15, what="nothing of the run left")
+
+
 TUTORIAL_CELL = ("import json, os\nos.environ['TF_CONFIG'] = json.dumps({'cluster': {'worker': ['localhost:12345', "
                  "'localhost:23456']}, 'task': {'type': 'worker', 'index': 0}})\n")
 

@@ -190,6 +190,7 @@ _TF_OP = re.compile(r"tf\.[\w.]+")
 _JOINS = re.compile(rb"\bdistribut(?:ion|ed)\.initialize\s*\(|\bimport\b[^\n]*\binitialize\b")
 # TF_CONFIG set by the script (TensorFlow's tutorials do, for a run by hand on localhost):
 # `environ["TF_CONFIG"] = ...`, `environ.update({"TF_CONFIG": ...})`, `putenv("TF_CONFIG", ...)`
+_OWN_SERVER = re.compile(rb"\.Server\s*\(")      # tf.distribute.Server(...), tf.train.Server(...)
 _SETS_TF_CONFIG = re.compile(rb"""environ\s*\[\s*['"]TF_CONFIG['"]\s*\]\s*=(?!=)|"""
                              rb"""environ\.update\([^)\n]*['"]TF_CONFIG['"]|putenv\(\s*['"]TF_CONFIG['"]""")
 
@@ -206,6 +207,7 @@ class ScriptScan:
     keras2_only: tuple[tuple[str, str], ...] = ()   # (what fails under Keras 3, where)
     joins: bool = False        # a JAX process joining the others, in any file
     sets_tf_config: str | None = None   # where the script sets TF_CONFIG itself, if it does
+    own_server: bool = False   # it builds a TF server of its own (an old-style trainer)
     # (module, the file beside the script or the spec it would be, where it is imported) for
     # each module a shipped file imports that sits here but is not shipped: on the hosts the
     # import fails (the tutorials' `import mnist_setup`)
@@ -251,7 +253,7 @@ def scan_scripts(spec: Spec) -> ScriptScan | None:
         except OSError:
             continue
     fit_at, strategies, keras2, sets_tf_config = None, [], [], None
-    named = joins = False
+    named = joins = own_server = False
     for name, text in texts:
         named = named or _STRATEGY.search(text) is not None
         for number, line in enumerate(text.split(b"\n"), 1):
@@ -261,13 +263,15 @@ def scan_scripts(spec: Spec) -> ScriptScan | None:
             strategies += [(m.group(1).decode(), f"{name}:{number}") for m in _BUILT.finditer(code)]
             keras2 += [(what, f"{name}:{number}") for regex, what in _KERAS2_ONLY if regex.search(code)]
             joins = joins or _JOINS.search(code) is not None
+            own_server = own_server or _OWN_SERVER.search(code) is not None
             if sets_tf_config is None and _SETS_TF_CONFIG.search(code):
                 sets_tf_config = f"{name}:{number}"
         keras2 += [(what, f"{name}:{number}") for what, number in tf_ops_on_keras_inputs(text)]
     unshipped = _unshipped(spec, texts, {dest for _, dest, _ in shipped}) if shipped else ()
     return ScriptScan(fits=fit_at is not None and named, fit_at=fit_at, strategies=tuple(strategies),
                       keras2_only=tuple(sorted(keras2, key=lambda k: _where_key(k[1]))), joins=joins,
-                      unshipped=unshipped, base=os.path.realpath(spec.base_dir), sets_tf_config=sets_tf_config)
+                      unshipped=unshipped, base=os.path.realpath(spec.base_dir), sets_tf_config=sets_tf_config,
+                      own_server=own_server)
 
 
 def _unshipped(spec: Spec, texts: list[tuple[str, bytes]], dests: set[str]) -> tuple[tuple[str, str, str], ...]:

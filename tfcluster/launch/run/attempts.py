@@ -284,7 +284,8 @@ def _port_fix(plan, found: signatures.Diagnosis) -> str | None:
     a strategy of another mode that starts its own server): that, not the mode's usual fix."""
     if found.name != "port-bound":
         return None
-    return strategy.tf_config_warning(plan) or strategy.tf1_mode_warning(plan)
+    own_server = plan.script_scan is not None and plan.script_scan.own_server   # the mode's fix says it
+    return strategy.tf_config_warning(plan) or (None if own_server else strategy.tf1_mode_warning(plan))
 
 
 def _unshipped_hint(plan, ended: bytes) -> str | None:
