@@ -117,7 +117,8 @@ class Watchdog:
                 del self._waits[(key, "runstep")]      # it wrote since: the step went on
             wait = self._waits.get((key, "silent"))
             phase, target = self._jax_phase(key, started)
-            if wait is not None and since > wait.start:        # it printed: a silence it broke
+            # it printed (a new attempt's start is no print): a silence it broke itself
+            if wait is not None and since > wait.start and (started is None or since > started):
                 self._gaps[key] = max(self._gaps.get(key, 0.0), since - wait.start)
             if wait is None or wait.start != since or wait.detail != phase:
                 self._waits[(key, "silent")] = Wait(key, "silent", target, phase, since, now)
