@@ -120,6 +120,16 @@ def keras_process(jax, script, process_id: int, **env: str) -> subprocess.Popen:
                                          "KERAS_DISTRIBUTION_PROCESS_ID": str(process_id), **env})
 
 
+def both_diagnosed(jax, script, name: str) -> list[signatures.Diagnosis]:
+    """Both processes of `script` fail, each diagnosed as `name`."""
+    found = []
+    for proc in [keras_process(jax, script, 0), keras_process(jax, script, 1)]:
+        out = ended(proc, 90)
+        found.append(signatures.diagnose("keras-jax", out[-8000:], "worker"))
+        assert found[-1] is not None and found[-1].name == name, out[-2000:]
+    return found
+
+
 @pytest.mark.timeout(120)
 def test_processes_with_different_device_counts_fail_in_keras_initialize(jax, tmp_path):
     """As the template starts: keras.distribution.initialize() from the KERAS_DISTRIBUTION_*
@@ -142,10 +152,7 @@ def test_a_mesh_shaped_for_another_device_count_is_named_with_the_counts(jax, tm
     script.write_text("import keras\nkeras.distribution.initialize()\n"
                       "devices = keras.distribution.list_devices()\n"
                       "mesh_1d = keras.distribution.DeviceMesh(shape=(8,), axis_names=['data'], devices=devices)\n")
-    for proc in [keras_process(jax, script, 0), keras_process(jax, script, 1)]:
-        out = ended(proc, 90)
-        found = signatures.diagnose("keras-jax", out[-8000:], "worker")
-        assert found is not None and found.name == "keras-mesh-shape", out[-2000:]
+    for found in both_diagnosed(jax, script, "keras-mesh-shape"):
         assert "shape=(8,)" in found.line and "devices.shape=(2,)" in found.line, found.line
 
 
@@ -159,10 +166,7 @@ def test_a_per_process_array_put_on_every_processs_devices_is_named_with_the_fix
                       "from jax.sharding import Mesh, NamedSharding, PartitionSpec as P\n"
                       "mesh = Mesh(np.array(jax.devices()), ('batch',))\n"
                       "jax.device_put(np.full((2, 4), float(jax.process_index())), NamedSharding(mesh, P('batch')))\n")
-    for proc in [keras_process(jax, script, 0), keras_process(jax, script, 1)]:
-        out = ended(proc, 90)
-        found = signatures.diagnose("keras-jax", out[-8000:], "worker")
-        assert found is not None and found.name == "jax-device-put-differs", out[-2000:]
+    for found in both_diagnosed(jax, script, "jax-device-put-differs"):
         assert "make_array_from_process_local_data" in found.fix, found.fix
 
 

@@ -192,12 +192,19 @@ def test_plan_lists_what_ships_and_train_refuses_before_connecting(tree):
     assert "Traceback" not in train.stderr
 
 
+def one_local_worker(name: str) -> str:
+    """A spec's head: cluster `name`, one worker on this machine (its train: follows)."""
+    from tests.tf_launch import free_ports
+
+    return (f"name: {name}\nhosts: [{{name: local, address: localhost}}]\n"
+            f"jobs: {{worker: {{count: 1, hosts: [local], port: {free_ports(1)[0]}}}}}\n")
+
+
 def test_a_module_the_script_imports_from_beside_it_unshipped_is_said_before_and_its_failure_named(tmp_path, home):
     """The multi-worker tutorial's `import mnist_setup` (and a package beside it), with no
     train.files: plan and train warn before anything runs, naming each import's line, and the
     failed import's hint is the files: line that fixes it; shipped, it trains."""
     from tests.helpers import tfcluster
-    from tests.tf_launch import free_ports
 
     (tmp_path / "main.py").write_text("import os\nimport mnist_setup\nfrom helpers.x import y\nimport json\n"
                                       "print('ok', mnist_setup.N, y, flush=True)\n")
@@ -205,9 +212,7 @@ def test_a_module_the_script_imports_from_beside_it_unshipped_is_said_before_and
     (tmp_path / "helpers").mkdir()
     (tmp_path / "helpers" / "__init__.py").write_text("")
     (tmp_path / "helpers" / "x.py").write_text("y = 1\n")
-    spec = tmp_path / "s.yaml"
-    head = ("name: unship\nhosts: [{name: local, address: localhost}]\n"
-            f"jobs: {{worker: {{count: 1, hosts: [local], port: {free_ports(1)[0]}}}}}\n")
+    spec, head = tmp_path / "s.yaml", one_local_worker("unship")
     spec.write_text(head + "train: {mode: mirrored, script: main.py}\n")
     said = ("main.py:2 imports mnist_setup (" + str(tmp_path / "mnist_setup.py") + "); main.py:3 imports helpers ("
             + str(tmp_path / "helpers") + "), which train.files does not ship: a host imports it only where it "
@@ -232,14 +237,11 @@ def test_a_script_in_a_subdirectory_imports_the_modules_shipped_beside_it(tmp_pa
     so `import mnist_setup` finds tutorial/mnist_setup.py; unshipped, the entry to add is the
     one relative to the spec."""
     from tests.helpers import tfcluster
-    from tests.tf_launch import free_ports
 
     (tmp_path / "tutorial").mkdir()
     (tmp_path / "tutorial" / "main.py").write_text("import os\nimport mnist_setup\nprint('ok', mnist_setup.N, flush=True)\n")
     (tmp_path / "tutorial" / "mnist_setup.py").write_text("N = 3\n")
-    spec = tmp_path / "s.yaml"
-    head = ("name: subdir\nhosts: [{name: local, address: localhost}]\n"
-            f"jobs: {{worker: {{count: 1, hosts: [local], port: {free_ports(1)[0]}}}}}\n")
+    spec, head = tmp_path / "s.yaml", one_local_worker("subdir")
     spec.write_text(head + "train: {mode: mirrored, script: tutorial/main.py}\n")
     plan = tfcluster("plan", str(spec), home=home, cwd=tmp_path)
     assert plan.returncode == 0, plan.stderr
