@@ -291,6 +291,8 @@ def test_an_exception_in_one_process_fails_the_run_at_once_with_that_exception(t
     assert result.returncode == 5, out[-4000:]
     assert "tfcluster: error: worker:1 on me failed with exit code 1" in result.stderr, out[-3000:]
     assert "RuntimeError: a bug in process 1 only" in result.stderr, result.stderr[-3000:]
+    # the probe's frames in the traceback say what they are, not look like tfcluster failing
+    assert "# tfcluster's start-up probe: your call, unchanged" in out, out[-3000:]
     assert not tagged_processes()
 
 
