@@ -168,6 +168,8 @@ def test_a_quiet_watchdog_says_what_it_watched_not_that_nothing_hung(tmp_path):
     assert checks.summary()["hang"] == "no session wait over 45s"
     checks.diagnoses = 2
     assert checks.summary()["hang"] == "2 diagnosis(es)"
+    checks.said = {"worker:1 silent": 2}
+    assert checks.summary()["hang"] == "2 diagnosis(es): worker:1 silent (2×)"
 
 
 def test_a_task_that_never_printed_is_said_silent_once_a_minute_not_at_every_tick(tmp_path):
@@ -405,4 +407,4 @@ def test_a_late_worker_gets_a_diagnosis_naming_it_its_host_and_its_closed_port_a
     run = only_run(tmp / "runs")
     assert "CreateSession still waiting for response from worker: /job:worker/replica:0/task:1" in \
         (run / "worker-0.log").read_text()
-    assert manifest(run)["checks"]["hang"].endswith("diagnosis(es)")
+    assert re.fullmatch(r"\d+ diagnosis\(es\): worker:0 waited for worker:1( \(\d+×\))?", manifest(run)["checks"]["hang"])

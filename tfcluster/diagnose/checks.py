@@ -55,6 +55,7 @@ class RunChecks:
         self._starts: dict[tuple[str, float], float] = {}   # (task, attempt's wall start): monotonic
         self._mismatch_at: float | None = None     # when a strategy mismatch was first seen
         self.diagnoses = 0
+        self.said: dict[str, int] = {}      # "worker:1 silent", "worker:0 waited for ps:0" -> times said
 
     def adopt(self, plan: Plan) -> None:
         """The plan after a move: the watchdog names, and dials, the hosts the tasks run on now."""
@@ -142,7 +143,8 @@ class RunChecks:
             # what the watchdog can see: TF's session waits (a hang elsewhere is not one)
             quiet = ("no process silent past JAX's timeouts" if self.jax
                      else f"no session wait over {self.plan.checks.hang_after:g}s")
-            out["hang"] = f"{self.diagnoses} diagnosis(es)" if self.diagnoses else quiet
+            shown = ", ".join(f"{what}{f' ({n}×)' if n > 1 else ''}" for what, n in self.said.items())
+            out["hang"] = f"{self.diagnoses} diagnosis(es)" + (f": {shown}" if shown else "") if self.diagnoses else quiet
         return out
 
     # -- facts -------------------------------------------------------------------------
@@ -157,6 +159,9 @@ class RunChecks:
                 hint = os.path.join(self.log_dir, log_file(self._log_key(wait.target or wait.waiter)))
                 self.ui.warn(wd.explain(wait, facts, time.monotonic(), host, hint))
                 self.diagnoses += 1
+                what = f"{wait.waiter} {'silent' if wait.kind == 'silent' else 'waited'}" + (
+                    f" for {wait.target}" if wait.target and wait.kind != "silent" else "")
+                self.said[what] = self.said.get(what, 0) + 1
         except Exception as exc:  # noqa: BLE001 - a diagnosis must never break the run
             self.ui.warn(f"hang watchdog: could not diagnose: {exc}")
         finally:
