@@ -188,9 +188,9 @@ _TF_OP = re.compile(r"tf\.[\w.]+")
 # a JAX process joining the others: keras.distribution.initialize(), jax.distributed.initialize()
 # (or either imported by name)
 _JOINS = re.compile(rb"\bdistribut(?:ion|ed)\.initialize\s*\(|\bimport\b[^\n]*\binitialize\b")
+_OWN_SERVER = re.compile(rb"\.Server\s*\(")      # tf.distribute.Server(...), tf.train.Server(...)
 # TF_CONFIG set by the script (TensorFlow's tutorials do, for a run by hand on localhost):
 # `environ["TF_CONFIG"] = ...`, `environ.update({"TF_CONFIG": ...})`, `putenv("TF_CONFIG", ...)`
-_OWN_SERVER = re.compile(rb"\.Server\s*\(")      # tf.distribute.Server(...), tf.train.Server(...)
 _SETS_TF_CONFIG = re.compile(rb"""environ\s*\[\s*['"]TF_CONFIG['"]\s*\]\s*=(?!=)|"""
                              rb"""environ\.update\([^)\n]*['"]TF_CONFIG['"]|putenv\(\s*['"]TF_CONFIG['"]""")
 
