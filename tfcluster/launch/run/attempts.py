@@ -254,8 +254,7 @@ def on_failure(run: Run, proc: Supervised, rc: int) -> None:
     if pending is not None:
         run.ui.warn(f"{pending[0]} ({pending[1]})")
     failed = f"{what} failed with exit code {rc}"
-    log = os.path.join(run.options.runs_dir, run.run_id, log_file(proc.key))
-    ended = signatures.last_attempt(signatures.read_tail(log))
+    log, ended = _last_attempt(run, proc)
     found = signatures.diagnose(run.plan.mode, ended, proc.task.job)
     if found is not None:     # what happened and the fix, not the lines before (a tensor dump)
         raise TaskError(failed, hint=_port_fix(run.plan, found) or found.fix,
@@ -266,10 +265,15 @@ def on_failure(run: Run, proc: Supervised, rc: int) -> None:
                     details=f"last lines of {proc.key}:\n{tail}" if tail else None)
 
 
+def _last_attempt(run: Run, proc: Supervised) -> tuple[str, bytes]:
+    """(`proc`'s saved log, the end of its last attempt there)."""
+    log = os.path.join(run.options.runs_dir, run.run_id, log_file(proc.key))
+    return log, signatures.last_attempt(signatures.read_tail(log))
+
+
 def diagnosis(run: Run, proc: Supervised) -> signatures.Diagnosis | None:
     """What `proc`'s last attempt ended with, from its saved log, if it is a known failure."""
-    log = os.path.join(run.options.runs_dir, run.run_id, log_file(proc.key))
-    return signatures.diagnose(run.plan.mode, signatures.last_attempt(signatures.read_tail(log)), proc.task.job)
+    return signatures.diagnose(run.plan.mode, _last_attempt(run, proc)[1], proc.task.job)
 
 
 def a_consequence(run: Run, proc: Supervised) -> bool:
