@@ -355,12 +355,18 @@ def test_down_with_one_host_unreachable_stops_the_rest_names_it_and_exits_nonzer
 
 def test_logs_shows_a_saved_run_prefixed_and_filters_by_task(tmp_path, home, cwd):
     script = tmp_path / "hello.py"
-    script.write_text("import os\nprint('hello from', os.environ['TFCLUSTER_JOB'], os.environ['TFCLUSTER_TASK_INDEX'])\n")
+    # and a C++ INFO line, as TensorFlow prints them at start-up (TF_CPP_MIN_LOG_LEVEL=0)
+    noise = "I0000 00:00:1764000000.000000   12345 cpu_feature_guard.cc:227] This TensorFlow binary is optimized"
+    script.write_text("import os, sys\nprint('hello from', os.environ['TFCLUSTER_JOB'], os.environ['TFCLUSTER_TASK_INDEX'])\n"
+                      f"print({noise!r}, file=sys.stderr)\n")
     spec = local_spec(tmp_path, mode="mirrored", script=str(script), ps=0, name="logsc")
     assert tfcluster("train", str(spec), home=home, cwd=cwd).returncode == 0
     shown = tfcluster("logs", str(spec), home=home, cwd=cwd)
     assert shown.returncode == 0, shown.stderr
     assert "worker:0 │ hello from worker 0" in shown.stdout and "worker:1 │ hello from worker 1" in shown.stdout
+    assert "cpu_feature_guard" not in shown.stdout                    # left out, as the live view does
+    everything = tfcluster("logs", str(spec), "-v", home=home, cwd=cwd)
+    assert f"worker:1 │ {noise}" in everything.stdout, everything.stdout
     one = tfcluster("logs", str(spec), "worker:1", home=home, cwd=cwd)
     assert "worker:1 │ hello from worker 1" in one.stdout and "worker:0" not in one.stdout
     bad = tfcluster("logs", str(spec), "worker:7", home=home, cwd=cwd)

@@ -24,6 +24,8 @@ def logs(
                                 help="Keep printing lines as the run writes them, until it ends "
                                      "(Ctrl-C: stop, exit 130). A run that has ended is shown "
                                      "to its end."),
+    verbose: bool = typer.Option(False, "--verbose", "-v",
+                                 help="Also show TF's start-up log noise and C++ INFO lines (as train -v)."),
 ) -> int:
     """Show a past run's saved logs (prefixed), latest run by default; -f follows a live run.
 
@@ -36,11 +38,11 @@ def logs(
     if not follow:
         from tfcluster.watch.runs import show_logs
 
-        return show_logs(ui, name, runs_dir, run, task, ui.byte_stdout)
+        return show_logs(ui, name, runs_dir, run, task, ui.byte_stdout, verbose=verbose)
     from tfcluster.watch.follow import follow as follow_run
 
     try:
-        return follow_run(ui, name, runs_dir, run, task, ui.byte_stdout)
+        return follow_run(ui, name, runs_dir, run, task, ui.byte_stdout, verbose=verbose)
     except KeyboardInterrupt:
         raise StoppedWatching() from None
 

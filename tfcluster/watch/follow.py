@@ -205,7 +205,7 @@ def print_runs(ui, name: str, rows: list[dict], runs_dir: str) -> None:
 
 
 def follow(ui, name: str, runs_dir: str, run: str | None, task: str | None, out,
-           poll: float = FOLLOW_POLL) -> int:
+           poll: float = FOLLOW_POLL, verbose: bool = False) -> int:
     """`logs -f`: the run's saved logs, prefixed, then every line appended to them until
     the manifest says the run ended (or its tfcluster died). A run that is not running is
     shown to its end at once. Returns 0."""
@@ -221,7 +221,7 @@ def follow(ui, name: str, runs_dir: str, run: str | None, task: str | None, out,
     files = runs.open_logs(ui, directory, run, keys)
     if not files:
         runs.not_shown(run, keys, files)
-    mux = LogMux(out, list(files), color=ui.color)
+    mux = LogMux(out, list(files), color=ui.color, hide_noise=not verbose)
     try:
         while True:
             got = _drain(files, mux)

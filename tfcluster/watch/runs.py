@@ -380,7 +380,11 @@ def not_shown(run: str, keys: list[str], files: dict) -> None:
                              hint="a saved log is read only when it is a regular file")
 
 
-def show_logs(ui, name: str, runs_dir: str, run: str | None, task: str | None, out) -> int:
+def show_logs(ui, name: str, runs_dir: str, run: str | None, task: str | None, out,
+              verbose: bool = False) -> int:
+    """`logs`: a run's saved logs, prefixed, task after task; TensorFlow's start-up noise and
+    C++ INFO lines left out as the live view leaves them out, unless `verbose` (the files keep
+    every byte)."""
     from tfcluster.watch.logmux import LogMux
 
     run = pick_run(runs_dir, name, run)
@@ -389,7 +393,7 @@ def show_logs(ui, name: str, runs_dir: str, run: str | None, task: str | None, o
     ui.info(f"run {run}")
     show_checkpoints(ui, directory)
     files = open_logs(ui, directory, run, keys)
-    mux = LogMux(out, list(files), color=ui.color)
+    mux = LogMux(out, list(files), color=ui.color, hide_noise=not verbose)
     try:
         for key, f in files.items():
             while chunk := f.read(1 << 16):
