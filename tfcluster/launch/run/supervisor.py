@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
 SERVER_STOP_GRACE = 2.0     # servers hold no state worth waiting for
 AWAIT_DROP = 2.0            # a task's exit 255 waits this long for its host's channels to end
-CAUSE_GRACE = 3.0           # a consequence's failure waits this long for its cause's exit (_cause)
+CAUSE_GRACE = 5.0           # a consequence's failure waits this long for its cause's exit (_cause)
 
 
 def train(plan: Plan, ui: UI, options: Options) -> int:
