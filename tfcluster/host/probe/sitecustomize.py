@@ -132,17 +132,9 @@ def _patch_strategy(module):
 # mode) it never does. So its start is reported as it begins, with 0 replicas (not known yet).
 def _patch_collective_strategy(module):
     cls = getattr(module, "CollectiveAllReduceStrategy", None)
-    original = getattr(cls, "__init__", None) if cls is not None else None
-    if original is None or getattr(original, "_tfcluster", False):
-        return
-
-    def __init__(self, *args, **kwargs):
-        if type(self) is cls:
-            _emit(_strategy_line(cls.__name__, 0))
-        original(self, *args, **kwargs)  # tfcluster's start-up probe: your call, unchanged
-
-    __init__._tfcluster = True
-    cls.__init__ = __init__
+    if cls is not None:
+        _first_call(cls, "__init__", lambda strategy, *_: _emit(_strategy_line(type(strategy).__name__, 0)),
+                    before=True)
 
 
 def _strategy_built(strategy):

@@ -101,12 +101,9 @@ def train(plan: Plan, ui: UI, options: Options) -> int:
             sync = run.recovery.checkpoints
             if sync is not None:
                 sync.stop()
-                chief = run.plan.chief
-                if outcome[0] == ExitCode.OK and chief is not None:
-                    sync.pull(chief.host)       # the run's last checkpoint, kept with its logs
             stopped_by = {ExitCode.INTERRUPTED: "Ctrl-C", ExitCode.TERMINATED: "SIGTERM"}.get(outcome[0])
             _shutdown(run, stopped_by=stopped_by)
-            if sync is not None and outcome[0] != ExitCode.OK and stopped_by is None:
+            if sync is not None and stopped_by is None:
                 _pull_last_save(run, sync)
             _unread_errors(run)
             mux.close()
@@ -336,9 +333,10 @@ def _shutdown(run: Run, stopped_by: str | None = None) -> None:
 
 
 def _pull_last_save(run: Run, sync) -> None:
-    """A run that failed: the chief saved as it stopped (TERM, then the grace), so its last
-    checkpoint is newer than the sync's last copy; pulled unless its host is lost, drained or
-    out of time. A Ctrl-C is not held up for it: the chief's own directory has that save."""
+    """The run's last checkpoint, kept with its logs: the chief's final save, or, in a run that
+    failed, the one it made as it stopped (TERM, then the grace), newer than the sync's last
+    copy; pulled unless its host is lost, drained or out of time. A Ctrl-C is not held up for
+    it: the chief's own directory has that save."""
     chief = run.plan.chief
     if chief is not None and run.session.pool.usable(chief.host) and not run.session.pool.gone_by_now(chief.host):
         sync.pull(chief.host)
